@@ -1,0 +1,193 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class WorkerMessage(_message.Message):
+    __slots__ = ("hello", "result")
+    HELLO_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    hello: Hello
+    result: StepResult
+    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., result: _Optional[_Union[StepResult, _Mapping]] = ...) -> None: ...
+
+class ControlMessage(_message.Message):
+    __slots__ = ("welcome", "plan", "shutdown")
+    WELCOME_FIELD_NUMBER: _ClassVar[int]
+    PLAN_FIELD_NUMBER: _ClassVar[int]
+    SHUTDOWN_FIELD_NUMBER: _ClassVar[int]
+    welcome: Welcome
+    plan: StepPlan
+    shutdown: Shutdown
+    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., plan: _Optional[_Union[StepPlan, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ...) -> None: ...
+
+class Hello(_message.Message):
+    __slots__ = ("worker_id", "model_fingerprint", "kv_capacity_tokens", "page_size", "max_context", "vocab_size", "dtype", "device", "protocol_version", "eos_token_ids", "host_pool_capacity_tokens")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    KV_CAPACITY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    HOST_POOL_CAPACITY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    model_fingerprint: str
+    kv_capacity_tokens: int
+    page_size: int
+    max_context: int
+    vocab_size: int
+    dtype: str
+    device: str
+    protocol_version: int
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    host_pool_capacity_tokens: int
+    def __init__(self, worker_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., kv_capacity_tokens: _Optional[int] = ..., page_size: _Optional[int] = ..., max_context: _Optional[int] = ..., vocab_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., protocol_version: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., host_pool_capacity_tokens: _Optional[int] = ...) -> None: ...
+
+class Welcome(_message.Message):
+    __slots__ = ("accepted", "reason")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    accepted: bool
+    reason: str
+    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class Shutdown(_message.Message):
+    __slots__ = ("reason",)
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+
+class SamplerParams(_message.Message):
+    __slots__ = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty", "has_seed", "seed", "logprobs")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    HAS_SEED_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    repetition_penalty: float
+    frequency_penalty: float
+    presence_penalty: float
+    has_seed: bool
+    seed: int
+    logprobs: int
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ..., logprobs: _Optional[int] = ...) -> None: ...
+
+class NewSequence(_message.Message):
+    __slots__ = ("handle", "sampler", "prefix_slots", "history_ids")
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    SAMPLER_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_IDS_FIELD_NUMBER: _ClassVar[int]
+    handle: int
+    sampler: SamplerParams
+    prefix_slots: _containers.RepeatedScalarFieldContainer[int]
+    history_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, handle: _Optional[int] = ..., sampler: _Optional[_Union[SamplerParams, _Mapping]] = ..., prefix_slots: _Optional[_Iterable[int]] = ..., history_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ExtendBatch(_message.Message):
+    __slots__ = ("handles", "starts", "lens", "sample", "token_ids", "slots")
+    HANDLES_FIELD_NUMBER: _ClassVar[int]
+    STARTS_FIELD_NUMBER: _ClassVar[int]
+    LENS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    handles: _containers.RepeatedScalarFieldContainer[int]
+    starts: _containers.RepeatedScalarFieldContainer[int]
+    lens: _containers.RepeatedScalarFieldContainer[int]
+    sample: _containers.RepeatedScalarFieldContainer[bool]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    slots: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, handles: _Optional[_Iterable[int]] = ..., starts: _Optional[_Iterable[int]] = ..., lens: _Optional[_Iterable[int]] = ..., sample: _Optional[_Iterable[bool]] = ..., token_ids: _Optional[_Iterable[int]] = ..., slots: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class DecodeBatch(_message.Message):
+    __slots__ = ("handles", "slots")
+    HANDLES_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    handles: _containers.RepeatedScalarFieldContainer[int]
+    slots: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, handles: _Optional[_Iterable[int]] = ..., slots: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class KvTransfer(_message.Message):
+    __slots__ = ("handle", "slots")
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    handle: int
+    slots: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, handle: _Optional[int] = ..., slots: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class StepPlan(_message.Message):
+    __slots__ = ("step_id", "release_handles", "offloads", "restores", "new_seqs", "extends", "decodes")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_HANDLES_FIELD_NUMBER: _ClassVar[int]
+    OFFLOADS_FIELD_NUMBER: _ClassVar[int]
+    RESTORES_FIELD_NUMBER: _ClassVar[int]
+    NEW_SEQS_FIELD_NUMBER: _ClassVar[int]
+    EXTENDS_FIELD_NUMBER: _ClassVar[int]
+    DECODES_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    release_handles: _containers.RepeatedScalarFieldContainer[int]
+    offloads: _containers.RepeatedCompositeFieldContainer[KvTransfer]
+    restores: _containers.RepeatedCompositeFieldContainer[KvTransfer]
+    new_seqs: _containers.RepeatedCompositeFieldContainer[NewSequence]
+    extends: ExtendBatch
+    decodes: DecodeBatch
+    def __init__(self, step_id: _Optional[int] = ..., release_handles: _Optional[_Iterable[int]] = ..., offloads: _Optional[_Iterable[_Union[KvTransfer, _Mapping]]] = ..., restores: _Optional[_Iterable[_Union[KvTransfer, _Mapping]]] = ..., new_seqs: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., extends: _Optional[_Union[ExtendBatch, _Mapping]] = ..., decodes: _Optional[_Union[DecodeBatch, _Mapping]] = ...) -> None: ...
+
+class KvReport(_message.Message):
+    __slots__ = ("live_seqs", "seq_slots", "capacity_tokens", "device_mem_used_bytes", "host_seqs")
+    LIVE_SEQS_FIELD_NUMBER: _ClassVar[int]
+    SEQ_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_MEM_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HOST_SEQS_FIELD_NUMBER: _ClassVar[int]
+    live_seqs: int
+    seq_slots: int
+    capacity_tokens: int
+    device_mem_used_bytes: int
+    host_seqs: int
+    def __init__(self, live_seqs: _Optional[int] = ..., seq_slots: _Optional[int] = ..., capacity_tokens: _Optional[int] = ..., device_mem_used_bytes: _Optional[int] = ..., host_seqs: _Optional[int] = ...) -> None: ...
+
+class TokenLogprobs(_message.Message):
+    __slots__ = ("logprob", "top_ids", "top_logprobs")
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    logprob: float
+    top_ids: _containers.RepeatedScalarFieldContainer[int]
+    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, logprob: _Optional[float] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class StepResult(_message.Message):
+    __slots__ = ("step_id", "handles", "token_ids", "logprobs", "kv", "forward_s", "error")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    HANDLES_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    KV_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_S_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    handles: _containers.RepeatedScalarFieldContainer[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
+    kv: KvReport
+    forward_s: float
+    error: str
+    def __init__(self, step_id: _Optional[int] = ..., handles: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., kv: _Optional[_Union[KvReport, _Mapping]] = ..., forward_s: _Optional[float] = ..., error: _Optional[str] = ...) -> None: ...
