@@ -1,0 +1,1 @@
+"""Client library and the generate / bench commands."""

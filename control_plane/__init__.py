@@ -1,0 +1,1 @@
+"""The control plane: every scheduling decision, no torch, no accelerator."""

@@ -1,0 +1,1 @@
+"""Stepwise: the command line and the wiring that composes both planes."""
