@@ -132,8 +132,18 @@ class KvTransfer(_message.Message):
     slots: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, handle: _Optional[int] = ..., slots: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class SlotRemap(_message.Message):
+    __slots__ = ("handle", "start", "slots")
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    handle: int
+    start: int
+    slots: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, handle: _Optional[int] = ..., start: _Optional[int] = ..., slots: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "release_handles", "offloads", "restores", "new_seqs", "extends", "decodes")
+    __slots__ = ("step_id", "release_handles", "offloads", "restores", "new_seqs", "extends", "decodes", "remaps")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     RELEASE_HANDLES_FIELD_NUMBER: _ClassVar[int]
     OFFLOADS_FIELD_NUMBER: _ClassVar[int]
@@ -141,6 +151,7 @@ class StepPlan(_message.Message):
     NEW_SEQS_FIELD_NUMBER: _ClassVar[int]
     EXTENDS_FIELD_NUMBER: _ClassVar[int]
     DECODES_FIELD_NUMBER: _ClassVar[int]
+    REMAPS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     release_handles: _containers.RepeatedScalarFieldContainer[int]
     offloads: _containers.RepeatedCompositeFieldContainer[KvTransfer]
@@ -148,7 +159,8 @@ class StepPlan(_message.Message):
     new_seqs: _containers.RepeatedCompositeFieldContainer[NewSequence]
     extends: ExtendBatch
     decodes: DecodeBatch
-    def __init__(self, step_id: _Optional[int] = ..., release_handles: _Optional[_Iterable[int]] = ..., offloads: _Optional[_Iterable[_Union[KvTransfer, _Mapping]]] = ..., restores: _Optional[_Iterable[_Union[KvTransfer, _Mapping]]] = ..., new_seqs: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., extends: _Optional[_Union[ExtendBatch, _Mapping]] = ..., decodes: _Optional[_Union[DecodeBatch, _Mapping]] = ...) -> None: ...
+    remaps: _containers.RepeatedCompositeFieldContainer[SlotRemap]
+    def __init__(self, step_id: _Optional[int] = ..., release_handles: _Optional[_Iterable[int]] = ..., offloads: _Optional[_Iterable[_Union[KvTransfer, _Mapping]]] = ..., restores: _Optional[_Iterable[_Union[KvTransfer, _Mapping]]] = ..., new_seqs: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., extends: _Optional[_Union[ExtendBatch, _Mapping]] = ..., decodes: _Optional[_Union[DecodeBatch, _Mapping]] = ..., remaps: _Optional[_Iterable[_Union[SlotRemap, _Mapping]]] = ...) -> None: ...
 
 class KvReport(_message.Message):
     __slots__ = ("live_seqs", "seq_slots", "capacity_tokens", "device_mem_used_bytes", "host_seqs")
