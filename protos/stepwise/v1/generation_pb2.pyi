@@ -135,7 +135,7 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "device", "dtype", "kv_capacity_tokens", "page_size", "running", "queued", "kv_used_tokens")
+    __slots__ = ("worker_id", "device", "dtype", "kv_capacity_tokens", "page_size", "running", "queued", "kv_used_tokens", "book_live_seqs", "book_seq_slots", "reported_live_seqs", "reported_seq_slots", "kv_mismatches", "steps", "retractions")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -144,6 +144,13 @@ class WorkerInfo(_message.Message):
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     QUEUED_FIELD_NUMBER: _ClassVar[int]
     KV_USED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BOOK_LIVE_SEQS_FIELD_NUMBER: _ClassVar[int]
+    BOOK_SEQ_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    REPORTED_LIVE_SEQS_FIELD_NUMBER: _ClassVar[int]
+    REPORTED_SEQ_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    KV_MISMATCHES_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    RETRACTIONS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     device: str
     dtype: str
@@ -152,7 +159,14 @@ class WorkerInfo(_message.Message):
     running: int
     queued: int
     kv_used_tokens: int
-    def __init__(self, worker_id: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., kv_capacity_tokens: _Optional[int] = ..., page_size: _Optional[int] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ..., kv_used_tokens: _Optional[int] = ...) -> None: ...
+    book_live_seqs: int
+    book_seq_slots: int
+    reported_live_seqs: int
+    reported_seq_slots: int
+    kv_mismatches: int
+    steps: int
+    retractions: int
+    def __init__(self, worker_id: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., kv_capacity_tokens: _Optional[int] = ..., page_size: _Optional[int] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ..., kv_used_tokens: _Optional[int] = ..., book_live_seqs: _Optional[int] = ..., book_seq_slots: _Optional[int] = ..., reported_live_seqs: _Optional[int] = ..., reported_seq_slots: _Optional[int] = ..., kv_mismatches: _Optional[int] = ..., steps: _Optional[int] = ..., retractions: _Optional[int] = ...) -> None: ...
 
 class ServerInfo(_message.Message):
     __slots__ = ("model", "model_fingerprint", "max_context", "vocab_size", "workers", "kv_capacity_tokens", "queued", "running", "version")

@@ -1,0 +1,337 @@
+"""The only control-plane module that imports the generated protobuf stubs.
+
+Conversions between wire messages and the control plane's typed values, and validation of client
+input with messages that name the offending field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from control_plane.request import FinishKind, FinishReason, RequestParams, SamplerSpec
+from control_plane.scheduler.plan import (
+    DecodeWork,
+    ExtendWork,
+    KvReport,
+    KvTransfer,
+    NewSeq,
+    SlotRemap,
+    StepKind,
+    StepPlan,
+    StepResult,
+    TokenLogprobs,
+    WorkerLimits,
+)
+from protos.stepwise.v1 import generation_pb2 as gen_pb
+from protos.stepwise.v1 import worker_pb2 as wk_pb
+
+PROTOCOL_VERSION = 1
+
+
+class InvalidArgument(ValueError):
+    """Client input that is refused; the message names the field."""
+
+
+# --- worker link -------------------------------------------------------------------------------
+
+
+def limits_from_hello(hello: wk_pb.Hello) -> WorkerLimits:
+    return WorkerLimits(
+        worker_id=hello.worker_id,
+        kv_capacity_tokens=hello.kv_capacity_tokens,
+        page_size=hello.page_size or 1,
+        max_context=hello.max_context,
+        vocab_size=hello.vocab_size,
+        eos_token_ids=frozenset(hello.eos_token_ids),
+        model_fingerprint=hello.model_fingerprint,
+        dtype=hello.dtype,
+        device=hello.device,
+        host_pool_capacity_tokens=hello.host_pool_capacity_tokens,
+    )
+
+
+def hello_from_limits(limits: WorkerLimits) -> wk_pb.Hello:
+    """Inverse of limits_from_hello (used by tests and tools that speak for a worker)."""
+    return wk_pb.Hello(
+        worker_id=limits.worker_id,
+        model_fingerprint=limits.model_fingerprint,
+        kv_capacity_tokens=limits.kv_capacity_tokens,
+        page_size=limits.page_size,
+        max_context=limits.max_context,
+        vocab_size=limits.vocab_size,
+        dtype=limits.dtype,
+        device=limits.device,
+        protocol_version=PROTOCOL_VERSION,
+        eos_token_ids=sorted(limits.eos_token_ids),
+        host_pool_capacity_tokens=limits.host_pool_capacity_tokens,
+    )
+
+
+def welcome(accepted: bool, reason: str = "") -> wk_pb.ControlMessage:
+    return wk_pb.ControlMessage(welcome=wk_pb.Welcome(accepted=accepted, reason=reason))
+
+
+def shutdown(reason: str) -> wk_pb.ControlMessage:
+    return wk_pb.ControlMessage(shutdown=wk_pb.Shutdown(reason=reason))
+
+
+def _sampler_to_proto(spec: SamplerSpec) -> wk_pb.SamplerParams:
+    return wk_pb.SamplerParams(
+        temperature=spec.temperature,
+        top_p=spec.top_p,
+        top_k=spec.top_k,
+        min_p=spec.min_p,
+        repetition_penalty=spec.repetition_penalty,
+        frequency_penalty=spec.frequency_penalty,
+        presence_penalty=spec.presence_penalty,
+        has_seed=spec.seed is not None,
+        seed=spec.seed or 0,
+        logprobs=spec.logprobs,
+    )
+
+
+def _sampler_from_proto(msg: wk_pb.SamplerParams) -> SamplerSpec:
+    return SamplerSpec(
+        temperature=msg.temperature,
+        top_p=msg.top_p,
+        top_k=msg.top_k,
+        min_p=msg.min_p,
+        repetition_penalty=msg.repetition_penalty,
+        frequency_penalty=msg.frequency_penalty,
+        presence_penalty=msg.presence_penalty,
+        seed=msg.seed if msg.has_seed else None,
+        logprobs=msg.logprobs,
+    )
+
+
+def plan_to_proto(plan: StepPlan) -> wk_pb.ControlMessage:
+    ext, dec = plan.extends, plan.decodes
+    msg = wk_pb.StepPlan(
+        step_id=plan.step_id,
+        release_handles=plan.releases.tolist(),
+        offloads=[wk_pb.KvTransfer(handle=t.handle, slots=t.slots.tolist()) for t in plan.offloads],
+        restores=[wk_pb.KvTransfer(handle=t.handle, slots=t.slots.tolist()) for t in plan.restores],
+        new_seqs=[
+            wk_pb.NewSequence(
+                handle=s.handle,
+                sampler=_sampler_to_proto(s.sampler),
+                prefix_slots=s.prefix_slots.tolist(),
+                history_ids=s.history_ids.tolist(),
+            )
+            for s in plan.new_seqs
+        ],
+        extends=wk_pb.ExtendBatch(
+            handles=ext.handles.tolist(),
+            starts=ext.starts.tolist(),
+            lens=ext.lens.tolist(),
+            sample=ext.sample.tolist(),
+            token_ids=ext.token_ids.tolist(),
+            slots=ext.slots.tolist(),
+        ),
+        decodes=wk_pb.DecodeBatch(handles=dec.handles.tolist(), slots=dec.slots.tolist()),
+        remaps=[wk_pb.SlotRemap(handle=r.handle, start=r.start, slots=r.slots.tolist()) for r in plan.remaps],
+    )
+    return wk_pb.ControlMessage(plan=msg)
+
+
+def plan_from_proto(msg: wk_pb.StepPlan) -> StepPlan:
+    """Inverse of plan_to_proto (the plan's kind is not on the wire; it is derived)."""
+    ext, dec = msg.extends, msg.decodes
+    extends = ExtendWork(
+        handles=np.array(ext.handles, dtype=np.int64),
+        starts=np.array(ext.starts, dtype=np.int32),
+        lens=np.array(ext.lens, dtype=np.int32),
+        sample=np.array(ext.sample, dtype=bool),
+        token_ids=np.array(ext.token_ids, dtype=np.int32),
+        slots=np.array(ext.slots, dtype=np.int64),
+    )
+    decodes = DecodeWork(
+        handles=np.array(dec.handles, dtype=np.int64), slots=np.array(dec.slots, dtype=np.int64)
+    )
+    if len(extends) and len(decodes):
+        derived = StepKind.MIXED
+    else:
+        derived = StepKind.PREFILL if len(extends) else StepKind.DECODE
+    return StepPlan(
+        step_id=msg.step_id,
+        kind=derived,
+        releases=np.array(msg.release_handles, dtype=np.int64),
+        offloads=tuple(KvTransfer(t.handle, np.array(t.slots, dtype=np.int64)) for t in msg.offloads),
+        restores=tuple(KvTransfer(t.handle, np.array(t.slots, dtype=np.int64)) for t in msg.restores),
+        new_seqs=tuple(
+            NewSeq(
+                handle=s.handle,
+                sampler=_sampler_from_proto(s.sampler),
+                prefix_slots=np.array(s.prefix_slots, dtype=np.int64),
+                history_ids=np.array(s.history_ids, dtype=np.int32),
+            )
+            for s in msg.new_seqs
+        ),
+        extends=extends,
+        decodes=decodes,
+        remaps=tuple(SlotRemap(r.handle, r.start, np.array(r.slots, dtype=np.int64)) for r in msg.remaps),
+    )
+
+
+def result_from_proto(msg: wk_pb.StepResult) -> StepResult:
+    kv = msg.kv
+    return StepResult(
+        step_id=msg.step_id,
+        handles=np.array(msg.handles, dtype=np.int64),
+        token_ids=np.array(msg.token_ids, dtype=np.int32),
+        logprobs=tuple(
+            TokenLogprobs(lp.logprob, tuple(lp.top_ids), tuple(lp.top_logprobs)) for lp in msg.logprobs
+        ),
+        kv=KvReport(
+            live_seqs=kv.live_seqs,
+            seq_slots=kv.seq_slots,
+            capacity_tokens=kv.capacity_tokens,
+            device_mem_used_bytes=kv.device_mem_used_bytes,
+            host_seqs=kv.host_seqs,
+        ),
+        forward_s=msg.forward_s,
+        error=msg.error,
+    )
+
+
+def result_to_proto(result: StepResult) -> wk_pb.WorkerMessage:
+    kv = result.kv
+    msg = wk_pb.StepResult(
+        step_id=result.step_id,
+        handles=result.handles.tolist(),
+        token_ids=result.token_ids.tolist(),
+        logprobs=[
+            wk_pb.TokenLogprobs(logprob=lp.logprob, top_ids=lp.top_ids, top_logprobs=lp.top_logprobs)
+            for lp in result.logprobs
+        ],
+        kv=wk_pb.KvReport(
+            live_seqs=kv.live_seqs,
+            seq_slots=kv.seq_slots,
+            capacity_tokens=kv.capacity_tokens,
+            device_mem_used_bytes=kv.device_mem_used_bytes,
+            host_seqs=kv.host_seqs,
+        ),
+        forward_s=result.forward_s,
+        error=result.error,
+    )
+    return wk_pb.WorkerMessage(result=msg)
+
+
+# --- client API --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateInput:
+    """A validated Generate call: exactly one of text / input_ids is set."""
+
+    request_id: str
+    text: str | None
+    input_ids: tuple[int, ...] | None
+    params: RequestParams
+
+
+def _opt(msg: object, name: str, default: object) -> object:
+    return getattr(msg, name) if msg.HasField(name) else default  # type: ignore[attr-defined]
+
+
+def _check(ok: bool, field_name: str, message: str) -> None:
+    if not ok:
+        raise InvalidArgument(f"{field_name}: {message}")
+
+
+def sampling_from_proto(msg: gen_pb.SamplingParams) -> RequestParams:
+    """Validate and convert sampling parameters; raises InvalidArgument naming the field."""
+    max_new = msg.max_new_tokens if msg.HasField("max_new_tokens") else None
+    temperature = float(_opt(msg, "temperature", 1.0))  # type: ignore[arg-type]
+    top_p = float(_opt(msg, "top_p", 1.0))  # type: ignore[arg-type]
+    top_k = int(_opt(msg, "top_k", 0))  # type: ignore[call-overload]
+    min_p = float(_opt(msg, "min_p", 0.0))  # type: ignore[arg-type]
+    rep = float(_opt(msg, "repetition_penalty", 1.0))  # type: ignore[arg-type]
+    _check(max_new is None or max_new >= 0, "sampling.max_new_tokens", f"must be >= 0, got {max_new}")
+    _check(temperature >= 0.0, "sampling.temperature", f"must be >= 0, got {temperature}")
+    _check(0.0 < top_p <= 1.0, "sampling.top_p", f"must be in (0, 1], got {top_p}")
+    _check(top_k >= 0, "sampling.top_k", f"must be >= 0, got {top_k}")
+    _check(0.0 <= min_p <= 1.0, "sampling.min_p", f"must be in [0, 1], got {min_p}")
+    _check(rep > 0.0, "sampling.repetition_penalty", f"must be > 0, got {rep}")
+    _check(all(s for s in msg.stop), "sampling.stop", "stop strings must not be empty")
+    _check(all(t >= 0 for t in msg.stop_token_ids), "sampling.stop_token_ids", "token ids must be >= 0")
+    sampler = SamplerSpec(
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        min_p=min_p,
+        repetition_penalty=rep,
+        frequency_penalty=msg.frequency_penalty if msg.HasField("frequency_penalty") else 0.0,
+        presence_penalty=msg.presence_penalty if msg.HasField("presence_penalty") else 0.0,
+        seed=msg.seed if msg.HasField("seed") else None,
+    )
+    return RequestParams(
+        max_new_tokens=max_new,
+        stop=tuple(msg.stop),
+        stop_token_ids=frozenset(msg.stop_token_ids),
+        ignore_eos=msg.ignore_eos,
+        sampler=sampler,
+    )
+
+
+def generate_input_from_proto(msg: gen_pb.GenerateRequest) -> GenerateInput:
+    which = msg.WhichOneof("prompt")
+    _check(which is not None, "prompt", "one of text or input_ids is required")
+    text = msg.text if which == "text" else None
+    ids = tuple(msg.input_ids.ids) if which == "input_ids" else None
+    _check(bool(text) or bool(ids), "text" if which == "text" else "input_ids", "prompt must not be empty")
+    params = sampling_from_proto(msg.sampling)
+    priority = msg.priority if msg.HasField("priority") else None
+    params = RequestParams(
+        max_new_tokens=params.max_new_tokens,
+        stop=params.stop,
+        stop_token_ids=params.stop_token_ids,
+        ignore_eos=params.ignore_eos,
+        sampler=params.sampler,
+        priority=priority,
+        routing_key=msg.routing_key,
+    )
+    return GenerateInput(request_id=msg.request_id, text=text, input_ids=ids, params=params)
+
+
+def check_token_ids(ids: tuple[int, ...] | list[int], vocab_size: int) -> None:
+    for i, token in enumerate(ids):
+        _check(
+            0 <= token < vocab_size,
+            "input_ids",
+            f"token id {token} at index {i} is outside the vocabulary [0, {vocab_size})",
+        )
+
+
+_FINISH_TO_PROTO = {
+    FinishKind.STOP: gen_pb.FINISH_REASON_STOP,
+    FinishKind.LENGTH: gen_pb.FINISH_REASON_LENGTH,
+    FinishKind.ABORT: gen_pb.FINISH_REASON_ABORT,
+}
+
+
+def chunk_response(request_id: str, token_ids: list[int], text: str) -> gen_pb.GenerateResponse:
+    return gen_pb.GenerateResponse(
+        request_id=request_id, chunk=gen_pb.TokenChunk(token_ids=token_ids, text=text)
+    )
+
+
+def finished_response(
+    request_id: str,
+    reason: FinishReason,
+    usage: tuple[int, int, int],
+    timings: tuple[float, float, float],
+) -> gen_pb.GenerateResponse:
+    prompt, cached, completion = usage
+    queue_s, ttft_s, total_s = timings
+    return gen_pb.GenerateResponse(
+        request_id=request_id,
+        finished=gen_pb.Finished(
+            reason=_FINISH_TO_PROTO[reason.kind],
+            message=reason.message,
+            usage=gen_pb.Usage(prompt_tokens=prompt, cached_tokens=cached, completion_tokens=completion),
+            timings=gen_pb.Timings(queue_s=queue_s, ttft_s=ttft_s, total_s=total_s),
+        ),
+    )

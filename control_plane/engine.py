@@ -1,0 +1,374 @@
+"""One step loop per worker: plan, send, receive, apply, publish.
+
+The engine owns a Scheduler (pure) and a WorkerChannel (the wire). Arrivals and aborts are queued
+in an inbox and applied at the top of each iteration, so the scheduler sees them at a well-defined
+step (what the recorder stamps). Detokenization and stop strings happen here, on the way out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import structlog
+
+from control_plane.cache.invariants import check_pool_invariants
+from control_plane.config import ControlConfig
+from control_plane.request import AbortCode, FinishReason, RequestParams
+from control_plane.scheduler.plan import StepKind, StepPlan, StepResult, WorkerLimits
+from control_plane.scheduler.scheduler import QueueFull, RequestRejected, RequestUpdate, Scheduler, StepStats
+from control_plane.tokenizer import TextStream, Tokenizer
+
+log = structlog.get_logger("stepwise.engine")
+
+WAITING_TIMEOUT = "Request waiting timeout reached."
+RUNNING_TIMEOUT = "Request running timeout reached."
+
+
+class WorkerGone(Exception):
+    """The worker's stream ended or broke."""
+
+
+class WorkerChannel(Protocol):
+    async def step(self, plan: StepPlan) -> StepResult: ...
+
+    async def close(self, reason: str) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    token_ids: tuple[int, ...]
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class Done:
+    reason: FinishReason
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    queue_s: float
+    ttft_s: float
+    total_s: float
+
+
+Event = Chunk | Done
+
+
+@dataclass(slots=True)
+class RequestStream:
+    """The client side of one request: its event queue, text stream and timestamps."""
+
+    rid: str
+    prompt_len: int
+    text: TextStream
+    events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
+    accepted: asyncio.Future[None] | None = None
+    arrived: float = field(default_factory=time.monotonic)
+    admitted: float | None = None
+    first_token: float | None = None
+    completion_tokens: int = 0
+    done: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class _Arrival:
+    stream: RequestStream
+    input_ids: list[int]
+    params: RequestParams
+
+
+@dataclass(frozen=True, slots=True)
+class _Abort:
+    rid: str
+    reason: FinishReason
+
+
+class Engine:
+    """Drives one worker. All scheduler calls happen inside `run`, one at a time."""
+
+    def __init__(
+        self,
+        config: ControlConfig,
+        limits: WorkerLimits,
+        tokenizer: Tokenizer,
+        channel: WorkerChannel,
+    ) -> None:
+        self.config = config
+        self.limits = limits
+        self.tokenizer = tokenizer
+        self.channel = channel
+        self.scheduler = Scheduler(config.scheduler, limits)
+        self.streams: dict[str, RequestStream] = {}
+        self._inbox: list[_Arrival | _Abort] = []
+        self._wake = asyncio.Event()
+        self._stopping = False
+        self.log = log.bind(worker=limits.worker_id)
+        # Books vs. the worker's report (checked every step).
+        self.kv_mismatches = 0
+        self.expected_kv = (0, 0)
+        self.reported_kv = (0, 0)
+        self.steps = 0
+        self._decode_batches = 0
+        self._decode_tokens_since_log = 0
+        self._last_decode_log = time.monotonic()
+        self._last_prefill_log = time.monotonic()
+        self.on_step: Callable[[StepPlan, StepResult, StepStats], None] | None = None
+
+    # --- called from request handlers -----------------------------------------------------------
+
+    def submit(self, rid: str, input_ids: list[int], params: RequestParams) -> RequestStream:
+        """Queue an arrival; `stream.accepted` resolves (or raises QueueFull / ValueError) once the
+        scheduler has seen it."""
+        if rid in self.streams:
+            raise ValueError(f"request_id {rid!r} is already in use")
+        text = TextStream(self.tokenizer, input_ids, params.stop)
+        stream = RequestStream(rid, len(input_ids), text)
+        stream.accepted = asyncio.get_running_loop().create_future()
+        self.streams[rid] = stream
+        self._inbox.append(_Arrival(stream, input_ids, params))
+        self._wake.set()
+        return stream
+
+    def abort(self, rid: str, message: str, code: AbortCode = AbortCode.CANCELLED) -> bool:
+        if rid not in self.streams:
+            return False
+        self._inbox.append(_Abort(rid, FinishReason.abort(message, code)))
+        self._wake.set()
+        return True
+
+    def load(self) -> tuple[int, int]:
+        """(queued, running) for routing and server info."""
+        sched = self.scheduler
+        return len(sched.waiting) + sum(isinstance(m, _Arrival) for m in self._inbox), len(sched.running)
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._wake.set()
+
+    # --- the loop ---------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Step until stopped or the worker is gone; every live request ends with a finish reason."""
+        try:
+            while not self._stopping:
+                self._drain_inbox()
+                self._check_timeouts()
+                plan = self.scheduler.next_plan()
+                self._publish()
+                if plan is None:
+                    await self._idle()
+                    continue
+                await self._step(plan)
+        except WorkerGone as exc:
+            self.log.error("worker lost", error=str(exc))
+            self._abort_all(f"worker {self.limits.worker_id} disconnected: {exc}")
+        finally:
+            self._abort_all("control plane is shutting down")
+            with contextlib.suppress(Exception):
+                await self.channel.close("control plane is shutting down")
+
+    async def _idle(self) -> None:
+        if self.scheduler.is_idle:
+            self.scheduler.on_idle()
+            self._check_invariants()
+        self._wake.clear()
+        if self._inbox or self._stopping:
+            return
+        timeout = self._timeout_poll_s()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._wake.wait(), timeout)
+
+    async def _step(self, plan: StepPlan) -> None:
+        sched = self.scheduler
+        stats = sched.last_stats
+        assert stats is not None
+        self._note_admissions(plan)
+        expected = (sched.live_handles(), sched.live_seq_slots() + len(plan.decodes))
+        result = await self.channel.step(plan)
+        if result.error:
+            raise WorkerGone(f"worker failed step {plan.step_id}: {result.error}")
+        if result.step_id != plan.step_id:
+            raise WorkerGone(f"result for step {result.step_id} while step {plan.step_id} was in flight")
+        self._check_books(plan.step_id, expected, result)
+        sched.apply_result(result)
+        self._publish()
+        self.steps += 1
+        if self.config.scheduler.strict_invariants:
+            self._check_invariants()
+        self._log_step(plan, result, stats)
+        if self.on_step is not None:
+            self.on_step(plan, result, stats)
+
+    def _drain_inbox(self) -> None:
+        inbox, self._inbox = self._inbox, []
+        for item in inbox:
+            if isinstance(item, _Arrival):
+                self._admit(item)
+            elif not self.scheduler.abort(item.rid, item.reason):
+                self._fail_stream(item.rid, item.reason)
+
+    def _admit(self, arrival: _Arrival) -> None:
+        stream = arrival.stream
+        assert stream.accepted is not None
+        try:
+            self.scheduler.add_request(stream.rid, arrival.input_ids, arrival.params)
+        except (QueueFull, RequestRejected, ValueError) as exc:
+            self.streams.pop(stream.rid, None)
+            stream.accepted.set_exception(exc)
+            return
+        stream.accepted.set_result(None)
+
+    def _fail_stream(self, rid: str, reason: FinishReason) -> None:
+        """An abort for a request the scheduler no longer knows (e.g. still in the inbox)."""
+        stream = self.streams.get(rid)
+        if stream is not None and not stream.done:
+            self._finish_stream(stream, reason)
+
+    def _note_admissions(self, plan: StepPlan) -> None:
+        now = time.monotonic()
+        for seq in plan.new_seqs:
+            req = self.scheduler.by_handle.get(seq.handle)
+            stream = self.streams.get(req.rid) if req is not None else None
+            if stream is not None and stream.admitted is None:
+                stream.admitted = now
+
+    # --- publishing -------------------------------------------------------------------------------
+
+    def _publish(self) -> None:
+        while updates := self.scheduler.take_updates():
+            for update in updates:
+                self._publish_one(update)
+
+    def _publish_one(self, update: RequestUpdate) -> None:
+        stream = self.streams.get(update.rid)
+        if stream is None or stream.done:
+            return
+        if update.token_ids:
+            self._push_tokens(stream, update.token_ids)
+        if update.finished is not None:
+            self._finish_stream(stream, update.finished, update.cached_tokens)
+
+    def _push_tokens(self, stream: RequestStream, token_ids: tuple[int, ...]) -> None:
+        now = time.monotonic()
+        if stream.first_token is None:
+            stream.first_token = now
+        stream.completion_tokens += len(token_ids)
+        delta = stream.text.push(token_ids)
+        stream.events.put_nowait(Chunk(token_ids, delta.text))
+        if delta.stop is not None:
+            # Finished here; its KV is cached and its handle released in the next plan.
+            self.scheduler.finish(stream.rid, FinishReason.stop(f"stop string {delta.stop!r}"))
+
+    def _finish_stream(self, stream: RequestStream, reason: FinishReason, cached_tokens: int = 0) -> None:
+        tail = stream.text.finish()
+        if tail:
+            stream.events.put_nowait(Chunk((), tail))
+        now = time.monotonic()
+        admitted = stream.admitted if stream.admitted is not None else now
+        first = stream.first_token if stream.first_token is not None else now
+        stream.events.put_nowait(
+            Done(
+                reason=reason,
+                prompt_tokens=stream.prompt_len,
+                cached_tokens=cached_tokens,
+                completion_tokens=stream.completion_tokens,
+                queue_s=admitted - stream.arrived,
+                ttft_s=first - stream.arrived,
+                total_s=now - stream.arrived,
+            )
+        )
+        stream.done = True
+        self.streams.pop(stream.rid, None)
+        if stream.accepted is not None and not stream.accepted.done():
+            stream.accepted.set_result(None)
+
+    def _abort_all(self, message: str) -> None:
+        for stream in list(self.streams.values()):
+            if not stream.done:
+                self._finish_stream(stream, FinishReason.abort(message))
+
+    # --- timeouts, books, invariants, logs ------------------------------------------------------------
+
+    def _timeout_poll_s(self) -> float | None:
+        limits = [t for t in (self.config.waiting_timeout_s, self.config.running_timeout_s) if t > 0]
+        return min(limits) / 4 if limits and self.streams else None
+
+    def _check_timeouts(self) -> None:
+        wait_s, run_s = self.config.waiting_timeout_s, self.config.running_timeout_s
+        if wait_s <= 0 and run_s <= 0:
+            return
+        now = time.monotonic()
+        for stream in list(self.streams.values()):
+            if stream.admitted is None and wait_s > 0 and now - stream.arrived > wait_s:
+                self.scheduler.abort(stream.rid, FinishReason.abort(WAITING_TIMEOUT))
+            elif stream.admitted is not None and run_s > 0 and now - stream.admitted > run_s:
+                self.scheduler.abort(stream.rid, FinishReason.abort(RUNNING_TIMEOUT))
+
+    def _check_books(self, step_id: int, expected: tuple[int, int], result: StepResult) -> None:
+        reported = (result.kv.live_seqs, result.kv.seq_slots)
+        self.expected_kv, self.reported_kv = expected, reported
+        if reported != expected or result.kv.capacity_tokens != self.limits.kv_capacity_tokens:
+            self.kv_mismatches += 1
+            self.log.error(
+                "kv books mismatch",
+                step=step_id,
+                book_live_seqs=expected[0],
+                book_seq_slots=expected[1],
+                worker_live_seqs=reported[0],
+                worker_seq_slots=reported[1],
+                worker_capacity=result.kv.capacity_tokens,
+            )
+
+    def _check_invariants(self) -> None:
+        sched = self.scheduler
+        try:
+            check_pool_invariants(sched.kv.allocator, sched.kv.tree, sched.private_slots())
+        except AssertionError as exc:
+            self.log.error("kv pool invariant violated", error=str(exc))
+            if self.config.scheduler.strict_invariants:
+                raise
+
+    def _log_step(self, plan: StepPlan, result: StepResult, stats: StepStats) -> None:
+        sched = self.scheduler
+        usage = sched.kv.used_tokens() / sched.capacity
+        if stats.retracted:
+            self.log.warning(retraction_line(stats), step=plan.step_id)
+        if plan.kind is not StepKind.DECODE:
+            now = time.monotonic()
+            throughput = stats.new_tokens / max(now - self._last_prefill_log, 1e-9)
+            self._last_prefill_log = now
+            self.log.info(
+                f"Prefill batch, #new-seq: {stats.new_seqs}, #new-token: {stats.new_tokens}, "
+                f"#cached-token: {stats.cached_tokens}, token usage: {usage:.2f}, "
+                f"#running-req: {stats.running_at_admission}, #queue-req: {len(sched.waiting)}, "
+                f"#pending-token: {sched.pending_tokens()}, input throughput (token/s): {throughput:.2f}",
+                step=plan.step_id,
+            )
+            return
+        self._decode_batches += 1
+        self._decode_tokens_since_log += len(plan.decodes)
+        if self._decode_batches % self.config.decode_log_interval:
+            return
+        now = time.monotonic()
+        throughput = self._decode_tokens_since_log / max(now - self._last_decode_log, 1e-9)
+        self._last_decode_log, self._decode_tokens_since_log = now, 0
+        self.log.info(
+            f"Decode batch, #running-req: {len(plan.decodes)}, #token: {sched.kv.used_tokens()}, "
+            f"token usage: {usage:.2f}, gen throughput (token/s): {throughput:.2f}, "
+            f"#queue-req: {len(sched.waiting)}",
+            step=plan.step_id,
+        )
+
+
+def retraction_line(stats: StepStats) -> str:
+    """SGLang's retraction warning (SCHEDULER.md §6.1)."""
+    head = "KV cache pool is full. Retract requests. " if stats.kv_full else "Testing retraction. "
+    line = f"{head}#retracted_reqs: {len(stats.retracted)}, #new_tokens_gained: {stats.retract_tokens_gained}"
+    if stats.kv_full:
+        line += f", #new_token_ratio: {stats.ratio_before_retract:.4f} -> {stats.new_token_ratio:.4f}"
+    return line

@@ -1,0 +1,1 @@
+"""The scheduler: a plain, synchronous, deterministic object. State in, plan out."""

@@ -1,0 +1,269 @@
+"""PrefillAdder: the budget arithmetic of one admission pass (SCHEDULER.md §3).
+
+A fresh adder is built for every prefill attempt. It answers each candidate with an AddReqResult:
+CONTINUE (keep adding), NO_TOKEN (KV memory exhausted) or OTHER (any other reason to stop). Three
+budgets are tracked: total tokens (room for prompts plus everyone's expected future decode), input
+tokens (max_prefill_tokens per batch) and chunk tokens (chunked_prefill_size per batch).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from control_plane.request import Request
+from control_plane.scheduler.kv import KvManager
+
+IGNORE_EOS_RESERVE_TOKENS = 1
+
+
+class AddReqResult(enum.Enum):
+    CONTINUE = "continue"
+    NO_TOKEN = "no_token"
+    OTHER = "other"
+
+
+@dataclass(frozen=True, slots=True)
+class AdderLimits:
+    page_size: int
+    max_prefill_tokens: int
+    chunked_prefill_size: int | None
+    clip_max_new_tokens: int = 4096
+    prefill_max_requests: int | None = None
+    priority_threshold: int = 10
+    low_priority_values_first: bool = False
+
+
+class PrefillAdder:
+    """Budgets for one pass. Reads the pool's free and evictable sizes live (they change as locks
+    move), mutates only its own counters, `can_run_list` and the admitted requests' extend ranges
+    and locks."""
+
+    def __init__(
+        self,
+        kv: KvManager,
+        limits: AdderLimits,
+        running: Sequence[Request],
+        new_token_ratio: float,
+        mixed_decode_tokens: int = 0,
+    ) -> None:
+        self.kv = kv
+        self.limits = limits
+        self.page_size = limits.page_size
+        self.running = running
+        self.new_token_ratio = new_token_ratio
+        self.rem_input_tokens = limits.max_prefill_tokens - mixed_decode_tokens
+        self.rem_chunk_tokens = (
+            None if limits.chunked_prefill_size is None else limits.chunked_prefill_size - mixed_decode_tokens
+        )
+        self.rem_total_token_offset = float(mixed_decode_tokens) + sum(self.offset(r) for r in running)
+        self.cur_rem_token_offset = mixed_decode_tokens
+        self.can_run_list: list[Request] = []
+        self.new_chunked_req: Request | None = None
+        self.preempt_list: list[Request] = []
+        self.log_hit_tokens = 0
+        self.log_input_tokens = 0
+        self.req_states: list[tuple[float, int]] | None = None
+
+    # --- budgets -------------------------------------------------------------------------------
+
+    def offset(self, req: Request) -> float:
+        """Reserved future decode of a running request: min(remaining, clip) · ratio (§3.2)."""
+        remaining = req.max_new_tokens - len(req.output_ids)
+        return min(remaining, self.limits.clip_max_new_tokens) * self.new_token_ratio
+
+    @property
+    def rem_total_tokens(self) -> float:
+        return self.kv.available_size() + self.kv.evictable_size() - self.rem_total_token_offset
+
+    @property
+    def cur_rem_tokens(self) -> float:
+        return self.kv.available_size() + self.kv.evictable_size() - self.cur_rem_token_offset
+
+    def ceil_page(self, n: int) -> int:
+        return -(-n // self.page_size) * self.page_size
+
+    def budget_state(self) -> AddReqResult:
+        if self.rem_total_tokens <= 0 or self.cur_rem_tokens <= 0:
+            return AddReqResult.NO_TOKEN
+        if self.rem_input_tokens <= 0 or (self.rem_chunk_tokens is not None and self.rem_chunk_tokens <= 0):
+            return AddReqResult.OTHER
+        return AddReqResult.CONTINUE
+
+    def _update_prefill_budget(self, prefix_len: int, extend_len: int, max_new_tokens: int) -> None:
+        extend = self.ceil_page(extend_len)
+        self.rem_total_token_offset += extend + max_new_tokens + self.page_size
+        self.cur_rem_token_offset += extend + self.page_size
+        self.rem_input_tokens -= extend
+        if self.rem_chunk_tokens is not None:
+            self.rem_chunk_tokens -= extend
+        self.log_hit_tokens += prefix_len
+        self.log_input_tokens += extend
+
+    def _clip(self, max_new_tokens: int) -> int:
+        return min(max_new_tokens, self.limits.clip_max_new_tokens)
+
+    # --- the chunked request's continuation (§4.2) ------------------------------------------------
+
+    def add_chunked_req(self, req: Request) -> Request | None:
+        """Admit the next chunk first; returns req while it is still being chunked, else None."""
+        assert self.rem_chunk_tokens is not None, "a chunked request exists only when chunking is on"
+        rem = min(self.rem_chunk_tokens, int(self.rem_total_tokens))
+        if rem <= 0:
+            rem = self.rem_chunk_tokens  # never leave the chunked request out (it holds KV)
+        prefix_len = len(req.prefix_indices)
+        candidate = req.seqlen - prefix_len
+        truncated = candidate > rem
+        length = min(candidate, rem)
+        req.extend_range = (prefix_len, prefix_len + length)
+        self.can_run_list.append(req)
+        self._update_prefill_budget(0, length, 0 if truncated else self._clip(req.max_new_tokens))
+        return req if truncated else None
+
+    # --- a new request (§3.7) --------------------------------------------------------------------
+
+    def add_one_req(self, req: Request, ignore_eos_path: bool) -> AddReqResult:
+        limits = self.limits
+        if limits.prefill_max_requests is not None and len(self.can_run_list) >= limits.prefill_max_requests:
+            return AddReqResult.OTHER
+        if ignore_eos_path:
+            return self.add_one_req_ignore_eos(req)
+        prefix_len = len(req.prefix_indices)
+        candidate = req.seqlen - prefix_len
+        max_new = min(max(req.max_new_tokens - len(req.output_ids), 0), limits.clip_max_new_tokens)
+        total = candidate + max_new + self.page_size
+        real_input = self.ceil_page(candidate)
+        if total >= self.rem_total_tokens:
+            return AddReqResult.NO_TOKEN
+        if self.rem_chunk_tokens is None and self.can_run_list and real_input >= self.rem_input_tokens:
+            return AddReqResult.OTHER
+        return self._with_temporary_lock(req, lambda: self._admit(req, total))
+
+    def _with_temporary_lock(self, req: Request, body: Callable[[], AddReqResult | None]) -> AddReqResult:
+        # Locking moves the matched prefix from evictable to protected, so budgets can shrink.
+        self.kv.inc_lock(req.last_node)
+        try:
+            verdict = body()
+        finally:
+            self.kv.dec_lock(req.last_node)
+        return verdict if verdict is not None else self.budget_state()
+
+    def _admit(self, req: Request, total: int) -> AddReqResult | None:
+        if total >= self.rem_total_tokens:
+            return AddReqResult.NO_TOKEN
+        prefix_len = len(req.prefix_indices)
+        input_tokens = self.ceil_page(req.seqlen - prefix_len)
+        if self.rem_chunk_tokens is None and self.can_run_list and input_tokens >= self.rem_input_tokens:
+            return AddReqResult.OTHER
+        if self.rem_chunk_tokens is None or input_tokens <= self.rem_chunk_tokens:
+            req.extend_range = (prefix_len, req.seqlen)
+            self.can_run_list.append(req)
+            self.kv.inc_lock(req.last_node)
+            self._update_prefill_budget(prefix_len, input_tokens, self._clip(req.max_new_tokens))
+            return None
+        return self._admit_chunk(req, prefix_len)
+
+    def _admit_chunk(self, req: Request, prefix_len: int) -> AddReqResult | None:
+        assert self.rem_chunk_tokens is not None
+        page = self.page_size
+        trunc = self.rem_chunk_tokens // page * page
+        if trunc <= 0:
+            return AddReqResult.OTHER
+        end = (prefix_len + trunc) // page * page
+        trunc = end - prefix_len
+        if trunc <= 0:
+            return AddReqResult.OTHER
+        req.extend_range = (prefix_len, end)
+        self.can_run_list.append(req)
+        self.new_chunked_req = req
+        self.kv.inc_lock(req.last_node)
+        self._update_prefill_budget(prefix_len, trunc, 0)
+        return None
+
+    # --- ignore_eos with the cache disabled (§3.8) --------------------------------------------------
+
+    def _tokens_left(self, req: Request) -> tuple[float, int]:
+        ratio = 1.0 if req.params.ignore_eos else self.new_token_ratio
+        return req.max_new_tokens * ratio - len(req.output_ids), req.seqlen
+
+    def _insert_req_state(self, state: tuple[float, int]) -> None:
+        assert self.req_states is not None
+        states = self.req_states
+        for i, existing in enumerate(states):
+            if state[0] <= existing[0]:
+                states.insert(i, state)
+                return
+        # SGLang's quirk: with no larger entry it inserts before the last element.
+        states.insert(max(len(states) - 1, 0), state)
+
+    def add_one_req_ignore_eos(self, req: Request) -> AddReqResult:
+        prefix_len = len(req.prefix_indices)
+        candidate = req.seqlen - prefix_len
+        if self.ceil_page(candidate) > min(self.cur_rem_tokens, self.rem_total_tokens):
+            return AddReqResult.NO_TOKEN
+        if self.req_states is None:
+            states = [self._tokens_left(r) for r in (req, *self.running, *self.can_run_list)]
+            self.req_states = sorted(s for s in states if s[0] > 0)
+        else:
+            state = self._tokens_left(req)
+            if state[0] > 0:
+                self._insert_req_state(state)
+        if not self._simulated_finish_fits(candidate):
+            return AddReqResult.NO_TOKEN
+        if self.rem_chunk_tokens is None or candidate <= self.rem_chunk_tokens:
+            req.extend_range = (prefix_len, req.seqlen)
+            self.can_run_list.append(req)
+            self._update_prefill_budget(prefix_len, candidate, self._clip(req.max_new_tokens))
+        else:
+            if self.rem_chunk_tokens <= 0:
+                return AddReqResult.OTHER
+            req.extend_range = (0, self.rem_chunk_tokens)
+            self.can_run_list.append(req)
+            self.new_chunked_req = req
+            self._update_prefill_budget(0, self.rem_chunk_tokens, 0)
+        return self.budget_state()
+
+    def _simulated_finish_fits(self, candidate: int) -> bool:
+        """Finish the tracked requests in order of tokens left; each must fit before it frees."""
+        assert self.req_states is not None
+        free = self.cur_rem_tokens - self.ceil_page(candidate)
+        freed = 0
+        n = len(self.req_states)
+        for i, (left, occupied) in enumerate(self.req_states):
+            bs = n - i
+            if free + freed - left * bs <= IGNORE_EOS_RESERVE_TOKENS * bs:
+                return False
+            freed += occupied
+        return True
+
+    # --- priority preemption (§2.4) ---------------------------------------------------------------
+
+    def preempt_to_schedule(self, req: Request, candidates: Sequence[Request]) -> list[Request] | None:
+        """Pick running requests to give way to `req`; None when the preemption is not allowed.
+
+        Candidates must already be ordered least important first. Mutates only the reserved budget.
+        """
+        sign = 1 if self.limits.low_priority_values_first else -1
+        need = (req.seqlen - len(req.prefix_indices)) + min(req.max_new_tokens, 4096) - self.rem_total_tokens
+        chosen: list[Request] = []
+        new_priority = _priority_or_default(req, sign)
+        for cand in candidates:
+            if (new_priority - _priority_or_default(cand, sign)) * (-sign) <= self.limits.priority_threshold:
+                break
+            chosen.append(cand)
+            need -= self.offset(cand)
+            if need <= 0:
+                break
+        if not chosen or need > 0:
+            return None
+        for cand in chosen:
+            self.rem_total_token_offset -= self.offset(cand)
+        return chosen
+
+
+def _priority_or_default(req: Request, sign: int) -> int:
+    if req.priority is not None:
+        return req.priority
+    # Least important: sys.maxsize when low values are preferred, else -sys.maxsize - 1.
+    return 2**63 - 1 if sign == 1 else -(2**63)

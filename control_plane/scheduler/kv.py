@@ -1,0 +1,216 @@
+"""KV bookkeeping for one worker: slot allocator, prefix tree and request-to-token table.
+
+The control plane's books are authoritative (DESIGN.md): it decides which slot each new token's
+KV is written to and names it in the plan. This module implements SGLang's cache operations on
+those books (SCHEDULER.md §6.4, §7.4, §7.5, §7.7) and reports slot remaps the worker must follow.
+
+Every slot is in exactly one of four states: free (allocator), evictable or protected (tree,
+unlocked or locked), or private to one request (computed by it and not in the tree).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+import numpy as np
+
+from control_plane.cache.allocator import SlotAllocator
+from control_plane.cache.radix import RadixCache
+from control_plane.request import Request
+from control_plane.scheduler.plan import SlotRemap as Remap
+
+
+class KvOutOfMemory(RuntimeError):
+    """An allocation that admission or the decode check should have prevented."""
+
+
+class KvManager:
+    """Allocator + radix tree + request rows. Mutating calls say so in their docstrings."""
+
+    def __init__(
+        self,
+        capacity: int,
+        page_size: int,
+        max_running_requests: int,
+        max_context: int,
+        *,
+        disable_radix_cache: bool = False,
+        eviction_policy: str = "lru",
+    ) -> None:
+        self.capacity = capacity
+        self.page_size = page_size
+        self.allocator = SlotAllocator(capacity, page_size)
+        self.tree = RadixCache(
+            self.allocator, page_size=page_size, disable=disable_radix_cache, eviction_policy=eviction_policy
+        )
+        # One row per admitted request: position -> slot id (SGLang's req_to_token_pool).
+        self.req_to_token = np.zeros((max_running_requests, max_context + 1), dtype=np.int64)
+        self._free_rows: deque[int] = deque(range(max_running_requests))
+
+    # --- sizes ---------------------------------------------------------------------------------
+
+    @property
+    def disabled(self) -> bool:
+        return bool(self.tree.disable)
+
+    def available_size(self) -> int:
+        return self.allocator.available_size()
+
+    def evictable_size(self) -> int:
+        return self.tree.evictable_size()
+
+    def protected_size(self) -> int:
+        return self.tree.protected_size()
+
+    def free_rows(self) -> int:
+        return len(self._free_rows)
+
+    def used_tokens(self) -> int:
+        """T − (available + evictable): what the log lines call #token (SCHEDULER.md §10.3)."""
+        return self.capacity - (self.available_size() + self.evictable_size())
+
+    def evict_for(self, num_tokens: int) -> None:
+        """Mutates: if fewer than num_tokens slots are free, evict num_tokens (not the shortfall)."""
+        if self.available_size() < num_tokens:
+            self.tree.evict(num_tokens)
+
+    # --- prefix matching -------------------------------------------------------------------------
+
+    def match_prefix(self, req: Request, max_prefix_len: int) -> None:
+        """Mutates req (prefix_indices, last_node) and the tree's access clock and splits."""
+        if self.disabled:
+            req.prefix_indices, req.last_node = np.zeros(0, dtype=np.int64), None
+            return
+        key = req.fill_ids[:max_prefix_len]
+        result = self.tree.match_prefix(key)
+        req.prefix_indices, req.last_node = result.indices, result.last_node
+
+    def inc_lock(self, node: Any) -> None:
+        if node is not None and not self.disabled:
+            self.tree.inc_lock_ref(node)
+
+    def dec_lock(self, node: Any) -> None:
+        if node is not None and not self.disabled:
+            self.tree.dec_lock_ref(node)
+
+    # --- allocation ------------------------------------------------------------------------------
+
+    def row(self, req: Request) -> np.ndarray:
+        return self.req_to_token[req.req_pool_idx]
+
+    def alloc_for_extend(self, reqs: list[Request]) -> list[np.ndarray]:
+        """Mutates: request rows and slots for each request's extend_range; returns the new slots.
+
+        A request without a row gets one, and its cached prefix is written into it first.
+        """
+        need = sum(r.extend_range[1] - r.extend_range[0] for r in reqs) + len(reqs) * self.page_size
+        self.evict_for(need)
+        out = []
+        for req in reqs:
+            start, end = req.extend_range
+            if req.req_pool_idx < 0:
+                if not self._free_rows:
+                    raise KvOutOfMemory("alloc_req_slots runs out of memory")
+                req.req_pool_idx = self._free_rows.popleft()
+                self.row(req)[:start] = req.prefix_indices[:start]
+            row = self.row(req)
+            last_slot = int(row[start - 1]) if start > 0 else -1
+            slots = self.allocator.alloc_extend(start, last_slot, end - start)
+            if slots is None:
+                raise KvOutOfMemory(f"Prefill out of memory: {end - start} tokens for {req.rid}")
+            row[start:end] = slots
+            out.append(slots)
+        return out
+
+    def decode_need(self, seq_lens: np.ndarray) -> int:
+        """Slots the next decode of these sequences needs (a new page only at a page boundary)."""
+        if self.page_size == 1:
+            return len(seq_lens)
+        return self.page_size * int(np.count_nonzero(seq_lens % self.page_size == 0))
+
+    def check_decode_mem(self, seq_lens: np.ndarray) -> bool:
+        """Mutates (may evict): whether the next decode of these sequences fits (SCHEDULER.md §6.2)."""
+        need = self.decode_need(seq_lens)
+        self.evict_for(need)
+        return self.available_size() >= need
+
+    def alloc_for_decode(self, rows: np.ndarray, seq_lens: np.ndarray) -> np.ndarray:
+        """Mutates: one slot per sequence for position seq_len, written into its row."""
+        last_slots = self.req_to_token[rows, seq_lens - 1]
+        slots = self.allocator.alloc_decode_batch(seq_lens, last_slots)
+        if slots is None:
+            raise KvOutOfMemory("Decode out of memory")
+        self.req_to_token[rows, seq_lens] = slots
+        return slots
+
+    # --- caching and release (SCHEDULER.md §7.4, §7.5, §6.4) --------------------------------------
+
+    def cache_finished_req(self, req: Request, insert: bool = True) -> None:
+        """Mutates: give the request's committed KV to the tree (or free it), unlock, free its row."""
+        kv_len = req.kv_committed_len
+        kv = self.row(req)[:kv_len].copy()
+        if self.disabled:
+            self._free(kv[req.cache_protected_len :])
+        else:
+            aligned = kv_len // self.page_size * self.page_size
+            if insert:
+                tokens = req.fill_ids[:aligned]
+                prefix_len = self.tree.insert(tokens, kv[:aligned])
+                self._free(kv[req.cache_protected_len : prefix_len])
+            else:
+                self._free(kv[req.cache_protected_len : aligned])
+            self._free(kv[aligned:])
+            self.dec_lock(req.last_node)
+        self._release_row(req)
+
+    def cache_unfinished_req(self, req: Request, chunked: bool = False) -> Remap | None:
+        """Mutates: insert the computed part into the tree and move the request's lock forward.
+
+        Afterwards `prefix_indices` = tree part + the unaligned private tail, `cache_protected_len`
+        = the tree part. Returns a remap when the tree already held part of what the request
+        computed (its duplicate slots are freed; the worker must read the tree's copies instead).
+        """
+        kv_len = req.kv_committed_len
+        row = self.row(req)
+        if self.disabled:
+            req.prefix_indices = row[:kv_len].copy()
+            return None
+        aligned = kv_len // self.page_size * self.page_size
+        tokens = req.fill_ids[:aligned]
+        old_protected = req.cache_protected_len
+        prefix_len = self.tree.insert(tokens, row[:aligned].copy(), chunked=chunked)
+        self._free(row[old_protected:prefix_len].copy())
+        match = self.tree.match_prefix(tokens)
+        new_indices = match.indices
+        remap = None
+        if prefix_len > old_protected:
+            remap = Remap(req.handle, old_protected, new_indices[old_protected:prefix_len].copy())
+        row[old_protected : len(new_indices)] = new_indices[old_protected:]
+        self.dec_lock(req.last_node)
+        self.inc_lock(match.last_node)
+        req.cache_protected_len = len(new_indices)
+        req.prefix_indices = row[:kv_len].copy()
+        req.last_node = match.last_node
+        return remap
+
+    def release_req(self, req: Request, remaining: int, retract_decode_steps: int) -> None:
+        """Mutates: release a retracted or preempted request without inserting its KV (§6.4)."""
+        self.cache_finished_req(req, insert=False)
+        self.evict_for(remaining * retract_decode_steps)
+
+    def release_aborted(self, req: Request) -> None:
+        """Mutates: free an aborted request's KV (nothing inserted; its lock released)."""
+        if req.req_pool_idx >= 0:
+            self.cache_finished_req(req, insert=False)
+        else:
+            self.dec_lock(req.last_node)
+
+    def _free(self, slots: np.ndarray) -> None:
+        if len(slots):
+            self.allocator.free(slots)
+
+    def _release_row(self, req: Request) -> None:
+        if req.req_pool_idx >= 0:
+            self._free_rows.append(req.req_pool_idx)
+            req.req_pool_idx = -1

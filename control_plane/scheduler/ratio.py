@@ -1,0 +1,44 @@
+"""The new-token-ratio tracker (SCHEDULER.md §5).
+
+The ratio is the fraction of each running request's remaining `max_new_tokens` that admission
+reserves. It starts conservative, decays linearly toward a floor on every decode step that did not
+retract, jumps to a fresh estimate after a retraction, and resets when the scheduler goes idle.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from control_plane.config import SchedulerConfig
+from control_plane.request import Request
+
+
+@dataclass(slots=True)
+class NewTokenRatioTracker:
+    init: float
+    min: float
+    decay: float
+    current: float
+
+    @classmethod
+    def from_config(cls, config: SchedulerConfig) -> NewTokenRatioTracker:
+        init = min(config.init_new_token_ratio * config.schedule_conservativeness, 1.0)
+        floor = min(init * config.min_new_token_ratio_factor, 1.0)
+        decay = (init - floor) / config.new_token_ratio_decay_steps
+        return cls(init=init, min=floor, decay=decay, current=init)
+
+    def decay_step(self) -> None:
+        self.current = max(self.current - self.decay, self.min)
+
+    def reset(self) -> None:
+        self.current = self.init
+
+    def estimate_after_retract(self, kept: Iterable[Request], retract_decode_steps: int) -> float:
+        """(Σ generated + steps·n) / (Σ max_new_tokens + 1) over the kept requests, capped at 1."""
+        generated = total = n = 0
+        for req in kept:
+            generated += len(req.output_ids)
+            total += req.max_new_tokens
+            n += 1
+        return min(1.0, (generated + retract_decode_steps * n) / (total + 1))

@@ -1,0 +1,165 @@
+"""`stepwise up`: a control plane and N workers as child processes, stopped together.
+
+Every flag given to `up` is passed on to the child that knows it (both when both do). Children
+die with the parent (PR_SET_PDEATHSIG), and Ctrl-C / SIGTERM stop them all: no orphans.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from clients.client import StepwiseClient
+
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def split_flags(
+    argv: Sequence[str], control: argparse.ArgumentParser, worker: argparse.ArgumentParser
+) -> tuple[list[str], list[str]]:
+    """Route each `--flag [value...]` group to the parser(s) that define it."""
+    control_opts = set(control._option_string_actions)
+    worker_opts = set(worker._option_string_actions)
+    to_control: list[str] = []
+    to_worker: list[str] = []
+    group: list[str] = []
+
+    def flush() -> None:
+        if not group:
+            return
+        name = group[0].split("=", 1)[0]
+        if name not in control_opts and name not in worker_opts:
+            raise SystemExit(f"stepwise up: unknown flag {name}")
+        if name in control_opts:
+            to_control.extend(group)
+        if name in worker_opts:
+            to_worker.extend(group)
+        group.clear()
+
+    for token in argv:
+        if token.startswith("-") and not _is_number(token):
+            flush()
+        elif not group:
+            raise SystemExit(f"stepwise up: unexpected argument {token!r}")
+        group.append(token)
+    flush()
+    return to_control, to_worker
+
+
+def _is_number(token: str) -> bool:
+    try:
+        float(token)
+    except ValueError:
+        return False
+    return True
+
+
+class Stack:
+    """The child processes of one `up`."""
+
+    def __init__(self, control_args: list[str], worker_args: list[str], workers: int) -> None:
+        self.control_args = control_args
+        self.worker_args = worker_args
+        self.workers = workers
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.address = ""
+        self._tmp = tempfile.TemporaryDirectory(prefix="stepwise-up-")
+
+    def _spawn(self, args: list[str]) -> subprocess.Popen[bytes]:
+        proc = subprocess.Popen([sys.executable, "-m", "stepwise.cli", *args], preexec_fn=_die_with_parent)
+        self.procs.append(proc)
+        return proc
+
+    async def start(self, timeout: float = 120.0) -> str:
+        ready = Path(self._tmp.name) / "ready.json"
+        control = self._spawn(["control", *self.control_args, "--ready-file", str(ready)])
+        deadline = time.monotonic() + timeout
+        while not ready.exists():
+            if control.poll() is not None:
+                raise RuntimeError(f"control plane exited with code {control.returncode}")
+            if time.monotonic() > deadline:
+                raise TimeoutError("control plane did not start")
+            await asyncio.sleep(0.05)
+        ports = json.loads(ready.read_text())
+        for i in range(self.workers):
+            self._spawn(
+                [
+                    "worker",
+                    *self.worker_args,
+                    "--control",
+                    f"127.0.0.1:{ports['worker_port']}",
+                    "--worker-id",
+                    f"worker-{i}",
+                ]
+            )
+        self.address = f"127.0.0.1:{ports['port']}"
+        await self._wait_workers(deadline)
+        return self.address
+
+    async def _wait_workers(self, deadline: float) -> None:
+        async with StepwiseClient(self.address) as client:
+            await client.wait_ready(max(deadline - time.monotonic(), 1.0))
+            while len((await client.server_info()).workers) < self.workers:
+                self._check_alive()
+                if time.monotonic() > deadline:
+                    raise TimeoutError("workers did not attach")
+                await asyncio.sleep(0.1)
+
+    def _check_alive(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is not None:
+                raise RuntimeError(f"child {proc.pid} exited with code {proc.returncode}")
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM workers then the control plane; SIGKILL whatever is left after the timeout."""
+        for proc in reversed(self.procs):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for proc in self.procs:
+            try:
+                proc.wait(max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self._tmp.cleanup()
+
+
+async def run_up(stack: Stack) -> int:
+    """Start, print the address, then wait for a signal or a child's exit; stop everything."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        address = await stack.start()
+        print(
+            f"stepwise is up: client address {address} ({stack.workers} worker(s)); Ctrl-C stops it",
+            flush=True,
+        )
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), 0.5)
+            if any(p.poll() is not None for p in stack.procs):
+                print("stepwise up: a child process exited; stopping", file=sys.stderr)
+                return 1
+        return 0
+    finally:
+        stack.stop()
+        os.environ.pop("STEPWISE_UP", None)

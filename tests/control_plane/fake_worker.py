@@ -1,0 +1,121 @@
+"""A worker stand-in that checks the control plane's slot bookkeeping as it runs plans.
+
+It keeps a "KV pool" where each slot holds the (token, position) written to it, and a slot table per
+sequence, exactly as a real worker would. Every forward reads each sequence's whole context back
+through its slot table and fails loudly if any slot holds the wrong token or position: a slot
+freed while still referenced, a wrong prefix, or a bad remap shows up at once. The next token is a
+hash of the context read back, so outputs depend only on the sequence's content: batching, chunking
+and retraction must not change them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from control_plane.scheduler.plan import KvReport, StepPlan, StepResult
+
+
+class KvCorruption(AssertionError):
+    pass
+
+
+@dataclass
+class _Seq:
+    slots: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    last: int = -1
+
+
+def next_token(context: list[int], vocab: int, eos: int | None, eos_every: int) -> int:
+    """Deterministic in the context alone; EOS after roughly every `eos_every` tokens if given."""
+    digest = hashlib.blake2b(np.asarray(context, dtype=np.int64).tobytes(), digest_size=8).digest()
+    value = int.from_bytes(digest, "little")
+    if eos is not None and eos_every > 0 and value % eos_every == 0:
+        return eos
+    token = value % vocab
+    return token if token != eos else (token + 1) % vocab
+
+
+class FakeWorker:
+    def __init__(self, capacity: int, vocab: int = 1000, eos: int | None = None, eos_every: int = 0) -> None:
+        self.capacity = capacity
+        self.vocab = vocab
+        self.eos = eos
+        self.eos_every = eos_every
+        self.pool: dict[int, tuple[int, int]] = {}
+        self.seqs: dict[int, _Seq] = {}
+
+    def run(self, plan: StepPlan) -> StepResult:
+        for handle in plan.releases.tolist():
+            del self.seqs[handle]
+        for remap in plan.remaps:
+            seq = self.seqs[remap.handle]
+            for i, slot in enumerate(remap.slots.tolist()):
+                seq.slots[remap.start + i] = slot
+        for new in plan.new_seqs:
+            assert new.handle not in self.seqs, f"handle {new.handle} introduced twice"
+            self.seqs[new.handle] = _Seq(slots=new.prefix_slots.tolist())
+        handles: list[int] = []
+        tokens: list[int] = []
+        self._extends(plan, handles, tokens)
+        self._decodes(plan, handles, tokens)
+        return StepResult(
+            step_id=plan.step_id,
+            handles=np.asarray(handles, dtype=np.int64),
+            token_ids=np.asarray(tokens, dtype=np.int32),
+            kv=KvReport(
+                live_seqs=len(self.seqs),
+                seq_slots=sum(len(s.slots) for s in self.seqs.values()),
+                capacity_tokens=self.capacity,
+            ),
+        )
+
+    def _write(self, seq: _Seq, slot: int, token: int, pos: int) -> None:
+        assert 0 <= slot < self.capacity, f"slot {slot} outside the pool"
+        assert len(seq.slots) == pos, f"write at position {pos} but the table holds {len(seq.slots)}"
+        self.pool[slot] = (token, pos)
+        seq.slots.append(slot)
+
+    def _read_context(self, handle: int) -> list[int]:
+        seq = self.seqs[handle]
+        context = []
+        for pos, slot in enumerate(seq.slots):
+            token, written_pos = self.pool.get(slot, (-1, -1))
+            if written_pos != pos:
+                raise KvCorruption(
+                    f"handle {handle}: slot {slot} holds position {written_pos}, expected {pos}"
+                )
+            context.append(token)
+        return context
+
+    def _extends(self, plan: StepPlan, handles: list[int], tokens: list[int]) -> None:
+        ext = plan.extends
+        offset = 0
+        for i, handle in enumerate(ext.handles.tolist()):
+            seq = self.seqs[handle]
+            start, n = int(ext.starts[i]), int(ext.lens[i])
+            assert start == len(seq.slots), (
+                f"extend of {handle} starts at {start}, table has {len(seq.slots)}"
+            )
+            for j in range(n):
+                self._write(seq, int(ext.slots[offset + j]), int(ext.token_ids[offset + j]), start + j)
+            offset += n
+            if ext.sample[i]:
+                token = next_token(self._read_context(handle), self.vocab, self.eos, self.eos_every)
+                seq.last = token
+                handles.append(handle)
+                tokens.append(token)
+
+    def _decodes(self, plan: StepPlan, handles: list[int], tokens: list[int]) -> None:
+        dec = plan.decodes
+        for handle, slot in zip(dec.handles.tolist(), dec.slots.tolist(), strict=True):
+            seq = self.seqs[handle]
+            assert seq.last >= 0, f"decode of {handle} before any sampled token"
+            self._write(seq, slot, seq.last, len(seq.slots))
+            token = next_token(self._read_context(handle), self.vocab, self.eos, self.eos_every)
+            seq.last = token
+            handles.append(handle)
+            tokens.append(token)
