@@ -1,0 +1,93 @@
+"""Attention over the paged KV pool for a ragged batch, without a Python loop over sequences.
+
+A step's tokens are laid out flat (extend tokens of every entry, then one token per decode). For
+attention they are split into groups (extends, decodes) so that one long prompt does not pad a
+batch of single-token decodes. Inside a group, queries are scattered into a padded
+[B, Qmax] layout, each sequence's keys are gathered from the pool by its slot table into
+[B, Lmax], and one `scaled_dot_product_attention` call (GQA-aware) does the work. The slot table
+lists slots in position order, so "causal" is simply key index <= query position; which slot ids
+arrive (page size 1, 4, 16, scrambled) does not matter to the gather.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionGroup:
+    """Index tensors for one padded attention call over flat tokens [token_start, token_start+count)."""
+
+    token_start: int
+    token_count: int
+    batch: int
+    max_queries: int
+    # [count] position of each flat token in the row-major padded [batch * max_queries] layout.
+    pad_index: torch.Tensor
+    # [batch, max_keys] pool slot of each key; padding repeats the row's first slot (always written).
+    key_slots: torch.Tensor
+    # [batch, 1, max_queries, max_keys] True where the query may attend to the key.
+    mask: torch.Tensor
+
+
+def build_group(
+    token_start: int,
+    q_lens: np.ndarray,
+    kv_lens: np.ndarray,
+    slot_rows: np.ndarray,
+    device: torch.device,
+) -> AttentionGroup:
+    """Describe one attention group.
+
+    `q_lens[b]` new tokens of sequence b sit at positions kv_lens[b]-q_lens[b] .. kv_lens[b]-1 and
+    are contiguous in the flat layout starting at `token_start`; `slot_rows[b, :kv_lens[b]]` are
+    its slots (already including the new tokens'). Requires every q_len >= 1.
+    """
+    batch = len(q_lens)
+    max_queries = int(q_lens.max())
+    max_keys = int(kv_lens.max())
+    query_ids = np.arange(max_queries)[None, :]
+    valid = query_ids < q_lens[:, None]
+    # Padded queries sit at position 0: they see key 0 only, never a NaN row; their output is dropped.
+    q_pos = np.where(valid, (kv_lens - q_lens)[:, None] + query_ids, 0)
+    mask = np.arange(max_keys)[None, None, :] <= q_pos[:, :, None]
+    key_ids = np.arange(max_keys)[None, :]
+    key_slots = np.where(key_ids < kv_lens[:, None], slot_rows[:, :max_keys], slot_rows[:, :1])
+    return AttentionGroup(
+        token_start=token_start,
+        token_count=int(q_lens.sum()),
+        batch=batch,
+        max_queries=max_queries,
+        pad_index=torch.from_numpy(np.flatnonzero(valid)).to(device),
+        key_slots=torch.from_numpy(key_slots.astype(np.int64)).to(device),
+        mask=torch.from_numpy(mask[:, None]).to(device),
+    )
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    group: AttentionGroup,
+    scale: float,
+) -> torch.Tensor:
+    """Attention output [token_count, num_heads * head_dim] for the group's tokens.
+
+    `q` is [token_count, num_heads, head_dim] (already rotated); `k_pool`/`v_pool` are one layer's
+    [capacity, num_kv_heads, head_dim] and must already hold this step's keys and values.
+    """
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    padded = q.new_zeros(group.batch * group.max_queries, num_heads, head_dim)
+    padded[group.pad_index] = q
+    queries = padded.view(group.batch, group.max_queries, num_heads, head_dim).transpose(1, 2)
+    keys = k_pool[group.key_slots].transpose(1, 2)
+    values = v_pool[group.key_slots].transpose(1, 2)
+    out = F.scaled_dot_product_attention(
+        queries, keys, values, attn_mask=group.mask, scale=scale, enable_gqa=True
+    )
+    flat = out.transpose(1, 2).reshape(group.batch * group.max_queries, num_heads * head_dim)
+    return flat[group.pad_index]

@@ -1,0 +1,84 @@
+"""Worker configuration: one frozen object built from flags at the entry point."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import socket
+from dataclasses import dataclass
+
+DEFAULT_CONTROL = "127.0.0.1:50052"
+# On CPU the pool is allocated (and zero-filled) up front, so keep the default modest.
+DEFAULT_CPU_KV_BYTES = 256 * 1024 * 1024
+# On CUDA, the share of free memory (after weights) the KV pool takes when no budget is given.
+CUDA_KV_MEMORY_FRACTION = 0.85
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    """What one worker process runs with; nothing writes to it after start-up."""
+
+    control: str = DEFAULT_CONTROL
+    # A checkpoint directory, already resolved by the caller ("embedded" is the CLI's business).
+    model: pathlib.Path = pathlib.Path(".")
+    # "auto" picks cuda when available, else cpu.
+    device: str = "auto"
+    dtype: str = "auto"
+    # Pool size in tokens; wins over kv_bytes when both are set.
+    kv_tokens: int | None = None
+    kv_bytes: int | None = None
+    page_size: int = 1
+    worker_id: str = ""
+    # Tokens the host (offload) pool may hold; 0 disables offload/restore.
+    host_pool_tokens: int = 0
+    connect_timeout_s: float = 60.0
+
+
+def default_worker_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the worker's flags to `parser` (the `stepwise worker` subcommand calls this)."""
+    parser.add_argument("--control", default=DEFAULT_CONTROL, help="control plane worker address HOST:PORT")
+    parser.add_argument("--model", required=True, type=pathlib.Path, help="checkpoint directory")
+    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
+    parser.add_argument(
+        "--dtype", default="auto", choices=DTYPES, help="auto: float32 on cpu, bfloat16 on cuda"
+    )
+    parser.add_argument("--kv-tokens", type=int, default=None, help="KV pool capacity in tokens")
+    parser.add_argument("--kv-bytes", type=int, default=None, help="KV pool budget in bytes")
+    parser.add_argument(
+        "--page-size", type=int, default=1, help="tokens per KV page (reported to the control plane)"
+    )
+    parser.add_argument("--worker-id", default="", help="default: hostname-pid")
+    parser.add_argument(
+        "--host-pool-tokens", type=int, default=0, help="host offload pool in tokens (0: none)"
+    )
+    parser.add_argument(
+        "--connect-timeout", type=float, default=60.0, help="seconds to keep dialing the control plane"
+    )
+
+
+def config_from_args(ns: argparse.Namespace) -> WorkerConfig:
+    """Build the frozen config from parsed flags; ValueError for values that cannot work."""
+    if ns.page_size < 1:
+        raise ValueError(f"--page-size must be >= 1, got {ns.page_size}")
+    for name in ("kv_tokens", "kv_bytes"):
+        value = getattr(ns, name)
+        if value is not None and value <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
+    return WorkerConfig(
+        control=ns.control,
+        model=pathlib.Path(ns.model),
+        device=ns.device,
+        dtype=ns.dtype,
+        kv_tokens=ns.kv_tokens,
+        kv_bytes=ns.kv_bytes,
+        page_size=ns.page_size,
+        worker_id=ns.worker_id or default_worker_id(),
+        host_pool_tokens=max(0, ns.host_pool_tokens),
+        connect_timeout_s=ns.connect_timeout,
+    )

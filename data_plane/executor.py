@@ -1,0 +1,270 @@
+"""Executes one StepPlan: apply the deltas, run one forward over the ragged batch, sample, report.
+
+The step reads like the protocol: releases, offloads, restores, new sequences, then extends and
+decodes as one forward. A plan that contradicts the worker's state is answered with an error
+string instead of crashing the worker. Plan checks for the forward happen before any slot table
+changes; a failure in releases/offloads/new sequences may leave those earlier deltas applied, so
+the control plane should treat an error result as fatal for the sequences the plan touched.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import structlog
+import torch
+
+from data_plane.attention import AttentionGroup, build_group
+from data_plane.kv_pool import HostCopy, KvPool
+from data_plane.messages import KvReport, KvTransfer, StepPlan, StepResult, TokenLogprobs
+from data_plane.models.llama import ForwardBatch, LlamaModel
+from data_plane.sampler import PenaltyRow, SampleOutput, sample
+from data_plane.state import NO_TOKEN, PlanError, SequenceTable
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedStep:
+    """The forward batch plus who samples from which logits row."""
+
+    batch: ForwardBatch
+    sample_rows: np.ndarray  # table rows, in result order
+    sample_handles: np.ndarray  # uint64, in result order
+
+
+class Executor:
+    """Owns the model, the KV pool, the sequence table and the host pool of one worker."""
+
+    def __init__(
+        self, model: LlamaModel, pool: KvPool, host_pool_tokens: int = 0, seed: int | None = None
+    ) -> None:
+        self.model = model
+        self.pool = pool
+        self.table = SequenceTable(model.config.max_position_embeddings)
+        self.host_pool_tokens = host_pool_tokens
+        self.host: dict[int, HostCopy] = {}
+        self.rng = np.random.default_rng(seed)
+        self.device = model.device
+
+    # ---- the step ----------------------------------------------------------------------------
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        """Run one plan; never raises for a bad plan or a failed forward (see StepResult.error)."""
+        started = time.perf_counter()
+        try:
+            return self._execute(plan, started)
+        except PlanError as exc:
+            return self._error_result(plan, str(exc), started)
+        except Exception as exc:
+            log.exception("step_failed", step_id=plan.step_id)
+            return self._error_result(plan, f"{type(exc).__name__}: {exc}", started)
+
+    def _execute(self, plan: StepPlan, started: float) -> StepResult:
+        prepared = self._apply(plan)
+        if prepared is None:
+            return self._result(plan.step_id, np.zeros(0, np.uint64), np.zeros(0, np.int64), (), started)
+        logits = self.model.forward(prepared.batch, self.pool)
+        output = self._sample(logits, prepared.sample_rows)
+        self.table.last_token[prepared.sample_rows] = output.token_ids
+        ones = np.ones(len(prepared.sample_rows), dtype=np.int64)
+        self.table.extend_history(prepared.sample_rows, ones, output.token_ids)
+        return self._result(plan.step_id, prepared.sample_handles, output.token_ids, output.logprobs, started)
+
+    def forward_logits(self, plan: StepPlan) -> torch.Tensor:
+        """Apply a plan and return its sampling rows' logits without sampling (for tests and replay)."""
+        prepared = self._apply(plan)
+        if prepared is None:
+            return torch.zeros(0, self.model.config.vocab_size)
+        return self.model.forward(prepared.batch, self.pool)
+
+    def kv_report(self) -> KvReport:
+        return KvReport(
+            live_seqs=self.table.live_seqs - len(self.host),
+            seq_slots=self.table.seq_slots,
+            capacity_tokens=self.pool.capacity,
+            device_mem_used_bytes=self._device_mem_used(),
+            host_seqs=len(self.host),
+        )
+
+    # ---- deltas ------------------------------------------------------------------------------
+
+    def _apply(self, plan: StepPlan) -> PreparedStep | None:
+        """Apply every delta in protocol order; None when the plan has no forward work."""
+        self._check_slots(plan)
+        self._release(plan.release_handles)
+        self._offload(plan.offloads)
+        self._restore(plan.restores)
+        for seq in plan.new_seqs:
+            self.table.add(seq.handle, seq.sampler, seq.prefix_slots, seq.history_ids)
+        return self._prepare(plan)
+
+    def _check_slots(self, plan: StepPlan) -> None:
+        arrays = [plan.extends.slots, plan.decodes.slots]
+        arrays += [s.prefix_slots for s in plan.new_seqs]
+        arrays += [t.slots for t in (*plan.offloads, *plan.restores)]
+        for slots in arrays:
+            if len(slots) and (int(slots.min()) < 0 or int(slots.max()) >= self.pool.capacity):
+                raise PlanError(f"slot id out of range [0, {self.pool.capacity})")
+
+    def _release(self, handles: np.ndarray) -> None:
+        for handle in handles.tolist():
+            self.host.pop(handle, None)
+            self.table.remove(handle)
+
+    def _offload(self, transfers: tuple[KvTransfer, ...]) -> None:
+        """Copy each sequence's KV to the host pool; its device slot table becomes empty."""
+        for t in transfers:
+            if t.handle in self.host:
+                raise PlanError(f"handle {t.handle} is already offloaded")
+            self.table.row(t.handle)
+            if self._host_tokens() + len(t.slots) > self.host_pool_tokens:
+                raise PlanError(
+                    f"host pool full ({self.host_pool_tokens} tokens) offloading handle {t.handle}"
+                )
+            self.host[t.handle] = self.pool.copy_out(self._slot_tensor(t.slots))
+            self.table.replace_slots(t.handle, np.zeros(0, dtype=np.int64))
+
+    def _restore(self, transfers: tuple[KvTransfer, ...]) -> None:
+        """Copy saved KV into the named device slots, which become the sequence's slot table."""
+        for t in transfers:
+            saved = self.host.get(t.handle)
+            if saved is None:
+                raise PlanError(f"handle {t.handle} has nothing in the host pool to restore")
+            if saved.tokens != len(t.slots):
+                raise PlanError(
+                    f"handle {t.handle}: restore names {len(t.slots)} slots, saved {saved.tokens}"
+                )
+            self.pool.copy_in(self._slot_tensor(t.slots), saved)
+            self.table.replace_slots(t.handle, t.slots)
+            del self.host[t.handle]
+
+    def _host_tokens(self) -> int:
+        return sum(copy.tokens for copy in self.host.values())
+
+    def _slot_tensor(self, slots: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(slots.astype(np.int64)).to(self.device)
+
+    # ---- batch building ----------------------------------------------------------------------
+
+    def _prepare(self, plan: StepPlan) -> PreparedStep | None:
+        """Check the extends/decodes, append their slots to the tables, and lay out the forward."""
+        ext, dec = plan.extends, plan.decodes
+        if len(ext.handles) == 0 and len(dec.handles) == 0:
+            return None
+        ext_rows, dec_rows = self._check_work(plan)
+        self.table.extend_history(ext_rows, ext.lens, ext.token_ids)
+        ext_positions = self.table.append_slots(ext_rows, ext.lens, ext.slots)
+        dec_ones = np.ones(len(dec_rows), dtype=np.int64)
+        dec_positions = self.table.append_slots(dec_rows, dec_ones, dec.slots)
+        num_ext_tokens = len(ext.token_ids)
+        groups = tuple(
+            group
+            for group in (
+                self._group(0, ext.lens, ext_rows),
+                self._group(num_ext_tokens, dec_ones, dec_rows),
+            )
+            if group is not None
+        )
+        sample_mask = ext.sample.astype(bool)
+        sample_index = np.concatenate(
+            ((np.cumsum(ext.lens) - 1)[sample_mask], num_ext_tokens + np.arange(len(dec_rows)))
+        )
+        batch = ForwardBatch(
+            token_ids=self._tensor(np.concatenate((ext.token_ids, self.table.last_token[dec_rows]))),
+            positions=self._tensor(np.concatenate((ext_positions, dec_positions))),
+            write_slots=self._tensor(np.concatenate((ext.slots, dec.slots))),
+            groups=groups,
+            sample_index=self._tensor(sample_index),
+        )
+        return PreparedStep(
+            batch=batch,
+            sample_rows=np.concatenate((ext_rows[sample_mask], dec_rows)),
+            sample_handles=np.concatenate((ext.handles[sample_mask], dec.handles)).astype(np.uint64),
+        )
+
+    def _check_work(self, plan: StepPlan) -> tuple[np.ndarray, np.ndarray]:
+        """Rows of the extend and decode entries; PlanError (before any change) if inconsistent."""
+        ext, dec = plan.extends, plan.decodes
+        n = len(ext.handles)
+        columns_agree = len(ext.starts) == len(ext.lens) == len(ext.sample) == n
+        if not columns_agree or len(dec.slots) != len(dec.handles):
+            raise PlanError("extend/decode columns have different lengths")
+        if n and int(ext.lens.min()) < 1:
+            raise PlanError("an extend entry has no tokens")
+        if not int(ext.lens.sum()) == len(ext.token_ids) == len(ext.slots):
+            raise PlanError("extend lens do not match token_ids/slots")
+        ext_rows, dec_rows = self.table.rows(ext.handles), self.table.rows(dec.handles)
+        all_rows = np.concatenate((ext_rows, dec_rows))
+        if len(np.unique(all_rows)) != len(all_rows):
+            raise PlanError("a handle appears more than once in extends/decodes")
+        self._check_not_offloaded(np.concatenate((ext.handles, dec.handles)))
+        mismatch = np.flatnonzero(self.table.lengths[ext_rows] != ext.starts)
+        if len(mismatch):
+            i = int(mismatch[0])
+            have = int(self.table.lengths[ext_rows[i]])
+            raise PlanError(
+                f"extend of handle {ext.handles[i]} starts at {ext.starts[i]}, worker holds {have}"
+            )
+        no_token = np.flatnonzero(self.table.last_token[dec_rows] == NO_TOKEN)
+        if len(no_token):
+            raise PlanError(f"decode of handle {dec.handles[no_token[0]]} before any token was sampled")
+        return ext_rows, dec_rows
+
+    def _check_not_offloaded(self, handles: np.ndarray) -> None:
+        if self.host:
+            for handle in handles.tolist():
+                if handle in self.host:
+                    raise PlanError(f"handle {handle} is offloaded; restore it first")
+
+    def _group(self, token_start: int, q_lens: np.ndarray, rows: np.ndarray) -> AttentionGroup | None:
+        if len(rows) == 0:
+            return None
+        kv_lens = self.table.lengths[rows]
+        slot_rows = self.table.slots[rows, : int(kv_lens.max())]
+        return build_group(token_start, q_lens, kv_lens, slot_rows, self.device)
+
+    def _tensor(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64)).to(self.device)
+
+    # ---- sampling and results ----------------------------------------------------------------
+
+    def _sample(self, logits: torch.Tensor, rows: np.ndarray) -> SampleOutput:
+        penalties = [
+            PenaltyRow(index=i, params=self.table.params(row), history=history)
+            for i, row in enumerate(rows.tolist())
+            if (history := self.table.history(row)) is not None
+        ]
+        # Slot tables already include this step's tokens, so the sampled token's position is the length.
+        positions = self.table.lengths[rows]
+        return sample(logits, self.table.sampler_columns(rows), positions, penalties, self.rng)
+
+    def _result(
+        self,
+        step_id: int,
+        handles: np.ndarray,
+        token_ids: np.ndarray,
+        logprobs: tuple[TokenLogprobs, ...],
+        started: float,
+        error: str = "",
+    ) -> StepResult:
+        return StepResult(
+            step_id=step_id,
+            handles=handles,
+            token_ids=token_ids,
+            kv=self.kv_report(),
+            forward_s=time.perf_counter() - started,
+            logprobs=logprobs,
+            error=error,
+        )
+
+    def _error_result(self, plan: StepPlan, message: str, started: float) -> StepResult:
+        empty_handles, empty_tokens = np.zeros(0, np.uint64), np.zeros(0, np.int64)
+        return self._result(plan.step_id, empty_handles, empty_tokens, (), started, message or "step failed")
+
+    def _device_mem_used(self) -> int:
+        if self.device.type == "cuda":
+            return int(torch.cuda.memory_allocated(self.device))
+        return self.model.weight_bytes + self.pool.nbytes

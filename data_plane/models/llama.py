@@ -1,0 +1,175 @@
+"""A Llama-family decoder written directly over the checkpoint's tensors and the paged KV pool.
+
+Numerics follow transformers' LlamaForCausalLM (RMSNorm in float32, rotate-half rotary with
+cos/sin computed in float32, SwiGLU), so float32 logits match it to ~1e-6. Q/K/V and gate/up
+projections are fused into one matmul each; that changes only float summation order.
+"""
+
+from __future__ import annotations
+
+import math
+import pathlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from data_plane.attention import AttentionGroup, paged_attention
+from data_plane.kv_pool import KvPool
+from data_plane.models.loader import (
+    ModelConfig,
+    ModelLoadError,
+    RopeConfig,
+    load_tensors,
+    read_model_config,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardBatch:
+    """One step's flat tokens and how they attend; built by the executor from plan deltas."""
+
+    # [T] input token ids, their positions, and the pool slot each token's K/V is written to.
+    token_ids: torch.Tensor
+    positions: torch.Tensor
+    write_slots: torch.Tensor
+    # Cover [0, T) in order, each a contiguous run of flat tokens.
+    groups: tuple[AttentionGroup, ...]
+    # [S] flat indices of the tokens whose logits are needed (rows that sample).
+    sample_index: torch.Tensor
+
+
+@dataclass(frozen=True, slots=True)
+class LayerWeights:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor  # [(H + 2 * Hkv) * D, hidden]
+    o: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    down: torch.Tensor
+
+
+def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
+    """Rotary inverse frequencies (float32, [head_dim / 2]), with llama3 long-context scaling."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (rope.theta**exponents)
+    if rope.rope_type == "llama3":
+        inv_freq = _llama3_scale(inv_freq, rope)
+    return inv_freq
+
+
+def _llama3_scale(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
+    """Llama 3.1 scaling: long wavelengths slowed by `factor`, short kept, a smooth blend between."""
+    low_wavelen = rope.original_max_position / rope.low_freq_factor
+    high_wavelen = rope.original_max_position / rope.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
+    smooth = (rope.original_max_position / wavelen - rope.low_freq_factor) / (
+        rope.high_freq_factor - rope.low_freq_factor
+    )
+    blended = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(is_medium, blended, scaled)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed in float32, cast back before the weight multiply (as transformers does)."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class LlamaModel:
+    """Runs one ragged forward per step over the KV pool. Not thread-safe: one step at a time."""
+
+    def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor], device: torch.device) -> None:
+        self.config = config
+        self.device = device
+        self.embed = _take(tensors, "model.embed_tokens.weight")
+        self.final_norm = _take(tensors, "model.norm.weight")
+        self.lm_head = self.embed if config.tie_word_embeddings else _take(tensors, "lm_head.weight")
+        self.layers = tuple(_layer_weights(tensors, i) for i in range(config.num_layers))
+        self.dtype = self.embed.dtype
+        self.inv_freq = rope_inv_freq(config.rope, config.head_dim).to(device)
+        self.scale = 1.0 / math.sqrt(config.head_dim)
+        self.weight_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+
+    @classmethod
+    def from_dir(cls, model_dir: pathlib.Path, device: torch.device, dtype: torch.dtype) -> LlamaModel:
+        """Load config and weights; ModelLoadError names a missing file, tensor or unsupported setting."""
+        config = read_model_config(model_dir)
+        return cls(config, load_tensors(model_dir, device, dtype), device)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, pool: KvPool) -> torch.Tensor:
+        """Write every token's K/V to its slot and return float32 logits [S, vocab] for sample_index."""
+        hidden = F.embedding(batch.token_ids, self.embed)
+        cos, sin = self._rotary(batch.positions)
+        for index, layer in enumerate(self.layers):
+            hidden = self._layer(index, layer, hidden, cos, sin, batch, pool)
+        last = rms_norm(hidden[batch.sample_index], self.final_norm, self.config.rms_norm_eps)
+        return (last @ self.lm_head.T).float()
+
+    def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+
+    def _layer(
+        self,
+        index: int,
+        w: LayerWeights,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        batch: ForwardBatch,
+        pool: KvPool,
+    ) -> torch.Tensor:
+        cfg = self.config
+        x = rms_norm(hidden, w.input_norm, cfg.rms_norm_eps)
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        q, k, v = (x @ w.qkv.T).split((q_size, kv_size, kv_size), dim=-1)
+        q = q.reshape(-1, cfg.num_heads, cfg.head_dim)
+        k = k.reshape(-1, cfg.num_kv_heads, cfg.head_dim)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        pool.write(index, batch.write_slots, k, v.reshape(-1, cfg.num_kv_heads, cfg.head_dim))
+        attn = self._attention(q, pool.k[index], pool.v[index], batch.groups)
+        hidden = hidden + attn @ w.o.T
+        x = rms_norm(hidden, w.post_norm, cfg.rms_norm_eps)
+        gate, up = (x @ w.gate_up.T).chunk(2, dim=-1)
+        return hidden + (F.silu(gate) * up) @ w.down.T
+
+    def _attention(
+        self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, groups: tuple[AttentionGroup, ...]
+    ) -> torch.Tensor:
+        outputs = [
+            paged_attention(q[g.token_start : g.token_start + g.token_count], k_pool, v_pool, g, self.scale)
+            for g in groups
+        ]
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
+
+
+def _take(tensors: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    if name not in tensors:
+        raise ModelLoadError(f"weights have no tensor {name}")
+    return tensors[name]
+
+
+def _layer_weights(tensors: dict[str, torch.Tensor], i: int) -> LayerWeights:
+    p = f"model.layers.{i}."
+    qkv = [_take(tensors, f"{p}self_attn.{n}_proj.weight") for n in ("q", "k", "v")]
+    gate_up = [_take(tensors, f"{p}mlp.{n}_proj.weight") for n in ("gate", "up")]
+    return LayerWeights(
+        input_norm=_take(tensors, f"{p}input_layernorm.weight"),
+        qkv=torch.cat(qkv, dim=0),
+        o=_take(tensors, f"{p}self_attn.o_proj.weight"),
+        post_norm=_take(tensors, f"{p}post_attention_layernorm.weight"),
+        gate_up=torch.cat(gate_up, dim=0),
+        down=_take(tensors, f"{p}mlp.down_proj.weight"),
+    )

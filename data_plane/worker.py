@@ -1,0 +1,255 @@
+"""The worker process: load the model, dial the control plane, run plans until told to stop.
+
+Loop, as the design reads: dial (with backoff) -> Hello -> Welcome -> for each StepPlan:
+execute, answer with a StepResult carrying the same step_id -> Shutdown ends it.
+
+Exit codes: 0 on Shutdown, SIGTERM or SIGINT; 1 when the stream breaks; 2 when the control plane
+refuses the worker; 3 when the control plane cannot be reached within --connect-timeout; 4 when
+the model cannot be loaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import signal
+import sys
+from dataclasses import dataclass
+
+import grpc
+import structlog
+import torch
+
+from data_plane import codec
+from data_plane.config import CUDA_KV_MEMORY_FRACTION, DEFAULT_CPU_KV_BYTES, WorkerConfig
+from data_plane.config import add_arguments as add_arguments
+from data_plane.config import config_from_args as config_from_args
+from data_plane.executor import Executor
+from data_plane.kv_pool import KvPool, capacity_tokens
+from data_plane.messages import Hello, Shutdown, StepPlan, Welcome
+from data_plane.models.llama import LlamaModel
+from data_plane.models.loader import ModelLoadError, model_fingerprint
+from protos.stepwise.v1 import worker_pb2_grpc
+
+EXIT_OK = 0
+EXIT_STREAM_BROKEN = 1
+EXIT_REFUSED = 2
+EXIT_CONNECT_FAILED = 3
+EXIT_BAD_MODEL = 4
+
+_CHANNEL_OPTIONS = [
+    # Keep redialing quickly while the control plane starts, instead of grpc's default backoff to 120 s.
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+    ("grpc.max_receive_message_length", 256 * 1024 * 1024),
+    ("grpc.max_send_message_length", 256 * 1024 * 1024),
+]
+
+log = structlog.get_logger("data_plane.worker")
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedWorker:
+    executor: Executor
+    hello: Hello
+
+
+class StreamBroken(Exception):
+    """The control plane went away or broke the protocol."""
+
+
+# ---- start-up ----------------------------------------------------------------------------------
+
+
+def configure_logging() -> None:
+    """structlog to stderr: JSON lines when stderr is not a terminal, readable text when it is."""
+    renderer = structlog.dev.ConsoleRenderer() if sys.stderr.isatty() else structlog.processors.JSONRenderer()
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso"),
+            structlog.processors.format_exc_info,
+            renderer,
+        ],
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=True,
+    )
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError(f"--device {name} requested but CUDA is not available")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """auto: float32 on CPU, bfloat16 on CUDA."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def load_worker(config: WorkerConfig) -> LoadedWorker:
+    """Load weights, size and allocate the KV pool, and describe the worker; ModelLoadError on failure."""
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    model = LlamaModel.from_dir(config.model, device, dtype)
+    capacity = capacity_tokens(
+        model.config, dtype, config.kv_tokens, _kv_budget_bytes(config, device), config.page_size
+    )
+    pool = KvPool(model.config, capacity, dtype, device)
+    executor = Executor(model, pool, host_pool_tokens=config.host_pool_tokens)
+    hello = Hello(
+        worker_id=config.worker_id,
+        model_fingerprint=model_fingerprint(config.model),
+        kv_capacity_tokens=capacity,
+        page_size=config.page_size,
+        max_context=model.config.max_position_embeddings,
+        vocab_size=model.config.vocab_size,
+        dtype=str(dtype).removeprefix("torch."),
+        device=str(device),
+        eos_token_ids=model.config.eos_token_ids,
+        host_pool_capacity_tokens=config.host_pool_tokens,
+    )
+    return LoadedWorker(executor, hello)
+
+
+def _kv_budget_bytes(config: WorkerConfig, device: torch.device) -> int:
+    if config.kv_bytes is not None:
+        return config.kv_bytes
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free * CUDA_KV_MEMORY_FRACTION)
+    return DEFAULT_CPU_KV_BYTES
+
+
+# ---- the link ----------------------------------------------------------------------------------
+
+
+async def _dial(config: WorkerConfig) -> grpc.aio.Channel:
+    """A ready channel to the control plane; TimeoutError after connect_timeout_s."""
+    channel = grpc.aio.insecure_channel(config.control, options=_CHANNEL_OPTIONS)
+    try:
+        await asyncio.wait_for(channel.channel_ready(), timeout=config.connect_timeout_s)
+    except BaseException:
+        await channel.close(grace=None)
+        raise
+    return channel
+
+
+async def _read(call: grpc.aio.StreamStreamCall) -> Welcome | StepPlan | Shutdown:
+    msg = await call.read()
+    if msg is grpc.aio.EOF:  # type: ignore[attr-defined]
+        raise StreamBroken("control plane closed the stream")
+    return codec.control_from_proto(msg)  # type: ignore[arg-type]
+
+
+async def _session(worker: LoadedWorker, channel: grpc.aio.Channel) -> int:
+    """Hello, Welcome, then plans until Shutdown. Returns the exit code."""
+    call = worker_pb2_grpc.WorkerLinkStub(channel).Connect()
+    await call.write(codec.hello_to_proto(worker.hello))
+    welcome = await _read(call)
+    if not isinstance(welcome, Welcome):
+        raise StreamBroken(f"expected Welcome, got {type(welcome).__name__}")
+    if not welcome.accepted:
+        log.error("refused", reason=welcome.reason)
+        return EXIT_REFUSED
+    log.info("welcomed")
+    while True:
+        event = await _read(call)
+        if isinstance(event, Shutdown):
+            log.info("shutdown", reason=event.reason)
+            await call.done_writing()
+            return EXIT_OK
+        if isinstance(event, StepPlan):
+            result = await asyncio.to_thread(worker.executor.execute, event)
+            if result.error:
+                log.error("step_error", step_id=result.step_id, error=result.error)
+            await call.write(codec.result_to_proto(result))
+
+
+async def serve(worker: LoadedWorker, config: WorkerConfig) -> int:
+    """Dial, run the session, and map every way it can end to an exit code."""
+    try:
+        channel = await _dial(config)
+    except TimeoutError:
+        log.error("connect_failed", control=config.control, timeout_s=config.connect_timeout_s)
+        return EXIT_CONNECT_FAILED
+    log.info("connected", control=config.control)
+    try:
+        return await _session(worker, channel)
+    except (grpc.aio.AioRpcError, StreamBroken) as exc:
+        log.error("stream_broken", error=_describe(exc))
+        return EXIT_STREAM_BROKEN
+    finally:
+        await channel.close(grace=None)
+
+
+def _describe(exc: Exception) -> str:
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return f"{exc.code().name}: {exc.details()}"
+    return str(exc)
+
+
+async def serve_until_signal(worker: LoadedWorker, config: WorkerConfig) -> int:
+    """`serve`, but SIGTERM/SIGINT cancel it and exit 0 (Kubernetes stops pods with SIGTERM)."""
+    loop = asyncio.get_running_loop()
+    task = asyncio.create_task(serve(worker, config))
+    signalled = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, signalled.set)
+    waiter = asyncio.create_task(signalled.wait())
+    try:
+        await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        log.info("signalled")
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return EXIT_OK
+    finally:
+        waiter.cancel()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+
+
+# ---- entry points ------------------------------------------------------------------------------
+
+
+def run(config: WorkerConfig) -> int:
+    """Blocking entry point for `stepwise worker`: load, connect, serve; returns the exit code."""
+    configure_logging()
+    structlog.contextvars.bind_contextvars(worker_id=config.worker_id)
+    try:
+        worker = load_worker(config)
+    except (ModelLoadError, ValueError) as exc:
+        log.error("model_load_failed", model=str(config.model), error=str(exc))
+        return EXIT_BAD_MODEL
+    hello = worker.hello
+    log.info(
+        "hello",
+        model=str(config.model),
+        fingerprint=hello.model_fingerprint[:16],
+        kv_capacity_tokens=hello.kv_capacity_tokens,
+        device=hello.device,
+        dtype=hello.dtype,
+    )
+    return asyncio.run(serve_until_signal(worker, config))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m data_plane.worker --model DIR [...]` (the same flags as `stepwise worker`)."""
+    parser = argparse.ArgumentParser(prog="python -m data_plane.worker", description=__doc__)
+    add_arguments(parser)
+    return run(config_from_args(parser.parse_args(argv)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
