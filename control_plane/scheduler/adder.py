@@ -242,13 +242,15 @@ class PrefillAdder:
     def preempt_to_schedule(self, req: Request, candidates: Sequence[Request]) -> list[Request] | None:
         """Pick running requests to give way to `req`; None when the preemption is not allowed.
 
-        Candidates must already be ordered least important first. Mutates only the reserved budget.
+        Candidates must already be ordered least important first; those chosen earlier in this pass
+        are skipped (§2.4). Mutates the reserved budget and `preempt_list`.
         """
         sign = 1 if self.limits.low_priority_values_first else -1
         need = (req.seqlen - len(req.prefix_indices)) + min(req.max_new_tokens, 4096) - self.rem_total_tokens
         chosen: list[Request] = []
         new_priority = _priority_or_default(req, sign)
-        for cand in candidates:
+        already = {id(r) for r in self.preempt_list}
+        for cand in (c for c in candidates if id(c) not in already):
             if (new_priority - _priority_or_default(cand, sign)) * (-sign) <= self.limits.priority_threshold:
                 break
             chosen.append(cand)
@@ -259,6 +261,7 @@ class PrefillAdder:
             return None
         for cand in chosen:
             self.rem_total_token_offset -= self.offset(cand)
+        self.preempt_list.extend(chosen)
         return chosen
 
 
