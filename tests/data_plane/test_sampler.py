@@ -1,0 +1,134 @@
+"""Sampler unit tests on synthetic logits: truncation, penalties, logprobs, seeded uniforms."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from data_plane.messages import SamplerParams
+from data_plane.sampler import PenaltyRow, apply_penalties, sample, seeded_uniforms
+from data_plane.state import SamplerColumns
+
+VOCAB = 64
+ROWS = 256
+
+
+def _columns(rows: int, **overrides: object) -> SamplerColumns:
+    """Columns for `rows` identical rows; keyword values override the defaults (temperature 1)."""
+    values: dict[str, object] = dict(temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, seed=None, logprobs=0)
+    values |= overrides
+    seed = values["seed"]
+    return SamplerColumns(
+        temperature=np.full(rows, values["temperature"], dtype=np.float64),
+        top_p=np.full(rows, values["top_p"], dtype=np.float64),
+        top_k=np.full(rows, values["top_k"], dtype=np.int64),
+        min_p=np.full(rows, values["min_p"], dtype=np.float64),
+        has_seed=np.full(rows, seed is not None),
+        seed=np.full(rows, seed or 0, dtype=np.uint64),
+        logprobs=np.full(rows, values["logprobs"], dtype=np.int64),
+    )
+
+
+def _draw(logits: torch.Tensor, seed: int = 0, **overrides: object) -> np.ndarray:
+    rows = logits.shape[0]
+    out = sample(
+        logits.clone(), _columns(rows, **overrides), np.arange(rows), [], np.random.default_rng(seed)
+    )
+    return out.token_ids
+
+
+@pytest.fixture
+def logits() -> torch.Tensor:
+    return torch.randn(ROWS, VOCAB, generator=torch.Generator().manual_seed(0)) * 3
+
+
+def test_greedy_is_argmax(logits: torch.Tensor) -> None:
+    assert (_draw(logits, temperature=0.0) == logits.argmax(-1).numpy()).all()
+
+
+def test_tiny_temperature_is_argmax(logits: torch.Tensor) -> None:
+    assert (_draw(logits, temperature=1e-6) == logits.argmax(-1).numpy()).all()
+
+
+@pytest.mark.parametrize("k", [1, 3, 10])
+def test_top_k_never_leaves_the_k_best(logits: torch.Tensor, k: int) -> None:
+    allowed = logits.topk(k, dim=-1).indices.numpy()
+    for seed in range(5):
+        tokens = _draw(logits, seed=seed, top_k=k, temperature=2.0)
+        assert all(t in row for t, row in zip(tokens, allowed, strict=True))
+
+
+def test_top_p_keeps_the_smallest_nucleus(logits: torch.Tensor) -> None:
+    probs = torch.softmax(logits, dim=-1)
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    mass_before = sorted_probs.cumsum(-1) - sorted_probs
+    tokens = _draw(logits, seed=1, top_p=0.5)
+    for row, token in enumerate(tokens):
+        rank = (order[row] == int(token)).nonzero().item()
+        assert mass_before[row, rank] < 0.5
+
+
+def test_min_p_drops_unlikely_tokens(logits: torch.Tensor) -> None:
+    probs = torch.softmax(logits, dim=-1)
+    tokens = _draw(logits, seed=2, min_p=0.2)
+    chosen = probs[torch.arange(ROWS), torch.from_numpy(tokens)]
+    assert (chosen >= 0.2 * probs.max(-1).values).all()
+
+
+def test_sampling_follows_the_distribution() -> None:
+    logits = torch.log(torch.tensor([[0.7, 0.2, 0.1]])).repeat(4000, 1)
+    counts = np.bincount(_draw(logits, seed=3), minlength=3) / 4000
+    assert np.allclose(counts, [0.7, 0.2, 0.1], atol=0.03)
+
+
+def test_seeded_rows_do_not_depend_on_neighbours(logits: torch.Tensor) -> None:
+    cols = _columns(1, seed=42)
+    alone = sample(logits[5:6].clone(), cols, np.array([17]), [], np.random.default_rng(0)).token_ids
+    many = _columns(ROWS, seed=42)
+    positions = np.full(ROWS, 17)
+    batch = sample(logits.clone(), many, positions, [], np.random.default_rng(9)).token_ids
+    assert batch[5] == alone[0]
+
+
+def test_seeded_uniforms_are_deterministic_and_spread() -> None:
+    seeds = np.full(10000, 7, dtype=np.uint64)
+    u = seeded_uniforms(seeds, np.arange(10000))
+    assert np.array_equal(u, seeded_uniforms(seeds, np.arange(10000)))
+    assert u.min() > 0.0 and u.max() <= 1.0
+    assert abs(u.mean() - 0.5) < 0.02
+
+
+def test_penalties_match_transformers_and_openai_rules() -> None:
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(1))
+    history = [3, 3, 5, 9]
+    expected_rep = RepetitionPenaltyLogitsProcessor(1.3)(torch.tensor([history]), logits[:1].clone())
+    ours = logits.clone()
+    apply_penalties(
+        ours,
+        [
+            PenaltyRow(0, SamplerParams(repetition_penalty=1.3), history),
+            PenaltyRow(1, SamplerParams(frequency_penalty=0.5, presence_penalty=0.25), history),
+        ],
+    )
+    assert torch.allclose(ours[0], expected_rep[0])
+    counts = torch.bincount(torch.tensor(history), minlength=VOCAB).float()
+    assert torch.allclose(ours[1], logits[1] - 0.5 * counts - 0.25 * (counts > 0).float())
+
+
+def test_logprobs_report_sampled_and_top_alternatives(logits: torch.Tensor) -> None:
+    out = sample(
+        logits[:3].clone(),
+        _columns(3, logprobs=4, temperature=0.0),
+        np.arange(3),
+        [],
+        np.random.default_rng(),
+    )
+    reference = torch.log_softmax(logits[:3], dim=-1)
+    assert len(out.logprobs) == 3
+    for row, entry in enumerate(out.logprobs):
+        assert entry.logprob == pytest.approx(reference[row].max().item(), abs=1e-5)
+        assert len(entry.top_ids) == 3
+        assert entry.top_ids[0] == out.token_ids[row]
