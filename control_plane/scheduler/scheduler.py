@@ -187,7 +187,7 @@ class Scheduler:
         ids = list(input_ids)
         error = self.input_length_error(len(ids))
         if error is not None and self.config.allow_auto_truncate:
-            ids, error = ids[: self.max_req_input_len - 1], None
+            ids, error = ids[: self.max_req_input_len], None
         req = Request(rid=rid, origin_input_ids=ids, params=params, arrival_seq=self._tick())
         req.max_new_tokens = clamp_max_new_tokens(
             params.max_new_tokens,
