@@ -7,12 +7,12 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from dp_helpers import Driver, SlotAllocator
 
 from data_plane.executor import Executor
 from data_plane.kv_pool import KvPool
 from data_plane.models.llama import LlamaModel
 from stepwise.embedded import resolve_model
+from tests.data_plane.factories import Driver, SlotAllocator
 
 
 @pytest.fixture(scope="session")

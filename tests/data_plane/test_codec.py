@@ -8,7 +8,6 @@ import pathlib
 
 import numpy as np
 import pytest
-from dp_helpers import Extend, make_plan, new_seq
 
 from data_plane import codec
 from data_plane.config import add_arguments, config_from_args
@@ -23,6 +22,7 @@ from data_plane.messages import (
     Welcome,
 )
 from protos.stepwise.v1 import worker_pb2
+from tests.data_plane.factories import Extend, make_plan, new_seq
 
 
 def assert_same(a: object, b: object) -> None:

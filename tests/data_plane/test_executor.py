@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from dp_helpers import Extend, SlotAllocator, make_plan, new_seq
 
 from data_plane.messages import KvTransfer
+from tests.data_plane.factories import Extend, SlotAllocator, make_plan, new_seq
 
 PROMPT = [11, 22, 33, 44, 55, 66, 77, 88, 99, 111]
 

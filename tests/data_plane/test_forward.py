@@ -7,7 +7,8 @@ import itertools
 import numpy as np
 import pytest
 import torch
-from dp_helpers import Extend, SlotAllocator, hf_next_logits, make_plan, new_seq
+
+from tests.data_plane.factories import Extend, SlotAllocator, hf_next_logits, make_plan, new_seq
 
 FLOAT32_TOLERANCE = 1e-4
 

@@ -6,9 +6,9 @@ import pathlib
 
 import pytest
 import torch
-from dp_helpers import Driver
 
 from data_plane.messages import SamplerParams
+from tests.data_plane.factories import Driver
 
 PROMPTS = (
     "The baker",

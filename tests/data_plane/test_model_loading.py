@@ -8,7 +8,6 @@ import shutil
 
 import pytest
 import torch
-from dp_helpers import Extend, SlotAllocator, hf_next_logits, make_plan, new_seq
 from safetensors.torch import load_file, save_file
 
 from data_plane.executor import Executor
@@ -16,6 +15,7 @@ from data_plane.kv_pool import KvPool
 from data_plane.models.llama import LlamaModel
 from data_plane.models.loader import ModelLoadError, model_fingerprint, read_model_config, weight_files
 from stepwise.embedded import EMBEDDED_DIR, resolve_model
+from tests.data_plane.factories import Extend, SlotAllocator, hf_next_logits, make_plan, new_seq
 
 CPU = torch.device("cpu")
 PROMPT = [17, 300, 42, 999, 5, 64, 128]
