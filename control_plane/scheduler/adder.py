@@ -125,6 +125,10 @@ class PrefillAdder:
 
     def add_one_req(self, req: Request, ignore_eos_path: bool) -> AddReqResult:
         limits = self.limits
+        if self.new_chunked_req is not None:
+            # A newly chunked request is the last one admitted (§3.7): with a chunk budget off the page
+            # grid (mixed chunk) the verdict after it can still be CONTINUE.
+            return AddReqResult.OTHER
         if limits.prefill_max_requests is not None and len(self.can_run_list) >= limits.prefill_max_requests:
             return AddReqResult.OTHER
         if ignore_eos_path:
