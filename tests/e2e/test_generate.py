@@ -1,0 +1,215 @@
+"""End to end over real processes: control plane + worker on the embedded model, real gRPC."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import grpc
+import pytest
+
+from clients.client import StepwiseClient, generate_request, sampling_params
+from control_plane.tokenizer import Tokenizer
+from tests.e2e.conftest import reference_greedy
+
+pytestmark = pytest.mark.timeout(300)
+
+PROMPTS = [
+    "Once upon a time",
+    "The king said",
+    "In the morning the old man walked slowly down to the river, and there he",
+    "She",
+    "It was a dark and stormy night; the rain fell in torrents, except at occasional intervals, when it",
+    "The little bird sang",
+    "And so they travelled on through the forest until",
+    "We",
+]
+MAX_NEW = [24, 17, 31, 9, 40, 12, 28, 20]
+
+
+async def _greedy_all(
+    address: str, prompts: list[list[int]], max_new: list[int], ignore_eos: bool = False
+) -> list[list[int]]:
+    async with StepwiseClient(address) as client:
+        gens = await asyncio.gather(
+            *(
+                client.generate(ids, max_new_tokens=n, temperature=0.0, ignore_eos=ignore_eos)
+                for ids, n in zip(prompts, max_new, strict=True)
+            )
+        )
+    for gen in gens:
+        assert gen.finish_reason in ("stop", "length"), gen
+    return [gen.token_ids for gen in gens]
+
+
+def _encode_all(model_dir: Path) -> tuple[list[list[int]], set[int]]:
+    tok = Tokenizer.from_dir(model_dir)
+    return [tok.encode(p) for p in PROMPTS], set(tok.eos_token_ids)
+
+
+async def _assert_matches_transformers(address: str, model_dir: Path, pressure: bool = False) -> None:
+    """Greedy outputs of all prompts at once equal transformers' generate() for each alone.
+
+    Under `pressure` every prompt is sent twice, ignoring EOS, for 40 tokens: more KV than a small pool
+    holds, so decode has to retract.
+    """
+    prompts, eos = _encode_all(model_dir)
+    max_new = MAX_NEW
+    if pressure:
+        prompts, max_new = prompts * 2, [40] * (2 * len(prompts))
+    got = await _greedy_all(address, prompts, max_new, ignore_eos=pressure)
+    for ids, n, tokens in zip(prompts, max_new, got, strict=True):
+        want = reference_greedy(model_dir, ids, n, eos, ignore_eos=pressure)
+        assert tokens == want, f"prompt of {len(ids)} tokens"
+
+
+async def _books_settle(address: str, timeout: float = 10.0) -> None:
+    """Wait until the control plane's books and the worker's report agree at zero."""
+    async with StepwiseClient(address) as client:
+        deadline = asyncio.get_running_loop().time() + timeout
+        while True:
+            info = await client.server_info()
+            w = info.workers[0]
+            state = (w.book_live_seqs, w.reported_live_seqs, w.book_seq_slots, w.reported_seq_slots)
+            if state == (0, 0, 0, 0):
+                assert w.kv_mismatches == 0
+                return
+            assert asyncio.get_running_loop().time() < deadline, f"books did not settle: {state}"
+            await asyncio.sleep(0.05)
+
+
+async def test_concurrent_greedy_equals_transformers(start_stack, model_dir: Path) -> None:
+    stack = await start_stack()
+    await _assert_matches_transformers(stack.address, model_dir)
+    await _books_settle(stack.address)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("control", "worker"),
+    [
+        (["--chunked-prefill-size", "16"], ["--page-size", "1"]),
+        (["--chunked-prefill-size", "16"], ["--page-size", "4"]),
+        # A small pool and an optimistic admission ratio: decode runs out of KV and must retract.
+        (["--chunked-prefill-size", "16"], ["--kv-tokens", "256"]),
+        (
+            ["--chunked-prefill-size", "16", "--disable-radix-cache"],
+            ["--page-size", "4", "--kv-tokens", "256"],
+        ),
+    ],
+    ids=["chunk16-page1", "chunk16-page4", "small-pool-retract", "small-pool-page4-no-radix"],
+)
+async def test_greedy_under_pressure_equals_transformers(
+    start_stack, model_dir: Path, control: list[str], worker: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pressure = "--kv-tokens" in worker
+    if pressure:
+        monkeypatch.setenv("STEPWISE_INIT_NEW_TOKEN_RATIO", "0.02")
+    stack = await start_stack(control, worker)
+    await _assert_matches_transformers(stack.address, model_dir, pressure)
+    if pressure:
+        async with StepwiseClient(stack.address) as client:
+            info = await client.server_info()
+        assert info.workers[0].retractions > 0, "the small pool was meant to force retractions"
+    await _books_settle(stack.address)
+
+
+@pytest.mark.slow
+async def test_greedy_with_test_retract_equals_transformers(
+    start_stack, model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("STEPWISE_TEST_RETRACT", "1")
+    stack = await start_stack(["--chunked-prefill-size", "16"], ["--page-size", "4"])
+    await _assert_matches_transformers(stack.address, model_dir)
+    async with StepwiseClient(stack.address) as client:
+        info = await client.server_info()
+    assert info.workers[0].retractions > 0
+    await _books_settle(stack.address)
+
+
+async def test_cancel_frees_slots(start_stack) -> None:
+    stack = await start_stack()
+    async with StepwiseClient(stack.address) as client:
+        request = generate_request("Once upon a time", sampling_params(max_new_tokens=400, ignore_eos=True))
+        call = client.stream(request)
+        seen = 0
+        async for response in call:
+            if response.WhichOneof("event") == "chunk":
+                seen += len(response.chunk.token_ids)
+            if seen >= 5:
+                break
+        call.cancel()  # type: ignore[attr-defined]
+        info = await client.server_info()
+        assert info.workers[0].kv_mismatches == 0
+        # The server keeps serving after the cancellation.
+        gen = await client.generate("The king", max_new_tokens=4, temperature=0.0)
+        assert gen.completion_tokens >= 1
+    await _books_settle(stack.address)
+
+
+async def test_abort_by_request_id(start_stack) -> None:
+    stack = await start_stack()
+    async with StepwiseClient(stack.address) as client:
+        task = asyncio.create_task(
+            client.generate("Hello", request_id="victim", max_new_tokens=500, ignore_eos=True)
+        )
+        while not await client.abort("victim"):
+            await asyncio.sleep(0.01)
+        gen = await task
+    assert gen.finish_reason == "abort"
+    assert "Abort" in gen.finish_message
+    await _books_settle(stack.address)
+
+
+BAD_INPUTS = [
+    ({"prompt": ""}, "text"),
+    ({"prompt": []}, "input_ids"),
+    ({"prompt": "x " * 5000}, "Input length"),
+    ({"prompt": [1, 2, 10**6]}, "input_ids"),
+    ({"max_new_tokens": -1}, "sampling.max_new_tokens"),
+    ({"temperature": -0.5}, "sampling.temperature"),
+    ({"top_p": 0.0}, "sampling.top_p"),
+    ({"top_p": 1.5}, "sampling.top_p"),
+    ({"top_k": -1}, "sampling.top_k"),
+]
+
+
+async def test_bad_input_is_invalid_argument_and_others_keep_running(start_stack) -> None:
+    stack = await start_stack()
+    async with StepwiseClient(stack.address) as client:
+        bystander = asyncio.create_task(
+            client.generate("Once upon a time", max_new_tokens=30, ignore_eos=True)
+        )
+        for case, field in BAD_INPUTS:
+            case = dict(case)
+            prompt = case.pop("prompt", "Hello")
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await client.generate(prompt, **case)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, case
+            assert field in (err.value.details() or ""), (case, err.value.details())
+        gen = await bystander
+    assert gen.finish_reason == "length" and gen.completion_tokens == 30
+
+
+async def test_stop_strings_never_leak(start_stack, model_dir: Path) -> None:
+    stack = await start_stack()
+    async with StepwiseClient(stack.address) as client:
+        free = await client.generate("Once upon a time", max_new_tokens=40, temperature=0.0, ignore_eos=True)
+        assert len(free.text) > 6
+        stop = free.text[3:6]
+        gen = await client.generate(
+            "Once upon a time", max_new_tokens=40, temperature=0.0, ignore_eos=True, stop=[stop]
+        )
+    assert gen.finish_reason == "stop"
+    assert stop not in gen.text
+    assert gen.text == free.text[: free.text.index(stop)]
+
+
+async def test_server_info_and_usage(start_stack) -> None:
+    stack = await start_stack()
+    async with StepwiseClient(stack.address) as client:
+        info = await client.server_info()
+        gen = await client.generate([5, 6, 7, 8], max_new_tokens=3, temperature=0.0, ignore_eos=True)
+    assert len(info.workers) == 1 and info.kv_capacity_tokens > 0 and info.max_context > 0
+    assert (gen.prompt_tokens, gen.completion_tokens, gen.finish_reason) == (4, 3, "length")
+    assert gen.total_s >= gen.ttft_s >= gen.queue_s >= 0

@@ -1,0 +1,149 @@
+"""Health follows worker attachment; reflection lists the services; `up` leaves no orphans."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _spawn(*args: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, "-m", "stepwise.cli", *args])
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _wait_file(path: Path, proc: subprocess.Popen[bytes], timeout: float = 60) -> dict[str, int]:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert proc.poll() is None, "control plane exited"
+        assert time.monotonic() < deadline, "control plane did not start"
+        time.sleep(0.05)
+    return json.loads(path.read_text())  # type: ignore[no-any-return]
+
+
+async def _status(address: str) -> int:
+    async with grpc.aio.insecure_channel(address) as channel:
+        reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""))
+        return int(reply.status)
+
+
+async def _wait_status(address: str, want: int, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while (status := await _status(address)) != want:
+        assert time.monotonic() < deadline, f"health stayed {status}, wanted {want}"
+        await asyncio.sleep(0.1)
+
+
+async def test_health_follows_workers_and_reflection_lists_services(tmp_path: Path) -> None:
+    ready = tmp_path / "ready.json"
+    control = _spawn(
+        "control",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--worker-port",
+        "0",
+        "--ready-file",
+        str(ready),
+        "--log-level",
+        "warning",
+    )
+    worker = None
+    try:
+        ports = _wait_file(ready, control)
+        address = f"127.0.0.1:{ports['port']}"
+        assert await _status(address) == health_pb2.HealthCheckResponse.NOT_SERVING
+        worker = _spawn("worker", "--control", f"127.0.0.1:{ports['worker_port']}", "--log-level", "warning")
+        await _wait_status(address, health_pb2.HealthCheckResponse.SERVING)
+        assert "stepwise.v1.Generation" in await _reflected_services(address)
+        _stop(worker)
+        await _wait_status(address, health_pb2.HealthCheckResponse.NOT_SERVING)
+    finally:
+        if worker is not None:
+            _stop(worker)
+        _stop(control)
+
+
+async def _reflected_services(address: str) -> set[str]:
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        request = reflection_pb2.ServerReflectionRequest(list_services="")
+        async for reply in stub.ServerReflectionInfo(iter([request])):
+            return {s.name for s in reply.list_services_response.service}
+    return set()
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(
+        ["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True, check=False
+    )
+    return [int(x) for x in out.stdout.split()]
+
+
+def test_up_stops_every_child_on_sigterm() -> None:
+    up = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "stepwise.cli",
+            "up",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--worker-port",
+            "0",
+            "--workers",
+            "2",
+            "--log-level",
+            "warning",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert up.stdout is not None
+        line = up.stdout.readline()
+        assert "client address 127.0.0.1:" in line, line
+        children = _children(up.pid)
+        assert len(children) == 3
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(30) == 0
+        for pid in children:
+            assert not _alive(pid), f"child {pid} outlived `stepwise up`"
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is dead; it only waits for its parent (gone) to be reaped by init.
+    status = Path(f"/proc/{pid}/status")
+    return status.exists() and "zombie" not in status.read_text()
