@@ -30,7 +30,8 @@ class AttentionGroup:
     pad_index: torch.Tensor
     # [batch, max_keys] pool slot of each key; padding repeats the row's first slot (always written).
     key_slots: torch.Tensor
-    # [batch, 1, max_queries, max_keys] True where the query may attend to the key.
+    # [batch, 1, max_queries, max_keys] additive: 0 where the query may attend to the key, -inf elsewhere.
+    # (An additive mask in the model dtype is about twice as fast as a bool mask in CPU SDPA.)
     mask: torch.Tensor
 
 
@@ -40,6 +41,7 @@ def build_group(
     kv_lens: np.ndarray,
     slot_rows: np.ndarray,
     device: torch.device,
+    dtype: torch.dtype = torch.float32,
 ) -> AttentionGroup:
     """Describe one attention group.
 
@@ -54,7 +56,7 @@ def build_group(
     valid = query_ids < q_lens[:, None]
     # Padded queries sit at position 0: they see key 0 only, never a NaN row; their output is dropped.
     q_pos = np.where(valid, (kv_lens - q_lens)[:, None] + query_ids, 0)
-    mask = np.arange(max_keys)[None, None, :] <= q_pos[:, :, None]
+    allowed = np.arange(max_keys)[None, None, :] <= q_pos[:, :, None]
     key_ids = np.arange(max_keys)[None, :]
     key_slots = np.where(key_ids < kv_lens[:, None], slot_rows[:, :max_keys], slot_rows[:, :1])
     return AttentionGroup(
@@ -64,8 +66,18 @@ def build_group(
         max_queries=max_queries,
         pad_index=torch.from_numpy(np.flatnonzero(valid)).to(device),
         key_slots=torch.from_numpy(key_slots.astype(np.int64)).to(device),
-        mask=torch.from_numpy(mask[:, None]).to(device),
+        mask=_additive_mask(allowed[:, None], device, dtype),
     )
+
+
+def _additive_mask(allowed: np.ndarray, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
+    return mask.masked_fill_(~torch.from_numpy(allowed).to(device), float("-inf"))
+
+
+def _gather(pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """pool[slots] for a 2-D slot matrix; index_select is ~4x faster than advanced indexing on CPU."""
+    return pool.index_select(0, slots.reshape(-1)).view(*slots.shape, *pool.shape[1:])
 
 
 def paged_attention(
@@ -84,8 +96,8 @@ def paged_attention(
     padded = q.new_zeros(group.batch * group.max_queries, num_heads, head_dim)
     padded[group.pad_index] = q
     queries = padded.view(group.batch, group.max_queries, num_heads, head_dim).transpose(1, 2)
-    keys = k_pool[group.key_slots].transpose(1, 2)
-    values = v_pool[group.key_slots].transpose(1, 2)
+    keys = _gather(k_pool, group.key_slots).transpose(1, 2)
+    values = _gather(v_pool, group.key_slots).transpose(1, 2)
     out = F.scaled_dot_product_attention(
         queries, keys, values, attn_mask=group.mask, scale=scale, enable_gqa=True
     )
