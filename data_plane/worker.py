@@ -224,8 +224,12 @@ async def serve_until_signal(worker: LoadedWorker, config: WorkerConfig) -> int:
 
 
 def run(config: WorkerConfig) -> int:
-    """Blocking entry point for `stepwise worker`: load, connect, serve; returns the exit code."""
-    configure_logging()
+    """Blocking entry point for `stepwise worker`: load, connect, serve; returns the exit code.
+
+    Logging is the caller's to configure; if nobody did, JSON/console defaults are set here.
+    """
+    if not structlog.is_configured():
+        configure_logging()
     structlog.contextvars.bind_contextvars(worker_id=config.worker_id)
     try:
         worker = load_worker(config)

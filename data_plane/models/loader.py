@@ -124,6 +124,8 @@ def _rope_config(raw: dict[str, Any]) -> RopeConfig:
         params = dict(raw.get("rope_scaling") or {})
         params.setdefault("rope_theta", raw.get("rope_theta", 10000.0))
     rope_type = str(params.get("rope_type") or params.get("type") or "default")
+    if float(params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))) != 1.0:
+        raise ModelLoadError("unsupported partial_rotary_factor (only full rotary)")
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ModelLoadError(
             f"unsupported rope_type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
