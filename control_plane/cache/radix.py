@@ -145,6 +145,7 @@ class RadixCache:
             else:
                 matched = self._match_len(child_key, tokens, at, end)
             if matched < size:  # the match ends inside `child`
+                self._on_touch(child)  # the lower part keeps the new access time, as in SGLang
                 node = self._split(child, matched, edge)
                 values.append(node.value)
                 break
@@ -166,7 +167,8 @@ class RadixCache:
     ) -> int:
         """Store `key` → `value` (page-aligned; §7.3) and return how many leading tokens were already
         cached. Mutates the tree; the caller still owns `value[:returned]` (duplicates to free) and
-        whatever lies past the page-aligned length. Does not lock anything."""
+        whatever lies past the page-aligned length. Does not lock anything. A disabled cache stores
+        nothing and returns 0: release requests through `cache_finished_req` there."""
         if self.disable:
             return 0
         tokens = as_token_bytes(key)
@@ -196,6 +198,7 @@ class RadixCache:
                 matched = size
             else:
                 matched = self._match_len(child.key, tokens, at, end)
+                self._on_touch(child)  # the lower part keeps the new time, hits and priority
                 child = self._split(child, matched, edge)
             node = child
             at += matched
