@@ -578,7 +578,10 @@ class Scheduler:
 
     def _build_plan(self, batch: ScheduledBatch | None, stats: StepStats) -> StepPlan:
         releases = np.asarray(self._releases, dtype=np.int64)
-        remaps = tuple(self._remaps)
+        # A remap queued for a request released since (retracted, preempted, aborted) is moot: the
+        # worker drops the sequence before it would apply the remap.
+        released = set(self._releases)
+        remaps = tuple(r for r in self._remaps if r.handle not in released)
         self._releases, self._remaps = [], []
         if batch is None:
             return StepPlan(self.step_id, StepKind.DECODE, releases=releases, remaps=remaps)
