@@ -136,7 +136,11 @@ class KvManager:
         return self.available_size() >= need
 
     def alloc_for_decode(self, rows: np.ndarray, seq_lens: np.ndarray) -> np.ndarray:
-        """Mutates: one slot per sequence for position seq_len, written into its row."""
+        """Mutates (may evict): one slot per sequence for position seq_len, written into its row.
+
+        Evicts first like every allocation (SCHEDULER.md §7.6): a mixed step has no decode check.
+        """
+        self.evict_for(self.decode_need(seq_lens))
         last_slots = self.req_to_token[rows, seq_lens - 1]
         slots = self.allocator.alloc_decode_batch(seq_lens, last_slots)
         if slots is None:
