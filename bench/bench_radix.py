@@ -7,6 +7,7 @@ tokens from a ~100k-leaf tree, and batched decode allocation for 256 and 1024 se
 from __future__ import annotations
 
 import argparse
+import gc
 import random
 import sys
 import time
@@ -100,10 +101,19 @@ def bench_match(tree: RadixCache, seqs: list[array], repeats: int) -> None:
     as_list = list(deepest)
     as_numpy = np.array(deepest, dtype=np.int64)
     tree.match_prefix(deepest)
-    print(f"match_prefix, {len(deepest)}-token key, path of {depth} nodes:")
+    print(f"match_prefix, {len(deepest)}-token key, path of {depth} nodes (same key repeated, hot cache):")
     print(f"  array('q') key : {percentiles(time_each(lambda: tree.match_prefix(deepest), repeats))}")
     print(f"  numpy key      : {percentiles(time_each(lambda: tree.match_prefix(as_numpy), repeats))}")
     print(f"  list key       : {percentiles(time_each(lambda: tree.match_prefix(as_list), repeats))}")
+    full = [seq for seq in seqs if len(seq) == KEY_LEN]
+    rng = random.Random(0)
+    cold = [rng.choice(full) for _ in range(repeats)]
+    samples = []
+    for key in cold:  # a different stored key each time: nodes and keys come from cold cache lines
+        start = time.perf_counter_ns()
+        tree.match_prefix(key)
+        samples.append(time.perf_counter_ns() - start)
+    print(f"  random 2k keys : {percentiles(samples)}  (array('q'), cold paths)")
     miss = array("q", [VOCAB + 1]) + deepest[1:]
     print(f"  miss at root   : {percentiles(time_each(lambda: tree.match_prefix(miss), repeats))}")
 
@@ -118,15 +128,16 @@ def _path(tree: RadixCache, key: array) -> list[object]:
 
 
 def bench_insert_split(tree: RadixCache, seqs: list[array], repeats: int, seed: int) -> None:
-    """Each insert shares a random prefix of an existing key and diverges inside a node (mid-turn in
-    the chat tree): one split and one new 16-token leaf."""
+    """Each insert shares a prefix of an existing key that ends inside its last 128 tokens, so it
+    diverges inside a deep node (spread over many paths, so the splits do not pile up on the shared
+    top of the tree): one split and one new 16-token leaf."""
     rng = random.Random(seed)
     alloc = tree.allocator
     assert alloc is not None
     samples = []
     for _ in range(repeats):
         base = rng.choice(seqs)
-        cut = rng.randrange(1, len(base) // tree.page_size) * tree.page_size
+        cut = max(len(base) - rng.randrange(1, TURN), 1) // tree.page_size * tree.page_size
         seq = base[:cut] + array("q", [rng.randrange(VOCAB) for _ in range(16)])
         slots = alloc.alloc(len(seq) - len(seq) % tree.page_size)
         assert slots is not None
@@ -176,11 +187,19 @@ def main() -> None:
     parser.add_argument("--nodes", type=int, default=100_000)
     parser.add_argument("--repeats", type=int, default=2000)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--gc-freeze",
+        action="store_true",
+        help="gc.freeze() after each build (as a server would after warm-up)",
+    )
     args = parser.parse_args()
     for builder in (build_chat_tree, build_random_cut_tree):
         for page_size in (1, 16):
             start = time.perf_counter()
             tree, seqs = builder(args.nodes, page_size, args.seed)
+            if args.gc_freeze:  # keep the cyclic GC from rescanning 100k long-lived nodes
+                gc.collect()
+                gc.freeze()
             nodes = sum(1 for _ in tree.iter_nodes())
             print(f"\n== {builder.__name__}, page_size {page_size}: {nodes} nodes, ", end="")
             print(f"{tree.total_size()} tokens (built in {time.perf_counter() - start:.1f} s)")

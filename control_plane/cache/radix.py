@@ -16,6 +16,7 @@ Eviction keeps the evictable leaves in a heap with lazy invalidation instead of 
 an entry whose key has grown since it was pushed is re-pushed when popped, and a touch that lowers a
 key (mru/filo-style policies) pushes a fresh entry at once. So every current entry's key is ≤ the
 node's true key, which makes the first popped current entry with an up-to-date key the true minimum.
+Stale entries are dropped when popped, and the heap is rebuilt when they outnumber the live ones.
 """
 
 from __future__ import annotations
@@ -251,7 +252,8 @@ class RadixCache:
     def evict(self, num_tokens: int) -> int:
         """Free whole unlocked leaves, cheapest first by the policy, until ≥ `num_tokens` tokens are
         freed or nothing is evictable (§7.6). Mutates the tree and the allocator; returns tokens freed
-        (may overshoot). Costs O(k log n) for k evicted nodes."""
+        (may overshoot). Costs O(k log n) for k evicted nodes, amortised: an entry made stale by an
+        access is re-pushed once, paid for by that access."""
         if self.disable:
             return 0
         victims: list[np.ndarray] = []
