@@ -163,3 +163,47 @@ def test_pressure_forces_real_retractions() -> None:
     assert sched.num_retracted_total > 0
     assert_nothing_leaked(sched)
     assert out.tokens == reference(trace, 0).tokens
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    setup=setups(),
+    trace=traces(),
+    priorities=st.lists(st.integers(0, 40), min_size=10, max_size=10),
+    max_running=st.integers(1, 3),
+    low_first=st.booleans(),
+    by_priority=st.booleans(),
+)
+def test_priority_preemption_keeps_the_books_and_the_outputs(
+    setup: Setup,
+    trace: list[Arrival],
+    priorities: list[int],
+    max_running: int,
+    low_first: bool,
+    by_priority: bool,
+) -> None:
+    trace = [
+        (t, rid, ids, dataclasses.replace(p, priority=priorities[i]))
+        for i, (t, rid, ids, p) in enumerate(trace)
+    ]
+    sched = make_scheduler(
+        capacity=setup.capacity,
+        page_size=setup.page_size,
+        chunked_prefill_size=setup.chunk,
+        disable_radix_cache=not setup.radix,
+        test_retract=setup.test_retract,
+        enable_mixed_chunk=setup.mixed,
+        enable_priority_scheduling=True,
+        schedule_low_priority_values_first=low_first,
+        retraction_policy="priority" if by_priority else "length",
+        max_running_requests=max_running,
+    )
+    out = run(sched, FakeWorker(setup.capacity, eos=EOS, eos_every=setup.eos_every), trace, max_steps=5000)
+    assert set(out.finished) == {rid for _, rid, _, _ in trace}
+    assert_nothing_leaked(sched)
+    expected = reference(trace, setup.eos_every, clamp_like=sched)
+    for rid, reason in out.finished.items():
+        if reason.kind is FinishKind.ABORT:
+            assert reason.code is AbortCode.INVALID or reason.message == OOM_LAST_REQUEST, (rid, reason)
+            continue
+        assert out.tokens[rid] == expected.tokens[rid], rid
