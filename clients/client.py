@@ -51,6 +51,7 @@ def sampling_params(
     repetition_penalty: float | None = None,
     frequency_penalty: float | None = None,
     presence_penalty: float | None = None,
+    n: int | None = None,
 ) -> gen_pb.SamplingParams:
     """Build SamplingParams, leaving unset what the caller did not give (server defaults apply)."""
     msg = gen_pb.SamplingParams(stop=list(stop), stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos)
@@ -64,6 +65,7 @@ def sampling_params(
         "repetition_penalty": repetition_penalty,
         "frequency_penalty": frequency_penalty,
         "presence_penalty": presence_penalty,
+        "n": n,
     }
     for name, value in optional.items():
         if value is not None:
@@ -135,6 +137,17 @@ class StepwiseClient:
         """Run one generation to the end and collect it; `sampling` takes sampling_params()'s arguments."""
         request = generate_request(prompt, sampling_params(**sampling), request_id, routing_key, priority)
         return await collect(self.stream(request))
+
+    async def generate_samples(
+        self, prompt: str | Sequence[int], n: int, request_id: str = "", **sampling: Any
+    ) -> list[Generation]:
+        """n parallel samples of one prompt (one Generate call); returned in index order."""
+        request = generate_request(prompt, sampling_params(n=n, **sampling), request_id)
+        gens = [Generation() for _ in range(n)]
+        async for response in self.stream(request):
+            event = response.chunk if response.WhichOneof("event") == "chunk" else response.finished
+            apply_response(gens[event.index], response)
+        return gens
 
     async def abort(self, request_id: str) -> bool:
         reply = await self.stub.Abort(gen_pb.AbortRequest(request_id=request_id))

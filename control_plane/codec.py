@@ -28,6 +28,7 @@ from protos.stepwise.v1 import generation_pb2 as gen_pb
 from protos.stepwise.v1 import worker_pb2 as wk_pb
 
 PROTOCOL_VERSION = 1
+MAX_SAMPLES = 64
 
 
 class InvalidArgument(ValueError):
@@ -230,6 +231,7 @@ class GenerateInput:
     text: str | None
     input_ids: tuple[int, ...] | None
     params: RequestParams
+    n: int = 1
 
 
 def _opt(msg: object, name: str, default: object) -> object:
@@ -256,6 +258,8 @@ def sampling_from_proto(msg: gen_pb.SamplingParams) -> RequestParams:
     _check(0.0 <= min_p <= 1.0, "sampling.min_p", f"must be in [0, 1], got {min_p}")
     _check(rep > 0.0, "sampling.repetition_penalty", f"must be > 0, got {rep}")
     _check(all(s for s in msg.stop), "sampling.stop", "stop strings must not be empty")
+    n = msg.n if msg.HasField("n") else 1
+    _check(1 <= n <= MAX_SAMPLES, "sampling.n", f"must be in [1, {MAX_SAMPLES}], got {n}")
     _check(all(t >= 0 for t in msg.stop_token_ids), "sampling.stop_token_ids", "token ids must be >= 0")
     sampler = SamplerSpec(
         temperature=temperature,
@@ -293,7 +297,8 @@ def generate_input_from_proto(msg: gen_pb.GenerateRequest) -> GenerateInput:
         priority=priority,
         routing_key=msg.routing_key,
     )
-    return GenerateInput(request_id=msg.request_id, text=text, input_ids=ids, params=params)
+    n = msg.sampling.n if msg.sampling.HasField("n") else 1
+    return GenerateInput(request_id=msg.request_id, text=text, input_ids=ids, params=params, n=n)
 
 
 def check_token_ids(ids: tuple[int, ...] | list[int], vocab_size: int) -> None:
@@ -312,14 +317,14 @@ _FINISH_TO_PROTO = {
 }
 
 
-def chunk_response(request_id: str, token_ids: list[int], text: str) -> gen_pb.GenerateResponse:
-    return gen_pb.GenerateResponse(
-        request_id=request_id, chunk=gen_pb.TokenChunk(token_ids=token_ids, text=text)
-    )
+def chunk_response(request_id: str, index: int, token_ids: list[int], text: str) -> gen_pb.GenerateResponse:
+    chunk = gen_pb.TokenChunk(index=index, token_ids=token_ids, text=text)
+    return gen_pb.GenerateResponse(request_id=request_id, chunk=chunk)
 
 
 def finished_response(
     request_id: str,
+    index: int,
     reason: FinishReason,
     usage: tuple[int, int, int],
     timings: tuple[float, float, float],
@@ -329,6 +334,7 @@ def finished_response(
     return gen_pb.GenerateResponse(
         request_id=request_id,
         finished=gen_pb.Finished(
+            index=index,
             reason=_FINISH_TO_PROTO[reason.kind],
             message=reason.message,
             usage=gen_pb.Usage(prompt_tokens=prompt, cached_tokens=cached, completion_tokens=completion),

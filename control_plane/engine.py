@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -41,12 +42,14 @@ class WorkerChannel(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class Chunk:
+    index: int
     token_ids: tuple[int, ...]
     text: str
 
 
 @dataclass(frozen=True, slots=True)
 class Done:
+    index: int
     reason: FinishReason
     prompt_tokens: int
     cached_tokens: int
@@ -61,13 +64,16 @@ Event = Chunk | Done
 
 @dataclass(slots=True)
 class RequestStream:
-    """The client side of one request: its event queue, text stream and timestamps."""
+    """The client side of one request (one sample): text stream, timestamps, where events go."""
 
     rid: str
+    # The Generate call this sample belongs to (== rid when n == 1).
+    call: str
+    index: int
     prompt_len: int
     text: TextStream
-    events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
-    accepted: asyncio.Future[None] | None = None
+    # Shared by the samples of one Generate call.
+    events: asyncio.Queue[Event]
     arrived: float = field(default_factory=time.monotonic)
     admitted: float | None = None
     first_token: float | None = None
@@ -75,11 +81,23 @@ class RequestStream:
     done: bool = False
 
 
+@dataclass(slots=True)
+class Submission:
+    """One Generate call: its samples' request ids and the queue their events arrive on."""
+
+    rid: str
+    rids: list[str]
+    events: asyncio.Queue[Event]
+    # Resolves once the scheduler has taken (or refused, with QueueFull etc.) every sample.
+    accepted: asyncio.Future[None]
+
+
 @dataclass(frozen=True, slots=True)
 class _Arrival:
-    stream: RequestStream
+    submission: Submission
+    streams: list[RequestStream]
     input_ids: list[int]
-    params: RequestParams
+    params: list[RequestParams]
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +122,8 @@ class Engine:
         self.channel = channel
         self.scheduler = Scheduler(config.scheduler, limits)
         self.streams: dict[str, RequestStream] = {}
+        # Generate call id -> its samples' request ids.
+        self._groups: dict[str, list[str]] = {}
         self._inbox: list[_Arrival | _Abort] = []
         self._wake = asyncio.Event()
         self._stopping = False
@@ -121,30 +141,47 @@ class Engine:
 
     # --- called from request handlers -----------------------------------------------------------
 
-    def submit(self, rid: str, input_ids: list[int], params: RequestParams) -> RequestStream:
-        """Queue an arrival; `stream.accepted` resolves (or raises QueueFull / ValueError) once the
-        scheduler has seen it."""
-        if rid in self.streams:
+    def submit(self, rid: str, input_ids: list[int], params: RequestParams, n: int = 1) -> Submission:
+        """Queue an arrival of n samples (request ids `rid` when n == 1, else `rid/0` ... `rid/n-1`,
+        grouped so they are never partially retracted). `accepted` resolves, or raises QueueFull /
+        RequestRejected / ValueError, once the scheduler has seen it."""
+        rids = [rid] if n == 1 else [f"{rid}/{i}" for i in range(n)]
+        if any(r in self.streams for r in [rid, *rids]) or rid in self._groups:
             raise ValueError(f"request_id {rid!r} is already in use")
-        text = TextStream(self.tokenizer, input_ids, params.stop)
-        stream = RequestStream(rid, len(input_ids), text)
-        stream.accepted = asyncio.get_running_loop().create_future()
-        self.streams[rid] = stream
-        self._inbox.append(_Arrival(stream, input_ids, params))
+        events: asyncio.Queue[Event] = asyncio.Queue()
+        submission = Submission(rid, rids, events, asyncio.get_running_loop().create_future())
+        streams = [
+            RequestStream(
+                r, rid, i, len(input_ids), TextStream(self.tokenizer, input_ids, params.stop), events
+            )
+            for i, r in enumerate(rids)
+        ]
+        for stream in streams:
+            self.streams[stream.rid] = stream
+        self._groups[rid] = rids
+        self._inbox.append(
+            _Arrival(submission, streams, input_ids, [_sample_params(params, i, n, rid) for i in range(n)])
+        )
         self._wake.set()
-        return stream
+        return submission
 
     def abort(self, rid: str, message: str, code: AbortCode = AbortCode.CANCELLED) -> bool:
-        if rid not in self.streams:
-            return False
-        self._inbox.append(_Abort(rid, FinishReason.abort(message, code)))
+        """Abort a Generate call (all its samples) or one sample by its own id."""
+        rids = self._groups.get(rid, [rid] if rid in self.streams else [])
+        live = [r for r in rids if r in self.streams]
+        for r in live:
+            self._inbox.append(_Abort(r, FinishReason.abort(message, code)))
         self._wake.set()
-        return True
+        return bool(live)
+
+    def knows(self, rid: str) -> bool:
+        return rid in self._groups or rid in self.streams
 
     def load(self) -> tuple[int, int]:
         """(queued, running) for routing and server info."""
         sched = self.scheduler
-        return len(sched.waiting) + sum(isinstance(m, _Arrival) for m in self._inbox), len(sched.running)
+        arriving = sum(len(m.streams) for m in self._inbox if isinstance(m, _Arrival))
+        return len(sched.waiting) + arriving, len(sched.running)
 
     def stop(self) -> None:
         self._stopping = True
@@ -213,15 +250,26 @@ class Engine:
                 self._fail_stream(item.rid, item.reason)
 
     def _admit(self, arrival: _Arrival) -> None:
-        stream = arrival.stream
-        assert stream.accepted is not None
+        """Add every sample of a call, or none: a refusal withdraws the samples already queued."""
+        submission = arrival.submission
+        added: list[str] = []
         try:
-            self.scheduler.add_request(stream.rid, arrival.input_ids, arrival.params)
+            for stream, params in zip(arrival.streams, arrival.params, strict=True):
+                self.scheduler.add_request(stream.rid, arrival.input_ids, params)
+                added.append(stream.rid)
         except (QueueFull, RequestRejected, ValueError) as exc:
-            self.streams.pop(stream.rid, None)
-            stream.accepted.set_exception(exc)
+            for rid in added:
+                self.scheduler.abort(rid, FinishReason.abort(str(exc)))
+            self.scheduler.take_updates()
+            self._forget(submission)
+            submission.accepted.set_exception(exc)
             return
-        stream.accepted.set_result(None)
+        submission.accepted.set_result(None)
+
+    def _forget(self, submission: Submission) -> None:
+        for rid in submission.rids:
+            self.streams.pop(rid, None)
+        self._groups.pop(submission.rid, None)
 
     def _fail_stream(self, rid: str, reason: FinishReason) -> None:
         """An abort for a request the scheduler no longer knows (e.g. still in the inbox)."""
@@ -259,7 +307,7 @@ class Engine:
             stream.first_token = now
         stream.completion_tokens += len(token_ids)
         delta = stream.text.push(token_ids)
-        stream.events.put_nowait(Chunk(token_ids, delta.text))
+        stream.events.put_nowait(Chunk(stream.index, token_ids, delta.text))
         if delta.stop is not None:
             # Finished here; its KV is cached and its handle released in the next plan.
             self.scheduler.finish(stream.rid, FinishReason.stop(f"stop string {delta.stop!r}"))
@@ -267,12 +315,13 @@ class Engine:
     def _finish_stream(self, stream: RequestStream, reason: FinishReason, cached_tokens: int = 0) -> None:
         tail = stream.text.finish()
         if tail:
-            stream.events.put_nowait(Chunk((), tail))
+            stream.events.put_nowait(Chunk(stream.index, (), tail))
         now = time.monotonic()
         admitted = stream.admitted if stream.admitted is not None else now
         first = stream.first_token if stream.first_token is not None else now
         stream.events.put_nowait(
             Done(
+                index=stream.index,
                 reason=reason,
                 prompt_tokens=stream.prompt_len,
                 cached_tokens=cached_tokens,
@@ -284,8 +333,9 @@ class Engine:
         )
         stream.done = True
         self.streams.pop(stream.rid, None)
-        if stream.accepted is not None and not stream.accepted.done():
-            stream.accepted.set_result(None)
+        rids = self._groups.get(stream.call)
+        if rids is not None and all(r not in self.streams for r in rids):
+            del self._groups[stream.call]
 
     def _abort_all(self, message: str) -> None:
         for stream in list(self.streams.values()):
@@ -372,3 +422,12 @@ def retraction_line(stats: StepStats) -> str:
     if stats.kv_full:
         line += f", #new_token_ratio: {stats.ratio_before_retract:.4f} -> {stats.new_token_ratio:.4f}"
     return line
+
+
+def _sample_params(params: RequestParams, index: int, n: int, group: str) -> RequestParams:
+    """Sample i of n: seed + i, and a group name so the samples are retracted together or not at all."""
+    if n == 1:
+        return params
+    seed = params.sampler.seed
+    sampler = params.sampler if seed is None else dataclasses.replace(params.sampler, seed=seed + index)
+    return dataclasses.replace(params, sampler=sampler, group=group)

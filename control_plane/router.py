@@ -48,7 +48,7 @@ class Router:
 
     def find(self, rid: str) -> Engine | None:
         for engine in self.engines.values():
-            if rid in engine.streams:
+            if engine.knows(rid):
                 return engine
         return None
 

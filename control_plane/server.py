@@ -17,7 +17,7 @@ from grpc_reflection.v1alpha import reflection
 
 from control_plane import codec
 from control_plane.config import ControlConfig
-from control_plane.engine import Chunk, Engine, WorkerGone
+from control_plane.engine import Chunk, Engine, Event, Submission, WorkerGone
 from control_plane.router import Router
 from control_plane.scheduler.plan import StepPlan, StepResult
 from control_plane.scheduler.scheduler import QueueFull, RequestRejected
@@ -125,23 +125,23 @@ class GenerationService(gen_grpc.GenerationServicer):
     async def Generate(
         self, request: gen_pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[gen_pb.GenerateResponse]:
-        engine, rid, stream = await self._accept(request, context)
-        finished = False
+        engine, submission = await self._accept(request, context)
+        remaining = len(submission.rids)
         try:
-            while True:
-                events = [await stream.events.get()]
-                while not stream.events.empty():
-                    events.append(stream.events.get_nowait())
-                for response in _coalesce(rid, events):
+            while remaining:
+                events = [await submission.events.get()]
+                while not submission.events.empty():
+                    events.append(submission.events.get_nowait())
+                for response in _coalesce(submission.rid, events):
                     yield response
-                    finished = response.WhichOneof("event") == "finished"
-                if finished:
-                    return
+                    remaining -= response.WhichOneof("event") == "finished"
         finally:
-            if not finished:
-                engine.abort(rid, "cancelled by the client")
+            if remaining:
+                engine.abort(submission.rid, "cancelled by the client")
 
-    async def _accept(self, request: gen_pb.GenerateRequest, context: grpc.aio.ServicerContext) -> tuple:
+    async def _accept(
+        self, request: gen_pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> tuple[Engine, Submission]:
         try:
             inp = codec.generate_input_from_proto(request)
         except codec.InvalidArgument as exc:
@@ -163,16 +163,15 @@ class GenerationService(gen_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         rid = inp.request_id or uuid.uuid4().hex
         try:
-            stream = engine.submit(rid, ids, inp.params)
-            assert stream.accepted is not None
-            await stream.accepted
+            submission = engine.submit(rid, ids, inp.params, inp.n)
+            await submission.accepted
         except QueueFull as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except RequestRejected as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except ValueError as exc:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {exc}")
-        return engine, rid, stream
+        return engine, submission
 
     async def Abort(
         self, request: gen_pb.AbortRequest, context: grpc.aio.ServicerContext
@@ -187,30 +186,36 @@ class GenerationService(gen_grpc.GenerationServicer):
         return self.router.server_info(self.config, self.tokenizer, VERSION)
 
 
-def _coalesce(rid: str, events: list) -> list[gen_pb.GenerateResponse]:
-    """Merge consecutive chunks into one message (a slow reader gets fewer, larger messages)."""
+def _coalesce(rid: str, events: list[Event]) -> list[gen_pb.GenerateResponse]:
+    """Merge consecutive chunks of a sample into one message (a slow reader gets fewer, larger ones)."""
     out: list[gen_pb.GenerateResponse] = []
-    ids: list[int] = []
-    text: list[str] = []
+    pending: Chunk | None = None
     for event in events:
         if isinstance(event, Chunk):
-            ids.extend(event.token_ids)
-            text.append(event.text)
+            if pending is not None and pending.index == event.index:
+                pending = Chunk(event.index, pending.token_ids + event.token_ids, pending.text + event.text)
+                continue
+            _flush_chunk(rid, pending, out)
+            pending = event
             continue
-        if ids or any(text):
-            out.append(codec.chunk_response(rid, ids, "".join(text)))
-            ids, text = [], []
+        _flush_chunk(rid, pending, out)
+        pending = None
         out.append(
             codec.finished_response(
                 rid,
+                event.index,
                 event.reason,
                 (event.prompt_tokens, event.cached_tokens, event.completion_tokens),
                 (event.queue_s, event.ttft_s, event.total_s),
             )
         )
-    if ids or any(text):
-        out.append(codec.chunk_response(rid, ids, "".join(text)))
+    _flush_chunk(rid, pending, out)
     return out
+
+
+def _flush_chunk(rid: str, chunk: Chunk | None, out: list[gen_pb.GenerateResponse]) -> None:
+    if chunk is not None and (chunk.token_ids or chunk.text):
+        out.append(codec.chunk_response(rid, chunk.index, list(chunk.token_ids), chunk.text))
 
 
 class ControlPlane:

@@ -20,6 +20,7 @@ from data_plane.messages import (
     NewSequence,
     SamplerParams,
     Shutdown,
+    SlotRemap,
     StepPlan,
     StepResult,
     TokenLogprobs,
@@ -80,6 +81,7 @@ def plan_from_proto(p: worker_pb2.StepPlan) -> StepPlan:
             handles=_array(p.decodes.handles, np.uint64),
             slots=_array(p.decodes.slots, np.int64),
         ),
+        remaps=tuple(SlotRemap(r.handle, r.start, _array(r.slots, np.int64)) for r in p.remaps),
     )
 
 
@@ -89,6 +91,8 @@ def _new_seq_from_proto(s: worker_pb2.NewSequence) -> NewSequence:
         sampler=sampler_from_proto(s.sampler),
         prefix_slots=_array(s.prefix_slots, np.int64),
         history_ids=_array(s.history_ids, np.int64),
+        request_id=s.request_id,
+        sim_output_len=s.sim_output_len,
     )
 
 
@@ -121,6 +125,8 @@ def plan_to_proto(plan: StepPlan) -> worker_pb2.StepPlan:
                 sampler=sampler_to_proto(s.sampler),
                 prefix_slots=s.prefix_slots.tolist(),
                 history_ids=s.history_ids.tolist(),
+                request_id=s.request_id,
+                sim_output_len=s.sim_output_len,
             )
             for s in plan.new_seqs
         ],
@@ -133,6 +139,9 @@ def plan_to_proto(plan: StepPlan) -> worker_pb2.StepPlan:
             slots=e.slots.tolist(),
         ),
         decodes=worker_pb2.DecodeBatch(handles=d.handles.tolist(), slots=d.slots.tolist()),
+        remaps=[
+            worker_pb2.SlotRemap(handle=r.handle, start=r.start, slots=r.slots.tolist()) for r in plan.remaps
+        ],
     )
 
 

@@ -95,6 +95,8 @@ class Executor:
         """Apply every delta in protocol order; None when the plan has no forward work."""
         self._check_slots(plan)
         self._release(plan.release_handles)
+        for remap in plan.remaps:
+            self.table.remap(remap.handle, remap.start, remap.slots)
         self._offload(plan.offloads)
         self._restore(plan.restores)
         for seq in plan.new_seqs:
@@ -105,6 +107,7 @@ class Executor:
         arrays = [plan.extends.slots, plan.decodes.slots]
         arrays += [s.prefix_slots for s in plan.new_seqs]
         arrays += [t.slots for t in (*plan.offloads, *plan.restores)]
+        arrays += [r.slots for r in plan.remaps]
         for slots in arrays:
             if len(slots) and (int(slots.min()) < 0 or int(slots.max()) >= self.pool.capacity):
                 raise PlanError(f"slot id out of range [0, {self.pool.capacity})")

@@ -45,6 +45,9 @@ class NewSequence:
     prefix_slots: np.ndarray = field(default_factory=lambda: _empty(np.int64))
     # Tokens preceding the first extend, used only by penalties.
     history_ids: np.ndarray = field(default_factory=lambda: _empty(np.int64))
+    # The client's request id (stable across a retraction's new handle) and the sim backend's hint.
+    request_id: str = ""
+    sim_output_len: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +75,15 @@ class KvTransfer:
 
 
 @dataclass(frozen=True, slots=True)
+class SlotRemap:
+    """Positions [start, start + len(slots)) of `handle` now read their KV from `slots`."""
+
+    handle: int
+    start: int
+    slots: np.ndarray
+
+
+@dataclass(frozen=True, slots=True)
 class StepPlan:
     step_id: int
     release_handles: np.ndarray = field(default_factory=lambda: _empty(np.uint64))
@@ -80,6 +92,8 @@ class StepPlan:
     new_seqs: tuple[NewSequence, ...] = ()
     extends: ExtendBatch = field(default_factory=ExtendBatch)
     decodes: DecodeBatch = field(default_factory=DecodeBatch)
+    # Applied right after releases.
+    remaps: tuple[SlotRemap, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -115,6 +115,16 @@ class SequenceTable:
         """Make `slots` the whole slot table of `handle` (used by offload and restore)."""
         self._set_slots(self.row(handle), slots)
 
+    def remap(self, handle: int, start: int, slots: np.ndarray) -> None:
+        """Point positions [start, start + len(slots)) at other slots holding the same KV."""
+        row = self.row(handle)
+        end = start + len(slots)
+        if start < 0 or end > self.lengths[row]:
+            raise PlanError(
+                f"handle {handle}: remap of [{start}, {end}) outside its {self.lengths[row]} slots"
+            )
+        self.slots[row, start:end] = slots
+
     def _set_slots(self, row: int, slots: np.ndarray) -> None:
         self.seq_slots += len(slots) - int(self.lengths[row])
         self.slots[row, : len(slots)] = slots

@@ -43,7 +43,8 @@ def reference_greedy(
     config.do_sample, config.max_new_tokens = False, max_new_tokens
     config.pad_token_id = min(eos) if eos else 0
     if ignore_eos:
-        config.eos_token_id = None
+        # None falls back to the model's EOS; an id no token has never stops (transformers warns).
+        config.eos_token_id = -1
     with torch.no_grad():
         out = model.generate(
             torch.tensor([list(prompt_ids)]),

@@ -92,12 +92,18 @@ async def test_concurrent_greedy_equals_transformers(start_stack, model_dir: Pat
         (["--chunked-prefill-size", "16"], ["--page-size", "4"]),
         # A small pool and an optimistic admission ratio: decode runs out of KV and must retract.
         (["--chunked-prefill-size", "16"], ["--kv-tokens", "256"]),
-        (
-            ["--chunked-prefill-size", "16", "--disable-radix-cache"],
-            ["--page-size", "4", "--kv-tokens", "256"],
-        ),
+        (["--chunked-prefill-size", "16"], ["--page-size", "4", "--kv-tokens", "256"]),
+        # Without the radix cache, ignore_eos requests take SGLang's simulated-finish admission
+        # (§3.8), which never over-admits: no pressure here, just the chunk-cache path.
+        (["--chunked-prefill-size", "16", "--disable-radix-cache"], ["--page-size", "4"]),
     ],
-    ids=["chunk16-page1", "chunk16-page4", "small-pool-retract", "small-pool-page4-no-radix"],
+    ids=[
+        "chunk16-page1",
+        "chunk16-page4",
+        "small-pool-retract",
+        "small-pool-page4-retract",
+        "no-radix-page4",
+    ],
 )
 async def test_greedy_under_pressure_equals_transformers(
     start_stack, model_dir: Path, control: list[str], worker: list[str], monkeypatch: pytest.MonkeyPatch
@@ -213,3 +219,16 @@ async def test_server_info_and_usage(start_stack) -> None:
     assert len(info.workers) == 1 and info.kv_capacity_tokens > 0 and info.max_context > 0
     assert (gen.prompt_tokens, gen.completion_tokens, gen.finish_reason) == (4, 3, "length")
     assert gen.total_s >= gen.ttft_s >= gen.queue_s >= 0
+
+
+async def test_parallel_samples_match_their_seeds(start_stack) -> None:
+    """n = 3 seeded samples in one call equal three separate calls with seed, seed+1, seed+2."""
+    stack = await start_stack()
+    async with StepwiseClient(stack.address) as client:
+        kwargs = {"max_new_tokens": 12, "temperature": 1.0, "top_k": 50, "ignore_eos": True}
+        samples = await client.generate_samples("The king said", n=3, seed=7, **kwargs)
+        singles = [await client.generate("The king said", seed=7 + i, **kwargs) for i in range(3)]
+    assert [s.token_ids for s in samples] == [s.token_ids for s in singles]
+    assert all(s.finish_reason == "length" and s.completion_tokens == 12 for s in samples)
+    assert len({tuple(s.token_ids) for s in samples}) > 1
+    await _books_settle(stack.address)
