@@ -120,6 +120,9 @@ def plan_to_proto(plan: StepPlan) -> wk_pb.ControlMessage:
                 sampler=_sampler_to_proto(s.sampler),
                 prefix_slots=s.prefix_slots.tolist(),
                 history_ids=s.history_ids.tolist(),
+                request_id=s.request_id,
+                prompt_len=s.prompt_len,
+                sim_output_len=s.sim_output_len,
             )
             for s in plan.new_seqs
         ],
@@ -167,6 +170,9 @@ def plan_from_proto(msg: wk_pb.StepPlan) -> StepPlan:
                 sampler=_sampler_from_proto(s.sampler),
                 prefix_slots=np.array(s.prefix_slots, dtype=np.int64),
                 history_ids=np.array(s.history_ids, dtype=np.int32),
+                request_id=s.request_id,
+                prompt_len=s.prompt_len,
+                sim_output_len=s.sim_output_len,
             )
             for s in msg.new_seqs
         ),

@@ -82,6 +82,8 @@ class RequestParams:
     routing_key: str = ""
     # Parallel-sample group (n > 1): members are retracted together or not at all.
     group: str = ""
+    # Sim backend only: output tokens before EOS (0: the backend's seeded rule).
+    sim_output_len: int = 0
 
 
 @dataclass(slots=True, eq=False)

@@ -93,6 +93,7 @@ def _new_seq_from_proto(s: worker_pb2.NewSequence) -> NewSequence:
         history_ids=_array(s.history_ids, np.int64),
         request_id=s.request_id,
         sim_output_len=s.sim_output_len,
+        prompt_len=s.prompt_len,
     )
 
 
@@ -127,6 +128,7 @@ def plan_to_proto(plan: StepPlan) -> worker_pb2.StepPlan:
                 history_ids=s.history_ids.tolist(),
                 request_id=s.request_id,
                 sim_output_len=s.sim_output_len,
+                prompt_len=s.prompt_len,
             )
             for s in plan.new_seqs
         ],

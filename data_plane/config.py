@@ -34,6 +34,10 @@ class WorkerConfig:
     # Tokens the host (offload) pool may hold; 0 disables offload/restore.
     host_pool_tokens: int = 0
     connect_timeout_s: float = 60.0
+    # "model" runs the checkpoint; "sim" is the cost-model simulator (data_plane/sim.py).
+    backend: str = "model"
+    # Sim backend step time a + b·new_tokens + c·context, in seconds.
+    sim_cost: str = "0.005,0.00005,0.0000005"
 
 
 def default_worker_id() -> str:
@@ -60,6 +64,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--connect-timeout", type=float, default=60.0, help="seconds to keep dialing the control plane"
     )
+    parser.add_argument(
+        "--backend", choices=("model", "sim"), default="model", help="sim: a simulator without a model"
+    )
+    parser.add_argument("--sim-cost", default="0.005,0.00005,0.0000005", help="sim step time a,b,c (seconds)")
 
 
 def config_from_args(ns: argparse.Namespace) -> WorkerConfig:
@@ -81,4 +89,6 @@ def config_from_args(ns: argparse.Namespace) -> WorkerConfig:
         worker_id=ns.worker_id or default_worker_id(),
         host_pool_tokens=max(0, ns.host_pool_tokens),
         connect_timeout_s=ns.connect_timeout,
+        backend=ns.backend,
+        sim_cost=ns.sim_cost,
     )

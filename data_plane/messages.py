@@ -48,6 +48,7 @@ class NewSequence:
     # The client's request id (stable across a retraction's new handle) and the sim backend's hint.
     request_id: str = ""
     sim_output_len: int = 0
+    prompt_len: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,9 +13,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import signal
 import sys
 from dataclasses import dataclass
+from typing import Protocol
 
 import grpc
 import structlog
@@ -27,9 +29,10 @@ from data_plane.config import add_arguments as add_arguments
 from data_plane.config import config_from_args as config_from_args
 from data_plane.executor import Executor
 from data_plane.kv_pool import KvPool, capacity_tokens
-from data_plane.messages import Hello, Shutdown, StepPlan, Welcome
+from data_plane.messages import Hello, Shutdown, StepPlan, StepResult, Welcome
 from data_plane.models.llama import LlamaModel
 from data_plane.models.loader import ModelLoadError, model_fingerprint
+from data_plane.sim import CostModel, SimExecutor
 from protos.stepwise.v1 import worker_pb2_grpc
 
 EXIT_OK = 0
@@ -50,9 +53,13 @@ _CHANNEL_OPTIONS = [
 log = structlog.get_logger("data_plane.worker")
 
 
+class StepExecutor(Protocol):
+    def execute(self, plan: StepPlan) -> StepResult: ...
+
+
 @dataclass(frozen=True, slots=True)
 class LoadedWorker:
-    executor: Executor
+    executor: StepExecutor
     hello: Hello
 
 
@@ -97,6 +104,8 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 def load_worker(config: WorkerConfig) -> LoadedWorker:
     """Load weights, size and allocate the KV pool, and describe the worker; ModelLoadError on failure."""
+    if config.backend == "sim":
+        return load_sim_worker(config)
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     model = LlamaModel.from_dir(config.model, device, dtype)
@@ -115,6 +124,35 @@ def load_worker(config: WorkerConfig) -> LoadedWorker:
         dtype=str(dtype).removeprefix("torch."),
         device=str(device),
         eos_token_ids=model.config.eos_token_ids,
+        host_pool_capacity_tokens=config.host_pool_tokens,
+    )
+    return LoadedWorker(executor, hello)
+
+
+SIM_DEFAULT_KV_TOKENS = 1 << 18
+
+
+def load_sim_worker(config: WorkerConfig) -> LoadedWorker:
+    """The simulator: vocabulary, EOS and context from config.json, no weights, no pool."""
+    try:
+        raw = json.loads((config.model / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"sim backend needs {config.model / 'config.json'}: {exc}") from exc
+    eos = raw.get("eos_token_id", 0)
+    eos_ids = tuple(eos) if isinstance(eos, list) else (int(eos),)
+    capacity = (config.kv_tokens or SIM_DEFAULT_KV_TOKENS) // config.page_size * config.page_size
+    cost = CostModel.parse(config.sim_cost)
+    executor = SimExecutor(capacity, int(raw["vocab_size"]), eos_ids[0], cost, sleep=True)
+    hello = Hello(
+        worker_id=config.worker_id,
+        model_fingerprint=model_fingerprint(config.model),
+        kv_capacity_tokens=capacity,
+        page_size=config.page_size,
+        max_context=int(raw.get("max_position_embeddings", 4096)),
+        vocab_size=int(raw["vocab_size"]),
+        dtype="sim",
+        device="sim",
+        eos_token_ids=eos_ids,
         host_pool_capacity_tokens=config.host_pool_tokens,
     )
     return LoadedWorker(executor, hello)

@@ -37,6 +37,10 @@ class NewSeq:
     prefix_slots: np.ndarray = field(default_factory=_i64)
     # Tokens preceding the first extend, sent only when the sampler applies penalties.
     history_ids: np.ndarray = field(default_factory=_i32)
+    request_id: str = ""
+    prompt_len: int = 0
+    # Sim backend only: output tokens before EOS (0: the backend's seeded rule).
+    sim_output_len: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -630,7 +630,13 @@ class Scheduler:
         if req.params.sampler.uses_penalties:
             history = np.asarray(req.fill_ids[:start], dtype=np.int32)
         return NewSeq(
-            req.handle, req.params.sampler, prefix_slots=self.kv.row(req)[:start].copy(), history_ids=history
+            req.handle,
+            req.params.sampler,
+            prefix_slots=self.kv.row(req)[:start].copy(),
+            history_ids=history,
+            request_id=req.rid,
+            prompt_len=len(req.origin_input_ids),
+            sim_output_len=req.params.sim_output_len,
         )
 
     # --- results (process_batch_result) ---------------------------------------------------------

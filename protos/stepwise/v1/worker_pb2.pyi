@@ -89,20 +89,22 @@ class SamplerParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ..., logprobs: _Optional[int] = ...) -> None: ...
 
 class NewSequence(_message.Message):
-    __slots__ = ("handle", "sampler", "prefix_slots", "history_ids", "request_id", "sim_output_len")
+    __slots__ = ("handle", "sampler", "prefix_slots", "history_ids", "request_id", "sim_output_len", "prompt_len")
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     SAMPLER_FIELD_NUMBER: _ClassVar[int]
     PREFIX_SLOTS_FIELD_NUMBER: _ClassVar[int]
     HISTORY_IDS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SIM_OUTPUT_LEN_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
     handle: int
     sampler: SamplerParams
     prefix_slots: _containers.RepeatedScalarFieldContainer[int]
     history_ids: _containers.RepeatedScalarFieldContainer[int]
     request_id: str
     sim_output_len: int
-    def __init__(self, handle: _Optional[int] = ..., sampler: _Optional[_Union[SamplerParams, _Mapping]] = ..., prefix_slots: _Optional[_Iterable[int]] = ..., history_ids: _Optional[_Iterable[int]] = ..., request_id: _Optional[str] = ..., sim_output_len: _Optional[int] = ...) -> None: ...
+    prompt_len: int
+    def __init__(self, handle: _Optional[int] = ..., sampler: _Optional[_Union[SamplerParams, _Mapping]] = ..., prefix_slots: _Optional[_Iterable[int]] = ..., history_ids: _Optional[_Iterable[int]] = ..., request_id: _Optional[str] = ..., sim_output_len: _Optional[int] = ..., prompt_len: _Optional[int] = ...) -> None: ...
 
 class ExtendBatch(_message.Message):
     __slots__ = ("handles", "starts", "lens", "sample", "token_ids", "slots")

@@ -1,0 +1,88 @@
+"""The sim backend: deterministic tokens per (request, position), EOS after the output length."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from data_plane.messages import DecodeBatch, ExtendBatch, NewSequence, SamplerParams, StepPlan
+from data_plane.sim import CostModel, SimExecutor
+
+
+def _new(handle: int, rid: str, prompt_len: int, output_len: int) -> NewSequence:
+    return NewSequence(
+        handle, SamplerParams(), request_id=rid, prompt_len=prompt_len, sim_output_len=output_len
+    )
+
+
+def _prefill(step: int, seqs: list[tuple[int, str, int, int]]) -> StepPlan:
+    lens = np.asarray([s[2] for s in seqs], dtype=np.int64)
+    return StepPlan(
+        step,
+        new_seqs=tuple(_new(*s) for s in seqs),
+        extends=ExtendBatch(
+            handles=np.asarray([s[0] for s in seqs], dtype=np.uint64),
+            starts=np.zeros(len(seqs), dtype=np.int64),
+            lens=lens,
+            sample=np.ones(len(seqs), dtype=bool),
+            token_ids=np.ones(int(lens.sum()), dtype=np.int64),
+            slots=np.arange(int(lens.sum()), dtype=np.int64),
+        ),
+    )
+
+
+def _decode(step: int, handles: list[int], first_slot: int) -> StepPlan:
+    return StepPlan(
+        step,
+        decodes=DecodeBatch(
+            handles=np.asarray(handles, dtype=np.uint64),
+            slots=np.arange(first_slot, first_slot + len(handles), dtype=np.int64),
+        ),
+    )
+
+
+def _run(executor: SimExecutor, seqs: list[tuple[int, str, int, int]], steps: int) -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {s[0]: [] for s in seqs}
+    result = executor.execute(_prefill(1, seqs))
+    for h, t in zip(result.handles.tolist(), result.token_ids.tolist(), strict=True):
+        out[h].append(t)
+    for step in range(steps):
+        result = executor.execute(_decode(step + 2, [s[0] for s in seqs], 1000 + step * 10))
+        assert not result.error
+        for h, t in zip(result.handles.tolist(), result.token_ids.tolist(), strict=True):
+            out[h].append(t)
+    return out
+
+
+def test_tokens_depend_on_request_and_position_not_on_the_batch() -> None:
+    alone = _run(SimExecutor(4096, 1000, 0), [(1, "a", 5, 100)], 6)[1]
+    batched = _run(SimExecutor(4096, 1000, 0), [(7, "b", 3, 100), (9, "a", 5, 100)], 6)[9]
+    assert alone == batched
+    assert 0 not in alone
+
+
+def test_eos_after_the_output_length() -> None:
+    tokens = _run(SimExecutor(4096, 1000, eos_token_id=0), [(1, "a", 4, 3)], 5)[1]
+    assert tokens[:3] != [0, 0, 0] and 0 not in tokens[:3]
+    assert tokens[3] == 0
+
+
+def test_kv_report_tracks_slot_tables() -> None:
+    executor = SimExecutor(4096, 1000, 0)
+    executor.execute(_prefill(1, [(1, "a", 4, 10), (2, "b", 6, 10)]))
+    result = executor.execute(_decode(2, [1, 2], 100))
+    assert (result.kv.live_seqs, result.kv.seq_slots) == (2, 12)
+    result = executor.execute(StepPlan(3, release_handles=np.asarray([1], dtype=np.uint64)))
+    assert (result.kv.live_seqs, result.kv.seq_slots) == (1, 7)
+
+
+def test_cost_model() -> None:
+    cost = CostModel.parse("0.01,0.001,0.0001")
+    assert cost.step_seconds(10, 100) == pytest.approx(0.01 + 0.01 + 0.01)
+    with pytest.raises(ValueError, match="--sim-cost"):
+        CostModel.parse("1,2")
+
+
+def test_bad_plan_is_an_error_result() -> None:
+    result = SimExecutor(4096, 1000, 0).execute(_decode(1, [42], 0))
+    assert "42" in result.error
