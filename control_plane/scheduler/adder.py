@@ -250,7 +250,7 @@ class PrefillAdder:
         are skipped (§2.4). Mutates the reserved budget and `preempt_list`.
         """
         sign = 1 if self.limits.low_priority_values_first else -1
-        need = (req.seqlen - len(req.prefix_indices)) + min(req.max_new_tokens, 4096) - self.rem_total_tokens
+        need = (req.seqlen - len(req.prefix_indices)) + self._clip(req.max_new_tokens) - self.rem_total_tokens
         chosen: list[Request] = []
         new_priority = _priority_or_default(req, sign)
         already = {id(r) for r in self.preempt_list}

@@ -237,7 +237,9 @@ async def test_parallel_samples_match_their_seeds(start_stack) -> None:
 async def test_sim_backend_serves_the_same_protocol(start_stack) -> None:
     stack = await start_stack(worker=["--backend", "sim", "--sim-cost", "0.001,0,0"])
     async with StepwiseClient(stack.address) as client:
-        gens = await asyncio.gather(*(client.generate("Once upon a time", max_new_tokens=20) for _ in range(4)))
+        gens = await asyncio.gather(
+            *(client.generate("Once upon a time", max_new_tokens=20) for _ in range(4))
+        )
         info = await client.server_info()
     assert info.workers[0].device == "sim"
     assert all(g.completion_tokens >= 1 and g.finish_reason in ("stop", "length") for g in gens)
