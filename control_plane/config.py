@@ -18,6 +18,7 @@ from pathlib import Path
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random", "routing-key")
 EVICTION_POLICIES = ("lru", "lfu", "fifo", "mru", "filo", "priority", "slru")
 RETRACTION_POLICIES = ("length", "priority")
+DEFAULT_RECORD_MAX_BYTES = 256 * 1024 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +80,8 @@ class ControlConfig:
     waiting_timeout_s: float = -1.0
     running_timeout_s: float = -1.0
     record_dir: Path | None = None
+    # A recording part is closed and a continuation begun once it reaches this size.
+    record_max_bytes: int = DEFAULT_RECORD_MAX_BYTES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -111,6 +114,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--running-timeout", type=float, default=-1.0, help="seconds a request may run; <=0: off")
     add("--random-seed", type=int, default=0)
     add("--strict-invariants", action="store_true", help="check KV pool invariants after every step")
+    add("--record", type=Path, default=None, metavar="DIR", help="record every scheduler call per worker")
+    add("--record-max-bytes", type=int, default=DEFAULT_RECORD_MAX_BYTES, help="rotate recording files")
 
 
 # SGLang's environment-only knobs, read under our prefix (SCHEDULER.md §9).
@@ -197,6 +202,7 @@ def control_config_from_args(ns: argparse.Namespace, model_dir: Path) -> Control
         waiting_timeout_s=ns.waiting_timeout,
         running_timeout_s=ns.running_timeout,
         record_dir=getattr(ns, "record", None),
+        record_max_bytes=getattr(ns, "record_max_bytes", DEFAULT_RECORD_MAX_BYTES),
     )
 
 
