@@ -6,7 +6,9 @@ batch of single-token decodes. Inside a group, queries are scattered into a padd
 [B, Qmax] layout, each sequence's keys are gathered from the pool by its slot table into
 [B, Lmax], and one `scaled_dot_product_attention` call (GQA-aware) does the work. The slot table
 lists slots in position order, so "causal" is simply key index <= query position; which slot ids
-arrive (page size 1, 4, 16, scrambled) does not matter to the gather.
+arrive (page size 1, 4, 16, scrambled) does not matter to the gather. Sliding-window layers
+(Mistral, some Qwen layers) use a second mask that also hides keys older than the window; the
+gather stays the same, so one group serves both kinds of layer.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ class AttentionGroup:
     # [batch, 1, max_queries, max_keys] additive: 0 where the query may attend to the key, -inf elsewhere.
     # (An additive mask in the model dtype is about twice as fast as a bool mask in CPU SDPA.)
     mask: torch.Tensor
+    # Like `mask`, and also -inf for keys at or before query position - window; None without a window.
+    window_mask: torch.Tensor | None = None
 
 
 def build_group(
@@ -42,12 +46,15 @@ def build_group(
     slot_rows: np.ndarray,
     device: torch.device,
     dtype: torch.dtype = torch.float32,
+    sliding_window: int | None = None,
 ) -> AttentionGroup:
     """Describe one attention group.
 
     `q_lens[b]` new tokens of sequence b sit at positions kv_lens[b]-q_lens[b] .. kv_lens[b]-1 and
     are contiguous in the flat layout starting at `token_start`; `slot_rows[b, :kv_lens[b]]` are
-    its slots (already including the new tokens'). Requires every q_len >= 1.
+    its slots (already including the new tokens'). Requires every q_len >= 1. With a
+    `sliding_window` w the group also carries `window_mask`, where a query at position p sees keys
+    p - w + 1 .. p (transformers' sliding_window_overlay).
     """
     batch = len(q_lens)
     max_queries = int(q_lens.max())
@@ -59,6 +66,10 @@ def build_group(
     allowed = np.arange(max_keys)[None, None, :] <= q_pos[:, :, None]
     key_ids = np.arange(max_keys)[None, :]
     key_slots = np.where(key_ids < kv_lens[:, None], slot_rows[:, :max_keys], slot_rows[:, :1])
+    window_mask = None
+    if sliding_window is not None:
+        recent = np.arange(max_keys)[None, None, :] > q_pos[:, :, None] - sliding_window
+        window_mask = _additive_mask((allowed & recent)[:, None], device, dtype)
     return AttentionGroup(
         token_start=token_start,
         token_count=int(q_lens.sum()),
@@ -67,6 +78,7 @@ def build_group(
         pad_index=torch.from_numpy(np.flatnonzero(valid)).to(device),
         key_slots=torch.from_numpy(key_slots.astype(np.int64)).to(device),
         mask=_additive_mask(allowed[:, None], device, dtype),
+        window_mask=window_mask,
     )
 
 
@@ -86,11 +98,13 @@ def paged_attention(
     v_pool: torch.Tensor,
     group: AttentionGroup,
     scale: float,
+    sliding: bool = False,
 ) -> torch.Tensor:
     """Attention output [token_count, num_heads * head_dim] for the group's tokens.
 
     `q` is [token_count, num_heads, head_dim] (already rotated); `k_pool`/`v_pool` are one layer's
     [capacity, num_kv_heads, head_dim] and must already hold this step's keys and values.
+    `sliding` selects the group's window mask (which must then exist).
     """
     num_heads, head_dim = q.shape[1], q.shape[2]
     padded = q.new_zeros(group.batch * group.max_queries, num_heads, head_dim)
@@ -98,8 +112,8 @@ def paged_attention(
     queries = padded.view(group.batch, group.max_queries, num_heads, head_dim).transpose(1, 2)
     keys = _gather(k_pool, group.key_slots).transpose(1, 2)
     values = _gather(v_pool, group.key_slots).transpose(1, 2)
-    out = F.scaled_dot_product_attention(
-        queries, keys, values, attn_mask=group.mask, scale=scale, enable_gqa=True
-    )
+    mask = group.window_mask if sliding else group.mask
+    assert mask is not None, "sliding layer but the group was built without a window"
+    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
     flat = out.transpose(1, 2).reshape(group.batch * group.max_queries, num_heads * head_dim)
     return flat[group.pad_index]

@@ -3,6 +3,10 @@
 Numerics follow transformers' LlamaForCausalLM (RMSNorm in float32, rotate-half rotary with
 cos/sin computed in float32, SwiGLU), so float32 logits match it to ~1e-6. Q/K/V and gate/up
 projections are fused into one matmul each; that changes only float summation order.
+
+The same layer serves Mistral, Qwen2 and Qwen3: optional biases ride along the fused
+projections, Qwen3's q/k norms run per head before rotary, and sliding-window layers pick the
+attention group's window mask. Which of these a checkpoint uses comes from `ModelConfig` flags.
 """
 
 from __future__ import annotations
@@ -41,12 +45,21 @@ class ForwardBatch:
 
 @dataclass(frozen=True, slots=True)
 class LayerWeights:
+    """One decoder layer's tensors; the optional ones are None when the family has no such tensor."""
+
     input_norm: torch.Tensor
     qkv: torch.Tensor  # [(H + 2 * Hkv) * D, hidden]
     o: torch.Tensor
     post_norm: torch.Tensor
     gate_up: torch.Tensor  # [2 * intermediate, hidden]
     down: torch.Tensor
+    qkv_bias: torch.Tensor | None = None
+    o_bias: torch.Tensor | None = None
+    gate_up_bias: torch.Tensor | None = None
+    down_bias: torch.Tensor | None = None
+    q_norm: torch.Tensor | None = None  # [head_dim]
+    k_norm: torch.Tensor | None = None
+    sliding: bool = False
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
@@ -93,11 +106,13 @@ class LlamaModel:
         self.embed = _take(tensors, "model.embed_tokens.weight")
         self.final_norm = _take(tensors, "model.norm.weight")
         self.lm_head = self.embed if config.tie_word_embeddings else _take(tensors, "lm_head.weight")
-        self.layers = tuple(_layer_weights(tensors, i) for i in range(config.num_layers))
+        self.layers = tuple(_layer_weights(tensors, config, i) for i in range(config.num_layers))
         self.dtype = self.embed.dtype
         self.inv_freq = rope_inv_freq(config.rope, config.head_dim).to(device)
         self.scale = 1.0 / math.sqrt(config.head_dim)
         self.weight_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        # The window the executor builds masks for; None when no layer slides.
+        self.sliding_window = config.sliding_window if any(config.sliding_layers) else None
 
     @classmethod
     def from_dir(cls, model_dir: pathlib.Path, device: torch.device, dtype: torch.dtype) -> LlamaModel:
@@ -133,23 +148,32 @@ class LlamaModel:
         cfg = self.config
         x = rms_norm(hidden, w.input_norm, cfg.rms_norm_eps)
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        q, k, v = (x @ w.qkv.T).split((q_size, kv_size, kv_size), dim=-1)
+        q, k, v = F.linear(x, w.qkv, w.qkv_bias).split((q_size, kv_size, kv_size), dim=-1)
         q = q.reshape(-1, cfg.num_heads, cfg.head_dim)
         k = k.reshape(-1, cfg.num_kv_heads, cfg.head_dim)
+        if w.q_norm is not None and w.k_norm is not None:
+            q, k = rms_norm(q, w.q_norm, cfg.rms_norm_eps), rms_norm(k, w.k_norm, cfg.rms_norm_eps)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         pool.write(index, batch.write_slots, k, v.reshape(-1, cfg.num_kv_heads, cfg.head_dim))
-        attn = self._attention(q, pool.k[index], pool.v[index], batch.groups)
-        hidden = hidden + attn @ w.o.T
+        attn = self._attention(q, pool.k[index], pool.v[index], batch.groups, w.sliding)
+        hidden = hidden + F.linear(attn, w.o, w.o_bias)
         x = rms_norm(hidden, w.post_norm, cfg.rms_norm_eps)
-        gate, up = (x @ w.gate_up.T).chunk(2, dim=-1)
-        return hidden + (F.silu(gate) * up) @ w.down.T
+        gate, up = F.linear(x, w.gate_up, w.gate_up_bias).chunk(2, dim=-1)
+        return hidden + F.linear(F.silu(gate) * up, w.down, w.down_bias)
 
     def _attention(
-        self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, groups: tuple[AttentionGroup, ...]
+        self,
+        q: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        groups: tuple[AttentionGroup, ...],
+        sliding: bool,
     ) -> torch.Tensor:
         outputs = [
-            paged_attention(q[g.token_start : g.token_start + g.token_count], k_pool, v_pool, g, self.scale)
+            paged_attention(
+                q[g.token_start : g.token_start + g.token_count], k_pool, v_pool, g, self.scale, sliding
+            )
             for g in groups
         ]
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
@@ -161,15 +185,29 @@ def _take(tensors: dict[str, torch.Tensor], name: str) -> torch.Tensor:
     return tensors[name]
 
 
-def _layer_weights(tensors: dict[str, torch.Tensor], i: int) -> LayerWeights:
+def _fused(
+    tensors: dict[str, torch.Tensor], prefix: str, names: tuple[str, ...], suffix: str
+) -> torch.Tensor:
+    """Concatenate `{prefix}{name}_proj.{suffix}` over names along dim 0 (one matmul instead of several)."""
+    return torch.cat([_take(tensors, f"{prefix}{name}_proj.{suffix}") for name in names], dim=0)
+
+
+def _layer_weights(tensors: dict[str, torch.Tensor], cfg: ModelConfig, i: int) -> LayerWeights:
+    """Layer i's tensors; a tensor the config promises but the file lacks is a ModelLoadError."""
     p = f"model.layers.{i}."
-    qkv = [_take(tensors, f"{p}self_attn.{n}_proj.weight") for n in ("q", "k", "v")]
-    gate_up = [_take(tensors, f"{p}mlp.{n}_proj.weight") for n in ("gate", "up")]
+    attn, mlp = f"{p}self_attn.", f"{p}mlp."
     return LayerWeights(
         input_norm=_take(tensors, f"{p}input_layernorm.weight"),
-        qkv=torch.cat(qkv, dim=0),
-        o=_take(tensors, f"{p}self_attn.o_proj.weight"),
+        qkv=_fused(tensors, attn, ("q", "k", "v"), "weight"),
+        o=_take(tensors, f"{attn}o_proj.weight"),
         post_norm=_take(tensors, f"{p}post_attention_layernorm.weight"),
-        gate_up=torch.cat(gate_up, dim=0),
-        down=_take(tensors, f"{p}mlp.down_proj.weight"),
+        gate_up=_fused(tensors, mlp, ("gate", "up"), "weight"),
+        down=_take(tensors, f"{mlp}down_proj.weight"),
+        qkv_bias=_fused(tensors, attn, ("q", "k", "v"), "bias") if cfg.qkv_bias else None,
+        o_bias=_take(tensors, f"{attn}o_proj.bias") if cfg.o_bias else None,
+        gate_up_bias=_fused(tensors, mlp, ("gate", "up"), "bias") if cfg.mlp_bias else None,
+        down_bias=_take(tensors, f"{mlp}down_proj.bias") if cfg.mlp_bias else None,
+        q_norm=_take(tensors, f"{attn}q_norm.weight") if cfg.qk_norm else None,
+        k_norm=_take(tensors, f"{attn}k_norm.weight") if cfg.qk_norm else None,
+        sliding=cfg.sliding_layers[i] if cfg.sliding_layers else False,
     )

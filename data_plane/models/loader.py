@@ -1,5 +1,11 @@
 """Read a Hugging Face style checkpoint directory without importing transformers' model classes.
 
+Supported families (all pre-norm decoders with SwiGLU MLPs and rotary attention): Llama (with
+optional attention/MLP biases and Llama-3 rope scaling), Mistral (sliding window on every layer),
+Qwen2 (q/k/v biases, optional sliding window on upper layers) and Qwen3 (per-head q/k RMSNorm,
+head_dim independent of hidden_size / heads). What differs between them is captured as plain flags
+on `ModelConfig`, so the runner has one code path.
+
 What is read: config.json (parsed here, so start-up does not pay for transformers' imports),
 generation_config.json (eos ids only), and safetensors weights, either `model.safetensors` or the
 shards listed in `model.safetensors.index.json`. Anything we cannot run is refused with a
@@ -16,7 +22,14 @@ from typing import Any
 
 import torch
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
+# Architecture name in config.json -> the model_type transformers gives it.
+FAMILIES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 SINGLE_WEIGHTS = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
@@ -58,6 +71,20 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     # The checkpoint's own dtype ("float32", "bfloat16", ...), used for dtype "auto" reporting only.
     torch_dtype: str
+    # Family differences. Biases: q/k/v projections, the output projection, the three MLP projections.
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    # Qwen3: RMSNorm over head_dim applied to every query and key head before rotary.
+    qk_norm: bool = False
+    # Keys a query may see on sliding layers: itself and the window - 1 before it.
+    sliding_window: int | None = None
+    # One flag per layer; True where the layer uses sliding_window (never True when it is None).
+    sliding_layers: tuple[bool, ...] = ()
+
+    @property
+    def family(self) -> str:
+        return FAMILIES[self.architecture]
 
 
 def read_model_config(model_dir: pathlib.Path) -> ModelConfig:
@@ -67,12 +94,14 @@ def read_model_config(model_dir: pathlib.Path) -> ModelConfig:
     _refuse_unsupported_options(raw)
     num_heads = int(raw["num_attention_heads"])
     hidden = int(raw["hidden_size"])
+    num_layers = int(raw["num_hidden_layers"])
+    window = _sliding_window(FAMILIES[architecture], raw)
     return ModelConfig(
         architecture=architecture,
         vocab_size=int(raw["vocab_size"]),
         hidden_size=hidden,
         intermediate_size=int(raw["intermediate_size"]),
-        num_layers=int(raw["num_hidden_layers"]),
+        num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
         head_dim=int(raw.get("head_dim") or hidden // num_heads),
@@ -82,6 +111,9 @@ def read_model_config(model_dir: pathlib.Path) -> ModelConfig:
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         eos_token_ids=_eos_ids(raw, model_dir),
         torch_dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32"),
+        **_family_flags(FAMILIES[architecture], raw),
+        sliding_window=window,
+        sliding_layers=_sliding_layers(FAMILIES[architecture], raw, num_layers, window),
     )
 
 
@@ -100,18 +132,60 @@ def _read_json(path: pathlib.Path) -> dict[str, Any]:
 def _architecture(raw: dict[str, Any]) -> str:
     names = raw.get("architectures") or []
     for name in names:
-        if name in SUPPORTED_ARCHITECTURES:
+        if name in FAMILIES:
             return str(name)
-    if not names and raw.get("model_type") == "llama":
-        return "LlamaForCausalLM"
+    by_type = {model_type: name for name, model_type in FAMILIES.items()}
+    if not names and raw.get("model_type") in by_type:
+        return by_type[raw["model_type"]]
     found = ", ".join(names) or f"model_type={raw.get('model_type')!r}"
     raise ModelLoadError(f"unsupported architecture {found}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
 
 
+def _family_flags(family: str, raw: dict[str, Any]) -> dict[str, bool]:
+    """Which optional tensors a family's layers carry, as transformers' modeling files define them."""
+    attention_bias = bool(raw.get("attention_bias", False))
+    if family == "llama":
+        return {"qkv_bias": attention_bias, "o_bias": attention_bias, "mlp_bias": bool(raw.get("mlp_bias"))}
+    if family == "qwen2":
+        return {"qkv_bias": True}
+    if family == "qwen3":
+        return {"qkv_bias": attention_bias, "o_bias": attention_bias, "qk_norm": True}
+    return {}
+
+
+def _sliding_window(family: str, raw: dict[str, Any]) -> int | None:
+    """The window in tokens, or None. Qwen files often name a window but switch it off."""
+    window = raw.get("sliding_window")
+    if family in ("llama",) or window is None:
+        return None
+    if family in ("qwen2", "qwen3") and not raw.get("use_sliding_window", False):
+        return None
+    if int(window) < 1:
+        raise ModelLoadError(f"unsupported sliding_window {window!r}")
+    return int(window)
+
+
+def _sliding_layers(
+    family: str, raw: dict[str, Any], num_layers: int, window: int | None
+) -> tuple[bool, ...]:
+    """Per-layer sliding flags: from `layer_types` when the file has it, else the family's rule."""
+    if window is None:
+        return (False,) * num_layers
+    layer_types = raw.get("layer_types")
+    if layer_types is not None:
+        unknown = set(layer_types) - {"full_attention", "sliding_attention"}
+        if unknown or len(layer_types) != num_layers:
+            raise ModelLoadError(
+                f"unsupported layer_types {sorted(set(layer_types))} for {num_layers} layers"
+            )
+        return tuple(t == "sliding_attention" for t in layer_types)
+    if family == "mistral":
+        return (True,) * num_layers
+    first_sliding = int(raw.get("max_window_layers", num_layers))
+    return tuple(i >= first_sliding for i in range(num_layers))
+
+
 def _refuse_unsupported_options(raw: dict[str, Any]) -> None:
-    for flag in ("attention_bias", "mlp_bias"):
-        if raw.get(flag):
-            raise ModelLoadError(f"unsupported config option {flag}=true")
     act = raw.get("hidden_act", "silu")
     if act != "silu":
         raise ModelLoadError(f"unsupported hidden_act {act!r} (only silu)")
