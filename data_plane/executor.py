@@ -227,7 +227,9 @@ class Executor:
             return None
         kv_lens = self.table.lengths[rows]
         slot_rows = self.table.slots[rows, : int(kv_lens.max())]
-        return build_group(token_start, q_lens, kv_lens, slot_rows, self.device, self.model.dtype)
+        return build_group(
+            token_start, q_lens, kv_lens, slot_rows, self.device, self.model.dtype, self.model.sliding_window
+        )
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64)).to(self.device)
