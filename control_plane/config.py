@@ -80,6 +80,8 @@ class ControlConfig:
     waiting_timeout_s: float = -1.0
     running_timeout_s: float = -1.0
     record_dir: Path | None = None
+    # Prometheus /metrics over HTTP (0: not served).
+    metrics_port: int = 0
     # A recording part is closed and a continuation begun once it reaches this size.
     record_max_bytes: int = DEFAULT_RECORD_MAX_BYTES
 
@@ -114,6 +116,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--running-timeout", type=float, default=-1.0, help="seconds a request may run; <=0: off")
     add("--random-seed", type=int, default=0)
     add("--strict-invariants", action="store_true", help="check KV pool invariants after every step")
+    add("--metrics-port", type=int, default=0, help="serve Prometheus /metrics on this port (0: off)")
     add("--record", type=Path, default=None, metavar="DIR", help="record every scheduler call per worker")
     add("--record-max-bytes", type=int, default=DEFAULT_RECORD_MAX_BYTES, help="rotate recording files")
 
@@ -202,6 +205,7 @@ def control_config_from_args(ns: argparse.Namespace, model_dir: Path) -> Control
         waiting_timeout_s=ns.waiting_timeout,
         running_timeout_s=ns.running_timeout,
         record_dir=getattr(ns, "record", None),
+        metrics_port=ns.metrics_port,
         record_max_bytes=getattr(ns, "record_max_bytes", DEFAULT_RECORD_MAX_BYTES),
     )
 

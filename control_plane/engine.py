@@ -17,6 +17,7 @@ from typing import Protocol
 
 import structlog
 
+from control_plane import metrics
 from control_plane.cache.invariants import check_pool_invariants
 from control_plane.config import ControlConfig
 from control_plane.request import AbortCode, FinishReason, RequestParams
@@ -77,6 +78,7 @@ class RequestStream:
     arrived: float = field(default_factory=time.monotonic)
     admitted: float | None = None
     first_token: float | None = None
+    last_token: float = 0.0
     completion_tokens: int = 0
     done: bool = False
 
@@ -127,6 +129,8 @@ class Engine:
         self._inbox: list[_Arrival | _Abort] = []
         self._wake = asyncio.Event()
         self._stopping = False
+        self.worker = limits.worker_id
+        metrics.register_worker(self.worker)
         self.log = log.bind(worker=limits.worker_id)
         # Books vs. the worker's report (checked every step).
         self.kv_mismatches = 0
@@ -284,6 +288,7 @@ class Engine:
             stream = self.streams.get(req.rid) if req is not None else None
             if stream is not None and stream.admitted is None:
                 stream.admitted = now
+                metrics.QUEUE_TIME.labels(self.worker).observe(now - stream.arrived)
 
     # --- publishing -------------------------------------------------------------------------------
 
@@ -305,6 +310,11 @@ class Engine:
         now = time.monotonic()
         if stream.first_token is None:
             stream.first_token = now
+            metrics.TTFT.labels(self.worker).observe(now - stream.arrived)
+        else:
+            metrics.ITL.labels(self.worker).observe(now - stream.last_token)
+        stream.last_token = now
+        metrics.GENERATION_TOKENS.labels(self.worker).inc(len(token_ids))
         stream.completion_tokens += len(token_ids)
         delta = stream.text.push(token_ids)
         stream.events.put_nowait(Chunk(stream.index, token_ids, delta.text))
@@ -332,6 +342,8 @@ class Engine:
             )
         )
         stream.done = True
+        metrics.E2E_LATENCY.labels(self.worker).observe(now - stream.arrived)
+        metrics.REQUESTS_FINISHED.labels(self.worker, reason.kind.value).inc()
         self.streams.pop(stream.rid, None)
         rids = self._groups.get(stream.call)
         if rids is not None and all(r not in self.streams for r in rids):
@@ -364,6 +376,7 @@ class Engine:
         self.expected_kv, self.reported_kv = expected, reported
         if reported != expected or result.kv.capacity_tokens != self.limits.kv_capacity_tokens:
             self.kv_mismatches += 1
+            metrics.KV_BOOK_MISMATCHES.labels(self.worker).inc()
             self.log.error(
                 "kv books mismatch",
                 step=step_id,
@@ -384,22 +397,53 @@ class Engine:
                 raise
 
     def _log_step(self, plan: StepPlan, result: StepResult, stats: StepStats) -> None:
+        """Metrics every step; SGLang's prefill line per prefill, decode line every N decodes."""
         sched = self.scheduler
-        usage = sched.kv.used_tokens() / sched.capacity
+        metrics.record_pool(
+            self.worker,
+            metrics.PoolFigures(
+                running=len(sched.running),
+                queued=len(sched.waiting),
+                available=sched.kv.available_size(),
+                evictable=sched.kv.evictable_size(),
+                capacity=sched.capacity,
+                new_token_ratio=sched.ratio.current,
+            ),
+        )
         if stats.retracted:
+            self._observe_retraction(stats)
             self.log.warning(retraction_line(stats), step=plan.step_id)
         if plan.kind is not StepKind.DECODE:
-            now = time.monotonic()
-            throughput = stats.new_tokens / max(now - self._last_prefill_log, 1e-9)
-            self._last_prefill_log = now
-            self.log.info(
-                f"Prefill batch, #new-seq: {stats.new_seqs}, #new-token: {stats.new_tokens}, "
-                f"#cached-token: {stats.cached_tokens}, token usage: {usage:.2f}, "
-                f"#running-req: {stats.running_at_admission}, #queue-req: {len(sched.waiting)}, "
-                f"#pending-token: {sched.pending_tokens()}, input throughput (token/s): {throughput:.2f}",
-                step=plan.step_id,
-            )
-            return
+            self._log_prefill(plan, stats)
+        elif len(plan.decodes):
+            self._log_decode(plan)
+
+    def _observe_retraction(self, stats: StepStats) -> None:
+        metrics.NUM_RETRACTED_REQS.labels(self.worker).set(len(stats.retracted))
+        metrics.RETRACTED_REQUESTS.labels(self.worker).inc(len(stats.retracted))
+        metrics.RETRACTED_INPUT_TOKENS.labels(self.worker).inc(stats.retracted_input_tokens)
+        metrics.RETRACTED_OUTPUT_TOKENS.labels(self.worker).inc(stats.retracted_output_tokens)
+
+    def _log_prefill(self, plan: StepPlan, stats: StepStats) -> None:
+        sched = self.scheduler
+        now = time.monotonic()
+        throughput = stats.new_tokens / max(now - self._last_prefill_log, 1e-9)
+        self._last_prefill_log = now
+        metrics.PROMPT_TOKENS.labels(self.worker).inc(stats.new_tokens)
+        metrics.CACHED_TOKENS.labels(self.worker).inc(stats.cached_tokens)
+        seen = stats.new_tokens + stats.cached_tokens
+        metrics.CACHE_HIT_RATE.labels(self.worker).set(stats.cached_tokens / seen if seen else 0.0)
+        usage = sched.kv.used_tokens() / sched.capacity
+        self.log.info(
+            f"Prefill batch, #new-seq: {stats.new_seqs}, #new-token: {stats.new_tokens}, "
+            f"#cached-token: {stats.cached_tokens}, token usage: {usage:.2f}, "
+            f"#running-req: {stats.running_at_admission}, #queue-req: {len(sched.waiting)}, "
+            f"#pending-token: {sched.pending_tokens()}, input throughput (token/s): {throughput:.2f}",
+            step=plan.step_id,
+        )
+
+    def _log_decode(self, plan: StepPlan) -> None:
+        sched = self.scheduler
         self._decode_batches += 1
         self._decode_tokens_since_log += len(plan.decodes)
         if self._decode_batches % self.config.decode_log_interval:
@@ -407,6 +451,8 @@ class Engine:
         now = time.monotonic()
         throughput = self._decode_tokens_since_log / max(now - self._last_decode_log, 1e-9)
         self._last_decode_log, self._decode_tokens_since_log = now, 0
+        metrics.GEN_THROUGHPUT.labels(self.worker).set(throughput)
+        usage = sched.kv.used_tokens() / sched.capacity
         self.log.info(
             f"Decode batch, #running-req: {len(plan.decodes)}, #token: {sched.kv.used_tokens()}, "
             f"token usage: {usage:.2f}, gen throughput (token/s): {throughput:.2f}, "

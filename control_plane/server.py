@@ -15,7 +15,7 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from control_plane import codec
+from control_plane import codec, metrics
 from control_plane.config import ControlConfig
 from control_plane.engine import Chunk, Engine, Event, Submission, WorkerGone
 from control_plane.router import Router
@@ -251,6 +251,7 @@ class ControlPlane:
             f"{self.config.host}:{self.config.worker_port}"
         )
         await self._set_health(False)
+        metrics.serve(self.config.metrics_port, self.config.host)
         await self.client_server.start()
         await self.worker_server.start()
         log.info(

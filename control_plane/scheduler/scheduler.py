@@ -81,6 +81,8 @@ class StepStats:
     rem_input_tokens: int | None = None
     rem_chunk_tokens: int | None = None
     retracted: list[str] = field(default_factory=list)
+    retracted_input_tokens: int = 0
+    retracted_output_tokens: int = 0
     retract_tokens_gained: int = 0
     ratio_before_retract: float = 0.0
     # Whether the retraction was forced by a full pool (else by the TEST_RETRACT switch).
@@ -533,6 +535,8 @@ class Scheduler:
             self._count_retraction(req)
             self._add_to_queue_or_abort(req)
         stats.retracted = [r.rid for r in retracted]
+        stats.retracted_input_tokens = sum(len(r.origin_input_ids) for r in retracted)
+        stats.retracted_output_tokens = sum(len(r.output_ids) for r in retracted)
         stats.retract_tokens_gained = self.kv.available_size() - available_before
 
     def _abort_group(self, victim: Request, order: list[int]) -> list[int]:

@@ -246,3 +246,26 @@ async def test_sim_backend_serves_the_same_protocol(start_stack) -> None:
     # Same prompt, different request ids: the simulator's tokens differ per request.
     assert len({tuple(g.token_ids) for g in gens}) > 1
     await _books_settle(stack.address)
+
+
+async def test_metrics_endpoint_counts_tokens_and_retractions(start_stack, monkeypatch) -> None:
+    import socket
+    import urllib.request
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    monkeypatch.setenv("STEPWISE_TEST_RETRACT", "1")
+    stack = await start_stack(["--metrics-port", str(port)])
+    async with StepwiseClient(stack.address) as client:
+        await asyncio.gather(*(client.generate(p, max_new_tokens=16, ignore_eos=True) for p in PROMPTS[:4]))
+    body = await asyncio.to_thread(lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read())
+    values = {
+        line.split(" ")[0].split("{")[0]: float(line.split(" ")[-1])
+        for line in body.decode().splitlines()
+        if line.startswith("stepwise:") and 'worker="worker-0"' in line
+    }
+    assert values["stepwise:generation_tokens_total"] == 64
+    assert values["stepwise:num_retracted_requests_total"] > 0
+    assert values["stepwise:kv_book_mismatch_total"] == 0
+    assert values["stepwise:time_to_first_token_seconds_count"] == 4

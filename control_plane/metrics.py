@@ -1,0 +1,97 @@
+"""Prometheus metrics, named like SGLang's (SCHEDULER.md §10.5) with the `stepwise:` prefix.
+
+One set per control-plane process, labelled by worker. Served over HTTP by `--metrics-port`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+REGISTRY = CollectorRegistry()
+_W = ("worker",)
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
+
+
+def _gauge(name: str, doc: str) -> Gauge:
+    return Gauge(f"stepwise:{name}", doc, _W, registry=REGISTRY)
+
+
+def _counter(name: str, doc: str) -> Counter:
+    return Counter(f"stepwise:{name}", doc, _W, registry=REGISTRY)
+
+
+def _histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+    return Histogram(f"stepwise:{name}", doc, _W, buckets=buckets, registry=REGISTRY)
+
+
+NUM_RUNNING_REQS = _gauge("num_running_reqs", "Requests in the running (decode) batch")
+NUM_QUEUE_REQS = _gauge("num_queue_reqs", "Requests waiting to be admitted")
+NUM_USED_TOKENS = _gauge("num_used_tokens", "KV slots in use: capacity - (available + evictable)")
+TOKEN_USAGE = _gauge("token_usage", "num_used_tokens / capacity")
+KV_AVAILABLE = _gauge("kv_available_tokens", "Free KV slots")
+KV_EVICTABLE = _gauge("kv_evictable_tokens", "KV slots held by unlocked prefix-cache nodes")
+KV_USED = _gauge("kv_used_tokens", "KV slots held by requests or locked cache nodes")
+NEW_TOKEN_RATIO = _gauge("new_token_ratio", "Share of remaining max_new_tokens reserved at admission")
+CACHE_HIT_RATE = _gauge("cache_hit_rate", "Cached / (cached + computed) prompt tokens of the last prefill")
+GEN_THROUGHPUT = _gauge("gen_throughput", "Decode tokens per second at the last decode log")
+NUM_RETRACTED_REQS = _gauge("num_retracted_reqs", "Requests retracted by the last retraction")
+RETRACTED_REQUESTS = _counter("num_retracted_requests", "Requests retracted")
+RETRACTED_INPUT_TOKENS = _counter("num_retracted_input_tokens", "Prompt tokens of retracted requests")
+RETRACTED_OUTPUT_TOKENS = _counter("num_retracted_output_tokens", "Generated tokens of retracted requests")
+PROMPT_TOKENS = _counter("prompt_tokens", "Prompt tokens computed by prefills")
+CACHED_TOKENS = _counter("cached_tokens", "Prompt tokens served from the prefix cache")
+GENERATION_TOKENS = _counter("generation_tokens", "Tokens generated")
+KV_BOOK_MISMATCHES = _counter("kv_book_mismatch", "Steps where a worker's KV report disagreed with the books")
+REQUESTS_FINISHED = Counter(
+    "stepwise:requests_finished", "Finished requests by reason", ("worker", "reason"), registry=REGISTRY
+)
+QUEUE_TIME = _histogram("queue_time_seconds", "Arrival to first admission", _LATENCY_BUCKETS)
+TTFT = _histogram("time_to_first_token_seconds", "Arrival to first output token", _LATENCY_BUCKETS)
+ITL = _histogram("inter_token_latency_seconds", "Time between output chunks of a request", _ITL_BUCKETS)
+E2E_LATENCY = _histogram("e2e_request_latency_seconds", "Arrival to finish", _LATENCY_BUCKETS)
+
+
+def register_worker(worker: str) -> None:
+    """Create every series of a new worker at zero, so dashboards see them before the first event."""
+    for metric in (
+        RETRACTED_REQUESTS,
+        RETRACTED_INPUT_TOKENS,
+        RETRACTED_OUTPUT_TOKENS,
+        PROMPT_TOKENS,
+        CACHED_TOKENS,
+        GENERATION_TOKENS,
+        KV_BOOK_MISMATCHES,
+        NUM_RETRACTED_REQS,
+    ):
+        metric.labels(worker)
+
+
+def serve(port: int, host: str) -> None:
+    """Expose /metrics over HTTP on a background thread (port 0: not served)."""
+    if port:
+        start_http_server(port, addr=host, registry=REGISTRY)
+
+
+@dataclass(frozen=True, slots=True)
+class PoolFigures:
+    running: int
+    queued: int
+    available: int
+    evictable: int
+    capacity: int
+    new_token_ratio: float
+
+
+def record_pool(worker: str, f: PoolFigures) -> None:
+    used = f.capacity - (f.available + f.evictable)
+    NUM_RUNNING_REQS.labels(worker).set(f.running)
+    NUM_QUEUE_REQS.labels(worker).set(f.queued)
+    NUM_USED_TOKENS.labels(worker).set(used)
+    TOKEN_USAGE.labels(worker).set(used / f.capacity if f.capacity else 0.0)
+    KV_AVAILABLE.labels(worker).set(f.available)
+    KV_EVICTABLE.labels(worker).set(f.evictable)
+    KV_USED.labels(worker).set(used)
+    NEW_TOKEN_RATIO.labels(worker).set(f.new_token_ratio)
