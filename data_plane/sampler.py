@@ -39,6 +39,9 @@ class SampleOutput:
     logprobs: tuple[TokenLogprobs, ...]
 
 
+# Inference mode because the forward's logits are inference tensors: penalties update them in place,
+# which torch refuses outside inference mode.
+@torch.inference_mode()
 def sample(
     logits: torch.Tensor,
     cols: SamplerColumns,
@@ -94,12 +97,28 @@ def _subset(cols: SamplerColumns, index: np.ndarray) -> SamplerColumns:
     )
 
 
-def _sample_rows(logits: torch.Tensor, cols: SamplerColumns, uniforms: np.ndarray) -> torch.Tensor:
-    device = logits.device
-    temperature = torch.from_numpy(cols.temperature).to(device, torch.float32)
+def filtered_probs(logits: torch.Tensor, cols: SamplerColumns) -> torch.Tensor:
+    """The distribution a stochastic row draws from ([S, vocab], vocab order, zeros where filtered).
+
+    Rows must have temperature > 0. This is what `sample` draws from after penalties; exposed so
+    tests can compare it with transformers' warpers on the same logits.
+    """
+    probs, order = _sorted_filtered_probs(logits, cols)
+    return torch.zeros_like(probs).scatter_(1, order, probs)
+
+
+def _sorted_filtered_probs(logits: torch.Tensor, cols: SamplerColumns) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float64 probabilities in descending-logit order, the vocab id at each sorted position)."""
+    temperature = torch.from_numpy(cols.temperature).to(logits.device, torch.float32)
     sorted_logits, order = (logits / temperature[:, None]).sort(dim=-1, descending=True)
     keep = _truncation_mask(sorted_logits, cols)
     probs = torch.softmax(sorted_logits.masked_fill(~keep, float("-inf")), dim=-1).double()
+    return probs, order
+
+
+def _sample_rows(logits: torch.Tensor, cols: SamplerColumns, uniforms: np.ndarray) -> torch.Tensor:
+    device = logits.device
+    probs, order = _sorted_filtered_probs(logits, cols)
     cdf = probs.cumsum(dim=-1)
     targets = torch.from_numpy(uniforms).to(device)[:, None] * cdf[:, -1:]
     # u > 0, so the first index whose cdf reaches the target always has positive probability.
