@@ -159,12 +159,26 @@ def cmd_demo(argv: Sequence[str]) -> int:
     return asyncio.run(demo())
 
 
+def cmd_replay(argv: Sequence[str]) -> int:
+    from stepwise import replay
+
+    return replay.main(argv)
+
+
+def cmd_simulate(argv: Sequence[str]) -> int:
+    from stepwise import simulate
+
+    return simulate.main(argv)
+
+
 COMMANDS = {
     "control": cmd_control,
     "worker": cmd_worker,
     "up": cmd_up,
     "generate": cmd_generate,
     "demo": cmd_demo,
+    "replay": cmd_replay,
+    "simulate": cmd_simulate,
 }
 
 

@@ -1,0 +1,299 @@
+"""Recording entries <-> protobuf Records. The only module that imports the record stubs.
+
+Plans, results and worker limits reuse the worker link's messages and control_plane.codec's
+conversions, so a recorded plan is byte for byte what went down the stream.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import warnings
+
+from control_plane import codec as link
+from control_plane.config import SchedulerConfig
+from control_plane.record.entries import (
+    Abort,
+    AddRequest,
+    ApplyResult,
+    Entry,
+    Finish,
+    Finished,
+    Header,
+    NextPlan,
+    OnIdle,
+    StepFigures,
+)
+from control_plane.request import AbortCode, FinishKind, FinishReason, RequestParams, SamplerSpec
+from control_plane.scheduler.plan import StepKind
+from control_plane.scheduler.scheduler import StepStats
+from protos.stepwise.v1 import record_pb2 as rec_pb
+from protos.stepwise.v1 import worker_pb2 as wk_pb
+
+# --- scheduler config and header ----------------------------------------------------------------
+
+
+def config_to_json(config: SchedulerConfig) -> str:
+    return json.dumps(dataclasses.asdict(config), sort_keys=True)
+
+
+def config_from_json(text: str) -> SchedulerConfig:
+    """Unknown names are ignored (with a warning); missing ones take today's defaults."""
+    raw = json.loads(text)
+    known = {f.name for f in dataclasses.fields(SchedulerConfig)}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        warnings.warn(f"recording: ignoring unknown scheduler settings {unknown}", stacklevel=2)
+    return SchedulerConfig(**{k: v for k, v in raw.items() if k in known})
+
+
+def _header_to_proto(h: Header) -> rec_pb.Header:
+    return rec_pb.Header(
+        format_version=h.format_version,
+        scheduler_config_json=config_to_json(h.scheduler),
+        worker=link.hello_from_limits(h.limits),
+        seeds=dict(h.seeds),
+        part=h.part,
+        first_step=h.first_step,
+        writer=h.writer,
+    )
+
+
+def _header_from_proto(m: rec_pb.Header) -> Header:
+    return Header(
+        scheduler=config_from_json(m.scheduler_config_json),
+        limits=link.limits_from_hello(m.worker),
+        seeds=dict(m.seeds),
+        part=m.part,
+        first_step=m.first_step,
+        writer=m.writer,
+        format_version=m.format_version,
+    )
+
+
+# --- requests and reasons -----------------------------------------------------------------------
+
+
+def _reason_to_proto(r: FinishReason) -> rec_pb.Outcome:
+    return rec_pb.Outcome(kind=r.kind.value, message=r.message, code=r.code.value if r.code else "")
+
+
+def _reason_from_proto(m: rec_pb.Outcome) -> FinishReason:
+    return FinishReason(FinishKind(m.kind), m.message, AbortCode(m.code) if m.code else None)
+
+
+def _sampler_to_proto(s: SamplerSpec) -> wk_pb.SamplerParams:
+    return wk_pb.SamplerParams(
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        min_p=s.min_p,
+        repetition_penalty=s.repetition_penalty,
+        frequency_penalty=s.frequency_penalty,
+        presence_penalty=s.presence_penalty,
+        has_seed=s.seed is not None,
+        seed=s.seed or 0,
+        logprobs=s.logprobs,
+    )
+
+
+def _sampler_from_proto(m: wk_pb.SamplerParams) -> SamplerSpec:
+    return SamplerSpec(
+        temperature=m.temperature,
+        top_p=m.top_p,
+        top_k=m.top_k,
+        min_p=m.min_p,
+        repetition_penalty=m.repetition_penalty,
+        frequency_penalty=m.frequency_penalty,
+        presence_penalty=m.presence_penalty,
+        seed=m.seed if m.has_seed else None,
+        logprobs=m.logprobs,
+    )
+
+
+def _params_to_proto(p: RequestParams) -> rec_pb.RequestParams:
+    return rec_pb.RequestParams(
+        has_max_new_tokens=p.max_new_tokens is not None,
+        max_new_tokens=p.max_new_tokens or 0,
+        stop=list(p.stop),
+        stop_token_ids=sorted(p.stop_token_ids),
+        ignore_eos=p.ignore_eos,
+        sampler=_sampler_to_proto(p.sampler),
+        has_priority=p.priority is not None,
+        priority=p.priority or 0,
+        routing_key=p.routing_key,
+        group=p.group,
+        sim_output_len=p.sim_output_len,
+    )
+
+
+def _params_from_proto(m: rec_pb.RequestParams) -> RequestParams:
+    return RequestParams(
+        max_new_tokens=m.max_new_tokens if m.has_max_new_tokens else None,
+        stop=tuple(m.stop),
+        stop_token_ids=frozenset(m.stop_token_ids),
+        ignore_eos=m.ignore_eos,
+        sampler=_sampler_from_proto(m.sampler),
+        priority=m.priority if m.has_priority else None,
+        routing_key=m.routing_key,
+        group=m.group,
+        sim_output_len=m.sim_output_len,
+    )
+
+
+# --- stats ----------------------------------------------------------------------------------------
+
+
+def _figures_to_proto(f: StepFigures) -> rec_pb.StepFigures:
+    s = f.stats
+    return rec_pb.StepFigures(
+        step=s.step_id,
+        kind=s.kind.value,
+        new_seqs=s.new_seqs,
+        new_tokens=s.new_tokens,
+        cached_tokens=s.cached_tokens,
+        running_at_admission=s.running_at_admission,
+        decode_bs=s.decode_bs,
+        queued=s.queued,
+        pending_tokens=s.pending_tokens,
+        new_token_ratio=s.new_token_ratio,
+        admission_ratio=f.admission_ratio,
+        has_rem=s.rem_total_tokens is not None,
+        rem_total_tokens=s.rem_total_tokens or 0.0,
+        rem_input_tokens=s.rem_input_tokens or 0,
+        has_rem_chunk=s.rem_chunk_tokens is not None,
+        rem_chunk_tokens=s.rem_chunk_tokens or 0,
+        retracted=s.retracted,
+        retract_tokens_gained=s.retract_tokens_gained,
+        ratio_before_retract=s.ratio_before_retract,
+        kv_full=s.kv_full,
+        running=f.running,
+        kv_used=f.kv_used,
+        kv_capacity=f.kv_capacity,
+    )
+
+
+def _figures_from_proto(m: rec_pb.StepFigures) -> StepFigures:
+    stats = StepStats(
+        step_id=m.step,
+        kind=StepKind(m.kind),
+        new_seqs=m.new_seqs,
+        new_tokens=m.new_tokens,
+        cached_tokens=m.cached_tokens,
+        running_at_admission=m.running_at_admission,
+        decode_bs=m.decode_bs,
+        queued=m.queued,
+        pending_tokens=m.pending_tokens,
+        new_token_ratio=m.new_token_ratio,
+        rem_total_tokens=m.rem_total_tokens if m.has_rem else None,
+        rem_input_tokens=m.rem_input_tokens if m.has_rem else None,
+        rem_chunk_tokens=m.rem_chunk_tokens if m.has_rem_chunk else None,
+        retracted=list(m.retracted),
+        retract_tokens_gained=m.retract_tokens_gained,
+        ratio_before_retract=m.ratio_before_retract,
+        kv_full=m.kv_full,
+    )
+    return StepFigures(stats, m.admission_ratio, m.running, m.kv_used, m.kv_capacity)
+
+
+# --- entries --------------------------------------------------------------------------------------
+
+
+def _next_plan_to_proto(e: NextPlan) -> rec_pb.NextPlanCall:
+    if e.plan is None:
+        return rec_pb.NextPlanCall(step=e.step)
+    wire = link.plan_to_proto(e.plan).plan
+    return rec_pb.NextPlanCall(step=e.step, plan=wire, has_plan=True, kind=e.plan.kind.value)
+
+
+def _next_plan_from_proto(m: rec_pb.NextPlanCall) -> NextPlan:
+    if not m.has_plan:
+        return NextPlan(m.step, None)
+    plan = link.plan_from_proto(m.plan)
+    if m.kind and plan.kind.value != m.kind:
+        plan = dataclasses.replace(plan, kind=StepKind(m.kind))
+    return NextPlan(m.step, plan)
+
+
+def entry_to_proto(e: Entry) -> rec_pb.Record:
+    match e:
+        case Header():
+            return rec_pb.Record(header=_header_to_proto(e))
+        case AddRequest():
+            return rec_pb.Record(add_request=_add_request_to_proto(e))
+        case Abort():
+            return rec_pb.Record(
+                abort=rec_pb.AbortCall(
+                    step=e.step, rid=e.rid, reason=_reason_to_proto(e.reason), applied=e.applied
+                )
+            )
+        case Finish():
+            return rec_pb.Record(
+                finish=rec_pb.FinishCall(
+                    step=e.step, rid=e.rid, reason=_reason_to_proto(e.reason), applied=e.applied
+                )
+            )
+        case NextPlan():
+            return rec_pb.Record(next_plan=_next_plan_to_proto(e))
+        case ApplyResult():
+            return rec_pb.Record(
+                apply_result=rec_pb.ApplyResultCall(result=link.result_to_proto(e.result).result)
+            )
+        case OnIdle():
+            return rec_pb.Record(on_idle=rec_pb.OnIdleCall(step=e.step))
+        case StepFigures():
+            return rec_pb.Record(stats=_figures_to_proto(e))
+        case Finished():
+            return rec_pb.Record(finished=_finished_to_proto(e))
+    raise TypeError(f"not a recording entry: {e!r}")
+
+
+def _add_request_to_proto(e: AddRequest) -> rec_pb.AddRequestCall:
+    return rec_pb.AddRequestCall(
+        step=e.step, rid=e.rid, input_ids=e.input_ids, params=_params_to_proto(e.params), error=e.error
+    )
+
+
+def _finished_to_proto(e: Finished) -> rec_pb.FinishedEvent:
+    return rec_pb.FinishedEvent(
+        step=e.step, rid=e.rid, reason=_reason_to_proto(e.reason), cached_tokens=e.cached_tokens
+    )
+
+
+def entry_from_proto(m: rec_pb.Record) -> Entry:
+    """ValueError for an empty Record (written by a newer version, or garbage)."""
+    which = m.WhichOneof("entry")
+    match which:
+        case "header":
+            return _header_from_proto(m.header)
+        case "add_request":
+            a = m.add_request
+            return AddRequest(a.step, a.rid, tuple(a.input_ids), _params_from_proto(a.params), a.error)
+        case "abort":
+            return Abort(m.abort.step, m.abort.rid, _reason_from_proto(m.abort.reason), m.abort.applied)
+        case "finish":
+            f = m.finish
+            return Finish(f.step, f.rid, _reason_from_proto(f.reason), f.applied)
+        case "next_plan":
+            return _next_plan_from_proto(m.next_plan)
+        case "apply_result":
+            return ApplyResult(link.result_from_proto(m.apply_result.result))
+        case "on_idle":
+            return OnIdle(m.on_idle.step)
+        case "stats":
+            return _figures_from_proto(m.stats)
+        case "finished":
+            d = m.finished
+            return Finished(d.step, d.rid, _reason_from_proto(d.reason), d.cached_tokens)
+    raise ValueError(f"unknown record entry {which!r}")
+
+
+def encode(e: Entry) -> bytes:
+    return entry_to_proto(e).SerializeToString()
+
+
+def decode(data: bytes) -> Entry:
+    """ValueError (or protobuf's DecodeError) for bytes that are not a Record."""
+    record = rec_pb.Record()
+    record.ParseFromString(data)
+    return entry_from_proto(record)

@@ -1,0 +1,106 @@
+"""What a recording holds, as typed values: a header, then every mutating scheduler call in order.
+
+Replaying the calls (AddRequest, Abort, Finish, NextPlan, ApplyResult, OnIdle) into a fresh
+Scheduler built from the header must reproduce every recorded plan. StepFigures and Finished are
+observations for `stepwise replay show`; scheduler replay also checks the finishes.
+
+`step` on a call is the number of plans the scheduler had made when it was called: an arrival
+stamped 4 is first seen by plan 5.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from control_plane.config import SchedulerConfig
+from control_plane.request import FinishReason, RequestParams
+from control_plane.scheduler.plan import StepPlan, StepResult, WorkerLimits
+from control_plane.scheduler.scheduler import StepStats
+
+FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True, slots=True)
+class Header:
+    scheduler: SchedulerConfig
+    limits: WorkerLimits
+    # Seeds that decisions or tokens depend on, by name ("scheduler.random_seed", "sim.seed").
+    seeds: Mapping[str, int] = field(default_factory=dict)
+    # 0 for a session's first file; k for its k-th continuation.
+    part: int = 0
+    # Steps planned before this part began.
+    first_step: int = 0
+    writer: str = ""
+    format_version: int = FORMAT_VERSION
+
+
+@dataclass(frozen=True, slots=True)
+class AddRequest:
+    step: int
+    rid: str
+    input_ids: tuple[int, ...]
+    params: RequestParams
+    # "" when accepted, else "ExceptionName: message".
+    error: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Abort:
+    step: int
+    rid: str
+    reason: FinishReason
+    applied: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Finish:
+    """A finish decided by the engine (a stop string)."""
+
+    step: int
+    rid: str
+    reason: FinishReason
+    applied: bool
+
+
+@dataclass(frozen=True, slots=True)
+class NextPlan:
+    step: int
+    plan: StepPlan | None
+
+
+@dataclass(frozen=True, slots=True)
+class ApplyResult:
+    result: StepResult
+
+
+@dataclass(frozen=True, slots=True)
+class OnIdle:
+    step: int
+
+
+@dataclass(frozen=True, slots=True)
+class StepFigures:
+    """A planned step's StepStats plus what the stats do not carry."""
+
+    stats: StepStats
+    # The new-token ratio admission used (StepStats.new_token_ratio is the value after a retraction).
+    admission_ratio: float
+    # Sequences live on the worker during this step.
+    running: int
+    kv_used: int
+    kv_capacity: int
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    """A finish the engine took from the scheduler and published."""
+
+    step: int
+    rid: str
+    reason: FinishReason
+    cached_tokens: int = 0
+
+
+Call = AddRequest | Abort | Finish | NextPlan | ApplyResult | OnIdle
+Entry = Header | Call | StepFigures | Finished

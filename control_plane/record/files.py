@@ -1,0 +1,196 @@
+"""Recording files: length-delimited records, parts rotated by size, a reader that survives a crash.
+
+A session `DIR/<worker>-<n>` is written as parts `<worker>-<n>.0000.rec`, `.0001.rec`, ...; each
+part begins with a header (a continuation repeats the session's header with its part number and
+first step). Every record is preceded by its length as a base-128 varint, protobuf's delimited
+format. A crash can leave the last record of the last part cut short: the reader stops there with a
+TruncatedRecording warning and yields everything before it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import BinaryIO
+
+from control_plane.record import codec
+from control_plane.record.entries import Entry, Header
+
+SUFFIX = ".rec"
+_PART = re.compile(r"^(?P<session>.+)\.(?P<part>\d{4})\.rec$")
+_BUFFER_BYTES = 1 << 20
+
+
+class TruncatedRecording(UserWarning):
+    """The recording ends inside a record (the writer crashed); what came before is still read."""
+
+
+class RecordingError(Exception):
+    """The path does not name a readable recording."""
+
+
+# --- varints ------------------------------------------------------------------------------------------
+
+
+def varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _read_varint(f: BinaryIO) -> int | None:
+    """The next varint; None at a clean end of file; EOFError inside one."""
+    shift = result = 0
+    while True:
+        byte = f.read(1)
+        if not byte:
+            if shift:
+                raise EOFError("file ends inside a length prefix")
+            return None
+        result |= (byte[0] & 0x7F) << shift
+        if byte[0] < 0x80:
+            return result
+        shift += 7
+        if shift > 63:
+            raise ValueError("length prefix longer than 10 bytes")
+
+
+# --- writing ------------------------------------------------------------------------------------------
+
+
+def session_path(directory: Path, worker_id: str) -> Path:
+    """A fresh session name under `directory`: `<worker>-<n>` with the first unused n."""
+    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", worker_id) or "worker"
+    n = 1
+    while part_path(directory / f"{safe}-{n}", 0).exists():
+        n += 1
+    return directory / f"{safe}-{n}"
+
+
+def part_path(session: Path, part: int) -> Path:
+    return session.with_name(f"{session.name}.{part:04d}{SUFFIX}")
+
+
+class RecordWriter:
+    """Appends records to a session's current part; `end_step` flushes and rotates by size."""
+
+    def __init__(self, session: Path, header: Header, max_bytes: int) -> None:
+        session.parent.mkdir(parents=True, exist_ok=True)
+        self.session = session
+        self.header = header
+        self.max_bytes = max_bytes
+        self.part = -1
+        self._file: BinaryIO | None = None
+        self._open_part(0, header.first_step)
+
+    @property
+    def path(self) -> Path:
+        return part_path(self.session, self.part)
+
+    def _open_part(self, part: int, first_step: int) -> None:
+        if self._file is not None:
+            self._file.close()
+        self.part = part
+        self._file = open(self.path, "xb", buffering=_BUFFER_BYTES)  # noqa: SIM115 (closed in close())
+        self.append(codec.encode(dataclasses.replace(self.header, part=part, first_step=first_step)))
+
+    def append(self, record: bytes) -> None:
+        assert self._file is not None, "the writer is closed"
+        self._file.write(varint(len(record)))
+        self._file.write(record)
+
+    def end_step(self, step: int) -> None:
+        """Flush (once per step: a crash loses at most the step in progress); rotate if too big."""
+        if self._file is None:
+            return
+        self._file.flush()
+        if self._file.tell() >= self.max_bytes:
+            self._open_part(self.part + 1, step)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+# --- reading ------------------------------------------------------------------------------------------
+
+
+def recording_parts(path: Path) -> list[Path]:
+    """The files to read, in order, for a part file, a session name, or a directory with one session."""
+    if path.is_dir():
+        return _only_session(path)
+    match = _PART.match(path.name)
+    if path.is_file() and match is None:
+        return [path]
+    session = path.with_name(match["session"]) if match else path
+    first = int(match["part"]) if match else 0
+    parts: list[Path] = []
+    while part_path(session, first + len(parts)).is_file():
+        parts.append(part_path(session, first + len(parts)))
+    if not parts:
+        raise RecordingError(f"no recording at {path}")
+    return parts
+
+
+def _only_session(directory: Path) -> list[Path]:
+    sessions = sorted({m["session"] for p in directory.iterdir() if (m := _PART.match(p.name))})
+    if len(sessions) != 1:
+        found = ", ".join(sessions) or "none"
+        raise RecordingError(f"{directory} holds {len(sessions)} recordings ({found}); name one")
+    return recording_parts(directory / sessions[0])
+
+
+def read_records(path: Path) -> Iterator[bytes]:
+    """Raw records of one file, stopping (with a warning) at a truncated or unreadable tail."""
+    with open(path, "rb", buffering=_BUFFER_BYTES) as f:
+        while True:
+            offset = f.tell()
+            try:
+                size = _read_varint(f)
+            except (EOFError, ValueError) as exc:
+                _warn_truncated(path, offset, str(exc))
+                return
+            if size is None:
+                return
+            data = f.read(size)
+            if len(data) < size:
+                _warn_truncated(path, offset, f"record of {size} bytes has only {len(data)}")
+                return
+            yield data
+
+
+def _warn_truncated(path: Path, offset: int, why: str) -> None:
+    warnings.warn(
+        f"{path}: truncated at byte {offset} ({why}); read up to the last whole record",
+        TruncatedRecording,
+        stacklevel=3,
+    )
+
+
+def read_entries(path: Path) -> Iterator[Entry]:
+    """Every entry of a recording across its parts: one header first, continuation headers dropped."""
+    for index, part in enumerate(recording_parts(path)):
+        for i, data in enumerate(read_records(part)):
+            try:
+                entry = codec.decode(data)
+            except Exception as exc:  # protobuf's DecodeError has no stable import path
+                _warn_truncated(part, -1, f"record {i} does not decode: {exc}")
+                return
+            if index > 0 and i == 0 and isinstance(entry, Header):
+                continue
+            yield entry
+
+
+def read_header(path: Path) -> Header:
+    for entry in read_entries(path):
+        if isinstance(entry, Header):
+            return entry
+        break
+    raise RecordingError(f"{path} does not start with a header")

@@ -1,0 +1,156 @@
+"""Recording a scheduler: a Scheduler whose mutating calls are also written, in order, to a sink.
+
+RecordingScheduler is the Scheduler itself (the engine keeps reading its state as before) with
+each mutating method wrapped: call, then record the call with its outcome. A sink decides where
+entries go: a file (`stepwise control --record`), a timeline (`stepwise simulate`), or both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Protocol
+
+from control_plane.config import ControlConfig, SchedulerConfig
+from control_plane.record import codec
+from control_plane.record.entries import (
+    Abort,
+    AddRequest,
+    ApplyResult,
+    Entry,
+    Finish,
+    Finished,
+    Header,
+    NextPlan,
+    OnIdle,
+    StepFigures,
+)
+from control_plane.record.files import RecordWriter, session_path
+from control_plane.request import FinishReason, Request, RequestParams
+from control_plane.scheduler.plan import StepPlan, StepResult, WorkerLimits
+from control_plane.scheduler.scheduler import QueueFull, RequestRejected, RequestUpdate, Scheduler
+
+
+class Sink(Protocol):
+    def write(self, entry: Entry) -> None: ...
+
+    def end_step(self, step: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class FileSink:
+    """Entries encoded as delimited protobuf records into a rotating session of files."""
+
+    def __init__(self, writer: RecordWriter) -> None:
+        self.writer = writer
+
+    def write(self, entry: Entry) -> None:
+        self.writer.append(codec.encode(entry))
+
+    def end_step(self, step: int) -> None:
+        self.writer.end_step(step)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class Tee:
+    def __init__(self, sinks: Sequence[Sink]) -> None:
+        self.sinks = list(sinks)
+
+    def write(self, entry: Entry) -> None:
+        for sink in self.sinks:
+            sink.write(entry)
+
+    def end_step(self, step: int) -> None:
+        for sink in self.sinks:
+            sink.end_step(step)
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
+
+
+def recording_header(config: SchedulerConfig, limits: WorkerLimits, writer: str, **seeds: int) -> Header:
+    return Header(config, limits, {"scheduler.random_seed": config.random_seed, **seeds}, writer=writer)
+
+
+def open_file_sink(directory: Path, header: Header, max_bytes: int) -> FileSink:
+    """A new session for this worker under `directory` (never appends to an earlier session)."""
+    return FileSink(RecordWriter(session_path(directory, header.limits.worker_id), header, max_bytes))
+
+
+class RecordingScheduler(Scheduler):
+    """A Scheduler that writes every mutating call (and its outcome) to `sink`."""
+
+    def __init__(self, config: SchedulerConfig, limits: WorkerLimits, sink: Sink) -> None:
+        super().__init__(config, limits)
+        self.sink = sink
+
+    def add_request(self, rid: str, input_ids: Sequence[int], params: RequestParams) -> Request:
+        ids = tuple(input_ids)
+        try:
+            req = super().add_request(rid, ids, params)
+        except (QueueFull, RequestRejected, ValueError) as exc:
+            self.sink.write(AddRequest(self.step_id, rid, ids, params, f"{type(exc).__name__}: {exc}"))
+            raise
+        self.sink.write(AddRequest(self.step_id, rid, ids, params))
+        return req
+
+    def abort(self, rid: str, reason: FinishReason) -> bool:
+        applied = super().abort(rid, reason)
+        self.sink.write(Abort(self.step_id, rid, reason, applied))
+        return applied
+
+    def finish(self, rid: str, reason: FinishReason) -> bool:
+        applied = super().finish(rid, reason)
+        self.sink.write(Finish(self.step_id, rid, reason, applied))
+        return applied
+
+    def next_plan(self) -> StepPlan | None:
+        step, admission_ratio = self.step_id, self.ratio.current
+        plan = super().next_plan()
+        self.sink.write(NextPlan(step, plan))
+        if plan is None:
+            self.sink.end_step(self.step_id)
+            return None
+        assert self.last_stats is not None
+        figures = StepFigures(
+            self.last_stats, admission_ratio, self.live_handles(), self.kv.used_tokens(), self.capacity
+        )
+        self.sink.write(figures)
+        return plan
+
+    def apply_result(self, result: StepResult) -> None:
+        super().apply_result(result)
+        self.sink.write(ApplyResult(result))
+        self.sink.end_step(self.step_id)
+
+    def on_idle(self) -> None:
+        super().on_idle()
+        self.sink.write(OnIdle(self.step_id))
+
+    def take_updates(self) -> list[RequestUpdate]:
+        updates = super().take_updates()
+        for u in updates:
+            if u.finished is not None:
+                self.sink.write(Finished(self.step_id, u.rid, u.finished, u.cached_tokens))
+        return updates
+
+    def close(self) -> None:
+        self.sink.close()
+
+
+def make_scheduler(config: ControlConfig, limits: WorkerLimits) -> Scheduler:
+    """The engine's scheduler: a RecordingScheduler when --record DIR is set, else a plain one."""
+    if config.record_dir is None:
+        return Scheduler(config.scheduler, limits)
+    header = recording_header(config.scheduler, limits, "stepwise control")
+    sink = open_file_sink(config.record_dir, header, config.record_max_bytes)
+    return RecordingScheduler(config.scheduler, limits, sink)
+
+
+def close_recording(scheduler: Scheduler) -> None:
+    if isinstance(scheduler, RecordingScheduler):
+        scheduler.close()

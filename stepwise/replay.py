@@ -1,0 +1,185 @@
+"""`stepwise replay {worker,scheduler,show} REC`: check a recording against fresh planes, or read it.
+
+- `worker REC --model DIR|embedded`: a fresh worker (in this process) runs the recorded plans; its
+  results are compared with the recorded ones.
+- `scheduler REC`: the recorded calls go into a fresh scheduler; its plans are compared.
+- `show REC [--json]`: the recording as a timeline, one entry per step.
+
+REC is a recording file (`<worker>-<n>.0000.rec`; later parts are followed), a session name, or a
+directory holding one session. Exit codes: 0 identical / shown, 1 diverged, 2 unreadable input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import warnings
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+from control_plane.record.entries import Entry, Header
+from control_plane.record.files import RecordingError, read_entries, read_header
+from control_plane.record.replay import ReplayReport, replay_scheduler, replay_worker
+from control_plane.record.timeline import StepLine, TimelineBuilder
+from stepwise.wire import Executor, step_through_wire
+
+EXIT_IDENTICAL, EXIT_DIVERGED, EXIT_BAD_INPUT = 0, 1, 2
+
+
+# --- the worker --------------------------------------------------------------------------------------
+
+
+def fresh_executor(header: Header, model: str, device: str, dtype: str) -> Executor:
+    """A worker like the recorded one: the sim backend for a sim recording, else the model in DIR."""
+    from data_plane import worker
+    from data_plane.config import DTYPES, WorkerConfig
+    from data_plane.models.loader import ModelLoadError
+    from stepwise.embedded import resolve_model
+
+    limits = header.limits
+    if limits.dtype == "sim":
+        return _sim_executor(header)  # everything the simulator depends on is in the header
+    if not model:
+        raise ValueError("--model DIR (or 'embedded') is needed to replay a model worker")
+    if dtype == "auto" and limits.dtype in DTYPES:
+        dtype = limits.dtype
+    config = WorkerConfig(
+        model=resolve_model(model),
+        device=device,
+        dtype=dtype,
+        kv_tokens=limits.kv_capacity_tokens,
+        page_size=limits.page_size,
+        host_pool_tokens=limits.host_pool_capacity_tokens,
+    )
+    try:
+        loaded = worker.load_worker(config)
+    except ModelLoadError as exc:
+        raise ValueError(f"cannot load {config.model}: {exc}") from exc
+    _check_fingerprint(header, loaded.hello.model_fingerprint)
+    return loaded.executor
+
+
+def _sim_executor(header: Header) -> Executor:
+    from data_plane.sim import SimExecutor
+
+    limits = header.limits
+    eos = min(limits.eos_token_ids) if limits.eos_token_ids else 0
+    seed = int(header.seeds.get("sim.seed", 0))
+    return SimExecutor(limits.kv_capacity_tokens, limits.vocab_size, eos, seed=seed)
+
+
+def _check_fingerprint(header: Header, fingerprint: str) -> None:
+    recorded = header.limits.model_fingerprint
+    if recorded and recorded != fingerprint:
+        warnings.warn(
+            f"model fingerprint {fingerprint[:16]} differs from the recorded {recorded[:16]}", stacklevel=2
+        )
+
+
+# --- show --------------------------------------------------------------------------------------------
+
+
+def timeline(entries: Iterable[Entry]) -> Iterable[StepLine]:
+    builder = TimelineBuilder()
+    for entry in entries:
+        yield from builder.feed(entry)
+    yield from builder.finish()
+
+
+def print_table(lines: Sequence[StepLine]) -> None:
+    """A readable table of timeline lines (rich)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(box=None, header_style="bold")
+    for name in ("step", "kind", "extends", "decodes", "retracted", "finished", "ratio", "rem tot/in/chunk"):
+        table.add_column(name)
+    for name in ("cached", "run", "queue", "kv used"):
+        table.add_column(name, justify="right")
+    for line in lines:
+        table.add_row(*_row(line))
+    Console(width=200).print(table)
+
+
+def _row(line: StepLine) -> list[str]:
+    extends = " ".join(f"{e.rid}[{e.start}:{e.end}]{'+' if e.chunked else ''}" for e in line.extends)
+    ended = [*line.finished, *(f"{rid}!" for rid, _ in line.aborted)]
+    rem = "/".join("-" if v is None else str(int(v)) for v in _rems(line))
+    return [
+        str(line.step),
+        line.kind,
+        _clip(extends),
+        str(len(line.decodes)) if line.decodes else "",
+        _clip(" ".join(line.retracted)),
+        _clip(" ".join(ended)),
+        f"{line.new_token_ratio:.4f}",
+        rem,
+        str(line.cached_tokens),
+        str(line.running),
+        str(line.queued),
+        f"{line.kv_used}/{line.kv_capacity}",
+    ]
+
+
+def _rems(line: StepLine) -> tuple[float | None, ...]:
+    return (line.rem_total_tokens, line.rem_input_tokens, line.rem_chunk_tokens)
+
+
+def _clip(text: str, width: int = 60) -> str:
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+# --- command line ------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="stepwise replay", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="what", required=True)
+    worker = sub.add_parser("worker", help="recorded plans into a fresh worker; compare results")
+    worker.add_argument("recording", type=Path)
+    worker.add_argument(
+        "--model", default="", help="model DIR or 'embedded' (not needed for a sim recording)"
+    )
+    worker.add_argument("--device", default="cpu")
+    worker.add_argument("--dtype", default="auto", help="auto: the recorded worker's dtype")
+    scheduler = sub.add_parser("scheduler", help="recorded calls into a fresh scheduler; compare plans")
+    scheduler.add_argument("recording", type=Path)
+    show = sub.add_parser("show", help="the recording as a timeline")
+    show.add_argument("recording", type=Path)
+    show.add_argument("--json", action="store_true", help="one JSON object per step")
+    return parser
+
+
+def _report(report: ReplayReport) -> int:
+    print(report.describe())
+    return EXIT_IDENTICAL if report.identical else EXIT_DIVERGED
+
+
+def _run(ns: argparse.Namespace) -> int:
+    entries = read_entries(ns.recording)
+    if ns.what == "scheduler":
+        return _report(replay_scheduler(entries))
+    if ns.what == "worker":
+        executor = fresh_executor(read_header(ns.recording), ns.model, ns.device, ns.dtype)
+        return _report(replay_worker(entries, lambda plan: step_through_wire(executor, plan)))
+    if ns.json:
+        for line in timeline(entries):
+            print(json.dumps(line.to_json()))
+    else:
+        print_table(list(timeline(entries)))
+    return EXIT_IDENTICAL
+
+
+def _print_warning(message: object, category: object, *_args: object, **_kw: object) -> None:
+    print(f"warning: {message}", file=sys.stderr)
+
+
+def main(argv: Sequence[str]) -> int:
+    ns = build_parser().parse_args(argv)
+    warnings.showwarning = _print_warning
+    try:
+        return _run(ns)
+    except (RecordingError, OSError, ValueError) as exc:
+        print(f"stepwise replay: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT

@@ -1,0 +1,322 @@
+"""`stepwise simulate TRACE.jsonl`: the real scheduler driving the sim backend, in one process.
+
+No network and no wall clock: the clock advances by the cost model's time for each step, and
+requests arrive when the clock passes their `arrival`. Plans and results cross both planes' codecs
+(stepwise/wire.py), so the wire format is exercised. Output: the timeline (one line per step, the
+same as `stepwise replay show`), then a summary. Two runs on the same input print the same bytes.
+
+Trace lines are JSON objects: `rid`, `arrival` (seconds, lines sorted by it), a prompt as
+`prompt_ids` or `prompt_len` (+ `prefix_group`, `prefix_len`: a group's requests share their first
+prefix_len tokens), `max_new_tokens`, and optionally `output_len` (tokens before EOS; default:
+never EOS), `priority`, `routing_key`, `ignore_eos`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+from collections import Counter, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from control_plane import config as control_config
+from control_plane.config import SchedulerConfig
+from control_plane.record.recorder import (
+    RecordingScheduler,
+    Sink,
+    Tee,
+    open_file_sink,
+    recording_header,
+)
+from control_plane.record.timeline import StepLine, TimelineSink
+from control_plane.request import RequestParams, SamplerSpec
+from control_plane.scheduler.plan import WorkerLimits
+from control_plane.scheduler.scheduler import QueueFull, RequestRejected, Scheduler
+from data_plane.sim import TOKEN_FLOOR, CostModel, SimExecutor
+from stepwise import flags
+from stepwise.wire import step_through_wire
+
+# Without an output length a request never emits EOS (it runs to max_new_tokens).
+NEVER_EOS = 2**31 - 1
+DEFAULT_KV_TOKENS = 1 << 18
+DEFAULT_COST = "0.005,0.00005,0.0000005"
+
+
+class TraceError(ValueError):
+    """A trace line that cannot be simulated; the message names the line and field."""
+
+
+class SimulationStuck(RuntimeError):
+    """Requests remain but the scheduler plans nothing and no arrival is pending."""
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRequest:
+    rid: str
+    arrival: float
+    input_ids: tuple[int, ...]
+    params: RequestParams
+
+
+@dataclass(frozen=True, slots=True)
+class SimSetup:
+    config: SchedulerConfig
+    limits: WorkerLimits
+    cost: CostModel
+    seed: int = 0
+
+
+# --- the trace ------------------------------------------------------------------------------------
+
+
+def load_trace(path: Path, vocab_size: int) -> list[TraceRequest]:
+    requests: list[TraceRequest] = []
+    for lineno, text in enumerate(path.read_text().splitlines(), start=1):
+        if not text.strip():
+            continue
+        where = f"{path}:{lineno}"
+        try:
+            request = parse_request(json.loads(text), vocab_size)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise TraceError(f"{where}: {exc!s}") from None
+        if requests and request.arrival < requests[-1].arrival:
+            raise TraceError(f"{where}: arrival {request.arrival} is before the previous line's")
+        requests.append(request)
+    return requests
+
+
+def parse_request(obj: dict[str, object], vocab_size: int) -> TraceRequest:
+    rid = str(obj["rid"])
+    max_new = obj.get("max_new_tokens")
+    priority = obj.get("priority")
+    params = RequestParams(
+        max_new_tokens=None if max_new is None else int(max_new),  # type: ignore[call-overload]
+        ignore_eos=bool(obj.get("ignore_eos", False)),
+        sampler=SamplerSpec(temperature=0.0),
+        priority=None if priority is None else int(priority),  # type: ignore[call-overload]
+        routing_key=str(obj.get("routing_key", "")),
+        sim_output_len=int(obj.get("output_len", NEVER_EOS)),  # type: ignore[call-overload]
+    )
+    arrival = float(obj.get("arrival", 0.0))  # type: ignore[arg-type]
+    return TraceRequest(rid, arrival, prompt_ids(rid, obj, vocab_size), params)
+
+
+def prompt_ids(rid: str, obj: dict[str, object], vocab_size: int) -> tuple[int, ...]:
+    """`prompt_ids` as given, or `prompt_len` ids: a group's shared prefix, then the request's own."""
+    if "prompt_ids" in obj:
+        return tuple(int(t) for t in obj["prompt_ids"])  # type: ignore[attr-defined]
+    length = int(obj["prompt_len"])  # type: ignore[call-overload]
+    group = obj.get("prefix_group")
+    shared = min(int(obj.get("prefix_len", 0)), length) if group is not None else 0  # type: ignore[call-overload]
+    prefix = token_run(f"group/{group}", shared, vocab_size)
+    return prefix + token_run(f"rid/{rid}", length - shared, vocab_size)
+
+
+def token_run(name: str, n: int, vocab_size: int) -> tuple[int, ...]:
+    """n ids in [TOKEN_FLOOR, vocab), a function of the name alone (PCG64 is stable across platforms)."""
+    seed = int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little")
+    return tuple(np.random.default_rng(seed).integers(TOKEN_FLOOR, vocab_size, n).tolist())
+
+
+# --- the loop -------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Progress:
+    arrival: float
+    prompt_tokens: int
+    first_token: float | None = None
+    finished: float | None = None
+    reason: str = ""
+    output_tokens: int = 0
+    cached_tokens: int = 0
+
+
+class Simulation:
+    """The scheduler and a SimExecutor on a simulated clock."""
+
+    def __init__(self, setup: SimSetup, trace: Sequence[TraceRequest], sink: Sink | None = None) -> None:
+        self.setup = setup
+        if sink is None:
+            self.scheduler = Scheduler(setup.config, setup.limits)
+        else:
+            self.scheduler = RecordingScheduler(setup.config, setup.limits, sink)
+        limits = setup.limits
+        eos = min(limits.eos_token_ids)
+        self.executor = SimExecutor(limits.kv_capacity_tokens, limits.vocab_size, eos, setup.cost, setup.seed)
+        self.pending = deque(trace)
+        self.progress: dict[str, _Progress] = {}
+        self.clock = 0.0
+        self.steps = 0
+
+    def run(self) -> dict[str, object]:
+        while self._step():
+            pass
+        return self.summary()
+
+    def _step(self) -> bool:
+        self._arrive()
+        plan = self.scheduler.next_plan()
+        self._collect()
+        if plan is None:
+            return self._wait()
+        result = step_through_wire(self.executor, plan)
+        if result.error:
+            raise RuntimeError(f"sim worker failed step {plan.step_id}: {result.error}")
+        self.clock += result.forward_s
+        self.scheduler.apply_result(result)
+        self.steps += 1
+        self._collect()
+        return True
+
+    def _wait(self) -> bool:
+        """Nothing to plan: go idle, then jump the clock to the next arrival (False when done)."""
+        if self.scheduler.is_idle:
+            self.scheduler.on_idle()
+        if self.pending:
+            self.clock = max(self.clock, self.pending[0].arrival)
+            return True
+        if not self.scheduler.is_idle:
+            raise SimulationStuck(f"{len(self.scheduler.requests)} requests left, nothing planned")
+        return False
+
+    def _arrive(self) -> None:
+        while self.pending and self.pending[0].arrival <= self.clock:
+            req = self.pending.popleft()
+            progress = _Progress(req.arrival, len(req.input_ids))
+            self.progress[req.rid] = progress
+            try:
+                self.scheduler.add_request(req.rid, req.input_ids, req.params)
+            except (QueueFull, RequestRejected, ValueError) as exc:
+                progress.finished, progress.reason = self.clock, f"refused: {type(exc).__name__}"
+
+    def _collect(self) -> None:
+        for update in self.scheduler.take_updates():
+            progress = self.progress[update.rid]
+            if update.token_ids:
+                if progress.first_token is None:
+                    progress.first_token = self.clock
+                progress.output_tokens += len(update.token_ids)
+            if update.finished is not None:
+                progress.finished, progress.reason = self.clock, update.finished.kind.value
+                progress.cached_tokens = update.cached_tokens
+
+    def summary(self) -> dict[str, object]:
+        done = list(self.progress.values())
+        prompt = sum(p.prompt_tokens for p in done)
+        cached = sum(p.cached_tokens for p in done)
+        ttft = [p.first_token - p.arrival for p in done if p.first_token is not None]
+        latency = [p.finished - p.arrival for p in done if p.finished is not None]
+        return {
+            "requests": len(done),
+            "finish_reasons": dict(sorted(Counter(p.reason for p in done).items())),
+            "steps": self.steps,
+            "simulated_s": _round(self.clock),
+            "output_tokens": sum(p.output_tokens for p in done),
+            "prompt_tokens": prompt,
+            "cached_tokens": cached,
+            "hit_rate": _round(cached / prompt if prompt else 0.0),
+            "retractions": self.scheduler.num_retracted_total,
+            **_distribution("ttft", ttft),
+            **_distribution("latency", latency),
+        }
+
+
+def _round(x: float) -> float:
+    return round(float(x), 6)
+
+
+def _distribution(name: str, values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {f"{name}_mean_s": None, f"{name}_p50_s": None, f"{name}_p99_s": None}
+    arr = np.asarray(values)
+    return {
+        f"{name}_mean_s": _round(arr.mean()),
+        f"{name}_p50_s": _round(np.percentile(arr, 50)),
+        f"{name}_p99_s": _round(np.percentile(arr, 99)),
+    }
+
+
+# --- command line ---------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="stepwise simulate", description="the real scheduler on a request trace with a sim worker"
+    )
+    parser.add_argument("trace", type=Path, help="JSON lines, one request each, sorted by arrival")
+    control_config.add_arguments(parser)
+    add = parser.add_argument
+    add("--kv-tokens", type=int, default=DEFAULT_KV_TOKENS, help="the simulated worker's KV capacity")
+    add("--max-context", type=int, default=32768)
+    add("--vocab-size", type=int, default=32000)
+    add("--eos-token-id", type=int, default=2)
+    add("--cost", default=DEFAULT_COST, help="step time a,b,c: a + b·new tokens + c·context (seconds)")
+    add("--sim-seed", type=int, default=0, help="seed of the simulated tokens")
+    add("--json", action="store_true", help="one JSON object per step, then {'summary': ...}")
+    add("--summary-only", action="store_true", help="print the summary only (no timeline)")
+    flags.apply_env_defaults(parser)
+    return parser
+
+
+def setup_from_args(ns: argparse.Namespace) -> SimSetup:
+    config = control_config.scheduler_config_from_args(ns)
+    page = config.page_size or 1
+    try:
+        cost = CostModel.parse(ns.cost)
+    except ValueError:
+        raise ValueError(f"--cost wants 'a,b,c' with values >= 0, got {ns.cost!r}") from None
+    limits = WorkerLimits(
+        worker_id="sim",
+        kv_capacity_tokens=ns.kv_tokens // page * page,
+        page_size=page,
+        max_context=ns.max_context,
+        vocab_size=ns.vocab_size,
+        eos_token_ids=frozenset({ns.eos_token_id}),
+        model_fingerprint="sim",
+        dtype="sim",
+        device="sim",
+    )
+    return SimSetup(config, limits, cost, ns.sim_seed)
+
+
+def _sink(ns: argparse.Namespace, setup: SimSetup, emit: Callable[[StepLine], None]) -> Sink | None:
+    sinks: list[Sink] = []
+    if not ns.summary_only:
+        sinks.append(TimelineSink(emit))
+    if ns.record is not None:
+        header = recording_header(setup.config, setup.limits, "stepwise simulate", **{"sim.seed": setup.seed})
+        sinks.append(open_file_sink(ns.record, header, ns.record_max_bytes))
+    return Tee(sinks) if sinks else None
+
+
+def main(argv: Sequence[str]) -> int:
+    from stepwise.replay import print_table  # rich is loaded only for the table
+
+    ns = build_parser().parse_args(argv)
+    try:
+        setup = setup_from_args(ns)
+        trace = load_trace(ns.trace, setup.limits.vocab_size)
+    except (OSError, ValueError) as exc:
+        print(f"stepwise simulate: {exc}", file=sys.stderr)
+        return 2
+    lines: list[StepLine] = []
+    emit = (lambda line: print(json.dumps(line.to_json()))) if ns.json else lines.append
+    sink = _sink(ns, setup, emit)
+    try:
+        summary = Simulation(setup, trace, sink).run()
+    except SimulationStuck as exc:
+        print(f"stepwise simulate: stuck: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        if sink is not None:
+            sink.close()
+    if not ns.json and lines:
+        print_table(lines)
+    print(json.dumps({"summary": summary}))
+    return 0
