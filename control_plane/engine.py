@@ -22,7 +22,8 @@ from control_plane.cache.invariants import check_pool_invariants
 from control_plane.config import ControlConfig
 from control_plane.request import AbortCode, FinishReason, RequestParams
 from control_plane.scheduler.plan import StepKind, StepPlan, StepResult, WorkerLimits
-from control_plane.scheduler.scheduler import QueueFull, RequestRejected, RequestUpdate, Scheduler, StepStats
+from control_plane.record.recorder import close_recording, make_scheduler
+from control_plane.scheduler.scheduler import QueueFull, RequestRejected, RequestUpdate, StepStats
 from control_plane.tokenizer import TextStream, Tokenizer
 
 log = structlog.get_logger("stepwise.engine")
@@ -122,7 +123,8 @@ class Engine:
         self.limits = limits
         self.tokenizer = tokenizer
         self.channel = channel
-        self.scheduler = Scheduler(config.scheduler, limits)
+        # A RecordingScheduler under --record DIR: every call below is also written down.
+        self.scheduler = make_scheduler(config, limits)
         self.streams: dict[str, RequestStream] = {}
         # Generate call id -> its samples' request ids.
         self._groups: dict[str, list[str]] = {}
@@ -210,6 +212,7 @@ class Engine:
             self._abort_all(f"worker {self.limits.worker_id} disconnected: {exc}")
         finally:
             self._abort_all("control plane is shutting down")
+            close_recording(self.scheduler)
             with contextlib.suppress(Exception):
                 await self.channel.close("control plane is shutting down")
 
