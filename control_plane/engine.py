@@ -20,9 +20,9 @@ import structlog
 from control_plane import metrics
 from control_plane.cache.invariants import check_pool_invariants
 from control_plane.config import ControlConfig
+from control_plane.record.recorder import close_recording, make_scheduler
 from control_plane.request import AbortCode, FinishReason, RequestParams
 from control_plane.scheduler.plan import StepKind, StepPlan, StepResult, WorkerLimits
-from control_plane.record.recorder import close_recording, make_scheduler
 from control_plane.scheduler.scheduler import QueueFull, RequestRejected, RequestUpdate, StepStats
 from control_plane.tokenizer import TextStream, Tokenizer
 
