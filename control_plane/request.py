@@ -123,6 +123,8 @@ class Request:
     # Effective priority: the client's, or the least important value when priority scheduling is
     # on and none was given (SCHEDULER.md §1.5).
     priority: int | None = None
+    # Positions whose KV waits in the worker's host backup pool (under `handle`) since a retraction.
+    host_backup_len: int = 0
     # Set when priority preemption picked this request in the current pass.
     preempted: bool = False
 

@@ -160,7 +160,8 @@ class PrefillAdder:
         input_tokens = self.ceil_page(req.seqlen - prefix_len)
         if self.rem_chunk_tokens is None and self.can_run_list and input_tokens >= self.rem_input_tokens:
             return AddReqResult.OTHER
-        if self.rem_chunk_tokens is None or input_tokens <= self.rem_chunk_tokens:
+        # A request restored from the host pool is not chunked: the restore covers all but its last token.
+        if self.rem_chunk_tokens is None or input_tokens <= self.rem_chunk_tokens or req.host_backup_len:
             req.extend_range = (prefix_len, req.seqlen)
             self.can_run_list.append(req)
             self.kv.inc_lock(req.last_node)
@@ -215,7 +216,7 @@ class PrefillAdder:
                 self._insert_req_state(state)
         if not self._simulated_finish_fits(candidate):
             return AddReqResult.NO_TOKEN
-        if self.rem_chunk_tokens is None or candidate <= self.rem_chunk_tokens:
+        if self.rem_chunk_tokens is None or candidate <= self.rem_chunk_tokens or req.host_backup_len:
             req.extend_range = (prefix_len, req.seqlen)
             self.can_run_list.append(req)
             self._update_prefill_budget(prefix_len, candidate, self._clip(req.max_new_tokens))

@@ -25,6 +25,7 @@ from control_plane.scheduler.kv import KvManager
 from control_plane.scheduler.plan import (
     DecodeWork,
     ExtendWork,
+    KvTransfer,
     NewSeq,
     SlotRemap,
     StepKind,
@@ -37,6 +38,10 @@ from control_plane.scheduler.ratio import NewTokenRatioTracker
 
 QUEUE_FULL = "The request queue is full."
 PRIORITY_EVICTED = "The request is aborted by a higher priority request."
+HOST_POOL_FULL = (
+    "KV cache pool is full and the host backup pool has no room for this request's {n} tokens: "
+    "aborted instead of retracted."
+)
 OOM_LAST_REQUEST = (
     "Out of memory even after retracting all other requests in the decode batch. Aborting the last request."
 )
@@ -155,6 +160,13 @@ class Scheduler:
         self._next_handle = 1
         self._pending_chunked_abort: FinishReason | None = None
         self._releases: list[int] = []
+        # Host backup pool (SCHEDULER.md Appendix A): retracted requests' KV waits there, under the
+        # request's handle, until re-admission restores it into fresh slots.
+        self.host_capacity = limits.host_pool_capacity_tokens
+        self.host_used = 0
+        self.offloaded: dict[int, Request] = {}
+        self._offloads: list[KvTransfer] = []
+        self._restores: list[KvTransfer] = []
         self._remaps: list[SlotRemap] = []
         self._updates: list[RequestUpdate] = []
         # Handles introduced by the extend being planned (they get a NewSeq in the plan).
@@ -272,11 +284,18 @@ class Scheduler:
     def _finish(self, req: Request, reason: FinishReason, tokens: tuple[int, ...] = ()) -> None:
         req.finish(reason)
         if req.handle >= 0:
-            self._releases.append(req.handle)
-            del self.by_handle[req.handle]
-            req.handle = -1
+            self._release_handle(req)
         self.requests.pop(req.rid, None)
         self._updates.append(RequestUpdate(req.rid, tokens, reason, req.cached_tokens))
+
+    def _release_handle(self, req: Request) -> None:
+        """The worker forgets this sequence in the next plan (and drops any host backup of it)."""
+        self._releases.append(req.handle)
+        self.by_handle.pop(req.handle, None)
+        if self.offloaded.pop(req.handle, None) is not None:
+            self.host_used -= req.host_backup_len
+            req.host_backup_len = 0
+        req.handle = -1
 
     def take_updates(self) -> list[RequestUpdate]:
         updates, self._updates = self._updates, []
@@ -295,7 +314,7 @@ class Scheduler:
         if batch is None and len(self.running):
             batch = self._update_running_batch(stats)
         self.last_batch = batch
-        if batch is None and not self._releases and not self._remaps:
+        if batch is None and not (self._releases or self._remaps or self._offloads):
             return None
         self.step_id += 1
         if batch is not None:
@@ -396,6 +415,10 @@ class Scheduler:
         return preempted
 
     def _init_next_round_input(self, req: Request) -> None:
+        if req.host_backup_len:
+            # Its KV comes back from the host pool: no prefix match, no lock.
+            req.prefix_indices, req.last_node, req.cache_protected_len = np.zeros(0, dtype=np.int64), None, 0
+            return
         # A match never covers the last token: the prefill must produce logits (§3.1, §12.3).
         self.kv.match_prefix(req, max(req.seqlen - 1, 0))
         req.cache_protected_len = len(req.prefix_indices)
@@ -413,9 +436,9 @@ class Scheduler:
         in_batch_order = [r for r in self.running.reqs if id(r) in victim_ids]
         for victim in in_batch_order:
             victim.preempted = True
-            self._release_for_requeue(victim, remaining=len(self.running) - len(victim_ids))
+            if self._release_for_requeue(victim, remaining=len(self.running) - len(victim_ids)):
+                preempted.append(victim)
         self.running.remove(in_batch_order)
-        preempted.extend(in_batch_order)
         self.batch_is_full = False
         return True
 
@@ -440,12 +463,24 @@ class Scheduler:
         self.kv.alloc_for_extend(reqs)
         self._introduced = set()
         for req in reqs:
+            if req.host_backup_len:
+                self._restore(req)
             if req.handle < 0:
                 req.handle = self._next_handle
                 self._next_handle += 1
                 self.by_handle[req.handle] = req
                 self._introduced.add(req.handle)
             req.kv_committed_len = req.extend_range[1]
+
+    def _restore(self, req: Request) -> None:
+        """Copy the host backup into the first slots of the fresh extend; compute only the rest."""
+        n = req.host_backup_len
+        self._restores.append(KvTransfer(req.handle, self.kv.row(req)[:n].copy()))
+        del self.offloaded[req.handle]
+        self.by_handle[req.handle] = req
+        self.host_used -= n
+        req.host_backup_len = 0
+        req.extend_range = (n, req.extend_range[1])
 
     def _mix_with_running(self, batch: ScheduledBatch, stats: StepStats) -> None:
         """Mixed chunk (§4.4): decode the running batch inside the prefill step, no memory check."""
@@ -521,8 +556,8 @@ class Scheduler:
             if victim.params.group:
                 order = self._abort_group(victim, order)
                 continue
-            self._release_for_requeue(victim, remaining=len(order))
-            retracted.append(victim)
+            if self._release_for_requeue(victim, remaining=len(order)):
+                retracted.append(victim)
         if len(order) == 1 and not self.kv.check_decode_mem(self.running.seq_lens[order]):
             last = reqs[order.pop()]
             self.kv.release_req(last, 0, self.config.retract_decode_steps)
@@ -550,13 +585,22 @@ class Scheduler:
             )
         return [i for i in order if i not in set(members)]
 
-    def _release_for_requeue(self, req: Request, remaining: int) -> None:
-        """Release without inserting into the tree and reset for a later re-prefill (§6.4)."""
+    def _release_for_requeue(self, req: Request, remaining: int) -> bool:
+        """Release without inserting into the tree and reset for a later re-prefill (§6.4).
+
+        With a host backup pool the KV is offloaded first and the worker keeps the handle; when the
+        pool cannot hold it the request is aborted instead. Returns whether it is to be re-queued.
+        """
+        backed_up = self._backup(req)
         self.kv.release_req(req, remaining, self.config.retract_decode_steps)
-        if req.handle >= 0:
-            self._releases.append(req.handle)
+        if backed_up is False:
+            self._finish(req, FinishReason.abort(HOST_POOL_FULL.format(n=req.kv_committed_len)))
+            return False
+        if backed_up:
             del self.by_handle[req.handle]
-            req.handle = -1
+            self.offloaded[req.handle] = req
+        elif req.handle >= 0:
+            self._release_handle(req)
         req.retraction_count += 1
         req.prefix_indices = np.zeros(0, dtype=np.int64)
         req.last_node = None
@@ -566,6 +610,20 @@ class Scheduler:
         req.is_retracted = True
         req.retracted_stain = True
         req.kv_committed_len = 0
+        return True
+
+    def _backup(self, req: Request) -> bool | None:
+        """Offload the request's committed KV to the host pool: None when there is no host pool,
+        False when it has no room."""
+        if not self.host_capacity:
+            return None
+        n = req.kv_committed_len
+        if self.host_used + n > self.host_capacity:
+            return False
+        self._offloads.append(KvTransfer(req.handle, self.kv.row(req)[:n].copy()))
+        self.host_used += n
+        req.host_backup_len = n
+        return True
 
     def _count_retraction(self, req: Request) -> None:
         self.num_retracted_total += 1
@@ -586,9 +644,12 @@ class Scheduler:
         # worker drops the sequence before it would apply the remap.
         released = set(self._releases)
         remaps = tuple(r for r in self._remaps if r.handle not in released)
-        self._releases, self._remaps = [], []
+        offloads, restores = tuple(self._offloads), tuple(self._restores)
+        self._releases, self._remaps, self._offloads, self._restores = [], [], [], []
         if batch is None:
-            return StepPlan(self.step_id, StepKind.DECODE, releases=releases, remaps=remaps)
+            return StepPlan(
+                self.step_id, StepKind.DECODE, releases=releases, remaps=remaps, offloads=offloads
+            )
         extends, new_seqs = self._extend_work(batch.extend_reqs)
         decodes = DecodeWork()
         if batch.decode_reqs:
@@ -598,6 +659,8 @@ class Scheduler:
             batch.kind,
             releases=releases,
             remaps=remaps,
+            offloads=offloads,
+            restores=restores,
             new_seqs=new_seqs,
             extends=extends,
             decodes=decodes,

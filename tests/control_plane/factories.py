@@ -23,7 +23,7 @@ def make_config(**changes: object) -> SchedulerConfig:
 
 
 def make_scheduler(
-    capacity: int = 4096, page_size: int = 1, max_context: int = 2048, **config: object
+    capacity: int = 4096, page_size: int = 1, max_context: int = 2048, host_pool: int = 0, **config: object
 ) -> Scheduler:
     limits = WorkerLimits(
         worker_id="w0",
@@ -32,6 +32,7 @@ def make_scheduler(
         max_context=max_context,
         vocab_size=1000,
         eos_token_ids=frozenset({EOS}),
+        host_pool_capacity_tokens=host_pool,
     )
     return Scheduler(make_config(**config), limits)
 

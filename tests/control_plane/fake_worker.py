@@ -47,14 +47,19 @@ class FakeWorker:
         self.eos_every = eos_every
         self.pool: dict[int, tuple[int, int]] = {}
         self.seqs: dict[int, _Seq] = {}
+        # Host backup pool: handle -> the (token, position) contents of its slots, in order.
+        self.host: dict[int, list[tuple[int, int]]] = {}
+        self.offloads = self.restores = 0
 
     def run(self, plan: StepPlan) -> StepResult:
         for handle in plan.releases.tolist():
             del self.seqs[handle]
+            self.host.pop(handle, None)
         for remap in plan.remaps:
             seq = self.seqs[remap.handle]
             for i, slot in enumerate(remap.slots.tolist()):
                 seq.slots[remap.start + i] = slot
+        self._offload_and_restore(plan)
         for new in plan.new_seqs:
             assert new.handle not in self.seqs, f"handle {new.handle} introduced twice"
             self.seqs[new.handle] = _Seq(slots=new.prefix_slots.tolist())
@@ -67,11 +72,28 @@ class FakeWorker:
             handles=np.asarray(handles, dtype=np.int64),
             token_ids=np.asarray(tokens, dtype=np.int32),
             kv=KvReport(
-                live_seqs=len(self.seqs),
+                live_seqs=len(self.seqs) - len(self.host),
                 seq_slots=sum(len(s.slots) for s in self.seqs.values()),
                 capacity_tokens=self.capacity,
+                host_seqs=len(self.host),
             ),
         )
+
+    def _offload_and_restore(self, plan: StepPlan) -> None:
+        for t in plan.offloads:
+            seq = self.seqs[t.handle]
+            assert t.slots.tolist() == seq.slots, f"offload of {t.handle} names other slots than its table"
+            self._read_context(t.handle)
+            self.host[t.handle] = [self.pool[s] for s in seq.slots]
+            seq.slots = []
+            self.offloads += 1
+        for t in plan.restores:
+            saved = self.host.pop(t.handle)
+            assert len(saved) == len(t.slots), "restore names a different number of slots"
+            for slot, content in zip(t.slots.tolist(), saved, strict=True):
+                self.pool[slot] = content
+            self.seqs[t.handle].slots = t.slots.tolist()
+            self.restores += 1
 
     def _write(self, seq: _Seq, slot: int, token: int, pos: int) -> None:
         assert 0 <= slot < self.capacity, f"slot {slot} outside the pool"

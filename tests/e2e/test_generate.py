@@ -93,6 +93,8 @@ async def test_concurrent_greedy_equals_transformers(start_stack, model_dir: Pat
         # A small pool and an optimistic admission ratio: decode runs out of KV and must retract.
         (["--chunked-prefill-size", "16"], ["--kv-tokens", "256"]),
         (["--chunked-prefill-size", "16"], ["--page-size", "4", "--kv-tokens", "256"]),
+        # Retracted KV goes to the worker's host pool and comes back instead of being recomputed.
+        (["--chunked-prefill-size", "16"], ["--kv-tokens", "256", "--host-pool-tokens", "65536"]),
         # Without the radix cache, ignore_eos requests take SGLang's simulated-finish admission
         # (§3.8), which never over-admits: no pressure here, just the chunk-cache path.
         (["--chunked-prefill-size", "16", "--disable-radix-cache"], ["--page-size", "4"]),
@@ -102,6 +104,7 @@ async def test_concurrent_greedy_equals_transformers(start_stack, model_dir: Pat
         "chunk16-page4",
         "small-pool-retract",
         "small-pool-page4-retract",
+        "small-pool-host-backup",
         "no-radix-page4",
     ],
 )
