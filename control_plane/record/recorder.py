@@ -130,6 +130,7 @@ class RecordingScheduler(Scheduler):
     def on_idle(self) -> None:
         super().on_idle()
         self.sink.write(OnIdle(self.step_id))
+        self.sink.end_step(self.step_id)
 
     def take_updates(self) -> list[RequestUpdate]:
         updates = super().take_updates()

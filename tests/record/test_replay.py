@@ -1,0 +1,179 @@
+"""Recordings made by `simulate --record`: format round trip, rotation, truncation, both replays."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from control_plane.config import SchedulerConfig
+from control_plane.record import codec
+from control_plane.record.entries import ApplyResult, Entry, Header, NextPlan
+from control_plane.record.files import TruncatedRecording, read_entries, recording_parts, varint
+from control_plane.record.replay import first_difference, replay_scheduler
+from control_plane.scheduler.plan import WorkerLimits
+from stepwise import replay, simulate
+from tests.record.conftest import write_trace
+
+pytestmark = pytest.mark.timeout(120)
+
+TRACE = [
+    {
+        "rid": f"r{i}",
+        "arrival": 0.004 * i,
+        "prompt_len": 30 + 11 * i,
+        "prefix_group": f"g{i % 2}",
+        "prefix_len": 16,
+        "max_new_tokens": 40,
+        "output_len": 20 + i % 9,
+    }
+    for i in range(16)
+]
+# A small pool and an optimistic ratio: decode retracts; chunk 16 cuts prompts.
+FLAGS = ["--kv-tokens", "300", "--chunked-prefill-size", "16", "--summary-only"]
+
+
+@pytest.fixture
+def recording(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[..., Path]:
+    def make(*extra: str) -> Path:
+        monkeypatch.setenv("STEPWISE_INIT_NEW_TOKEN_RATIO", "0.05")
+        trace = write_trace(tmp_path / "trace.jsonl", TRACE)
+        out = tmp_path / f"rec{len(list(tmp_path.glob('rec*')))}"
+        assert simulate.main([str(trace), *FLAGS, "--record", str(out), *extra]) == 0
+        return out
+
+    return make
+
+
+def _rewrite(path: Path, entries: list[Entry]) -> None:
+    path.write_bytes(b"".join(varint(len(b)) + b for b in map(codec.encode, entries)))
+
+
+def _part0(directory: Path) -> Path:
+    return recording_parts(directory)[0]
+
+
+def test_entries_round_trip_and_replay_identical(recording: Callable[..., Path]) -> None:
+    rec = recording()
+    entries = list(read_entries(rec))
+    assert isinstance(entries[0], Header) and entries[0].writer == "stepwise simulate"
+    assert entries[0].seeds == {"scheduler.random_seed": 0, "sim.seed": 0}
+    for entry in entries:
+        assert first_difference(entry, codec.decode(codec.encode(entry))) is None, entry
+    report = replay_scheduler(entries)
+    assert report.identical, report.describe()
+    assert report.counts["plans"] == report.counts["results"] > 0
+
+
+def test_rotation_splits_into_parts_that_read_as_one(recording: Callable[..., Path]) -> None:
+    whole = list(read_entries(recording()))
+    rotated_dir = recording("--record-max-bytes", "2000")
+    parts = recording_parts(rotated_dir)
+    assert len(parts) > 3
+    assert [p.name for p in parts][:2] == ["sim-1.0000.rec", "sim-1.0001.rec"]
+    assert len(list(read_entries(rotated_dir))) == len(whole)
+    # A later part is readable alone: it starts with a continuation header.
+    first = next(iter(read_entries(parts[2])))
+    assert isinstance(first, Header) and first.part == 2 and first.first_step > 0
+
+
+def test_both_replays_report_identical(
+    recording: Callable[..., Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    rec = recording()
+    capsys.readouterr()
+    assert replay.main(["scheduler", str(rec)]) == 0
+    assert replay.main(["worker", str(_part0(rec))]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("identical: ") and "plans" in out[0]
+    assert out[1].startswith("identical: ")
+
+
+def test_scheduler_replay_names_the_changed_plan_field(
+    recording: Callable[..., Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = _part0(recording())
+    entries = list(read_entries(path))
+    i = next(k for k, e in enumerate(entries) if isinstance(e, NextPlan) and e.plan and len(e.plan.decodes))
+    plan = entries[i].plan  # type: ignore[union-attr]
+    assert plan is not None
+    slots = plan.decodes.slots.copy()
+    slots[0] += 1
+    changed = dataclasses.replace(plan, decodes=dataclasses.replace(plan.decodes, slots=slots))
+    entries[i] = NextPlan(plan.step_id - 1, changed)
+    _rewrite(path, entries)
+    capsys.readouterr()
+    assert replay.main(["scheduler", str(path)]) == 1
+    assert f"step {plan.step_id}: plan.decodes.slots[0] differs" in capsys.readouterr().out
+
+
+def test_worker_replay_names_the_step_of_a_changed_token(
+    recording: Callable[..., Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = _part0(recording())
+    entries = list(read_entries(path))
+    results = [k for k, e in enumerate(entries) if isinstance(e, ApplyResult) and len(e.result.token_ids) > 1]
+    i = results[len(results) // 2]
+    result = entries[i].result  # type: ignore[union-attr]
+    tokens = result.token_ids.copy()
+    tokens[-1] += 1
+    entries[i] = ApplyResult(dataclasses.replace(result, token_ids=tokens))
+    _rewrite(path, entries)
+    capsys.readouterr()
+    assert replay.main(["worker", str(path)]) == 1
+    out = capsys.readouterr().out
+    assert f"step {result.step_id}: result.token_ids[{len(tokens) - 1}] differs: recorded {tokens[-1]}" in out
+
+
+@pytest.mark.parametrize("cut", [1, 3])
+def test_truncated_recording_reads_to_the_last_whole_record(recording: Callable[..., Path], cut: int) -> None:
+    path = _part0(recording())
+    whole = list(read_entries(path))
+    data = path.read_bytes()
+    path.write_bytes(data[:-cut])
+    with pytest.warns(TruncatedRecording, match="truncated"):
+        entries = list(read_entries(path))
+    assert len(entries) == len(whole) - 1
+    assert replay_scheduler(entries).identical
+
+
+def test_cut_inside_a_length_prefix(tmp_path: Path) -> None:
+    path = tmp_path / "x.rec"
+    header = Header(SchedulerConfig(), WorkerLimits("w", 64, 1, 128, 100, frozenset({2})))
+    body = codec.encode(header)
+    path.write_bytes(varint(len(body)) + body + b"\x96")  # a varint's first byte, no more
+    with pytest.warns(TruncatedRecording, match="length prefix"):
+        assert [type(e) for e in read_entries(path)] == [Header]
+
+
+def test_show_json_has_the_documented_fields(
+    recording: Callable[..., Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    rec = recording()
+    capsys.readouterr()
+    assert replay.main(["show", str(rec), "--json"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    keys = {"step", "kind", "extends", "decodes", "retracted", "aborted", "finished", "new_token_ratio"}
+    keys |= {"rem_total_tokens", "rem_input_tokens", "rem_chunk_tokens", "cached_tokens", "running", "queued"}
+    keys |= {"kv_used", "kv_capacity"}
+    assert all(keys <= line.keys() for line in lines)
+    assert [line["step"] for line in lines] == list(range(1, len(lines) + 1))
+    assert any(line["retracted"] for line in lines), "the small pool was meant to force retractions"
+    assert any(e["chunked"] for line in lines for e in line["extends"])
+    assert sorted(r for line in lines for r in line["finished"]) == sorted(r["rid"] for r in TRACE)
+    assert replay.main(["show", str(rec)]) == 0
+    assert "prefill" in capsys.readouterr().out
+
+
+def test_unreadable_input_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert replay.main(["scheduler", str(tmp_path / "missing")]) == 2
+    assert "no recording" in capsys.readouterr().err
+
+
+def test_array_difference_reports_the_index() -> None:
+    assert first_difference(np.array([1, 2, 3]), np.array([1, 5, 3]), "x") == ("x[1]", "2", "5")
+    assert first_difference(np.array([1, 2]), np.array([1, 2, 3]), "x") == ("len(x)", "2", "3")

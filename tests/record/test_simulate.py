@@ -1,0 +1,121 @@
+"""`stepwise simulate`: deterministic, and its timeline follows SCHEDULER.md on hand-made traces."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from stepwise import simulate as sim
+from tests.record.conftest import Simulate, write_trace
+
+pytestmark = pytest.mark.timeout(120)
+
+# One step costs exactly 10 ms: arrival times translate into step numbers.
+FLAT_COST = ("--cost", "0.01,0,0")
+
+
+def _passes(lines: list[dict], rid: str) -> list[dict]:
+    return [e for line in lines for e in line["extends"] if e["rid"] == rid]
+
+
+def test_two_runs_print_the_same_bytes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    requests = [
+        {
+            "rid": f"r{i}",
+            "arrival": 0.003 * i,
+            "prompt_len": 40 + 13 * i,
+            "prefix_group": f"g{i % 3}",
+            "prefix_len": 24,
+            "max_new_tokens": 30,
+            "output_len": 5 + i % 17,
+        }
+        for i in range(40)
+    ]
+    trace = write_trace(tmp_path / "t.jsonl", requests)
+    flags = [str(trace), "--json", "--kv-tokens", "900", "--chunked-prefill-size", "64"]
+    outputs = []
+    for _ in range(2):
+        capsys.readouterr()
+        assert sim.main(flags) == 0
+        outputs.append(capsys.readouterr().out)
+    assert outputs[0] == outputs[1]
+    assert '"summary"' in outputs[0].splitlines()[-1]
+
+
+@pytest.mark.parametrize(("prompt", "passes"), [(256, 1), (257, 2), (512, 2), (768, 3), (2560, 10)])
+def test_chunk_counts(simulate: Simulate, prompt: int, passes: int) -> None:
+    """SCHEDULER.md §4.3: chunk 256 → prompt 256 runs in one pass, 257 in two, 768 in three."""
+    lines, _ = simulate(
+        [{"rid": "a", "arrival": 0, "prompt_len": prompt, "max_new_tokens": 2}],
+        "--chunked-prefill-size",
+        "256",
+    )
+    extends = _passes(lines, "a")
+    assert len(extends) == passes
+    assert [e["chunked"] for e in extends] == [True] * (passes - 1) + [False]
+    assert extends[-1]["end"] == prompt
+    assert all(e["end"] - e["start"] <= 256 for e in extends)
+
+
+def test_prefill_goes_before_decode(simulate: Simulate) -> None:
+    """An arrival is prefilled in the first step after it is seen; decode then resumes with both."""
+    lines, _ = simulate(
+        [
+            {"rid": "a", "arrival": 0, "prompt_len": 30, "max_new_tokens": 20},
+            # Seen after step 6 (the clock reads 0.06 then).
+            {"rid": "b", "arrival": 0.055, "prompt_len": 30, "max_new_tokens": 5},
+        ],
+        *FLAT_COST,
+    )
+    kinds = [line["kind"] for line in lines]
+    assert kinds[:7] == ["prefill"] + ["decode"] * 5 + ["prefill"]
+    assert [e["rid"] for e in lines[6]["extends"]] == ["b"]
+    assert lines[6]["decodes"] == []
+    assert lines[7]["kind"] == "decode" and lines[7]["decodes"] == ["a", "b"]
+
+
+def test_retraction_takes_the_fewest_outputs_first(
+    simulate: Simulate, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SCHEDULER.md §6.3: under KV pressure, the request with the fewest generated tokens goes first."""
+    monkeypatch.setenv("STEPWISE_INIT_NEW_TOKEN_RATIO", "0.01")  # admit optimistically, then run out
+    requests = [
+        {"rid": rid, "arrival": arrival, "prompt_len": 10, "max_new_tokens": 60, "ignore_eos": True}
+        for rid, arrival in (("first", 0.0), ("second", 0.1), ("third", 0.2))
+    ]
+    # Each admission needs 70 tokens; all three fit at first, and outgrow 140 while decoding.
+    lines, summary = simulate(requests, "--kv-tokens", "140", *FLAT_COST)
+    at = next(i for i, line in enumerate(lines) if line["retracted"])
+    outputs = {rid: _outputs_before(lines[:at], rid) for rid in ("first", "second", "third")}
+    assert outputs["first"] > outputs["second"] > outputs["third"]
+    assert lines[at]["retracted"][0] == "third"
+    assert summary["retractions"] >= 1
+    assert summary["finish_reasons"] == {"length": 3}
+
+
+def _outputs_before(lines: list[dict], rid: str) -> int:
+    """Tokens generated so far: one per final extend pass, one per decode."""
+    final_extends = sum(1 for e in _passes(lines, rid) if not e["chunked"])
+    return final_extends + sum(line["decodes"].count(rid) for line in lines)
+
+
+def test_shared_prefixes_hit_the_cache(simulate: Simulate) -> None:
+    requests = [
+        {"rid": f"r{i}", "arrival": 0.05 * i, "prompt_len": 100, "prefix_group": "sys", "prefix_len": 64}
+        | {"max_new_tokens": 4}
+        for i in range(4)
+    ]
+    lines, summary = simulate(requests)
+    assert summary["cached_tokens"] == 3 * 64
+    assert summary["prompt_tokens"] == 400 and summary["output_tokens"] == 16
+    assert [e["start"] for r in ("r1", "r2", "r3") for e in _passes(lines, r)] == [64, 64, 64]
+
+
+def test_bad_trace_is_refused_with_the_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trace = tmp_path / "bad.jsonl"
+    trace.write_text(
+        '{"rid": "a", "arrival": 1, "prompt_len": 4}\n{"rid": "b", "arrival": 0, "prompt_len": 4}\n'
+    )
+    assert sim.main([str(trace)]) == 2
+    assert "bad.jsonl:2" in capsys.readouterr().err
