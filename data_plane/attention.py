@@ -107,8 +107,11 @@ def paged_attention(
     `sliding` selects the group's window mask (which must then exist).
     """
     num_heads, head_dim = q.shape[1], q.shape[2]
-    padded = q.new_zeros(group.batch * group.max_queries, num_heads, head_dim)
-    padded[group.pad_index] = q
+    # A decode group (one query each) or equal-length extends has no padding: skip scatter and gather.
+    unpadded = group.token_count == group.batch * group.max_queries
+    padded = q if unpadded else q.new_zeros(group.batch * group.max_queries, num_heads, head_dim)
+    if not unpadded:
+        padded[group.pad_index] = q
     queries = padded.view(group.batch, group.max_queries, num_heads, head_dim).transpose(1, 2)
     keys = _gather(k_pool, group.key_slots).transpose(1, 2)
     values = _gather(v_pool, group.key_slots).transpose(1, 2)
@@ -116,4 +119,4 @@ def paged_attention(
     assert mask is not None, "sliding layer but the group was built without a window"
     out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
     flat = out.transpose(1, 2).reshape(group.batch * group.max_queries, num_heads * head_dim)
-    return flat[group.pad_index]
+    return flat if unpadded else flat[group.pad_index]
