@@ -1,0 +1,158 @@
+"""Worker decode throughput next to transformers' own decode loop, on the embedded model.
+
+    python bench/bench_worker.py [--batches 1 8 64] [--prompt-len 64] [--steps 32] [--device cpu]
+
+For each batch size: prefill that many random prompts, then time `--steps` decode steps.
+Ours drives the Executor with decode plans (built before timing: planning is the control
+plane's cost, not the worker's), which includes input resolution, the forward and sampling.
+transformers runs `model(input_ids, past_key_values=cache)` with a DynamicCache on the same batch
+and picks the argmax. Both are greedy and do the same number of forwards. Output: tokens/s each
+and the ratio ours / transformers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from data_plane.executor import Executor
+from data_plane.kv_pool import KvPool
+from data_plane.messages import DecodeBatch, ExtendBatch, NewSequence, SamplerParams, StepPlan
+from data_plane.models.llama import LlamaModel
+from stepwise.embedded import resolve_model
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    batch: int
+    prompt_len: int
+    steps: int
+    prompts: np.ndarray  # [batch, prompt_len] int64
+
+    @property
+    def max_len(self) -> int:
+        return self.prompt_len + self.steps + 1
+
+    def slots(self, position: int) -> np.ndarray:
+        """Slot of `position` for every sequence: sequence b owns [b * max_len, (b + 1) * max_len)."""
+        return np.arange(self.batch, dtype=np.int64) * self.max_len + position
+
+
+def make_workload(batch: int, prompt_len: int, steps: int, vocab: int, seed: int = 0) -> Workload:
+    prompts = np.random.default_rng(seed).integers(1, vocab, size=(batch, prompt_len))
+    return Workload(batch, prompt_len, steps, prompts.astype(np.int64))
+
+
+def prefill_plan(w: Workload) -> StepPlan:
+    handles = np.arange(w.batch, dtype=np.uint64)
+    positions = np.arange(w.prompt_len)
+    return StepPlan(
+        step_id=0,
+        new_seqs=tuple(NewSequence(handle=int(h), sampler=SamplerParams()) for h in handles),
+        extends=ExtendBatch(
+            handles=handles,
+            starts=np.zeros(w.batch, dtype=np.int64),
+            lens=np.full(w.batch, w.prompt_len, dtype=np.int64),
+            sample=np.ones(w.batch, dtype=np.bool_),
+            token_ids=w.prompts.reshape(-1),
+            slots=(np.arange(w.batch)[:, None] * w.max_len + positions[None, :]).reshape(-1),
+        ),
+    )
+
+
+def decode_plans(w: Workload) -> list[StepPlan]:
+    handles = np.arange(w.batch, dtype=np.uint64)
+    return [
+        StepPlan(step_id=1 + i, decodes=DecodeBatch(handles=handles, slots=w.slots(w.prompt_len + i)))
+        for i in range(w.steps)
+    ]
+
+
+def ours_tokens_per_s(model: LlamaModel, w: Workload, device: torch.device) -> float:
+    """Decode tokens/s of the Executor after a prefill of the workload's prompts."""
+    pool = KvPool(model.config, w.batch * w.max_len, model.dtype, device)
+    executor = Executor(model, pool)
+    plans = decode_plans(w)
+    _check(executor.execute(prefill_plan(w)).error)
+    _sync(device)
+    started = time.perf_counter()
+    for plan in plans:
+        _check(executor.execute(plan).error)
+    _sync(device)
+    return w.batch * w.steps / (time.perf_counter() - started)
+
+
+@torch.inference_mode()
+def transformers_tokens_per_s(hf_model, w: Workload, device: torch.device) -> float:  # type: ignore[no-untyped-def]
+    """Decode tokens/s of transformers' forward with a DynamicCache on the same batch."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    out = hf_model(input_ids=torch.from_numpy(w.prompts).to(device), cache=cache, use_cache=True)
+    next_ids = out.logits[:, -1].argmax(-1, keepdim=True)
+    _sync(device)
+    started = time.perf_counter()
+    for _ in range(w.steps):
+        out = hf_model(input_ids=next_ids, cache=cache, use_cache=True)
+        next_ids = out.logits[:, -1].argmax(-1, keepdim=True)
+    _sync(device)
+    return w.batch * w.steps / (time.perf_counter() - started)
+
+
+def _check(error: str) -> None:
+    if error:
+        raise RuntimeError(f"executor refused a bench plan: {error}")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", default="embedded", help="checkpoint directory or 'embedded'")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3, help="best of this many timed runs each")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from transformers import AutoModelForCausalLM
+
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    model_dir = resolve_model(args.model)
+    ours = LlamaModel.from_dir(model_dir, device, dtype)
+    reference = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(device).eval()
+    print(
+        f"model {model_dir.name} on {device} {args.dtype}, torch threads {torch.get_num_threads()}, ", end=""
+    )
+    print(f"prompt {args.prompt_len} tokens, {args.steps} decode steps, best of {args.repeats}")
+    print(f"{'batch':>5} {'ours tok/s':>12} {'transformers tok/s':>19} {'ours/transformers':>18}")
+    for batch in args.batches:
+        w = make_workload(batch, args.prompt_len, args.steps, ours.config.vocab_size)
+        mine = max(ours_tokens_per_s(ours, w, device) for _ in range(args.repeats))
+        theirs = max(transformers_tokens_per_s(reference, w, device) for _ in range(args.repeats))
+        print(f"{batch:>5} {mine:>12.0f} {theirs:>19.0f} {mine / theirs:>18.2f}")
+
+
+if __name__ == "__main__":
+    main()
