@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Run the CUDA checks (tests/gpu, marker `gpu`) on a machine with an NVIDIA GPU.
+#
+# Uses $PYTHON as it is, or the repo's .venv when it has the packages and sees CUDA; otherwise it
+# makes a fresh venv ($STEPWISE_GPU_VENV, default /tmp/stepwise-gpu-venv) with the packages below.
+# If that venv's torch cannot see CUDA (a CPU wheel), torch==2.13.0 is reinstalled there from the
+# default index, which on a GPU machine is the CUDA build. Nothing else is installed.
+set -euo pipefail
+
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+cd "$repo"
+packages=(torch==2.13.0 transformers safetensors numpy pytest pytest-timeout grpcio protobuf structlog tokenizers)
+
+has_deps() {
+  "$1" -c 'import torch, transformers, safetensors, numpy, pytest, pytest_timeout, structlog' 2>/dev/null
+}
+
+cuda_ok() {
+  "$1" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'
+}
+
+python="${PYTHON:-}"
+if [[ -n "$python" ]]; then
+  # A caller-chosen interpreter is used as it is: never reinstall into someone else's environment.
+  "$python" -c 'import torch; print(torch.__version__, torch.cuda.is_available())'
+elif [[ -x .venv/bin/python ]] && has_deps .venv/bin/python && cuda_ok .venv/bin/python; then
+  python=.venv/bin/python
+  "$python" -c 'import torch; print(torch.__version__, torch.cuda.is_available())'
+else
+  venv="${STEPWISE_GPU_VENV:-/tmp/stepwise-gpu-venv}"
+  [[ -x "$venv/bin/python" ]] || python3 -m venv "$venv"
+  python="$venv/bin/python"
+  has_deps "$python" || "$python" -m pip install "${packages[@]}"
+  "$python" -c 'import torch; print(torch.__version__, torch.cuda.is_available())'
+  if ! cuda_ok "$python"; then
+    echo "torch cannot see CUDA; reinstalling torch==2.13.0 in $venv from the default index" >&2
+    "$python" -m pip install --force-reinstall --no-deps torch==2.13.0
+    "$python" -c 'import torch; print(torch.__version__, torch.cuda.is_available())'
+  fi
+fi
+
+# -p no:cacheprovider: the checkout may be read-only; PYTHONPATH: the tests import the repo's packages.
+PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}" "$python" -m pytest -m gpu tests/gpu -v -p no:cacheprovider "$@"
