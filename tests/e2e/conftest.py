@@ -11,7 +11,18 @@ import pytest
 from stepwise.embedded import resolve_model
 from stepwise.up import Stack
 
-CONTROL_BASE = ["--host", "127.0.0.1", "--port", "0", "--worker-port", "0", "--log-level", "warning"]
+# --strict-invariants: the KV pool invariants are checked after every step; a violation ends the run.
+CONTROL_BASE = [
+    "--host",
+    "127.0.0.1",
+    "--port",
+    "0",
+    "--worker-port",
+    "0",
+    "--log-level",
+    "warning",
+    "--strict-invariants",
+]
 WORKER_BASE = ["--log-level", "warning"]
 
 

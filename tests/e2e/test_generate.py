@@ -272,3 +272,37 @@ async def test_metrics_endpoint_counts_tokens_and_retractions(start_stack, monke
     assert values["stepwise:num_retracted_requests_total"] > 0
     assert values["stepwise:kv_book_mismatch_total"] == 0
     assert values["stepwise:time_to_first_token_seconds_count"] == 4
+
+
+async def test_full_queue_is_resource_exhausted_and_timeouts_abort(start_stack) -> None:
+    stack = await start_stack(
+        ["--max-running-requests", "1", "--max-queued-requests", "1", "--waiting-timeout", "3.0"],
+        ["--kv-tokens", "4096"],
+    )
+    async with StepwiseClient(stack.address) as client:
+        long = asyncio.create_task(
+            client.generate("Once", request_id="long", max_new_tokens=1500, ignore_eos=True)
+        )
+        while (await client.server_info()).running < 1:
+            await asyncio.sleep(0.01)
+        waiting = asyncio.create_task(client.generate("Twice", max_new_tokens=4))
+        while (await client.server_info()).queued < 1:
+            await asyncio.sleep(0.01)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await client.generate("Thrice", max_new_tokens=4)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert err.value.details() == "The request queue is full."
+        queued = await waiting
+        assert (queued.finish_reason, queued.finish_message) == ("abort", "Request waiting timeout reached.")
+        assert await client.abort("long")
+        assert (await long).finish_reason == "abort"
+    await _books_settle(stack.address)
+
+
+async def test_running_timeout_aborts(start_stack) -> None:
+    stack = await start_stack(["--running-timeout", "0.5"])
+    async with StepwiseClient(stack.address) as client:
+        gen = await client.generate("Once upon a time", max_new_tokens=1800, ignore_eos=True)
+    assert (gen.finish_reason, gen.finish_message) == ("abort", "Request running timeout reached.")
+    assert 0 < gen.completion_tokens < 1800
+    await _books_settle(stack.address)
