@@ -264,11 +264,11 @@ class Scheduler:
             self._pending_chunked_abort = reason
             return True
         if req in self.waiting:
+            # A queued request holds no KV (a retracted one gave it back; a backed-up one's host copy
+            # goes with its handle).
             self.waiting.remove(req)
-            self.kv.release_aborted(req) if req.req_pool_idx >= 0 else None
-            self._finish(req, reason)
-            return True
-        self.kv.release_aborted(req)
+        else:
+            self.kv.release_aborted(req)
         self._finish(req, reason)
         return True
 
