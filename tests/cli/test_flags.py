@@ -1,0 +1,74 @@
+"""Every flag is also an environment variable; flags win; `up` routes flags to the right child."""
+
+from __future__ import annotations
+
+import pytest
+
+from stepwise.cli import _control_parser, _worker_parser
+from stepwise.flags import apply_env_defaults, env_name
+from stepwise.up import split_flags
+
+
+def test_env_name() -> None:
+    assert env_name("--max-queued-requests") == "STEPWISE_MAX_QUEUED_REQUESTS"
+
+
+def test_environment_sets_defaults_and_flags_win(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("STEPWISE_SCHEDULE_POLICY", "lpm")
+    monkeypatch.setenv("STEPWISE_MAX_QUEUED_REQUESTS", "7")
+    monkeypatch.setenv("STEPWISE_ENABLE_MIXED_CHUNK", "true")
+    parser = _control_parser()
+    ns = parser.parse_args([])
+    assert (ns.schedule_policy, ns.max_queued_requests, ns.enable_mixed_chunk) == ("lpm", 7, True)
+    ns = parser.parse_args(["--schedule-policy", "fcfs", "--max-queued-requests", "3"])
+    assert (ns.schedule_policy, ns.max_queued_requests) == ("fcfs", 3)
+
+
+def test_scheduler_knobs_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from control_plane.config import scheduler_config_from_args
+
+    monkeypatch.setenv("STEPWISE_INIT_NEW_TOKEN_RATIO", "0.5")
+    monkeypatch.setenv("STEPWISE_TEST_RETRACT", "1")
+    config = scheduler_config_from_args(_control_parser().parse_args(["--chunked-prefill-size", "-1"]))
+    assert (config.init_new_token_ratio, config.test_retract, config.chunked_prefill_size) == (
+        0.5,
+        True,
+        None,
+    )
+
+
+def test_invalid_combination_names_the_flag() -> None:
+    from control_plane.config import scheduler_config_from_args
+
+    with pytest.raises(ValueError, match="--enable-priority-scheduling"):
+        scheduler_config_from_args(
+            _control_parser().parse_args(["--enable-priority-scheduling", "--schedule-policy", "lpm"])
+        )
+
+
+def test_worker_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("STEPWISE_KV_TOKENS", "1234")
+    assert _worker_parser().parse_args([]).kv_tokens == 1234
+
+
+def test_up_routes_each_flag_to_the_children_that_know_it() -> None:
+    control, worker = split_flags(
+        ["--page-size", "4", "--schedule-policy", "lpm", "--kv-tokens", "99", "--model", "embedded"],
+        _control_parser(),
+        _worker_parser(),
+    )
+    assert control == ["--page-size", "4", "--schedule-policy", "lpm", "--model", "embedded"]
+    assert worker == ["--page-size", "4", "--kv-tokens", "99", "--model", "embedded"]
+    with pytest.raises(SystemExit, match="unknown flag --nope"):
+        split_flags(["--nope"], _control_parser(), _worker_parser())
+
+
+def test_apply_env_defaults_ignores_empty_values() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--x", type=int, default=5)
+    apply_env_defaults(parser, {"STEPWISE_X": ""})
+    assert parser.parse_args([]).x == 5
+    apply_env_defaults(parser, {"STEPWISE_X": "6"})
+    assert parser.parse_args([]).x == 6
