@@ -32,14 +32,14 @@ EXIT_IDENTICAL, EXIT_DIVERGED, EXIT_BAD_INPUT = 0, 1, 2
 
 def fresh_executor(header: Header, model: str, device: str, dtype: str) -> Executor:
     """A worker like the recorded one: the sim backend for a sim recording, else the model in DIR."""
-    from data_plane import worker
+    limits = header.limits
+    if limits.dtype == "sim":
+        return _sim_executor(header)  # everything the simulator depends on is in the header
+    from data_plane import worker  # torch is loaded only for a model worker
     from data_plane.config import DTYPES, WorkerConfig
     from data_plane.models.loader import ModelLoadError
     from stepwise.embedded import resolve_model
 
-    limits = header.limits
-    if limits.dtype == "sim":
-        return _sim_executor(header)  # everything the simulator depends on is in the header
     if not model:
         raise ValueError("--model DIR (or 'embedded') is needed to replay a model worker")
     if dtype == "auto" and limits.dtype in DTYPES:

@@ -14,8 +14,10 @@ never EOS), `priority`, `routing_key`, `ignore_eos`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
+import os
 import sys
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
@@ -313,9 +315,13 @@ def main(argv: Sequence[str]) -> int:
     except SimulationStuck as exc:
         print(f"stepwise simulate: stuck: {exc}", file=sys.stderr)
         return 1
+    except BrokenPipeError:  # `simulate ... | head`: the reader left; stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     finally:
         if sink is not None:
-            sink.close()
+            with contextlib.suppress(BrokenPipeError):
+                sink.close()
     if not ns.json and lines:
         print_table(lines)
     print(json.dumps({"summary": summary}))

@@ -199,11 +199,24 @@ def _figures_from_proto(m: rec_pb.StepFigures) -> StepFigures:
 # --- entries --------------------------------------------------------------------------------------
 
 
-def _next_plan_to_proto(e: NextPlan) -> rec_pb.NextPlanCall:
-    if e.plan is None:
-        return rec_pb.NextPlanCall(step=e.step)
-    wire = link.plan_to_proto(e.plan).plan
-    return rec_pb.NextPlanCall(step=e.step, plan=wire, has_plan=True, kind=e.plan.kind.value)
+# Plans and results are the hot path (one each per step): fill the Record in place, because every
+# nested constructor call copies the whole sub-message.
+
+
+def _next_plan_record(e: NextPlan) -> rec_pb.Record:
+    record = rec_pb.Record()
+    call = record.next_plan
+    call.step = e.step
+    if e.plan is not None:
+        call.plan.CopyFrom(link.plan_to_proto(e.plan).plan)
+        call.has_plan, call.kind = True, e.plan.kind.value
+    return record
+
+
+def _apply_result_record(e: ApplyResult) -> rec_pb.Record:
+    record = rec_pb.Record()
+    record.apply_result.result.CopyFrom(link.result_to_proto(e.result).result)
+    return record
 
 
 def _next_plan_from_proto(m: rec_pb.NextPlanCall) -> NextPlan:
@@ -234,11 +247,9 @@ def entry_to_proto(e: Entry) -> rec_pb.Record:
                 )
             )
         case NextPlan():
-            return rec_pb.Record(next_plan=_next_plan_to_proto(e))
+            return _next_plan_record(e)
         case ApplyResult():
-            return rec_pb.Record(
-                apply_result=rec_pb.ApplyResultCall(result=link.result_to_proto(e.result).result)
-            )
+            return _apply_result_record(e)
         case OnIdle():
             return rec_pb.Record(on_idle=rec_pb.OnIdleCall(step=e.step))
         case StepFigures():
