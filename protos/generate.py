@@ -20,9 +20,8 @@ def proto_files() -> list[Path]:
 
 def generate(out_dir: Path) -> None:
     """Write *_pb2.py, *_pb2.pyi and *_pb2_grpc.py for every proto into out_dir."""
-    from grpc_tools import protoc  # imported lazily: only this tool needs it
-
     import grpc_tools
+    from grpc_tools import protoc  # imported lazily: only this tool needs it
 
     include = Path(grpc_tools.__file__).parent / "_proto"
     args = [
@@ -41,8 +40,7 @@ def generate(out_dir: Path) -> None:
 def generated_files(out_dir: Path) -> dict[str, bytes]:
     """Generated stubs under out_dir/protos, keyed by their path relative to out_dir."""
     return {
-        str(p.relative_to(out_dir)): p.read_bytes()
-        for p in sorted((out_dir / "protos").rglob("*_pb2*.py*"))
+        str(p.relative_to(out_dir)): p.read_bytes() for p in sorted((out_dir / "protos").rglob("*_pb2*.py*"))
     }
 
 
