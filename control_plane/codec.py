@@ -35,6 +35,31 @@ class InvalidArgument(ValueError):
     """Client input that is refused; the message names the field."""
 
 
+class _LastMessage:
+    """The message last converted to or from one typed value, found again by identity.
+
+    The step loop converts each plan and result once for the wire; the recorder asks for the same
+    message again right after. Handing back the one already built keeps recording off the hot path.
+    Messages handed out are shared: callers copy before they mutate.
+    """
+
+    __slots__ = ("_message", "_value")
+
+    def __init__(self) -> None:
+        self._value: object = None
+        self._message: object = None
+
+    def get(self, value: object) -> object | None:
+        return self._message if value is self._value else None
+
+    def put(self, value: object, message: object) -> None:
+        self._value, self._message = value, message
+
+
+_LAST_PLAN = _LastMessage()
+_LAST_RESULT = _LastMessage()
+
+
 # --- worker link -------------------------------------------------------------------------------
 
 
@@ -108,6 +133,15 @@ def _sampler_from_proto(msg: wk_pb.SamplerParams) -> SamplerSpec:
 
 
 def plan_to_proto(plan: StepPlan) -> wk_pb.ControlMessage:
+    cached = _LAST_PLAN.get(plan)
+    if cached is not None:
+        return cached  # type: ignore[return-value]
+    message = _encode_plan(plan)
+    _LAST_PLAN.put(plan, message)
+    return message
+
+
+def _encode_plan(plan: StepPlan) -> wk_pb.ControlMessage:
     ext, dec = plan.extends, plan.decodes
     msg = wk_pb.StepPlan(
         step_id=plan.step_id,
@@ -183,6 +217,12 @@ def plan_from_proto(msg: wk_pb.StepPlan) -> StepPlan:
 
 
 def result_from_proto(msg: wk_pb.StepResult) -> StepResult:
+    result = _decode_result(msg)
+    _LAST_RESULT.put(result, msg)
+    return result
+
+
+def _decode_result(msg: wk_pb.StepResult) -> StepResult:
     kv = msg.kv
     return StepResult(
         step_id=msg.step_id,
@@ -204,6 +244,9 @@ def result_from_proto(msg: wk_pb.StepResult) -> StepResult:
 
 
 def result_to_proto(result: StepResult) -> wk_pb.WorkerMessage:
+    cached = _LAST_RESULT.get(result)
+    if cached is not None:
+        return wk_pb.WorkerMessage(result=cached)  # type: ignore[arg-type]
     kv = result.kv
     msg = wk_pb.StepResult(
         step_id=result.step_id,

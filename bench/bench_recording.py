@@ -1,6 +1,6 @@
 """Recording overhead, end to end: a control plane and a sim-backend worker, with and without --record.
 
-    .venv/bin/python -m tests.record.overhead [--rounds 3] [--requests 256] [--sim-cost a,b,c]
+    .venv/bin/python bench/bench_recording.py [--rounds 3] [--requests 256] [--sim-cost a,b,c]
 
 Each round starts a fresh stack per mode (alternating, so drift hits both), sends the same load
 (prompts of 64..512 token ids, 128 new tokens, ignore_eos) and measures output tokens per second
