@@ -103,7 +103,7 @@ def shutdown(reason: str) -> wk_pb.ControlMessage:
     return wk_pb.ControlMessage(shutdown=wk_pb.Shutdown(reason=reason))
 
 
-def _sampler_to_proto(spec: SamplerSpec) -> wk_pb.SamplerParams:
+def sampler_to_proto(spec: SamplerSpec) -> wk_pb.SamplerParams:
     return wk_pb.SamplerParams(
         temperature=spec.temperature,
         top_p=spec.top_p,
@@ -118,7 +118,7 @@ def _sampler_to_proto(spec: SamplerSpec) -> wk_pb.SamplerParams:
     )
 
 
-def _sampler_from_proto(msg: wk_pb.SamplerParams) -> SamplerSpec:
+def sampler_from_proto(msg: wk_pb.SamplerParams) -> SamplerSpec:
     return SamplerSpec(
         temperature=msg.temperature,
         top_p=msg.top_p,
@@ -151,7 +151,7 @@ def _encode_plan(plan: StepPlan) -> wk_pb.ControlMessage:
         new_seqs=[
             wk_pb.NewSequence(
                 handle=s.handle,
-                sampler=_sampler_to_proto(s.sampler),
+                sampler=sampler_to_proto(s.sampler),
                 prefix_slots=s.prefix_slots.tolist(),
                 history_ids=s.history_ids.tolist(),
                 request_id=s.request_id,
@@ -201,7 +201,7 @@ def plan_from_proto(msg: wk_pb.StepPlan) -> StepPlan:
         new_seqs=tuple(
             NewSeq(
                 handle=s.handle,
-                sampler=_sampler_from_proto(s.sampler),
+                sampler=sampler_from_proto(s.sampler),
                 prefix_slots=np.array(s.prefix_slots, dtype=np.int64),
                 history_ids=np.array(s.history_ids, dtype=np.int32),
                 request_id=s.request_id,

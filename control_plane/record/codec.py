@@ -24,11 +24,10 @@ from control_plane.record.entries import (
     OnIdle,
     StepFigures,
 )
-from control_plane.request import AbortCode, FinishKind, FinishReason, RequestParams, SamplerSpec
+from control_plane.request import AbortCode, FinishKind, FinishReason, RequestParams
 from control_plane.scheduler.plan import StepKind
 from control_plane.scheduler.scheduler import StepStats
 from protos.stepwise.v1 import record_pb2 as rec_pb
-from protos.stepwise.v1 import worker_pb2 as wk_pb
 
 # --- scheduler config and header ----------------------------------------------------------------
 
@@ -82,35 +81,6 @@ def _reason_from_proto(m: rec_pb.Outcome) -> FinishReason:
     return FinishReason(FinishKind(m.kind), m.message, AbortCode(m.code) if m.code else None)
 
 
-def _sampler_to_proto(s: SamplerSpec) -> wk_pb.SamplerParams:
-    return wk_pb.SamplerParams(
-        temperature=s.temperature,
-        top_p=s.top_p,
-        top_k=s.top_k,
-        min_p=s.min_p,
-        repetition_penalty=s.repetition_penalty,
-        frequency_penalty=s.frequency_penalty,
-        presence_penalty=s.presence_penalty,
-        has_seed=s.seed is not None,
-        seed=s.seed or 0,
-        logprobs=s.logprobs,
-    )
-
-
-def _sampler_from_proto(m: wk_pb.SamplerParams) -> SamplerSpec:
-    return SamplerSpec(
-        temperature=m.temperature,
-        top_p=m.top_p,
-        top_k=m.top_k,
-        min_p=m.min_p,
-        repetition_penalty=m.repetition_penalty,
-        frequency_penalty=m.frequency_penalty,
-        presence_penalty=m.presence_penalty,
-        seed=m.seed if m.has_seed else None,
-        logprobs=m.logprobs,
-    )
-
-
 def _params_to_proto(p: RequestParams) -> rec_pb.RequestParams:
     return rec_pb.RequestParams(
         has_max_new_tokens=p.max_new_tokens is not None,
@@ -118,7 +88,7 @@ def _params_to_proto(p: RequestParams) -> rec_pb.RequestParams:
         stop=list(p.stop),
         stop_token_ids=sorted(p.stop_token_ids),
         ignore_eos=p.ignore_eos,
-        sampler=_sampler_to_proto(p.sampler),
+        sampler=link.sampler_to_proto(p.sampler),
         has_priority=p.priority is not None,
         priority=p.priority or 0,
         routing_key=p.routing_key,
@@ -133,7 +103,7 @@ def _params_from_proto(m: rec_pb.RequestParams) -> RequestParams:
         stop=tuple(m.stop),
         stop_token_ids=frozenset(m.stop_token_ids),
         ignore_eos=m.ignore_eos,
-        sampler=_sampler_from_proto(m.sampler),
+        sampler=link.sampler_from_proto(m.sampler),
         priority=m.priority if m.has_priority else None,
         routing_key=m.routing_key,
         group=m.group,
