@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import dataclasses
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -143,7 +142,6 @@ class Engine:
         self._decode_tokens_since_log = 0
         self._last_decode_log = time.monotonic()
         self._last_prefill_log = time.monotonic()
-        self.on_step: Callable[[StepPlan, StepResult, StepStats], None] | None = None
 
     # --- called from request handlers -----------------------------------------------------------
 
@@ -245,8 +243,6 @@ class Engine:
         if self.config.scheduler.strict_invariants:
             self._check_invariants()
         self._log_step(plan, result, stats)
-        if self.on_step is not None:
-            self.on_step(plan, result, stats)
 
     def _drain_inbox(self) -> None:
         inbox, self._inbox = self._inbox, []
