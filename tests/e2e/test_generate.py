@@ -306,3 +306,18 @@ async def test_running_timeout_aborts(start_stack) -> None:
     assert (gen.finish_reason, gen.finish_message) == ("abort", "Request running timeout reached.")
     assert 0 < gen.completion_tokens < 1800
     await _books_settle(stack.address)
+
+
+async def test_two_workers_share_the_load_and_outputs_stay_exact(start_stack, model_dir: Path) -> None:
+    stack = await start_stack(workers=2)
+    await _assert_matches_transformers(stack.address, model_dir)
+    async with StepwiseClient(stack.address) as client:
+        info = await client.server_info()
+        keyed = [await client.generate("Hi", routing_key="tenant-a", max_new_tokens=2) for _ in range(3)]
+        after = await client.server_info()
+    assert sorted(w.worker_id for w in info.workers) == ["worker-0", "worker-1"]
+    assert all(w.steps > 0 for w in info.workers), "both workers should have served requests"
+    assert info.kv_capacity_tokens == sum(w.kv_capacity_tokens for w in info.workers)
+    # One routing key, one worker: only that worker's step count moved.
+    moved = [a.steps - b.steps for a, b in zip(after.workers, info.workers, strict=True)]
+    assert sum(m > 0 for m in moved) == 1 and all(g.completion_tokens == 2 for g in keyed)
