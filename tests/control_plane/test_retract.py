@@ -218,3 +218,18 @@ def test_retraction_drops_the_pending_remap_of_the_released_handle() -> None:
     for plan in out.plans:
         assert not set(plan.releases.tolist()) & {r.handle for r in plan.remaps}
     assert out.tokens == run(make_scheduler(), FakeWorker(4096, eos=EOS), arrivals).tokens
+
+
+def test_test_retract_never_aborts_a_sample_group() -> None:
+    """TEST_RETRACT exercises retraction; with only a sample group running it retracts nothing."""
+    from tests.control_plane.factories import make_scheduler as _make
+    from tests.control_plane.factories import params as _params
+    from tests.control_plane.factories import prompt as _prompt
+    from tests.control_plane.factories import run as _run
+
+    sched = _make(capacity=4096, test_retract=True)
+    arrivals = [(0, f"g/{i}", _prompt(12, 1), _params(20, ignore_eos=True, group="g")) for i in range(3)]
+    out = _run(sched, FakeWorker(4096), arrivals)
+    assert all(reason.kind.value == "length" for reason in out.finished.values())
+    assert all(len(tokens) == 20 for tokens in out.tokens.values())
+    assert sched.num_retracted_total == 0
