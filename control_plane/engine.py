@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import dataclasses
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -20,7 +21,7 @@ from control_plane import metrics
 from control_plane.cache.invariants import check_pool_invariants
 from control_plane.config import ControlConfig
 from control_plane.record.recorder import close_recording, make_scheduler
-from control_plane.request import AbortCode, FinishReason, RequestParams
+from control_plane.request import AbortCode, FinishReason, Request, RequestParams
 from control_plane.scheduler.plan import StepKind, StepPlan, StepResult, WorkerLimits
 from control_plane.scheduler.scheduler import QueueFull, RequestRejected, RequestUpdate, StepStats
 from control_plane.tokenizer import TextStream, Tokenizer
@@ -108,6 +109,17 @@ class _Abort:
     reason: FinishReason
 
 
+@dataclass(frozen=True, slots=True)
+class Orphan:
+    """A live request of a lost worker, to continue on another one from where it stopped."""
+
+    stream: RequestStream
+    # The prompt plus every token already streamed: the next token continues the generation.
+    input_ids: list[int]
+    # The client's parameters with max_new_tokens reduced by what was generated.
+    params: RequestParams
+
+
 class Engine:
     """Drives one worker. All scheduler calls happen inside `run`, one at a time."""
 
@@ -127,7 +139,9 @@ class Engine:
         self.streams: dict[str, RequestStream] = {}
         # Generate call id -> its samples' request ids.
         self._groups: dict[str, list[str]] = {}
-        self._inbox: list[_Arrival | _Abort] = []
+        self._inbox: list[_Arrival | _Abort | Orphan] = []
+        # Called when the worker is lost: returns the engine that takes over its requests, if any.
+        self.successor: Callable[[Engine], Engine | None] | None = None
         self._wake = asyncio.Event()
         self._stopping = False
         self.worker = limits.worker_id
@@ -206,8 +220,7 @@ class Engine:
                     continue
                 await self._step(plan)
         except WorkerGone as exc:
-            self.log.error("worker lost", error=str(exc))
-            self._abort_all(f"worker {self.limits.worker_id} disconnected: {exc}")
+            self._hand_over(str(exc))
         finally:
             self._abort_all("control plane is shutting down")
             close_recording(self.scheduler)
@@ -249,6 +262,8 @@ class Engine:
         for item in inbox:
             if isinstance(item, _Arrival):
                 self._admit(item)
+            elif isinstance(item, Orphan):
+                self._admit_orphan(item)
             elif not self.scheduler.abort(item.rid, item.reason):
                 self._fail_stream(item.rid, item.reason)
 
@@ -263,11 +278,50 @@ class Engine:
         except (QueueFull, RequestRejected, ValueError) as exc:
             for rid in added:
                 self.scheduler.abort(rid, FinishReason.abort(str(exc)))
-            self.scheduler.take_updates()
-            self._forget(submission)
+            self._forget(submission)  # their updates now find no stream and are dropped
             submission.accepted.set_exception(exc)
             return
         submission.accepted.set_result(None)
+
+    # --- a lost worker's requests continue elsewhere (DESIGN.md, "The worker protocol") ----------------
+
+    def _hand_over(self, error: str) -> None:
+        """Give every live request to another worker, continuing after its last streamed token."""
+        self._drain_inbox()  # arrivals not yet seen become requests too; aborts take effect
+        self._publish()
+        target = self.successor(self) if self.successor is not None else None
+        if target is None:
+            self.log.error("worker lost", error=error, continued=0)
+            self._abort_all(f"worker {self.worker} disconnected ({error}) and no other worker is attached")
+            return
+        orphans = [self._orphan(req) for req in self.scheduler.live_requests() if req.rid in self.streams]
+        for orphan in orphans:
+            self.streams.pop(orphan.stream.rid)
+            self._groups.pop(orphan.stream.call, None)
+        self.log.error("worker lost", error=error, continued=len(orphans), on=target.worker)
+        target.adopt(orphans)
+
+    def _orphan(self, req: Request) -> Orphan:
+        params = req.params
+        if params.max_new_tokens is not None:
+            params = dataclasses.replace(params, max_new_tokens=params.max_new_tokens - len(req.output_ids))
+        return Orphan(self.streams[req.rid], req.origin_input_ids + req.output_ids, params)
+
+    def adopt(self, orphans: list[Orphan]) -> None:
+        """Take over requests of a lost worker: their streams continue here."""
+        for orphan in orphans:
+            stream = orphan.stream
+            self.streams[stream.rid] = stream
+            self._groups.setdefault(stream.call, []).append(stream.rid)
+            self._inbox.append(orphan)
+        self._wake.set()
+
+    def _admit_orphan(self, orphan: Orphan) -> None:
+        try:
+            self.scheduler.add_request(orphan.stream.rid, orphan.input_ids, orphan.params)
+        except (QueueFull, RequestRejected, ValueError) as exc:
+            message = f"its worker was lost and {self.worker} could not take it over: {exc}"
+            self._finish_stream(orphan.stream, FinishReason.abort(message))
 
     def _forget(self, submission: Submission) -> None:
         for rid in submission.rids:

@@ -46,6 +46,11 @@ class Router:
             return self.engines[ids[zlib.crc32(routing_key.encode()) % len(ids)]]
         return min(self.engines.values(), key=lambda e: (sum(e.load()), e.limits.worker_id))
 
+    def successor(self, lost: Engine) -> Engine | None:
+        """The least loaded other worker, to continue a lost worker's requests."""
+        others = [e for e in self.engines.values() if e is not lost]
+        return min(others, key=lambda e: (sum(e.load()), e.limits.worker_id), default=None)
+
     def find(self, rid: str) -> Engine | None:
         for engine in self.engines.values():
             if engine.knows(rid):

@@ -74,6 +74,7 @@ class WorkerLinkService(wk_grpc.WorkerLinkServicer):
             await context.write(codec.welcome(False, refusal))
             return
         engine = Engine(self.config, limits, self.tokenizer, StreamChannel(context))
+        engine.successor = self.router.successor
         await context.write(codec.welcome(True))
         log.info(
             "worker attached",
