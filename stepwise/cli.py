@@ -120,6 +120,16 @@ def cmd_generate(argv: Sequence[str]) -> int:
     return 0 if gen.finish_reason in ("stop", "length") else 1
 
 
+def cmd_bench(argv: Sequence[str]) -> int:
+    from clients import bench
+
+    parser = argparse.ArgumentParser(prog="stepwise bench", description="load generator with serving metrics")
+    bench.add_arguments(parser)
+    flags.apply_env_defaults(parser)
+    report = asyncio.run(bench.run(parser.parse_args(argv)))
+    return 0 if report["completed"] == report["requests"] else 1
+
+
 def cmd_demo(argv: Sequence[str]) -> int:
     """Start the stack on the embedded model, stream one generation, stop everything."""
     from clients import generate
@@ -176,6 +186,7 @@ COMMANDS = {
     "worker": cmd_worker,
     "up": cmd_up,
     "generate": cmd_generate,
+    "bench": cmd_bench,
     "demo": cmd_demo,
     "replay": cmd_replay,
     "simulate": cmd_simulate,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import io
 from pathlib import Path
 
 import grpc
@@ -321,3 +322,29 @@ async def test_two_workers_share_the_load_and_outputs_stay_exact(start_stack, mo
     # One routing key, one worker: only that worker's step count moved.
     moved = [a.steps - b.steps for a, b in zip(after.workers, info.workers, strict=True)]
     assert sum(m > 0 for m in moved) == 1 and all(g.completion_tokens == 2 for g in keyed)
+
+
+async def test_bench_reports_serving_metrics(start_stack) -> None:
+    import argparse
+
+    from clients import bench
+
+    stack = await start_stack(worker=["--backend", "sim", "--sim-cost", "0.001,0,0"])
+    ns = argparse.Namespace(
+        address=stack.address,
+        requests=24,
+        concurrency=8,
+        rate=0.0,
+        prompt_len="8,32",
+        output_len="4,12",
+        shared_prefix=64,
+        groups=2,
+        vocab=1000,
+        seed=3,
+        json=True,
+        wait=10.0,
+    )
+    report = await bench.run(ns, out=io.StringIO())
+    assert report["completed"] == 24
+    assert report["prefix_hit_rate"] > 0.3  # 64 shared tokens per group of 12 prompts
+    assert report["ttft_p50_ms"] > 0 and report["output_throughput_tok_s"] > 0
