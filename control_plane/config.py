@@ -9,7 +9,6 @@ read here under the `STEPWISE_` prefix.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -208,10 +207,3 @@ def control_config_from_args(ns: argparse.Namespace, model_dir: Path) -> Control
         metrics_port=ns.metrics_port,
         record_max_bytes=getattr(ns, "record_max_bytes", DEFAULT_RECORD_MAX_BYTES),
     )
-
-
-def replace_scheduler(config: SchedulerConfig, **changes: object) -> SchedulerConfig:
-    """A copy with some fields changed (tests and replay build configs this way)."""
-    new = dataclasses.replace(config, **changes)  # type: ignore[arg-type]
-    validate_scheduler_config(new)
-    return new

@@ -149,7 +149,6 @@ class Engine:
         self.log = log.bind(worker=limits.worker_id)
         # Books vs. the worker's report (checked every step).
         self.kv_mismatches = 0
-        self.expected_kv = (0, 0)
         self.reported_kv = (0, 0)
         self.steps = 0
         self._decode_batches = 0
@@ -426,7 +425,7 @@ class Engine:
 
     def _check_books(self, step_id: int, expected: tuple[int, int], result: StepResult) -> None:
         reported = (result.kv.live_seqs, result.kv.seq_slots)
-        self.expected_kv, self.reported_kv = expected, reported
+        self.reported_kv = reported
         if reported != expected or result.kv.capacity_tokens != self.limits.kv_capacity_tokens:
             self.kv_mismatches += 1
             metrics.KV_BOOK_MISMATCHES.labels(self.worker).inc()

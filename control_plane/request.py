@@ -99,7 +99,6 @@ class Request:
     origin_input_ids: list[int]
     params: RequestParams
     # Order of arrival (a logical clock, never the wall clock: decisions must replay exactly).
-    arrival_seq: int = 0
     max_new_tokens: int = 0
     output_ids: list[int] = field(default_factory=list)
     # Scheduling state (SCHEDULER.md §0.1).
@@ -116,7 +115,6 @@ class Request:
     is_retracted: bool = False
     retracted_stain: bool = False
     retraction_count: int = 0
-    to_finish: FinishReason | None = None
     finished_reason: FinishReason | None = None
     # Usage: prompt tokens served from the prefix cache at first admission.
     cached_tokens: int = 0

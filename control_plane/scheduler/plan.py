@@ -102,10 +102,6 @@ class StepPlan:
     # Applied after releases, before any other work.
     remaps: tuple[SlotRemap, ...] = ()
 
-    @property
-    def num_samples(self) -> int:
-        return int(self.extends.sample.sum()) + len(self.decodes)
-
 
 @dataclass(frozen=True, slots=True)
 class KvReport:

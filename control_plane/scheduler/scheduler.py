@@ -174,11 +174,8 @@ class Scheduler:
         self._decode_slots = np.zeros(0, dtype=np.int64)
         self._decode_handles = np.zeros(0, dtype=np.int64)
         self.last_stats: StepStats | None = None
-        # Counters for metrics.
+        # Requests retracted so far (GetServerInfo).
         self.num_retracted_total = 0
-        self.num_retracted_input_tokens = 0
-        self.num_retracted_output_tokens = 0
-        self.hit_tokens_total = 0
 
     # --- intake (§1.5) -------------------------------------------------------------------------
 
@@ -202,7 +199,7 @@ class Scheduler:
         error = self.input_length_error(len(ids))
         if error is not None and self.config.allow_auto_truncate:
             ids, error = ids[: self.max_req_input_len], None
-        req = Request(rid=rid, origin_input_ids=ids, params=params, arrival_seq=self._tick())
+        req = Request(rid=rid, origin_input_ids=ids, params=params)
         req.max_new_tokens = clamp_max_new_tokens(
             params.max_new_tokens,
             len(ids),
@@ -451,7 +448,6 @@ class Scheduler:
         stats.rem_total_tokens = adder.rem_total_tokens
         stats.rem_input_tokens = adder.rem_input_tokens
         stats.rem_chunk_tokens = adder.rem_chunk_tokens
-        self.hit_tokens_total += adder.log_hit_tokens
 
     def _prepare_extend(self, reqs: list[Request], continuation: Request | None) -> None:
         """Allocate rows and slots, assign handles to newcomers, commit the extend lengths."""
@@ -569,7 +565,7 @@ class Scheduler:
             self.running.reqs, self.config.retract_decode_steps
         )
         for req in retracted:
-            self._count_retraction(req)
+            self.num_retracted_total += 1
             self._add_to_queue_or_abort(req)
         stats.retracted = [r.rid for r in retracted]
         stats.retracted_input_tokens = sum(len(r.origin_input_ids) for r in retracted)
@@ -626,11 +622,6 @@ class Scheduler:
         self.host_used += n
         req.host_backup_len = n
         return True
-
-    def _count_retraction(self, req: Request) -> None:
-        self.num_retracted_total += 1
-        self.num_retracted_input_tokens += len(req.origin_input_ids)
-        self.num_retracted_output_tokens += len(req.output_ids)
 
     def _add_to_queue_or_abort(self, req: Request) -> None:
         try:
