@@ -237,11 +237,13 @@ class Executor:
     # ---- sampling and results ----------------------------------------------------------------
 
     def _sample(self, logits: torch.Tensor, rows: np.ndarray) -> SampleOutput:
-        penalties = [
-            PenaltyRow(index=i, params=self.table.params(row), history=history)
-            for i, row in enumerate(rows.tolist())
-            if (history := self.table.history(row)) is not None
-        ]
+        penalties = []
+        if self.table.any_penalties:  # skip the per-row scan in the common case
+            penalties = [
+                PenaltyRow(index=i, params=self.table.params(row), history=history)
+                for i, row in enumerate(rows.tolist())
+                if (history := self.table.history(row)) is not None
+            ]
         # Slot tables already include this step's tokens, so the sampled token's position is the length.
         positions = self.table.lengths[rows]
         return sample(logits, self.table.sampler_columns(rows), positions, penalties, self.rng)

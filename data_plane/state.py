@@ -164,6 +164,11 @@ class SequenceTable:
             logprobs=cols[:, 5].astype(np.int64),
         )
 
+    @property
+    def any_penalties(self) -> bool:
+        """Whether any live sequence samples with penalties (most steps: none)."""
+        return bool(self._history)
+
     def history(self, row: int) -> list[int] | None:
         """Token history of a row that uses penalties; None for rows that do not."""
         return self._history.get(row)
