@@ -8,6 +8,7 @@ specification: `origin_input_ids`, `output_ids`, `prefix_indices`, `last_node`,
 from __future__ import annotations
 
 import enum
+from array import array
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -125,11 +126,21 @@ class Request:
     host_backup_len: int = 0
     # Set when priority preemption picked this request in the current pass.
     preempted: bool = False
+    # Prompt + outputs as int64, kept in step with output_ids: the prefix tree keys on these bytes,
+    # and converting a Python list of 2k ids costs ~36 µs per match (an array slice: ~0.6 µs).
+    _fill: array = field(default_factory=lambda: array("q"))
 
     @property
-    def fill_ids(self) -> list[int]:
-        """Prompt plus generated tokens: what a (re-)prefill must cover."""
-        return self.origin_input_ids + self.output_ids
+    def fill_ids(self) -> array:
+        """Prompt plus generated tokens: what a (re-)prefill must cover. Do not mutate."""
+        if len(self._fill) != len(self.origin_input_ids) + len(self.output_ids):
+            self._fill = array("q", self.origin_input_ids + self.output_ids)
+        return self._fill
+
+    def append_output(self, token: int) -> None:
+        self.output_ids.append(token)
+        if self._fill:  # once built, kept in step; fill_ids rebuilds it if it ever falls behind
+            self._fill.append(token)
 
     @property
     def seqlen(self) -> int:

@@ -731,7 +731,7 @@ class Scheduler:
             self._push_remap(self.kv.cache_unfinished_req(req))
 
     def _append_token(self, req: Request, token: int) -> None:
-        req.output_ids.append(token)
+        req.append_output(token)
         reason, visible = self._check_finished(req, token)
         if reason is None:
             self._updates.append(RequestUpdate(req.rid, (token,)))
