@@ -91,7 +91,7 @@ def _special_token_id(
 class Tokenizer:
     """A model's tokenizer plus the special ids the scheduler needs. Immutable after construction."""
 
-    __slots__ = ("_add_bos", "_bos_token_id", "_eos_token_ids", "_tok", "_vocab_size")
+    __slots__ = ("_add_bos", "_bos_token_id", "_eos_token_ids", "_special_ids", "_tok", "_vocab_size")
 
     def __init__(
         self,
@@ -110,6 +110,9 @@ class Tokenizer:
         self._bos_token_id = bos_token_id
         self._add_bos = add_bos
         self._vocab_size = max(vocab_size, tok.get_vocab_size(with_added_tokens=True))
+        self._special_ids = frozenset(
+            i for i, added in tok.get_added_tokens_decoder().items() if added.special
+        )
 
     @classmethod
     def from_dir(cls, model_dir: Path) -> Tokenizer:
@@ -148,6 +151,11 @@ class Tokenizer:
     def bos_token_id(self) -> int | None:
         """The beginning-of-sequence id, or None when the model has none."""
         return self._bos_token_id
+
+    @property
+    def special_token_ids(self) -> frozenset[int]:
+        """Ids of special tokens: they carry no text when decoding skips special tokens."""
+        return self._special_ids
 
     @property
     def vocab_size(self) -> int:
@@ -192,7 +200,7 @@ class IncrementalDetokenizer:
     special tokens (only garbage output does that) can come out as U+FFFD.
     """
 
-    __slots__ = ("_context", "_context_text", "_skip_special_tokens", "_tokenizer")
+    __slots__ = ("_context", "_context_text", "_skip_special_tokens", "_textless", "_tokenizer")
 
     def __init__(
         self, tokenizer: Decoder, prompt_ids: Sequence[int], skip_special_tokens: bool = True
@@ -200,11 +208,19 @@ class IncrementalDetokenizer:
         """Start after `prompt_ids`; only their last few tokens are kept, as decoding context."""
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
-        self._context: list[int] = list(prompt_ids[-_CONTEXT_TOKENS:])
+        # Skipped special tokens carry no text. Kept out of the context they cannot push the
+        # bytes of an incomplete character out of it (a character spans at most 4 byte tokens).
+        special: frozenset[int] = getattr(tokenizer, "special_token_ids", frozenset())
+        self._textless = special if skip_special_tokens else frozenset()
+        self._context: list[int] = self._with_text(prompt_ids)[-_CONTEXT_TOKENS:]
         self._context_text = _settled(self._decode(self._context))
+
+    def _with_text(self, token_ids: Sequence[int]) -> list[int]:
+        return [t for t in token_ids if t not in self._textless] if self._textless else list(token_ids)
 
     def push(self, token_ids: Sequence[int]) -> str:
         """Append generated ids; return the text that is now final (possibly empty)."""
+        token_ids = self._with_text(token_ids)
         if not token_ids:
             return ""
         window = [*self._context, *token_ids]

@@ -214,6 +214,17 @@ def test_arbitrary_ids_stream_equals_full_decode(bpe: Tokenizer, data: st.DataOb
     assert "".join(pieces) == bpe.decode(ids)
 
 
+def test_special_tokens_after_a_split_character_do_not_lose_it(bpe: Tokenizer) -> None:
+    # Found by CI's derandomized run: an incomplete byte followed by more skipped special tokens
+    # than the decoding window holds used to vanish instead of coming out as U+FFFD.
+    eos = min(bpe.special_token_ids)
+    ids = [bpe.encode("🦀")[0], eos, eos, eos, eos, eos]
+    assert "".join(_stream(IncrementalDetokenizer(bpe, prompt_ids=[]), ids)) == bpe.decode(ids)
+    crab = bpe.encode("🦀")
+    ids = [crab[0], eos, eos, eos, eos, *crab[1:]]
+    assert "".join(_stream(IncrementalDetokenizer(bpe, prompt_ids=[]), ids)) == bpe.decode(ids) == "🦀"
+
+
 def test_split_character_is_held_until_complete(bpe: Tokenizer) -> None:
     ids = bpe.encode("🦀")  # never trained on: its 4 bytes span several tokens
     assert len(ids) > 1
