@@ -220,6 +220,12 @@ class Engine:
                 await self._step(plan)
         except WorkerGone as exc:
             self._hand_over(str(exc))
+        except asyncio.CancelledError:
+            # gRPC cancels the Connect handler when the worker's connection drops: that is a lost
+            # worker too, unless the control plane itself is stopping.
+            if not self._stopping:
+                self._hand_over("the worker's stream was cancelled")
+            raise
         finally:
             self._abort_all("control plane is shutting down")
             close_recording(self.scheduler)
@@ -289,15 +295,17 @@ class Engine:
         self._drain_inbox()  # arrivals not yet seen become requests too; aborts take effect
         self._publish()
         target = self.successor(self) if self.successor is not None else None
+        # An idle worker that goes away (scaled down, restarted) costs nothing: a warning.
+        report = self.log.error if self.streams else self.log.warning
         if target is None:
-            self.log.error("worker lost", error=error, continued=0)
+            report("worker lost", error=error, continued=0, aborted=len(self.streams))
             self._abort_all(f"worker {self.worker} disconnected ({error}) and no other worker is attached")
             return
         orphans = [self._orphan(req) for req in self.scheduler.live_requests() if req.rid in self.streams]
         for orphan in orphans:
             self.streams.pop(orphan.stream.rid)
             self._groups.pop(orphan.stream.call, None)
-        self.log.error("worker lost", error=error, continued=len(orphans), on=target.worker)
+        report("worker lost", error=error, continued=len(orphans), on=target.worker)
         target.adopt(orphans)
 
     def _orphan(self, req: Request) -> Orphan:
