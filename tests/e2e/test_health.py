@@ -16,6 +16,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from tests.e2e.conftest import CONTROL_BASE
+
 pytestmark = pytest.mark.timeout(180)
 
 
@@ -57,19 +59,7 @@ async def _wait_status(address: str, want: int, timeout: float = 60) -> None:
 
 async def test_health_follows_workers_and_reflection_lists_services(tmp_path: Path) -> None:
     ready = tmp_path / "ready.json"
-    control = _spawn(
-        "control",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        "0",
-        "--worker-port",
-        "0",
-        "--ready-file",
-        str(ready),
-        "--log-level",
-        "warning",
-    )
+    control = _spawn("control", *CONTROL_BASE, "--ready-file", str(ready))
     worker = None
     try:
         ports = _wait_file(ready, control)
@@ -104,22 +94,7 @@ def _children(pid: int) -> list[int]:
 
 def test_up_stops_every_child_on_sigterm() -> None:
     up = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "stepwise.cli",
-            "up",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            "0",
-            "--worker-port",
-            "0",
-            "--workers",
-            "2",
-            "--log-level",
-            "warning",
-        ],
+        [sys.executable, "-m", "stepwise.cli", "up", *CONTROL_BASE, "--workers", "2"],
         stdout=subprocess.PIPE,
         text=True,
     )
