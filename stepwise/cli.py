@@ -201,6 +201,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"usage: stepwise {{{names}}} [flags]   (stepwise COMMAND --help for its flags)", file=sys.stderr
         )
         return 0 if args and args[0] in ("-h", "--help") else 2
+    from stepwise.parent import die_with_parent
+
+    die_with_parent()
     with contextlib.suppress(KeyboardInterrupt):
         return COMMANDS[args[0]](args[1:])
     return 130

@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import ctypes
 import json
 import os
 import signal
@@ -21,13 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from clients.client import StepwiseClient
-
-PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+from stepwise.parent import PARENT_ENV
 
 
 def split_flags(
@@ -82,7 +75,8 @@ class Stack:
         self._tmp = tempfile.TemporaryDirectory(prefix="stepwise-up-")
 
     def _spawn(self, args: list[str]) -> subprocess.Popen[bytes]:
-        proc = subprocess.Popen([sys.executable, "-m", "stepwise.cli", *args], preexec_fn=_die_with_parent)
+        env = {**os.environ, PARENT_ENV: str(os.getpid())}
+        proc = subprocess.Popen([sys.executable, "-m", "stepwise.cli", *args], env=env)
         self.procs.append(proc)
         return proc
 

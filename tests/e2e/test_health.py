@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -92,26 +93,35 @@ def _children(pid: int) -> list[int]:
     return [int(x) for x in out.stdout.split()]
 
 
-def test_up_stops_every_child_on_sigterm() -> None:
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
+def test_up_leaves_no_child_behind(sig: signal.Signals) -> None:
+    """SIGTERM stops the children cleanly; even SIGKILL of `up` takes them down (PR_SET_PDEATHSIG)."""
     up = subprocess.Popen(
         [sys.executable, "-m", "stepwise.cli", "up", *CONTROL_BASE, "--workers", "2"],
         stdout=subprocess.PIPE,
         text=True,
     )
+    children: list[int] = []
     try:
         assert up.stdout is not None
         line = up.stdout.readline()
         assert "client address 127.0.0.1:" in line, line
         children = _children(up.pid)
         assert len(children) == 3
-        up.send_signal(signal.SIGTERM)
-        assert up.wait(30) == 0
+        up.send_signal(sig)
+        assert up.wait(30) == (0 if sig == signal.SIGTERM else -signal.SIGKILL)
+        deadline = time.monotonic() + 20
+        while any(_alive(pid) for pid in children) and time.monotonic() < deadline:
+            time.sleep(0.1)
         for pid in children:
             assert not _alive(pid), f"child {pid} outlived `stepwise up`"
     finally:
         if up.poll() is None:
             up.kill()
             up.wait()
+        for pid in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def _alive(pid: int) -> bool:
