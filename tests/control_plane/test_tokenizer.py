@@ -286,6 +286,8 @@ def test_stop_found_inside_overlapping_candidates() -> None:
 
 
 def test_earliest_stop_wins() -> None:
+    """The stop ending first wins. Here it also starts first, or at the same start as a longer stop,
+    so the old rule (earliest start, applied per feed) gave the same answers."""
     assert StopMatcher(["world", "lo"]).feed("hello world") == ("hel", "lo")
     assert StopMatcher(["lo w", "lo"]).feed("hello world") == ("hel", "lo")
 
