@@ -66,6 +66,7 @@ def plan_from_proto(p: worker_pb2.StepPlan) -> StepPlan:
     return StepPlan(
         step_id=p.step_id,
         release_handles=_array(p.release_handles, np.uint64),
+        reset=p.reset,
         offloads=tuple(KvTransfer(t.handle, _array(t.slots, np.int64)) for t in p.offloads),
         restores=tuple(KvTransfer(t.handle, _array(t.slots, np.int64)) for t in p.restores),
         new_seqs=tuple(_new_seq_from_proto(s) for s in p.new_seqs),
@@ -117,6 +118,7 @@ def plan_to_proto(plan: StepPlan) -> worker_pb2.StepPlan:
     e, d = plan.extends, plan.decodes
     return worker_pb2.StepPlan(
         step_id=plan.step_id,
+        reset=plan.reset,
         release_handles=plan.release_handles.tolist(),
         offloads=[worker_pb2.KvTransfer(handle=t.handle, slots=t.slots.tolist()) for t in plan.offloads],
         restores=[worker_pb2.KvTransfer(handle=t.handle, slots=t.slots.tolist()) for t in plan.restores],

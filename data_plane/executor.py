@@ -94,6 +94,9 @@ class Executor:
     def _apply(self, plan: StepPlan) -> PreparedStep | None:
         """Apply every delta in protocol order; None when the plan has no forward work."""
         self._check_slots(plan)
+        if plan.reset:
+            self._release(np.array(self.table.handles(), dtype=np.uint64))
+            self.host.clear()
         self._release(plan.release_handles)
         for remap in plan.remaps:
             self.table.remap(remap.handle, remap.start, remap.slots)

@@ -95,6 +95,8 @@ class StepPlan:
     decodes: DecodeBatch = field(default_factory=DecodeBatch)
     # Applied right after releases.
     remaps: tuple[SlotRemap, ...] = ()
+    # Applied before everything: forget every sequence and host copy (the control plane starts over).
+    reset: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -79,6 +79,9 @@ class SimExecutor:
             )
 
     def _execute(self, plan: StepPlan) -> StepResult:
+        if plan.reset:
+            self.seqs.clear()
+            self.offloaded.clear()
         for handle in plan.release_handles.tolist():
             del self.seqs[handle]
             self.offloaded.pop(handle, None)

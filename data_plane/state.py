@@ -65,6 +65,10 @@ class SequenceTable:
     def __contains__(self, handle: int) -> bool:
         return handle in self._row_of
 
+    def handles(self) -> list[int]:
+        """Every live handle (in no particular order)."""
+        return list(self._row_of)
+
     def row(self, handle: int) -> int:
         try:
             return self._row_of[handle]

@@ -101,6 +101,9 @@ class StepPlan:
     decodes: DecodeWork = field(default_factory=DecodeWork)
     # Applied after releases, before any other work.
     remaps: tuple[SlotRemap, ...] = ()
+    # Set by the engine, never by the scheduler: the worker forgets everything before this plan (the
+    # first plan of a fresh scheduler after a fault on the control plane's side).
+    reset: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -52,6 +52,9 @@ class FakeWorker:
         self.offloads = self.restores = 0
 
     def run(self, plan: StepPlan) -> StepResult:
+        if plan.reset:
+            self.seqs.clear()
+            self.host.clear()
         for handle in plan.releases.tolist():
             del self.seqs[handle]
             self.host.pop(handle, None)

@@ -149,7 +149,7 @@ class SlotRemap(_message.Message):
     def __init__(self, handle: _Optional[int] = ..., start: _Optional[int] = ..., slots: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "release_handles", "offloads", "restores", "new_seqs", "extends", "decodes", "remaps")
+    __slots__ = ("step_id", "release_handles", "offloads", "restores", "new_seqs", "extends", "decodes", "remaps", "reset")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     RELEASE_HANDLES_FIELD_NUMBER: _ClassVar[int]
     OFFLOADS_FIELD_NUMBER: _ClassVar[int]
@@ -158,6 +158,7 @@ class StepPlan(_message.Message):
     EXTENDS_FIELD_NUMBER: _ClassVar[int]
     DECODES_FIELD_NUMBER: _ClassVar[int]
     REMAPS_FIELD_NUMBER: _ClassVar[int]
+    RESET_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     release_handles: _containers.RepeatedScalarFieldContainer[int]
     offloads: _containers.RepeatedCompositeFieldContainer[KvTransfer]
@@ -166,7 +167,8 @@ class StepPlan(_message.Message):
     extends: ExtendBatch
     decodes: DecodeBatch
     remaps: _containers.RepeatedCompositeFieldContainer[SlotRemap]
-    def __init__(self, step_id: _Optional[int] = ..., release_handles: _Optional[_Iterable[int]] = ..., offloads: _Optional[_Iterable[_Union[KvTransfer, _Mapping]]] = ..., restores: _Optional[_Iterable[_Union[KvTransfer, _Mapping]]] = ..., new_seqs: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., extends: _Optional[_Union[ExtendBatch, _Mapping]] = ..., decodes: _Optional[_Union[DecodeBatch, _Mapping]] = ..., remaps: _Optional[_Iterable[_Union[SlotRemap, _Mapping]]] = ...) -> None: ...
+    reset: bool
+    def __init__(self, step_id: _Optional[int] = ..., release_handles: _Optional[_Iterable[int]] = ..., offloads: _Optional[_Iterable[_Union[KvTransfer, _Mapping]]] = ..., restores: _Optional[_Iterable[_Union[KvTransfer, _Mapping]]] = ..., new_seqs: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., extends: _Optional[_Union[ExtendBatch, _Mapping]] = ..., decodes: _Optional[_Union[DecodeBatch, _Mapping]] = ..., remaps: _Optional[_Iterable[_Union[SlotRemap, _Mapping]]] = ..., reset: _Optional[bool] = ...) -> None: ...
 
 class KvReport(_message.Message):
     __slots__ = ("live_seqs", "seq_slots", "capacity_tokens", "device_mem_used_bytes", "host_seqs")
