@@ -6,10 +6,15 @@ input with messages that name the offending field.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+from google.protobuf.message import DecodeError, Message
 
+from control_plane.config import Limits
 from control_plane.request import FinishKind, FinishReason, RequestParams, SamplerSpec
 from control_plane.scheduler.plan import (
     DecodeWork,
@@ -33,6 +38,10 @@ MAX_SAMPLES = 64
 
 class InvalidArgument(ValueError):
     """Client input that is refused; the message names the field."""
+
+
+class ProtocolError(ValueError):
+    """A worker's message that breaks the protocol; the message says how. The worker is at fault."""
 
 
 class _LastMessage:
@@ -145,6 +154,7 @@ def _encode_plan(plan: StepPlan) -> wk_pb.ControlMessage:
     ext, dec = plan.extends, plan.decodes
     msg = wk_pb.StepPlan(
         step_id=plan.step_id,
+        reset=plan.reset,
         release_handles=plan.releases.tolist(),
         offloads=[wk_pb.KvTransfer(handle=t.handle, slots=t.slots.tolist()) for t in plan.offloads],
         restores=[wk_pb.KvTransfer(handle=t.handle, slots=t.slots.tolist()) for t in plan.restores],
@@ -195,6 +205,7 @@ def plan_from_proto(msg: wk_pb.StepPlan) -> StepPlan:
     return StepPlan(
         step_id=msg.step_id,
         kind=derived,
+        reset=msg.reset,
         releases=np.array(msg.release_handles, dtype=np.int64),
         offloads=tuple(KvTransfer(t.handle, np.array(t.slots, dtype=np.int64)) for t in msg.offloads),
         restores=tuple(KvTransfer(t.handle, np.array(t.slots, dtype=np.int64)) for t in msg.restores),
@@ -216,7 +227,17 @@ def plan_from_proto(msg: wk_pb.StepPlan) -> StepPlan:
     )
 
 
+_MAX_HANDLE = (1 << 63) - 1
+
+
 def result_from_proto(msg: wk_pb.StepResult) -> StepResult:
+    """Decode a worker's result; ProtocolError when it cannot be one (checked against the plan later)."""
+    if len(msg.handles) != len(msg.token_ids):
+        raise ProtocolError(f"result has {len(msg.handles)} handles but {len(msg.token_ids)} token_ids")
+    if msg.logprobs and len(msg.logprobs) != len(msg.handles):
+        raise ProtocolError(f"result has {len(msg.logprobs)} logprobs for {len(msg.handles)} tokens")
+    if len(msg.handles) and max(msg.handles) > _MAX_HANDLE:
+        raise ProtocolError(f"result names handle {max(msg.handles)}, which no plan ever sends")
     result = _decode_result(msg)
     _LAST_RESULT.put(result, msg)
     return result
@@ -292,8 +313,44 @@ def _check(ok: bool, field_name: str, message: str) -> None:
         raise InvalidArgument(f"{field_name}: {message}")
 
 
-def sampling_from_proto(msg: gen_pb.SamplingParams) -> RequestParams:
+def _check_finite(msg: gen_pb.SamplingParams) -> None:
+    for name in (
+        "temperature",
+        "top_p",
+        "min_p",
+        "repetition_penalty",
+        "frequency_penalty",
+        "presence_penalty",
+    ):
+        value = getattr(msg, name)
+        _check(math.isfinite(value), f"sampling.{name}", f"must be a finite number, got {value}")
+
+
+def _check_stops(msg: gen_pb.SamplingParams, limits: Limits) -> None:
+    count, chars = len(msg.stop), sum(len(s) for s in msg.stop)
+    _check(
+        count <= limits.max_stop_strings,
+        "sampling.stop",
+        f"{count} stop strings; at most {limits.max_stop_strings} are allowed (--max-stop-strings)",
+    )
+    _check(
+        chars <= limits.max_stop_chars,
+        "sampling.stop",
+        f"{chars} characters of stop strings; at most {limits.max_stop_chars} (--max-stop-chars)",
+    )
+    _check(all(s for s in msg.stop), "sampling.stop", "stop strings must not be empty")
+    ids = len(msg.stop_token_ids)
+    _check(
+        ids <= limits.max_stop_token_ids,
+        "sampling.stop_token_ids",
+        f"{ids} ids; at most {limits.max_stop_token_ids} are allowed (--max-stop-token-ids)",
+    )
+
+
+def sampling_from_proto(msg: gen_pb.SamplingParams, limits: Limits | None = None) -> RequestParams:
     """Validate and convert sampling parameters; raises InvalidArgument naming the field."""
+    _check_finite(msg)
+    _check_stops(msg, limits or Limits())
     max_new = msg.max_new_tokens if msg.HasField("max_new_tokens") else None
     temperature = float(_opt(msg, "temperature", 1.0))  # type: ignore[arg-type]
     top_p = float(_opt(msg, "top_p", 1.0))  # type: ignore[arg-type]
@@ -306,7 +363,6 @@ def sampling_from_proto(msg: gen_pb.SamplingParams) -> RequestParams:
     _check(top_k >= 0, "sampling.top_k", f"must be >= 0, got {top_k}")
     _check(0.0 <= min_p <= 1.0, "sampling.min_p", f"must be in [0, 1], got {min_p}")
     _check(rep > 0.0, "sampling.repetition_penalty", f"must be > 0, got {rep}")
-    _check(all(s for s in msg.stop), "sampling.stop", "stop strings must not be empty")
     n = msg.n if msg.HasField("n") else 1
     _check(1 <= n <= MAX_SAMPLES, "sampling.n", f"must be in [1, {MAX_SAMPLES}], got {n}")
     _check(all(t >= 0 for t in msg.stop_token_ids), "sampling.stop_token_ids", "token ids must be >= 0")
@@ -329,13 +385,29 @@ def sampling_from_proto(msg: gen_pb.SamplingParams) -> RequestParams:
     )
 
 
-def generate_input_from_proto(msg: gen_pb.GenerateRequest) -> GenerateInput:
+def generate_input_from_proto(msg: gen_pb.GenerateRequest, limits: Limits | None = None) -> GenerateInput:
+    """Validate a Generate call (all but what needs the tokenizer or a worker); InvalidArgument."""
+    limits = limits or Limits()
     which = msg.WhichOneof("prompt")
     _check(which is not None, "prompt", "one of text or input_ids is required")
     text = msg.text if which == "text" else None
     ids = tuple(msg.input_ids.ids) if which == "input_ids" else None
     _check(bool(text) or bool(ids), "text" if which == "text" else "input_ids", "prompt must not be empty")
-    params = sampling_from_proto(msg.sampling)
+    if text is not None:
+        size = len(text.encode("utf-8", "surrogatepass"))
+        _check(
+            size <= limits.max_prompt_bytes,
+            "text",
+            f"prompt of {size} bytes; at most {limits.max_prompt_bytes} are allowed (--max-prompt-bytes)",
+        )
+    for name in ("request_id", "routing_key"):
+        value = getattr(msg, name)
+        _check(
+            len(value) <= limits.max_id_chars,
+            name,
+            f"{len(value)} characters; at most {limits.max_id_chars} are allowed",
+        )
+    params = sampling_from_proto(msg.sampling, limits)
     priority = msg.priority if msg.HasField("priority") else None
     params = RequestParams(
         max_new_tokens=params.max_new_tokens,
@@ -351,12 +423,96 @@ def generate_input_from_proto(msg: gen_pb.GenerateRequest) -> GenerateInput:
 
 
 def check_token_ids(ids: tuple[int, ...] | list[int], vocab_size: int) -> None:
-    for i, token in enumerate(ids):
-        _check(
-            0 <= token < vocab_size,
-            "input_ids",
-            f"token id {token} at index {i} is outside the vocabulary [0, {vocab_size})",
+    if not ids:
+        return
+    array = np.asarray(ids, dtype=np.int64)
+    bad = np.flatnonzero((array < 0) | (array >= vocab_size))
+    if len(bad):
+        i = int(bad[0])
+        raise InvalidArgument(
+            f"input_ids: token id {ids[i]} at index {i} is outside the vocabulary [0, {vocab_size})"
         )
+
+
+# --- requests that do not parse --------------------------------------------------------------------
+
+
+def _bytes_twin(file: object) -> descriptor_pool.DescriptorPool:
+    """A copy of a .proto file's messages with every string field as bytes, in a pool of its own.
+
+    A field declared `string` must hold UTF-8, and protobuf refuses the whole message otherwise
+    without saying which field; the twin parses the same bytes and lets us find it.
+    """
+    proto = descriptor_pb2.FileDescriptorProto()
+    file.CopyToProto(proto)  # type: ignore[attr-defined]
+    proto.name = "bytes_twin/" + proto.name
+    for message in proto.message_type:
+        for fld in message.field:
+            if fld.type == descriptor_pb2.FieldDescriptorProto.TYPE_STRING:
+                fld.type = descriptor_pb2.FieldDescriptorProto.TYPE_BYTES
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(proto)
+    return pool
+
+
+_TWIN_POOL = _bytes_twin(gen_pb.DESCRIPTOR)
+
+
+@dataclass(frozen=True, slots=True)
+class Unparsable:
+    """A request that did not parse (e.g. a string field that is not UTF-8), and why."""
+
+    reason: str
+
+
+def lenient_parser(message: type[Message]) -> Callable[[bytes], Message | Unparsable]:
+    """A request deserializer that turns a parse failure into an Unparsable, for the handler to
+    refuse with INVALID_ARGUMENT naming the field (gRPC itself would answer UNKNOWN)."""
+
+    def parse(data: bytes) -> Message | Unparsable:
+        try:
+            return message.FromString(data)
+        except DecodeError:
+            return Unparsable(describe_unparsable(data, message.DESCRIPTOR.full_name))
+
+    return parse
+
+
+def describe_unparsable(data: bytes, message_name: str = "stepwise.v1.GenerateRequest") -> str:
+    """Why `data` is not a valid message: the first string field that is not UTF-8, by its path."""
+    twin = message_factory.GetMessageClass(_TWIN_POOL.FindMessageTypeByName(message_name))()
+    try:
+        twin.ParseFromString(data)
+    except DecodeError:
+        return "the request is not a valid protobuf message"
+    path = _first_bad_utf8(twin, "")
+    if path is None:
+        return "the request is not a valid protobuf message"
+    return f"{path}: not valid UTF-8"
+
+
+def _first_bad_utf8(msg: Message, prefix: str) -> str | None:
+    original = gen_pb.DESCRIPTOR.message_types_by_name[msg.DESCRIPTOR.name]
+    strings = {f.name for f in original.fields if f.type == f.TYPE_STRING}
+    for fld, value in msg.ListFields():
+        items = list(enumerate(value)) if fld.is_repeated else [(None, value)]
+        for i, item in items:
+            where = prefix + fld.name + ("" if i is None else f"[{i}]")
+            if isinstance(item, Message):
+                found = _first_bad_utf8(item, where + ".")
+                if found:
+                    return found
+            elif fld.name in strings and not _is_utf8(item):
+                return where
+    return None
+
+
+def _is_utf8(raw: bytes) -> bool:
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 _FINISH_TO_PROTO = {

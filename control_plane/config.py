@@ -18,6 +18,50 @@ SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random", "routing-key"
 EVICTION_POLICIES = ("lru", "lfu", "fifo", "mru", "filo", "priority", "slru")
 RETRACTION_POLICIES = ("length", "priority")
 DEFAULT_RECORD_MAX_BYTES = 256 * 1024 * 1024
+LOOPBACK_HOSTS = ("127.0.0.1", "::1", "localhost", "[::1]")
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """What one client request or one worker may ask of the control plane; past it, a clear refusal."""
+
+    max_stop_strings: int = 64
+    # Summed over a request's stop strings, in characters.
+    max_stop_chars: int = 4096
+    max_stop_token_ids: int = 1024
+    # UTF-8 bytes of a text prompt, checked before tokenizing (which costs time in proportion).
+    max_prompt_bytes: int = 4 * 1024 * 1024
+    # Request ids and routing keys, in characters.
+    max_id_chars: int = 256
+    # A worker may claim at most this KV capacity (and as much host pool) in its hello.
+    max_worker_kv_tokens: int = 1 << 32
+    # A step's result must arrive within base + per_token · (tokens in the plan) seconds.
+    worker_step_timeout_s: float = 60.0
+    worker_step_timeout_per_token_s: float = 0.002
+
+    def step_deadline_s(self, plan_tokens: int) -> float:
+        return self.worker_step_timeout_s + self.worker_step_timeout_per_token_s * plan_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class Security:
+    """TLS, mutual TLS with workers, and client API keys (all off by default; see README "Security")."""
+
+    # PEM files of the control plane's certificate and key: TLS on the client port, and on the worker
+    # port too when worker_ca is set.
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    # PEM CA bundle: workers must present a certificate that chains to it (mutual TLS).
+    worker_ca: Path | None = None
+    # Bearer tokens accepted from clients; empty: no authentication.
+    api_keys: tuple[str, ...] = ()
+    # Serve the worker port on a non-loopback address without mutual TLS (any process that can reach
+    # it could attach as a worker and read prompts).
+    allow_insecure_workers: bool = False
+
+    @property
+    def client_tls(self) -> bool:
+        return self.tls_cert is not None
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,7 +114,7 @@ class ControlConfig:
     """The control-plane process: ports, model directory, logging, and the scheduler."""
 
     model_dir: Path
-    host: str = "0.0.0.0"
+    host: str = "127.0.0.1"
     port: int = 50051
     worker_port: int = 50052
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -83,13 +127,19 @@ class ControlConfig:
     metrics_port: int = 0
     # A recording part is closed and a continuation begun once it reaches this size.
     record_max_bytes: int = DEFAULT_RECORD_MAX_BYTES
+    limits: Limits = field(default_factory=Limits)
+    security: Security = field(default_factory=Security)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the control plane's flags (names follow SGLang's server arguments)."""
     add = parser.add_argument
     add("--model", default="embedded", help="model directory (tokenizer and config), or 'embedded'")
-    add("--host", default="0.0.0.0", help="address both servers bind")
+    add(
+        "--host",
+        default="127.0.0.1",
+        help="address both servers bind (default: this machine only; 0.0.0.0 for every interface)",
+    )
     add("--port", type=int, default=50051, help="client (Generation) port; 0 picks a free one")
     add("--worker-port", type=int, default=50052, help="worker dial-in port; 0 picks a free one")
     add("--schedule-policy", choices=SCHEDULE_POLICIES, default="fcfs")
@@ -118,6 +168,58 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--metrics-port", type=int, default=0, help="serve Prometheus /metrics on this port (0: off)")
     add("--record", type=Path, default=None, metavar="DIR", help="record every scheduler call per worker")
     add("--record-max-bytes", type=int, default=DEFAULT_RECORD_MAX_BYTES, help="rotate recording files")
+    _add_limit_arguments(parser)
+    _add_security_arguments(parser)
+
+
+def _add_limit_arguments(parser: argparse.ArgumentParser) -> None:
+    add, d = parser.add_argument, Limits()
+    add("--max-stop-strings", type=int, default=d.max_stop_strings, help="stop strings per request")
+    add("--max-stop-chars", type=int, default=d.max_stop_chars, help="characters of all stop strings")
+    add("--max-stop-token-ids", type=int, default=d.max_stop_token_ids, help="stop token ids per request")
+    add("--max-prompt-bytes", type=int, default=d.max_prompt_bytes, help="UTF-8 bytes of a text prompt")
+    add(
+        "--max-worker-kv-tokens",
+        type=int,
+        default=d.max_worker_kv_tokens,
+        help="largest KV pool a worker may claim",
+    )
+    add(
+        "--worker-step-timeout",
+        type=float,
+        default=d.worker_step_timeout_s,
+        help="seconds a worker may take for a step (plus the per-token part) before it counts as lost",
+    )
+    add(
+        "--worker-step-timeout-per-token",
+        type=float,
+        default=d.worker_step_timeout_per_token_s,
+        help="seconds added to the step deadline per token in the plan",
+    )
+
+
+def _add_security_arguments(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add(
+        "--tls-cert",
+        type=Path,
+        default=None,
+        help="PEM certificate: TLS on the client port (and worker port)",
+    )
+    add("--tls-key", type=Path, default=None, help="PEM private key of --tls-cert")
+    add(
+        "--worker-ca",
+        type=Path,
+        default=None,
+        help="PEM CA: only workers with a certificate it signed may attach (mutual TLS; needs --tls-cert)",
+    )
+    add("--api-key", default=None, help="bearer token clients must send (authorization: Bearer KEY)")
+    add("--api-key-file", type=Path, default=None, help="file of accepted bearer tokens, one per line")
+    add(
+        "--allow-insecure-workers",
+        action="store_true",
+        help="serve the worker port beyond loopback without --worker-ca (anyone reaching it can attach)",
+    )
 
 
 # SGLang's environment-only knobs, read under our prefix (SCHEDULER.md §9).
@@ -193,6 +295,57 @@ def validate_scheduler_config(config: SchedulerConfig) -> None:
         raise ValueError("--chunked-prefill-size must be a multiple of --page-size")
 
 
+def limits_from_args(ns: argparse.Namespace) -> Limits:
+    limits = Limits(
+        max_stop_strings=ns.max_stop_strings,
+        max_stop_chars=ns.max_stop_chars,
+        max_stop_token_ids=ns.max_stop_token_ids,
+        max_prompt_bytes=ns.max_prompt_bytes,
+        max_worker_kv_tokens=ns.max_worker_kv_tokens,
+        worker_step_timeout_s=ns.worker_step_timeout,
+        worker_step_timeout_per_token_s=ns.worker_step_timeout_per_token,
+    )
+    for name in ("max_stop_strings", "max_stop_chars", "max_stop_token_ids", "max_prompt_bytes"):
+        if getattr(limits, name) < 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
+    if limits.max_worker_kv_tokens < 1:
+        raise ValueError("--max-worker-kv-tokens must be >= 1")
+    if limits.worker_step_timeout_s <= 0 or limits.worker_step_timeout_per_token_s < 0:
+        raise ValueError("--worker-step-timeout must be > 0 and --worker-step-timeout-per-token >= 0")
+    return limits
+
+
+def security_from_args(ns: argparse.Namespace, host: str) -> Security:
+    """Check the TLS/key flags fit together; read key files now so a bad path fails at start."""
+    keys = [ns.api_key] if ns.api_key else []
+    if ns.api_key_file is not None:
+        try:
+            lines = ns.api_key_file.read_text().splitlines()
+        except OSError as exc:
+            raise ValueError(f"--api-key-file: cannot read {ns.api_key_file}: {exc.strerror}") from None
+        keys += [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+    security = Security(
+        tls_cert=ns.tls_cert,
+        tls_key=ns.tls_key,
+        worker_ca=ns.worker_ca,
+        api_keys=tuple(keys),
+        allow_insecure_workers=ns.allow_insecure_workers,
+    )
+    if (security.tls_cert is None) != (security.tls_key is None):
+        raise ValueError("--tls-cert and --tls-key go together")
+    if security.worker_ca is not None and security.tls_cert is None:
+        raise ValueError("--worker-ca needs --tls-cert and --tls-key (the worker port's certificate)")
+    for flag, path in (("--tls-cert", ns.tls_cert), ("--tls-key", ns.tls_key), ("--worker-ca", ns.worker_ca)):
+        if path is not None and not Path(path).is_file():
+            raise ValueError(f"{flag}: no such file: {path}")
+    if host not in LOOPBACK_HOSTS and security.worker_ca is None and not security.allow_insecure_workers:
+        raise ValueError(
+            f"--host {host} exposes the worker port: give --worker-ca (mutual TLS) "
+            "or --allow-insecure-workers"
+        )
+    return security
+
+
 def control_config_from_args(ns: argparse.Namespace, model_dir: Path) -> ControlConfig:
     return ControlConfig(
         model_dir=model_dir,
@@ -206,4 +359,6 @@ def control_config_from_args(ns: argparse.Namespace, model_dir: Path) -> Control
         record_dir=getattr(ns, "record", None),
         metrics_port=ns.metrics_port,
         record_max_bytes=getattr(ns, "record_max_bytes", DEFAULT_RECORD_MAX_BYTES),
+        limits=limits_from_args(ns),
+        security=security_from_args(ns, ns.host),
     )

@@ -25,11 +25,16 @@ from control_plane.request import AbortCode, FinishReason, Request, RequestParam
 from control_plane.scheduler.plan import StepKind, StepPlan, StepResult, WorkerLimits
 from control_plane.scheduler.scheduler import QueueFull, RequestRejected, RequestUpdate, StepStats
 from control_plane.tokenizer import TextStream, Tokenizer
+from control_plane.worker_checks import WorkerFault, check_result
 
 log = structlog.get_logger("stepwise.engine")
 
 WAITING_TIMEOUT = "Request waiting timeout reached."
 RUNNING_TIMEOUT = "Request running timeout reached."
+INTERNAL_ERROR = "internal error in the control plane (logged); the request could not be continued"
+# A request live during this many faults of our own is ended rather than tried again.
+MAX_FAULTS_PER_REQUEST = 2
+SEED_SPACE = 1 << 64
 
 
 class WorkerGone(Exception):
@@ -82,6 +87,10 @@ class RequestStream:
     last_token: float = 0.0
     completion_tokens: int = 0
     done: bool = False
+    # Faults of our own this request lived through (see Engine._recover).
+    faults: int = 0
+    # Who submitted it (an API key's id, or the client's connection); only they may abort it.
+    owner: str = ""
 
 
 @dataclass(slots=True)
@@ -144,6 +153,10 @@ class Engine:
         self.successor: Callable[[Engine], Engine | None] | None = None
         self._wake = asyncio.Event()
         self._stopping = False
+        # Why the worker was dropped for breaking the protocol (or hanging); None while it behaves.
+        self.fault: str | None = None
+        # The next plan tells the worker to forget everything (after _recover).
+        self._reset_worker = False
         self.worker = limits.worker_id
         metrics.register_worker(self.worker)
         self.log = log.bind(worker=limits.worker_id)
@@ -158,7 +171,9 @@ class Engine:
 
     # --- called from request handlers -----------------------------------------------------------
 
-    def submit(self, rid: str, input_ids: list[int], params: RequestParams, n: int = 1) -> Submission:
+    def submit(
+        self, rid: str, input_ids: list[int], params: RequestParams, n: int = 1, owner: str = ""
+    ) -> Submission:
         """Queue an arrival of n samples (request ids `rid` when n == 1, else `rid/0` ... `rid/n-1`,
         grouped so they are never partially retracted). `accepted` resolves, or raises QueueFull /
         RequestRejected / ValueError, once the scheduler has seen it."""
@@ -169,7 +184,13 @@ class Engine:
         submission = Submission(rid, rids, events, asyncio.get_running_loop().create_future())
         streams = [
             RequestStream(
-                r, rid, i, len(input_ids), TextStream(self.tokenizer, input_ids, params.stop), events
+                r,
+                rid,
+                i,
+                len(input_ids),
+                TextStream(self.tokenizer, input_ids, params.stop),
+                events,
+                owner=owner,
             )
             for i, r in enumerate(rids)
         ]
@@ -194,6 +215,12 @@ class Engine:
     def knows(self, rid: str) -> bool:
         return rid in self._groups or rid in self.streams
 
+    def owner_of(self, rid: str) -> str | None:
+        """Who submitted the live Generate call (or sample) `rid`; None when it is not live here."""
+        rids = self._groups.get(rid, [rid])
+        stream = next((self.streams[r] for r in rids if r in self.streams), None)
+        return stream.owner if stream is not None else None
+
     def load(self) -> tuple[int, int]:
         """(queued, running) for routing and server info."""
         sched = self.scheduler
@@ -207,17 +234,24 @@ class Engine:
     # --- the loop ---------------------------------------------------------------------------------
 
     async def run(self) -> None:
-        """Step until stopped or the worker is gone; every live request ends with a finish reason."""
+        """Step until stopped or the worker is gone; every live request ends with a finish reason.
+
+        Faults are contained: a worker that breaks the protocol or hangs is dropped (`fault` says
+        why) and its requests continue elsewhere; an exception of our own restarts this worker's
+        scheduler (`_recover`) and the loop goes on serving.
+        """
         try:
             while not self._stopping:
-                self._drain_inbox()
-                self._check_timeouts()
-                plan = self.scheduler.next_plan()
-                self._publish()
-                if plan is None:
-                    await self._idle()
-                    continue
-                await self._step(plan)
+                try:
+                    await self._iteration()
+                except (WorkerGone, WorkerFault):
+                    raise
+                except Exception as exc:
+                    self._recover(exc)
+        except WorkerFault as exc:
+            self.fault = str(exc)
+            self.log.error("worker dropped", error=self.fault)
+            self._hand_over(self.fault)
         except WorkerGone as exc:
             self._hand_over(str(exc))
         except asyncio.CancelledError:
@@ -227,10 +261,21 @@ class Engine:
                 self._hand_over("the worker's stream was cancelled")
             raise
         finally:
+            self._release_waiting_arrivals()
             self._abort_all("control plane is shutting down")
             close_recording(self.scheduler)
             with contextlib.suppress(Exception):
                 await self.channel.close("control plane is shutting down")
+
+    async def _iteration(self) -> None:
+        self._drain_inbox()
+        self._check_timeouts()
+        plan = self.scheduler.next_plan()
+        self._publish()
+        if plan is None:
+            await self._idle()
+            return
+        await self._step(plan)
 
     async def _idle(self) -> None:
         if self.scheduler.is_idle:
@@ -249,11 +294,12 @@ class Engine:
         assert stats is not None
         self._note_admissions(plan)
         expected = (sched.live_handles(), sched.live_seq_slots() + len(plan.decodes))
-        result = await self.channel.step(plan)
+        if self._reset_worker:
+            plan, self._reset_worker = dataclasses.replace(plan, reset=True), False
+        result = await self._exchange(plan)
         if result.error:
             raise WorkerGone(f"worker failed step {plan.step_id}: {result.error}")
-        if result.step_id != plan.step_id:
-            raise WorkerGone(f"result for step {result.step_id} while step {plan.step_id} was in flight")
+        check_result(plan, result, self.limits.vocab_size)
         self._check_books(plan.step_id, expected, result)
         sched.apply_result(result)
         self._publish()
@@ -261,6 +307,15 @@ class Engine:
         if self.config.scheduler.strict_invariants:
             self._check_invariants()
         self._log_step(plan, result, stats)
+
+    async def _exchange(self, plan: StepPlan) -> StepResult:
+        """Send a plan and wait for its result, no longer than the plan's deadline (a hung worker)."""
+        tokens = len(plan.extends.token_ids) + len(plan.decodes)
+        deadline = self.config.limits.step_deadline_s(tokens)
+        try:
+            return await asyncio.wait_for(self.channel.step(plan), deadline)
+        except TimeoutError:
+            raise WorkerFault(f"no result for step {plan.step_id} within {deadline:.1f} s") from None
 
     def _drain_inbox(self) -> None:
         inbox, self._inbox = self._inbox, []
@@ -280,13 +335,31 @@ class Engine:
             for stream, params in zip(arrival.streams, arrival.params, strict=True):
                 self.scheduler.add_request(stream.rid, arrival.input_ids, params)
                 added.append(stream.rid)
-        except (QueueFull, RequestRejected, ValueError) as exc:
-            for rid in added:
-                self.scheduler.abort(rid, FinishReason.abort(str(exc)))
-            self._forget(submission)  # their updates now find no stream and are dropped
-            submission.accepted.set_exception(exc)
+        except Exception as exc:
+            if not isinstance(exc, (QueueFull, RequestRejected, ValueError)):
+                self.log.exception("admission failed", rid=submission.rid)
+            self._withdraw(submission, added, str(exc))
+            if not submission.accepted.done():
+                submission.accepted.set_exception(exc)
+            return
+        if submission.accepted.done():  # the client gave up before we got to it
+            self._withdraw(submission, added, "cancelled by the client")
             return
         submission.accepted.set_result(None)
+
+    def _withdraw(self, submission: Submission, added: list[str], message: str) -> None:
+        for rid in added:
+            self.scheduler.abort(rid, FinishReason.abort(message))
+        self._forget(submission)  # their updates now find no stream and are dropped
+
+    def _release_waiting_arrivals(self) -> None:
+        """Arrivals the scheduler never saw: their calls are let through to read the abort."""
+        inbox, self._inbox = self._inbox, []
+        for item in inbox:
+            if isinstance(item, _Arrival) and not item.submission.accepted.done():
+                item.submission.accepted.set_result(None)
+            elif isinstance(item, Orphan):
+                self.streams.setdefault(item.stream.rid, item.stream)
 
     # --- a lost worker's requests continue elsewhere (DESIGN.md, "The worker protocol") ----------------
 
@@ -301,18 +374,65 @@ class Engine:
             report("worker lost", error=error, continued=0, aborted=len(self.streams))
             self._abort_all(f"worker {self.worker} disconnected ({error}) and no other worker is attached")
             return
-        orphans = [self._orphan(req) for req in self.scheduler.live_requests() if req.rid in self.streams]
+        orphans = [
+            self._orphan(req, self.streams[req.rid])
+            for req in self.scheduler.live_requests()
+            if req.rid in self.streams
+        ]
         for orphan in orphans:
             self.streams.pop(orphan.stream.rid)
             self._groups.pop(orphan.stream.call, None)
         report("worker lost", error=error, continued=len(orphans), on=target.worker)
         target.adopt(orphans)
 
-    def _orphan(self, req: Request) -> Orphan:
+    @staticmethod
+    def _orphan(req: Request, stream: RequestStream) -> Orphan:
+        """The request as a new arrival that continues right after the last token its client got."""
+        streamed = req.output_ids[: stream.completion_tokens]
         params = req.params
         if params.max_new_tokens is not None:
-            params = dataclasses.replace(params, max_new_tokens=params.max_new_tokens - len(req.output_ids))
-        return Orphan(self.streams[req.rid], req.origin_input_ids + req.output_ids, params)
+            params = dataclasses.replace(params, max_new_tokens=params.max_new_tokens - len(streamed))
+        return Orphan(stream, req.origin_input_ids + streamed, params)
+
+    # --- a fault of our own: start this worker over (STYLE: faults are contained where they arise) ---
+
+    def _recover(self, exc: Exception) -> None:
+        """Log the fault, replace the scheduler, and continue every live request on the fresh one.
+
+        The old scheduler's state may be inconsistent, so nothing of it is kept but each request's
+        prompt and streamed tokens; the worker is told to forget everything with the next plan. A
+        request that lives through MAX_FAULTS_PER_REQUEST faults ends with an abort instead, so a
+        request that triggers a bug cannot loop.
+        """
+        self.log.error("step loop fault: restarting this worker's scheduler", exc_info=exc)
+        old = self.scheduler
+        orphans = self._salvage()
+        with contextlib.suppress(Exception):
+            close_recording(old)
+        self.scheduler = make_scheduler(self.config, self.limits)
+        self._reset_worker = True
+        self._inbox.extend(orphans)
+
+    def _salvage(self) -> list[Orphan]:
+        with contextlib.suppress(Exception):
+            self._publish()
+        try:
+            live = {req.rid: req for req in self.scheduler.live_requests()}
+        except Exception:
+            live = {}
+        waiting = {s.rid for item in self._inbox if isinstance(item, _Arrival) for s in item.streams}
+        waiting |= {item.stream.rid for item in self._inbox if isinstance(item, Orphan)}
+        orphans = []
+        for stream in list(self.streams.values()):
+            if stream.rid in waiting or stream.done:
+                continue
+            stream.faults += 1
+            req = live.get(stream.rid)
+            if req is None or stream.faults >= MAX_FAULTS_PER_REQUEST:
+                self._finish_stream(stream, FinishReason.abort(INTERNAL_ERROR))
+            else:
+                orphans.append(self._orphan(req, stream))
+        return orphans
 
     def adopt(self, orphans: list[Orphan]) -> None:
         """Take over requests of a lost worker: their streams continue here."""
@@ -361,6 +481,16 @@ class Engine:
         stream = self.streams.get(update.rid)
         if stream is None or stream.done:
             return
+        try:
+            self._deliver(stream, update)
+        except Exception:
+            # A fault in one request's text (detokenizer, stop matcher) ends that request alone.
+            self.log.exception("publishing failed", rid=stream.rid)
+            self.scheduler.abort(stream.rid, FinishReason.abort(INTERNAL_ERROR))
+            if not stream.done:
+                self._finish_stream(stream, FinishReason.abort(INTERNAL_ERROR))
+
+    def _deliver(self, stream: RequestStream, update: RequestUpdate) -> None:
         if update.token_ids:
             self._push_tokens(stream, update.token_ids)
         if update.finished is not None:
@@ -535,5 +665,7 @@ def _sample_params(params: RequestParams, index: int, n: int, group: str) -> Req
     if n == 1:
         return params
     seed = params.sampler.seed
-    sampler = params.sampler if seed is None else dataclasses.replace(params.sampler, seed=seed + index)
+    # Seeds are uint64 on the wire: sample i's seed wraps around rather than overflowing.
+    wrapped = None if seed is None else (seed + index) % SEED_SPACE
+    sampler = params.sampler if wrapped is None else dataclasses.replace(params.sampler, seed=wrapped)
     return dataclasses.replace(params, sampler=sampler, group=group)

@@ -2,13 +2,21 @@
 
 Both servers carry standard health checking and server reflection. Health is NOT_SERVING until a
 worker is attached and again whenever none is: a control plane without workers cannot serve.
+
+Trust: clients may be asked for a bearer token (`--api-key`) and served over TLS; workers may be
+required to present a certificate from `--worker-ca` (mutual TLS). Nothing a peer sends is believed
+before it is checked: requests in codec.py, hellos and results in worker_checks.py.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import hashlib
+import hmac
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import grpc
 import structlog
@@ -16,12 +24,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from control_plane import codec, metrics
-from control_plane.config import ControlConfig
+from control_plane.config import ControlConfig, Security
 from control_plane.engine import Chunk, Engine, Event, Submission, WorkerGone
 from control_plane.router import Router
 from control_plane.scheduler.plan import StepPlan, StepResult
 from control_plane.scheduler.scheduler import QueueFull, RequestRejected
 from control_plane.tokenizer import Tokenizer
+from control_plane.worker_checks import WorkerFault, hello_refusal
 from protos.stepwise.v1 import generation_pb2 as gen_pb
 from protos.stepwise.v1 import generation_pb2_grpc as gen_grpc
 from protos.stepwise.v1 import worker_pb2 as wk_pb
@@ -32,6 +41,17 @@ log = structlog.get_logger("stepwise.server")
 VERSION = "0.1.0"
 GENERATION_SERVICE = gen_pb.DESCRIPTOR.services_by_name["Generation"].full_name
 WORKER_SERVICE = wk_pb.DESCRIPTOR.services_by_name["WorkerLink"].full_name
+# SO_REUSEPORT off: a second control plane on the same port fails to start instead of silently
+# taking a share of the clients. Streams wait in the server rather than being cancelled.
+SERVER_OPTIONS = [
+    ("grpc.so_reuseport", 0),
+    ("grpc.server_max_unrequested_time_in_server", 3600),
+]
+WORKER_SERVER_OPTIONS = [
+    *SERVER_OPTIONS,
+    ("grpc.max_receive_message_length", 256 * 1024 * 1024),
+    ("grpc.max_send_message_length", 256 * 1024 * 1024),
+]
 
 
 class StreamChannel:
@@ -49,8 +69,11 @@ class StreamChannel:
         if msg is grpc.aio.EOF or msg is None:  # type: ignore[attr-defined]
             raise WorkerGone("stream closed")
         if msg.WhichOneof("msg") != "result":
-            raise WorkerGone(f"expected a step result, got {msg.WhichOneof('msg')}")
-        return codec.result_from_proto(msg.result)
+            raise WorkerFault(f"expected a step result, got {msg.WhichOneof('msg') or 'an empty message'}")
+        try:
+            return codec.result_from_proto(msg.result)
+        except codec.ProtocolError as exc:
+            raise WorkerFault(str(exc)) from None
 
     async def close(self, reason: str) -> None:
         await self.context.write(codec.shutdown(reason))
@@ -68,7 +91,9 @@ class WorkerLinkService(wk_grpc.WorkerLinkServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "the first message must be a hello")
             return
         limits = codec.limits_from_hello(first.hello)
-        refusal = self._refusal(first.hello)
+        refusal = self._refusal(first.hello) or hello_refusal(
+            limits, self.config.limits, self.tokenizer.vocab_size
+        )
         if refusal:
             log.error("worker refused", worker=limits.worker_id, reason=refusal)
             await context.write(codec.welcome(False, refusal))
@@ -94,6 +119,8 @@ class WorkerLinkService(wk_grpc.WorkerLinkServicer):
         finally:
             self.router.detach(engine)
             log.info("worker detached", worker=limits.worker_id)
+        if engine.fault is not None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"dropped: {engine.fault}")
 
     def _refusal(self, hello: wk_pb.Hello) -> str:
         if hello.protocol_version != codec.PROTOCOL_VERSION:
@@ -102,19 +129,51 @@ class WorkerLinkService(wk_grpc.WorkerLinkServicer):
             )
         if self.router.has(hello.worker_id):
             return f"worker_id {hello.worker_id!r} is already attached"
-        if hello.kv_capacity_tokens <= 0:
-            return "kv_capacity_tokens must be > 0"
         page = self.config.scheduler.page_size
         if page is not None and hello.page_size != page:
             return f"page_size {hello.page_size} differs from the control plane's --page-size {page}"
-        if hello.vocab_size < self.tokenizer.vocab_size:
-            return (
-                f"vocab_size {hello.vocab_size} is smaller than the tokenizer's {self.tokenizer.vocab_size}"
-            )
         fingerprint = self.router.model_fingerprint
         if fingerprint and hello.model_fingerprint != fingerprint:
             return "model_fingerprint differs from the workers already attached"
         return ""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Caller:
+    """Who is calling: an API key's id when keys are on, else the client's connection."""
+
+    owner: str
+    authenticated: bool
+
+
+class ApiKeys:
+    """Bearer tokens accepted from clients. A key is known by a short hash of it, never by itself."""
+
+    def __init__(self, keys: tuple[str, ...]) -> None:
+        self._digests = [hashlib.sha256(k.encode()).digest() for k in keys]
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._digests)
+
+    def identify(self, metadata: tuple[tuple[str, str | bytes], ...] | None) -> str | None:
+        """The caller's key id, or None when it sent no known key (compared in constant time)."""
+        token = _bearer(metadata)
+        if token is None:
+            return None
+        digest = hashlib.sha256(token.encode()).digest()
+        match = None
+        for known in self._digests:
+            if hmac.compare_digest(digest, known):
+                match = known
+        return None if match is None else "key:" + match.hex()[:12]
+
+
+def _bearer(metadata: tuple[tuple[str, str | bytes], ...] | None) -> str | None:
+    for key, value in metadata or ():
+        if key.lower() == "authorization" and isinstance(value, str) and value.startswith("Bearer "):
+            return value[len("Bearer ") :].strip()
+    return None
 
 
 class GenerationService(gen_grpc.GenerationServicer):
@@ -122,11 +181,25 @@ class GenerationService(gen_grpc.GenerationServicer):
         self.config = config
         self.tokenizer = tokenizer
         self.router = router
+        self.keys = ApiKeys(config.security.api_keys)
+
+    async def _caller(self, context: grpc.aio.ServicerContext) -> Caller:
+        """Authenticate the call, or end it with UNAUTHENTICATED."""
+        if not self.keys.enabled:
+            return Caller(owner=context.peer(), authenticated=False)
+        owner = self.keys.identify(context.invocation_metadata())  # type: ignore[arg-type]
+        if owner is None:
+            await context.abort(
+                grpc.StatusCode.UNAUTHENTICATED, "missing or unknown API key (send authorization: Bearer KEY)"
+            )
+        assert owner is not None
+        return Caller(owner=owner, authenticated=True)
 
     async def Generate(
-        self, request: gen_pb.GenerateRequest, context: grpc.aio.ServicerContext
+        self, request: gen_pb.GenerateRequest | codec.Unparsable, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[gen_pb.GenerateResponse]:
-        engine, submission = await self._accept(request, context)
+        caller = await self._caller(context)
+        engine, submission = await self._accept(request, context, caller)
         remaining = len(submission.rids)
         try:
             while remaining:
@@ -141,50 +214,124 @@ class GenerationService(gen_grpc.GenerationServicer):
                 engine.abort(submission.rid, "cancelled by the client")
 
     async def _accept(
-        self, request: gen_pb.GenerateRequest, context: grpc.aio.ServicerContext
+        self,
+        request: gen_pb.GenerateRequest | codec.Unparsable,
+        context: grpc.aio.ServicerContext,
+        caller: Caller,
     ) -> tuple[Engine, Submission]:
+        invalid = grpc.StatusCode.INVALID_ARGUMENT
+        if isinstance(request, codec.Unparsable):
+            await context.abort(invalid, request.reason)
+        assert not isinstance(request, codec.Unparsable)
         try:
-            inp = codec.generate_input_from_proto(request)
+            inp = codec.generate_input_from_proto(request, self.config.limits)
         except codec.InvalidArgument as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await context.abort(invalid, str(exc))
+        if inp.request_id and self.router.find(inp.request_id) is not None:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {inp.request_id!r} is in use")
         engine = self.router.pick(inp.params.routing_key)
         if engine is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no worker is attached to the control plane")
         assert engine is not None
-        field_name = "text" if inp.text is not None else "input_ids"
-        ids = list(inp.input_ids) if inp.input_ids is not None else self.tokenizer.encode(inp.text or "")
         try:
-            if not ids:
-                raise codec.InvalidArgument(f"{field_name}: prompt must not be empty")
-            codec.check_token_ids(ids, engine.limits.vocab_size)
-            error = engine.scheduler.input_length_error(len(ids))
-            if error and not self.config.scheduler.allow_auto_truncate:
-                raise codec.InvalidArgument(f"{field_name}: {error}")
+            ids = await self._prompt_ids(inp, engine)
         except codec.InvalidArgument as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await context.abort(invalid, str(exc))
         rid = inp.request_id or uuid.uuid4().hex
         try:
-            submission = engine.submit(rid, ids, inp.params, inp.n)
+            submission = engine.submit(rid, ids, inp.params, inp.n, caller.owner)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {exc}")
+        await self._wait_accepted(engine, submission, context)
+        return engine, submission
+
+    async def _prompt_ids(self, inp: codec.GenerateInput, engine: Engine) -> list[int]:
+        """The prompt's token ids, checked. Text is measured before it is tokenized, and tokenized off
+        the event loop: its cost grows with its length."""
+        if inp.text is not None:
+            self._check_text_fits(inp.text, engine)
+            ids = await asyncio.to_thread(self.tokenizer.encode, inp.text)
+            field_name = "text"
+        else:
+            ids, field_name = list(inp.input_ids or ()), "input_ids"
+        if not ids:
+            raise codec.InvalidArgument(f"{field_name}: prompt must not be empty")
+        codec.check_token_ids(ids, engine.limits.vocab_size)
+        error = engine.scheduler.input_length_error(len(ids))
+        if error and not self.config.scheduler.allow_auto_truncate:
+            raise codec.InvalidArgument(f"{field_name}: {error}")
+        return ids
+
+    def _check_text_fits(self, text: str, engine: Engine) -> None:
+        if self.config.scheduler.allow_auto_truncate:
+            return
+        size = len(text.encode("utf-8", "surrogatepass"))
+        context_len = engine.limits.max_context
+        if size > context_len * self.tokenizer.max_token_bytes:
+            raise codec.InvalidArgument(
+                f"text: a prompt of {size} bytes is more than the model's context of {context_len} tokens"
+            )
+
+    async def _wait_accepted(
+        self, engine: Engine, submission: Submission, context: grpc.aio.ServicerContext
+    ) -> None:
+        try:
             await submission.accepted
+        except asyncio.CancelledError:
+            engine.abort(submission.rid, "cancelled by the client")
+            raise
         except QueueFull as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except RequestRejected as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except ValueError as exc:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {exc}")
-        return engine, submission
+        except Exception:
+            await context.abort(grpc.StatusCode.INTERNAL, "internal error in the control plane (logged)")
 
     async def Abort(
-        self, request: gen_pb.AbortRequest, context: grpc.aio.ServicerContext
+        self, request: gen_pb.AbortRequest | codec.Unparsable, context: grpc.aio.ServicerContext
     ) -> gen_pb.AbortResponse:
+        caller = await self._caller(context)
+        if isinstance(request, codec.Unparsable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
+        assert not isinstance(request, codec.Unparsable)
         engine = self.router.find(request.request_id)
-        found = engine is not None and engine.abort(request.request_id, "aborted by an Abort call")
-        return gen_pb.AbortResponse(found=found)
+        # Someone else's request is reported as not found: its id tells the caller nothing.
+        if engine is None or engine.owner_of(request.request_id) != caller.owner:
+            return gen_pb.AbortResponse(found=False)
+        return gen_pb.AbortResponse(found=engine.abort(request.request_id, "aborted by an Abort call"))
 
     async def GetServerInfo(
-        self, request: gen_pb.GetServerInfoRequest, context: grpc.aio.ServicerContext
+        self, request: gen_pb.GetServerInfoRequest | codec.Unparsable, context: grpc.aio.ServicerContext
     ) -> gen_pb.ServerInfo:
-        return self.router.server_info(self.config, self.tokenizer, VERSION)
+        caller = await self._caller(context)
+        info = self.router.server_info(self.config, self.tokenizer, VERSION)
+        if not caller.authenticated:
+            # No filesystem paths or weight fingerprints to callers we do not know.
+            info.model = Path(info.model).name
+            info.model_fingerprint = ""
+        return info
+
+
+def generation_handler(service: GenerationService) -> grpc.GenericRpcHandler:
+    """The Generation service, parsing requests leniently (see codec.lenient_parser)."""
+    methods = gen_pb.DESCRIPTOR.services_by_name["Generation"].methods_by_name
+    handlers = {}
+    for name, method in methods.items():
+        request_cls = getattr(gen_pb, method.input_type.name)
+        response_cls = getattr(gen_pb, method.output_type.name)
+        factory = (
+            grpc.unary_stream_rpc_method_handler
+            if method.server_streaming
+            else grpc.unary_unary_rpc_method_handler
+        )
+        handlers[name] = factory(
+            getattr(service, name),
+            request_deserializer=codec.lenient_parser(request_cls),
+            response_serializer=response_cls.SerializeToString,
+        )
+    return grpc.method_handlers_generic_handler(GENERATION_SERVICE, handlers)
 
 
 def _coalesce(rid: str, events: list[Event]) -> list[gen_pb.GenerateResponse]:
@@ -227,14 +374,14 @@ class ControlPlane:
         self.tokenizer = tokenizer or Tokenizer.from_dir(config.model_dir)
         self.health = health.aio.HealthServicer()  # type: ignore[attr-defined]
         self.router = Router(model_name=str(config.model_dir), on_change=self._on_workers_changed)
-        self.client_server = grpc.aio.server()
-        self.worker_server = grpc.aio.server()
+        self.client_server = grpc.aio.server(options=SERVER_OPTIONS)
+        self.worker_server = grpc.aio.server(options=WORKER_SERVER_OPTIONS)
         self.port = 0
         self.worker_port = 0
 
     async def start(self) -> None:
-        gen_grpc.add_GenerationServicer_to_server(
-            GenerationService(self.config, self.tokenizer, self.router), self.client_server
+        self.client_server.add_generic_rpc_handlers(
+            (generation_handler(GenerationService(self.config, self.tokenizer, self.router)),)
         )
         wk_grpc.add_WorkerLinkServicer_to_server(
             WorkerLinkService(self.config, self.tokenizer, self.router), self.worker_server
@@ -247,10 +394,9 @@ class ControlPlane:
             reflection.enable_server_reflection(
                 (service, health.SERVICE_NAME, reflection.SERVICE_NAME), server
             )
-        self.port = self.client_server.add_insecure_port(f"{self.config.host}:{self.config.port}")
-        self.worker_port = self.worker_server.add_insecure_port(
-            f"{self.config.host}:{self.config.worker_port}"
-        )
+        client_creds, worker_creds = server_credentials(self.config.security)
+        self.port = _bind(self.client_server, self.config.host, self.config.port, client_creds)
+        self.worker_port = _bind(self.worker_server, self.config.host, self.config.worker_port, worker_creds)
         await self._set_health(False)
         metrics.serve(self.config.metrics_port, self.config.host)
         await self.client_server.start()
@@ -260,6 +406,9 @@ class ControlPlane:
             port=self.port,
             worker_port=self.worker_port,
             model=str(self.config.model_dir),
+            client_tls=self.config.security.client_tls,
+            worker_mtls=self.config.security.worker_ca is not None,
+            api_keys=len(self.config.security.api_keys),
         )
 
     async def _set_health(self, serving: bool) -> None:
@@ -280,3 +429,32 @@ class ControlPlane:
 
     async def wait(self) -> None:
         await self.client_server.wait_for_termination()
+
+
+def server_credentials(
+    security: Security,
+) -> tuple[grpc.ServerCredentials | None, grpc.ServerCredentials | None]:
+    """(client port, worker port) credentials: None for plaintext. The worker port asks for client
+    certificates chaining to --worker-ca and refuses connections without one."""
+    if security.tls_cert is None or security.tls_key is None:
+        return None, None
+    pair = [(security.tls_key.read_bytes(), security.tls_cert.read_bytes())]
+    client = grpc.ssl_server_credentials(pair)
+    if security.worker_ca is None:
+        return client, None
+    worker = grpc.ssl_server_credentials(
+        pair, root_certificates=security.worker_ca.read_bytes(), require_client_auth=True
+    )
+    return client, worker
+
+
+def _bind(server: grpc.aio.Server, host: str, port: int, creds: grpc.ServerCredentials | None) -> int:
+    """Bind `host:port` (0 picks a free port); OSError naming the address when it cannot be had."""
+    address = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+    try:
+        bound = server.add_secure_port(address, creds) if creds else server.add_insecure_port(address)
+    except RuntimeError as exc:
+        raise OSError(f"cannot listen on {address}: {exc} (is another server using it?)") from None
+    if bound == 0:
+        raise OSError(f"cannot listen on {address} (is another server using it?)")
+    return bound

@@ -94,7 +94,15 @@ def _special_token_id(
 class Tokenizer:
     """A model's tokenizer plus the special ids the scheduler needs. Immutable after construction."""
 
-    __slots__ = ("_add_bos", "_bos_token_id", "_eos_token_ids", "_special_ids", "_tok", "_vocab_size")
+    __slots__ = (
+        "_add_bos",
+        "_bos_token_id",
+        "_eos_token_ids",
+        "_max_token_bytes",
+        "_special_ids",
+        "_tok",
+        "_vocab_size",
+    )
 
     def __init__(
         self,
@@ -116,6 +124,10 @@ class Tokenizer:
         self._special_ids = frozenset(
             i for i, added in tok.get_added_tokens_decoder().items() if added.special
         )
+        # Token strings are at least as long in UTF-8 as the text they stand for (a byte-level
+        # BPE maps each byte to one character, SentencePiece writes spaces as a 3-byte character).
+        vocab = tok.get_vocab(with_added_tokens=True)
+        self._max_token_bytes = max((len(t.encode("utf-8")) for t in vocab), default=1)
 
     @classmethod
     def from_dir(cls, model_dir: Path) -> Tokenizer:
@@ -164,6 +176,12 @@ class Tokenizer:
     def vocab_size(self) -> int:
         """Number of logits rows: the larger of config.json's vocab_size and the tokenizer's size."""
         return self._vocab_size
+
+    @property
+    def max_token_bytes(self) -> int:
+        """An upper bound on the UTF-8 bytes of text one token covers: a prompt of more than
+        `max_token_bytes · n` bytes has more than n tokens, known without tokenizing it."""
+        return self._max_token_bytes
 
     def encode(self, text: str) -> list[int]:
         """Token ids for a prompt, with the special tokens the model expects.

@@ -38,6 +38,12 @@ class WorkerConfig:
     backend: str = "model"
     # Sim backend step time a + b·new_tokens + c·context, in seconds.
     sim_cost: str = "0.005,0.00005,0.0000005"
+    # TLS to the control plane: the CA that signed its certificate; this worker's own certificate
+    # and key for mutual TLS; a name to verify instead of the dialled host.
+    tls_ca: pathlib.Path | None = None
+    tls_cert: pathlib.Path | None = None
+    tls_key: pathlib.Path | None = None
+    tls_server_name: str = ""
 
 
 def default_worker_id() -> str:
@@ -68,6 +74,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--backend", choices=("model", "sim"), default="model", help="sim: a simulator without a model"
     )
     parser.add_argument("--sim-cost", default="0.005,0.00005,0.0000005", help="sim step time a,b,c (seconds)")
+    parser.add_argument(
+        "--tls-ca", type=pathlib.Path, default=None, help="PEM CA of the control plane's certificate (TLS)"
+    )
+    parser.add_argument(
+        "--tls-cert", type=pathlib.Path, default=None, help="PEM certificate of this worker (mutual TLS)"
+    )
+    parser.add_argument("--tls-key", type=pathlib.Path, default=None, help="PEM private key of --tls-cert")
+    parser.add_argument(
+        "--tls-server-name",
+        default="",
+        help="name the control plane's certificate carries, if not the host",
+    )
 
 
 def config_from_args(ns: argparse.Namespace) -> WorkerConfig:
@@ -78,6 +96,7 @@ def config_from_args(ns: argparse.Namespace) -> WorkerConfig:
         value = getattr(ns, name)
         if value is not None and value <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
+    _check_tls(ns)
     return WorkerConfig(
         control=ns.control,
         model=pathlib.Path(ns.model),
@@ -91,4 +110,18 @@ def config_from_args(ns: argparse.Namespace) -> WorkerConfig:
         connect_timeout_s=ns.connect_timeout,
         backend=ns.backend,
         sim_cost=ns.sim_cost,
+        tls_ca=ns.tls_ca,
+        tls_cert=ns.tls_cert,
+        tls_key=ns.tls_key,
+        tls_server_name=ns.tls_server_name,
     )
+
+
+def _check_tls(ns: argparse.Namespace) -> None:
+    if (ns.tls_cert is None) != (ns.tls_key is None):
+        raise ValueError("--tls-cert and --tls-key go together")
+    if ns.tls_cert is not None and ns.tls_ca is None:
+        raise ValueError("--tls-cert needs --tls-ca (the CA that signed the control plane's certificate)")
+    for flag, path in (("--tls-ca", ns.tls_ca), ("--tls-cert", ns.tls_cert), ("--tls-key", ns.tls_key)):
+        if path is not None and not pathlib.Path(path).is_file():
+            raise ValueError(f"{flag}: no such file: {path}")

@@ -172,7 +172,7 @@ def _kv_budget_bytes(config: WorkerConfig, device: torch.device) -> int:
 
 async def _dial(config: WorkerConfig) -> grpc.aio.Channel:
     """A ready channel to the control plane; TimeoutError after connect_timeout_s."""
-    channel = grpc.aio.insecure_channel(config.control, options=_CHANNEL_OPTIONS)
+    channel = _channel(config)
     try:
         await asyncio.wait_for(channel.channel_ready(), timeout=config.connect_timeout_s)
     except BaseException:
@@ -185,7 +185,10 @@ async def _read(call: grpc.aio.StreamStreamCall) -> Welcome | StepPlan | Shutdow
     msg = await call.read()
     if msg is grpc.aio.EOF:  # type: ignore[attr-defined]
         raise StreamBroken("control plane closed the stream")
-    return codec.control_from_proto(msg)  # type: ignore[arg-type]
+    try:
+        return codec.control_from_proto(msg)  # type: ignore[arg-type]
+    except ValueError as exc:
+        raise StreamBroken(f"control plane sent a message the worker cannot read: {exc}") from None
 
 
 async def _session(worker: LoadedWorker, channel: grpc.aio.Channel) -> int:
@@ -227,6 +230,22 @@ async def serve(worker: LoadedWorker, config: WorkerConfig) -> int:
         return EXIT_STREAM_BROKEN
     finally:
         await channel.close(grace=None)
+
+
+def _channel(config: WorkerConfig) -> grpc.aio.Channel:
+    """Plaintext, or TLS verifying the control plane against --tls-ca, with this worker's own
+    certificate when --tls-cert/--tls-key are given (mutual TLS)."""
+    if config.tls_ca is None:
+        return grpc.aio.insecure_channel(config.control, options=_CHANNEL_OPTIONS)
+    creds = grpc.ssl_channel_credentials(
+        root_certificates=config.tls_ca.read_bytes(),
+        private_key=config.tls_key.read_bytes() if config.tls_key else None,
+        certificate_chain=config.tls_cert.read_bytes() if config.tls_cert else None,
+    )
+    options: list[tuple[str, int | str]] = list(_CHANNEL_OPTIONS)
+    if config.tls_server_name:
+        options.append(("grpc.ssl_target_name_override", config.tls_server_name))
+    return grpc.aio.secure_channel(config.control, creds, options=options)
 
 
 def _describe(exc: Exception) -> str:

@@ -73,7 +73,8 @@ def test_result_round_trip() -> None:
         step_id=3,
         handles=_i64(1, 2),
         token_ids=np.asarray([9, 8], np.int32),
-        logprobs=(TokenLogprobs(-0.5, (1, 2), (-0.5, -1.0)),),
+        # One entry per sampled token (the sampler's contract when any row asks for logprobs).
+        logprobs=(TokenLogprobs(-0.5, (1, 2), (-0.5, -1.0)), TokenLogprobs(-0.25)),
         kv=KvReport(live_seqs=2, seq_slots=10, capacity_tokens=100, device_mem_used_bytes=5, host_seqs=1),
         forward_s=0.25,
         error="",
@@ -91,6 +92,13 @@ def test_hello_round_trip() -> None:
     [
         (gen_pb.SamplingParams(max_new_tokens=-1), "sampling.max_new_tokens"),
         (gen_pb.SamplingParams(temperature=-1), "sampling.temperature"),
+        (gen_pb.SamplingParams(temperature=float("inf")), "sampling.temperature"),
+        (gen_pb.SamplingParams(top_p=float("nan")), "sampling.top_p"),
+        (gen_pb.SamplingParams(frequency_penalty=float("-inf")), "sampling.frequency_penalty"),
+        (gen_pb.SamplingParams(presence_penalty=float("nan")), "sampling.presence_penalty"),
+        (gen_pb.SamplingParams(stop=["x"] * 65), "sampling.stop"),
+        (gen_pb.SamplingParams(stop=["x" * 4097]), "sampling.stop"),
+        (gen_pb.SamplingParams(stop_token_ids=list(range(1025))), "sampling.stop_token_ids"),
         (gen_pb.SamplingParams(top_p=0.0), "sampling.top_p"),
         (gen_pb.SamplingParams(top_p=1.01), "sampling.top_p"),
         (gen_pb.SamplingParams(top_k=-2), "sampling.top_k"),

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import structlog
 
+from control_plane import engine as engine_module
 from control_plane.config import ControlConfig
 from control_plane.engine import Chunk, Done, Engine
 from control_plane.request import RequestParams, SamplerSpec
@@ -120,3 +121,111 @@ async def test_parallel_samples_finish_as_one_call(tokenizer: Tokenizer) -> None
     assert sub.rids == ["call/0", "call/1", "call/2"]
     assert sorted(e.index for e in events if isinstance(e, Done)) == [0, 1, 2]
     assert not engine.knows("call")
+
+
+def _tokens(events: list[Chunk | Done]) -> list[int]:
+    return [t for e in events if isinstance(e, Chunk) for t in e.token_ids]
+
+
+async def test_a_fault_of_ours_restarts_the_scheduler_and_requests_continue(tokenizer: Tokenizer) -> None:
+    """One exception out of next_plan mid-stream: the loop survives, the worker is told to forget
+    everything, and every stream still gets exactly the tokens a fault-free run gives."""
+    prompts = [tokenizer.encode(p) for p in ("Once upon a time", "The king said", "We")]
+    clean, _ = _engine(tokenizer)
+    task = asyncio.create_task(clean.run())
+    want = [
+        _tokens(await _drain(clean.submit(f"r{i}", p, _params(12)).events)) for i, p in enumerate(prompts)
+    ]
+    clean.stop()
+    await task
+
+    engine, channel = _engine(tokenizer)
+    faults = {"left": 1}
+    next_plan = engine.scheduler.next_plan
+
+    def flaky() -> StepPlan | None:
+        if engine.steps >= 4 and faults["left"]:
+            faults["left"] -= 1
+            raise RuntimeError("a bug in the scheduler")
+        return next_plan()
+
+    engine.scheduler.next_plan = flaky  # type: ignore[method-assign]
+    task = asyncio.create_task(engine.run())
+    with structlog.testing.capture_logs() as logs:
+        subs = [engine.submit(f"r{i}", p, _params(12)) for i, p in enumerate(prompts)]
+        got = [await _drain(s.events) for s in subs]
+    assert faults["left"] == 0 and engine.scheduler.next_plan is not flaky  # a fresh scheduler
+    assert [_tokens(events) for events in got] == want
+    assert all(isinstance(e[-1], Done) and e[-1].reason.kind.value == "length" for e in got)
+    fault = next(entry for entry in logs if "step loop fault" in entry["event"])
+    assert fault["log_level"] == "error" and isinstance(fault["exc_info"], RuntimeError)
+    # The engine goes on serving, and the worker holds exactly what the books say.
+    after = await _drain(engine.submit("after", prompts[0], _params(3)).events)
+    assert isinstance(after[-1], Done) and after[-1].completion_tokens == 3
+    engine.stop()
+    await task
+    assert not channel.worker.seqs
+
+
+async def test_a_request_that_keeps_faulting_ends_with_an_abort(tokenizer: Tokenizer) -> None:
+    engine, _ = _engine(tokenizer)
+    broken = {"on": True}
+
+    def apply_fails(result: StepResult) -> None:
+        raise RuntimeError("apply_result bug")
+
+    engine.scheduler.apply_result = apply_fails  # type: ignore[method-assign]
+    make = engine_module.make_scheduler
+
+    def make_broken(config, limits):  # type: ignore[no-untyped-def]
+        sched = make(config, limits)
+        if broken["on"]:
+            sched.apply_result = apply_fails  # type: ignore[method-assign]
+        return sched
+
+    engine_module.make_scheduler = make_broken  # type: ignore[assignment]
+    try:
+        task = asyncio.create_task(engine.run())
+        events = await asyncio.wait_for(_drain(engine.submit("doomed", [5, 6, 7], _params(5)).events), 10)
+        done = events[-1]
+        assert isinstance(done, Done) and done.reason.kind.value == "abort"
+        assert "internal error" in done.reason.message
+        broken["on"] = False
+        engine.scheduler = make(engine.config, engine.limits)
+        after = await asyncio.wait_for(_drain(engine.submit("fine", [5, 6, 7], _params(3)).events), 10)
+        assert isinstance(after[-1], Done) and after[-1].completion_tokens == 3
+        engine.stop()
+        await task
+    finally:
+        engine_module.make_scheduler = make  # type: ignore[assignment]
+
+
+async def test_arrivals_left_in_the_inbox_when_the_engine_stops_are_answered(tokenizer: Tokenizer) -> None:
+    engine, _ = _engine(tokenizer)
+    sub = engine.submit("late", [5, 6, 7], _params(3))
+    engine.stop()
+    await engine.run()
+    await asyncio.wait_for(sub.accepted, 1)
+    done = await asyncio.wait_for(sub.events.get(), 1)
+    assert isinstance(done, Done) and done.reason.kind.value == "abort"
+
+
+async def test_an_arrival_whose_client_left_is_withdrawn(tokenizer: Tokenizer) -> None:
+    engine, channel = _engine(tokenizer)
+    sub = engine.submit("gone", [5, 6, 7], _params(50))
+    sub.accepted.cancel()  # the Generate call was cancelled while waiting to be accepted
+    task = asyncio.create_task(engine.run())
+    await asyncio.sleep(0.05)
+    assert not engine.knows("gone") and not engine.scheduler.requests
+    kept = await _drain(engine.submit("kept", [5, 6, 7], _params(2)).events)
+    assert isinstance(kept[-1], Done) and kept[-1].completion_tokens == 2
+    engine.stop()
+    await task
+    assert not channel.worker.seqs
+
+
+def test_largest_seed_wraps_for_parallel_samples() -> None:
+    """Seeds are uint64 on the wire: sample 1 of seed 2^64-1 gets 0, not an overflow in the codec."""
+    params = RequestParams(max_new_tokens=3, sampler=SamplerSpec(seed=2**64 - 1))
+    seeds = [engine_module._sample_params(params, i, 2, "g").sampler.seed for i in range(2)]
+    assert seeds == [2**64 - 1, 0]

@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import functools
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 
@@ -90,3 +98,93 @@ async def start_stack() -> AsyncIterator[Callable[..., object]]:
     finally:
         for stack in stacks:
             stack.stop()
+
+
+class ControlProcess:
+    """One `stepwise control` child plus any workers a test adds; `stop()` ends them all."""
+
+    def __init__(self, flags: Sequence[str], tmp: Path) -> None:
+        self.flags = list(flags)
+        self.tmp = tmp
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.address = ""
+        self.worker_address = ""
+
+    def spawn(self, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "stepwise.cli", *args], env={**os.environ, **(env or {})}
+        )
+        self.procs.append(proc)
+        return proc
+
+    async def start(self, timeout: float = 60.0) -> ControlProcess:
+        ready = self.tmp / f"ready-{len(self.procs)}.json"
+        control = self.spawn("control", *CONTROL_BASE, *self.flags, "--ready-file", str(ready))
+        deadline = time.monotonic() + timeout
+        while not ready.exists():
+            assert control.poll() is None, f"control plane exited with {control.returncode}"
+            assert time.monotonic() < deadline, "control plane did not start"
+            await asyncio.sleep(0.05)
+        ports = json.loads(ready.read_text())
+        self.address = f"127.0.0.1:{ports['port']}"
+        self.worker_address = f"127.0.0.1:{ports['worker_port']}"
+        return self
+
+    @property
+    def control(self) -> subprocess.Popen[bytes]:
+        return self.procs[0]
+
+    def add_worker(self, worker_id: str, *flags: str, sim: bool = True) -> subprocess.Popen[bytes]:
+        backend = ["--backend", "sim", "--sim-cost", "0.002,0,0"] if sim else []
+        return self.spawn(
+            "worker",
+            *WORKER_BASE,
+            *backend,
+            "--control",
+            self.worker_address,
+            "--worker-id",
+            worker_id,
+            *flags,
+        )
+
+    async def wait_workers(self, n: int, timeout: float = 60.0, **client: object) -> None:
+        from clients.client import StepwiseClient
+
+        deadline = time.monotonic() + timeout
+        async with StepwiseClient(self.address, **client) as c:  # type: ignore[arg-type]
+            while len((await c.server_info()).workers) != n:
+                assert self.control.poll() is None, "control plane exited"
+                assert time.monotonic() < deadline, f"{n} workers did not attach"
+                await asyncio.sleep(0.05)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        for proc in reversed(self.procs):
+            if proc.poll() is None:
+                if proc.returncode is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(proc.pid, signal.SIGCONT)
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for proc in self.procs:
+            try:
+                proc.wait(max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+@pytest.fixture
+async def start_control(tmp_path: Path) -> AsyncIterator[Callable[..., object]]:
+    """`plane = await start_control(*flags)`: a control plane alone; workers via `plane.add_worker`."""
+    planes: list[ControlProcess] = []
+
+    async def start(*flags: str) -> ControlProcess:
+        plane = ControlProcess(flags, tmp_path)
+        planes.append(plane)
+        return await plane.start()
+
+    try:
+        yield start
+    finally:
+        for plane in planes:
+            plane.stop()

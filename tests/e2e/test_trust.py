@@ -1,0 +1,279 @@
+"""Trust boundaries against real processes: no client or worker can take the control plane down.
+
+Each test reproduces something that once crashed, wedged or hung a control plane: clients that
+cancel at once, workers that answer nonsense, hang, or lie in their hello, oversized input.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import grpc
+import pytest
+
+from clients.client import StepwiseClient, generate_request, sampling_params
+from protos.stepwise.v1 import worker_pb2 as wk_pb
+from tests.e2e.rogue import RogueWorker, hello, honest_result
+
+pytestmark = pytest.mark.timeout(180)
+
+
+async def _serves(address: str, max_new: int = 8) -> None:
+    """A good request still gets every token it asked for."""
+    async with StepwiseClient(address) as client:
+        gen = await asyncio.wait_for(
+            client.generate([5, 6, 7, 8], max_new_tokens=max_new, temperature=0.0, ignore_eos=True), 30
+        )
+    assert (gen.finish_reason, gen.completion_tokens) == ("length", max_new), gen.finish_message
+
+
+async def test_clients_that_cancel_before_acceptance_do_not_crash_the_engine(start_control) -> None:
+    plane = await start_control()
+    plane.add_worker("w0")
+    plane.add_worker("w1")
+    await plane.wait_workers(2)
+    async with StepwiseClient(plane.address) as client:
+        request = generate_request([5, 6, 7], sampling_params(max_new_tokens=4))
+
+        async def impatient() -> None:
+            try:
+                async for _ in client.stub.Generate(request, timeout=0.003):
+                    pass
+            except grpc.aio.AioRpcError as exc:
+                assert exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+
+        for _ in range(3):
+            await asyncio.gather(*(impatient() for _ in range(40)))
+        info = await client.server_info()
+    assert sorted(w.worker_id for w in info.workers) == ["w0", "w1"]
+    for _ in range(4):
+        await _serves(plane.address)
+    await _books_empty(plane.address)
+
+
+async def _books_empty(address: str, timeout: float = 10.0) -> None:
+    """Every request that was cancelled has left the books: nothing queued, running or held."""
+    deadline = time.monotonic() + timeout
+    async with StepwiseClient(address) as client:
+        while True:
+            info = await client.server_info()
+            busy = [(w.worker_id, w.queued, w.running, w.book_live_seqs) for w in info.workers]
+            if all(q == r == live == 0 for _, q, r, live in busy):
+                return
+            assert time.monotonic() < deadline, f"requests left behind: {busy}"
+            await asyncio.sleep(0.05)
+
+
+BAD_RESULTS = {
+    "lengths differ": lambda r: r.token_ids.append(9),
+    "unknown handle": lambda r: r.handles.__setitem__(0, 987654),
+    "handle >= 2^63": lambda r: r.handles.__setitem__(0, 2**63 + 5),
+    "negative token": lambda r: r.token_ids.__setitem__(0, -1),
+    "token outside the vocabulary": lambda r: r.token_ids.__setitem__(0, 1024),
+    "another step's id": lambda r: setattr(r, "step_id", r.step_id + 7),
+}
+
+
+@pytest.mark.parametrize("corrupt", BAD_RESULTS.values(), ids=list(BAD_RESULTS))
+async def test_a_bad_result_fails_the_worker_and_its_requests_continue_elsewhere(
+    start_control, corrupt
+) -> None:
+    plane = await start_control()
+    async with RogueWorker(plane.worker_address, hello()) as rogue, StepwiseClient(plane.address) as client:
+        assert rogue.welcome is not None and rogue.welcome.accepted
+        task = asyncio.create_task(
+            client.generate([5, 6, 7, 8], max_new_tokens=6, temperature=0.0, ignore_eos=True)
+        )
+        plan = await rogue.plan()
+        plane.add_worker("honest")
+        await plane.wait_workers(2)
+        result = honest_result(plan, set())
+        corrupt(result)
+        await rogue.send(result)
+        assert await rogue.ended() not in (None, grpc.StatusCode.OK)
+        gen = await asyncio.wait_for(task, 30)
+    # The request went on on the honest worker: all its tokens, none of the rogue's.
+    assert (gen.finish_reason, gen.completion_tokens) == ("length", 6), gen.finish_message
+    assert all(0 <= t < 1024 for t in gen.token_ids)
+    await plane.wait_workers(1)
+    await _serves(plane.address)
+
+
+async def test_a_bad_result_with_no_other_worker_ends_the_stream_with_a_reason(start_control) -> None:
+    plane = await start_control()
+    async with RogueWorker(plane.worker_address, hello()) as rogue, StepwiseClient(plane.address) as client:
+        task = asyncio.create_task(client.generate([5, 6, 7], max_new_tokens=6))
+        result = honest_result(await rogue.plan(), set())
+        result.token_ids[0] = -3
+        await rogue.send(result)
+        gen = await asyncio.wait_for(task, 30)
+    assert gen.finish_reason == "abort" and "token" in gen.finish_message, gen.finish_message
+    assert -3 not in gen.token_ids
+    plane.add_worker("honest")
+    await plane.wait_workers(1)
+    await _serves(plane.address)
+
+
+async def test_largest_seed_with_parallel_samples(start_control) -> None:
+    plane = await start_control()
+    plane.add_worker("w0")
+    await plane.wait_workers(1)
+    async with StepwiseClient(plane.address) as client:
+        gens = await asyncio.wait_for(
+            client.generate_samples([5, 6, 7], 2, seed=2**64 - 1, max_new_tokens=4, ignore_eos=True), 30
+        )
+    assert [(g.finish_reason, g.completion_tokens) for g in gens] == [("length", 4)] * 2
+    await _serves(plane.address)
+
+
+async def test_a_hung_worker_is_detected_and_its_requests_continue(start_control) -> None:
+    plane = await start_control("--worker-step-timeout", "1", "--worker-step-timeout-per-token", "0")
+    plane.add_worker("w0", "--sim-cost", "0.02,0,0")
+    await plane.wait_workers(1)
+    # Both requests start on w0 (the only worker); then w1 joins and w0 freezes mid-stream.
+    async with StepwiseClient(plane.address) as client:
+        tasks = [
+            asyncio.create_task(
+                client.generate([5, 6, i], max_new_tokens=300, temperature=0.0, ignore_eos=True)
+            )
+            for i in range(2)
+        ]
+        while (await client.server_info()).running < 2:
+            await asyncio.sleep(0.01)
+        plane.add_worker("w1")
+        await plane.wait_workers(2)
+        assert (await client.server_info()).running == 2, "finished before w0 could freeze"
+        os.kill(plane.procs[1].pid, signal.SIGSTOP)
+        started = time.monotonic()
+        gens = await asyncio.wait_for(asyncio.gather(*tasks), 30)
+        info = await client.server_info()
+    assert [(g.finish_reason, g.completion_tokens) for g in gens] == [("length", 300)] * 2
+    assert time.monotonic() - started < 20
+    assert [w.worker_id for w in info.workers] == ["w1"]
+
+
+async def test_a_hung_last_worker_ends_its_streams_with_a_reason(start_control) -> None:
+    plane = await start_control("--worker-step-timeout", "1", "--worker-step-timeout-per-token", "0")
+    async with RogueWorker(plane.worker_address, hello()) as rogue, StepwiseClient(plane.address) as client:
+        task = asyncio.create_task(client.generate([5, 6, 7], max_new_tokens=6))
+        await rogue.plan()  # ... and never answer
+        gen = await asyncio.wait_for(task, 20)
+    assert gen.finish_reason == "abort" and "no result" in gen.finish_message, gen.finish_message
+    await _serves_after_new_worker(plane)
+
+
+async def _serves_after_new_worker(plane) -> None:  # type: ignore[no-untyped-def]
+    plane.add_worker("honest")
+    await plane.wait_workers(1)
+    await _serves(plane.address)
+
+
+BAD_HELLOS = {
+    "kv_capacity_tokens": {"kv_capacity_tokens": 10**13},
+    "max_context": {"max_context": 0},
+    "page_size": {"page_size": -4},
+    "vocab_size": {"vocab_size": 2**31 - 1},
+    "eos_token_ids": {"eos_token_ids": [5000]},
+    "worker_id": {"worker_id": "x" * 1000},
+    "host_pool_capacity_tokens": {"host_pool_capacity_tokens": -1},
+}
+
+
+@pytest.mark.parametrize("field", list(BAD_HELLOS))
+async def test_an_implausible_hello_is_refused_naming_the_field(start_control, field: str) -> None:
+    plane = await start_control()
+    async with RogueWorker(plane.worker_address, hello(**BAD_HELLOS[field])) as rogue:
+        assert rogue.welcome is not None
+        assert not rogue.welcome.accepted and field in rogue.welcome.reason, rogue.welcome
+    await _serves_after_new_worker(plane)
+
+
+def _rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+async def test_a_huge_pool_costs_nothing_until_used_and_idle_checks_do_not_block(start_control) -> None:
+    plane = await start_control()
+    before = _rss_mb(plane.control.pid)
+    async with (
+        RogueWorker(plane.worker_address, hello(kv_capacity_tokens=10**8)) as rogue,
+        StepwiseClient(plane.address) as client,
+    ):
+        assert rogue.welcome is not None and rogue.welcome.accepted, rogue.welcome
+        # Idle now: every call must be answered promptly while the control plane checks its books.
+        slowest = 0.0
+        for _ in range(20):
+            started = time.monotonic()
+            await client.server_info()
+            slowest = max(slowest, time.monotonic() - started)
+            await asyncio.sleep(0.05)
+        grown = _rss_mb(plane.control.pid) - before
+    assert slowest < 0.5, f"GetServerInfo took {slowest:.2f} s"
+    assert grown < 200, f"control plane grew by {grown:.0f} MB for an unused pool"
+    plane.control.send_signal(signal.SIGTERM)
+    assert plane.control.wait(10) == 0
+
+
+async def test_a_huge_prompt_is_refused_before_tokenizing_and_streams_keep_flowing(start_control) -> None:
+    plane = await start_control()
+    plane.add_worker("w0", "--sim-cost", "0.01,0,0")
+    await plane.wait_workers(1)
+    async with StepwiseClient(plane.address) as client:
+        gaps: list[float] = []
+
+        async def watch() -> None:
+            request = generate_request([5, 6, 7], sampling_params(max_new_tokens=300, ignore_eos=True))
+            last = time.monotonic()
+            async for _ in client.stream(request):
+                now = time.monotonic()
+                gaps.append(now - last)
+                last = now
+
+        watcher = asyncio.create_task(watch())
+        while len(gaps) < 5:
+            await asyncio.sleep(0.01)
+        huge = "Once upon a time, " * 220_000  # 3.96 MB
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await client.generate(huge, max_new_tokens=4)
+        await watcher
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "text" in (refused.value.details() or "")
+    assert max(gaps) < 1.0, f"a stream stalled for {max(gaps):.2f} s"
+
+
+STOP_LIMITS = {
+    "many": ["s" + str(i) for i in range(100_000)],
+    "long": ["x" * 1_000_000],
+}
+
+
+@pytest.mark.parametrize("stops", STOP_LIMITS.values(), ids=list(STOP_LIMITS))
+async def test_stop_strings_past_the_limits_are_refused(start_control, stops: list[str]) -> None:
+    plane = await start_control()
+    plane.add_worker("w0")
+    await plane.wait_workers(1)
+    async with StepwiseClient(plane.address) as client:
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await client.generate([5, 6, 7], max_new_tokens=4, stop=stops)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "sampling.stop" in (refused.value.details() or "")
+    await _serves(plane.address)
+
+
+async def test_an_empty_message_from_a_worker_fails_that_worker(start_control) -> None:
+    plane = await start_control()
+    async with RogueWorker(plane.worker_address, hello()) as rogue, StepwiseClient(plane.address) as client:
+        task = asyncio.create_task(client.generate([5, 6, 7], max_new_tokens=6))
+        await rogue.plan()
+        await rogue.send_raw(wk_pb.WorkerMessage())
+        assert await rogue.ended() not in (None, grpc.StatusCode.OK)
+        gen = await asyncio.wait_for(task, 30)
+    assert gen.finish_reason == "abort", gen
+    await _serves_after_new_worker(plane)
