@@ -44,8 +44,10 @@ class KvManager:
         self.tree = RadixCache(
             self.allocator, page_size=page_size, disable=disable_radix_cache, eviction_policy=eviction_policy
         )
-        # One row per admitted request: position -> slot id (SGLang's req_to_token_pool).
-        self.req_to_token = np.zeros((max_running_requests, max_context + 1), dtype=np.int64)
+        # One row per admitted request: position -> slot id (SGLang's req_to_token_pool). Grown on
+        # demand up to max_running_requests × (max_context + 1), so that construction costs nothing.
+        self.req_to_token = np.zeros((0, 0), dtype=np.int64)
+        self._table_limit = (max_running_requests, max_context + 1)
         self._free_rows: deque[int] = deque(range(max_running_requests))
 
     # --- sizes ---------------------------------------------------------------------------------
@@ -97,7 +99,24 @@ class KvManager:
     # --- allocation ------------------------------------------------------------------------------
 
     def row(self, req: Request) -> np.ndarray:
+        """A view of the request's row; it stops aliasing the table when the table grows."""
         return self.req_to_token[req.req_pool_idx]
+
+    def _reserve(self, rows: int, cols: int) -> None:
+        """Mutates: grow req_to_token (by doubling, up to its limit) to at least rows × cols.
+
+        Existing entries are kept; views from `row` taken before a growth no longer alias the table.
+        Beyond the limit, indexing fails as it would on a table allocated up front.
+        """
+        have_rows, have_cols = self.req_to_token.shape
+        if rows <= have_rows and cols <= have_cols:
+            return
+        max_rows, max_cols = self._table_limit
+        new_rows = min(max_rows, max(rows, 2 * have_rows)) if rows > have_rows else have_rows
+        new_cols = min(max_cols, max(cols, 2 * have_cols, 256)) if cols > have_cols else have_cols
+        table = np.zeros((new_rows, new_cols), dtype=np.int64)
+        table[:have_rows, :have_cols] = self.req_to_token
+        self.req_to_token = table
 
     def alloc_for_extend(self, reqs: list[Request]) -> list[np.ndarray]:
         """Mutates: request rows and slots for each request's extend_range; returns the new slots.
@@ -109,12 +128,15 @@ class KvManager:
         out = []
         for req in reqs:
             start, end = req.extend_range
-            if req.req_pool_idx < 0:
+            new_row = req.req_pool_idx < 0
+            if new_row:
                 if not self._free_rows:
                     raise KvOutOfMemory("alloc_req_slots runs out of memory")
                 req.req_pool_idx = self._free_rows.popleft()
-                self.row(req)[:start] = req.prefix_indices[:start]
+            self._reserve(req.req_pool_idx + 1, end)
             row = self.row(req)
+            if new_row:
+                row[:start] = req.prefix_indices[:start]
             last_slot = int(row[start - 1]) if start > 0 else -1
             slots = self.allocator.alloc_extend(start, last_slot, end - start)
             if slots is None:
@@ -141,6 +163,8 @@ class KvManager:
         Evicts first like every allocation (SCHEDULER.md §7.6): a mixed step has no decode check.
         """
         self.evict_for(self.decode_need(seq_lens))
+        if len(rows):
+            self._reserve(int(rows.max()) + 1, int(seq_lens.max()) + 1)
         last_slots = self.req_to_token[rows, seq_lens - 1]
         slots = self.allocator.alloc_decode_batch(seq_lens, last_slots)
         if slots is None:
