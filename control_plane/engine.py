@@ -18,7 +18,7 @@ from typing import Protocol
 import structlog
 
 from control_plane import metrics
-from control_plane.cache.invariants import check_pool_invariants
+from control_plane.cache.invariants import InvariantError, PoolCheck, check_pool_invariants
 from control_plane.config import ControlConfig
 from control_plane.record.recorder import close_recording, make_scheduler
 from control_plane.request import AbortCode, FinishReason, Request, RequestParams
@@ -34,6 +34,10 @@ RUNNING_TIMEOUT = "Request running timeout reached."
 INTERNAL_ERROR = "internal error in the control plane (logged); the request could not be continued"
 # A request live during this many faults of our own is ended rather than tried again.
 MAX_FAULTS_PER_REQUEST = 2
+# This many faults in a row, with no step completed between them, and the worker is given up.
+MAX_CONSECUTIVE_FAULTS = 3
+# Work units of the idle pool check per slice (about a millisecond), between which the loop yields.
+IDLE_CHECK_BUDGET = 4096
 SEED_SPACE = 1 << 64
 
 
@@ -157,6 +161,9 @@ class Engine:
         self.fault: str | None = None
         # The next plan tells the worker to forget everything (after _recover).
         self._reset_worker = False
+        self._faults_in_a_row = 0
+        # The pool has changed since its last complete idle check.
+        self._pool_dirty = True
         self.worker = limits.worker_id
         metrics.register_worker(self.worker)
         self.log = log.bind(worker=limits.worker_id)
@@ -247,6 +254,8 @@ class Engine:
                 except (WorkerGone, WorkerFault):
                     raise
                 except Exception as exc:
+                    if isinstance(exc, InvariantError) and self.config.scheduler.strict_invariants:
+                        raise  # --strict-invariants (tests): a broken pool ends the run loudly
                     self._recover(exc)
         except WorkerFault as exc:
             self.fault = str(exc)
@@ -280,7 +289,7 @@ class Engine:
     async def _idle(self) -> None:
         if self.scheduler.is_idle:
             self.scheduler.on_idle()
-            self._check_invariants()
+            await self._check_pool_while_idle()
         self._wake.clear()
         if self._inbox or self._stopping:
             return
@@ -300,6 +309,7 @@ class Engine:
         if result.error:
             raise WorkerGone(f"worker failed step {plan.step_id}: {result.error}")
         check_result(plan, result, self.limits.vocab_size)
+        self._faults_in_a_row, self._pool_dirty = 0, True
         self._check_books(plan.step_id, expected, result)
         sched.apply_result(result)
         self._publish()
@@ -405,12 +415,17 @@ class Engine:
         request that triggers a bug cannot loop.
         """
         self.log.error("step loop fault: restarting this worker's scheduler", exc_info=exc)
+        self._faults_in_a_row += 1
+        if self._faults_in_a_row >= MAX_CONSECUTIVE_FAULTS:
+            raise WorkerGone(
+                f"the step loop failed {self._faults_in_a_row} times in a row ({exc!r})"
+            ) from exc
         old = self.scheduler
         orphans = self._salvage()
         with contextlib.suppress(Exception):
             close_recording(old)
         self.scheduler = make_scheduler(self.config, self.limits)
-        self._reset_worker = True
+        self._reset_worker, self._pool_dirty = True, True
         self._inbox.extend(orphans)
 
     def _salvage(self) -> list[Orphan]:
@@ -576,6 +591,28 @@ class Engine:
                 worker_seq_slots=reported[1],
                 worker_capacity=result.kv.capacity_tokens,
             )
+
+    async def _check_pool_while_idle(self) -> None:
+        """The pool invariants, in slices of about a millisecond with the loop free between them.
+
+        Only the engine's own loop changes the scheduler, and it is here; arrivals and aborts wait
+        in the inbox. So the state holds still across slices, and the check is dropped (to start
+        afresh at the next idle time) as soon as work arrives.
+        """
+        if not self._pool_dirty:
+            return
+        sched = self.scheduler
+        check = PoolCheck(sched.kv.allocator, sched.kv.tree, sched.private_slots())
+        while not self._inbox and not self._stopping:
+            try:
+                done = check.run(IDLE_CHECK_BUDGET)
+            except InvariantError as exc:
+                self.log.error("kv pool invariant violated", error=str(exc))
+                done = True
+            if done:
+                self._pool_dirty = False
+                return
+            await asyncio.sleep(0)
 
     def _check_invariants(self) -> None:
         sched = self.scheduler

@@ -61,11 +61,16 @@ class StreamChannel:
         self.context = context
 
     async def step(self, plan: StepPlan) -> StepResult:
+        message = codec.plan_to_proto(plan)  # a failure here is ours, not the worker's
         try:
-            await self.context.write(codec.plan_to_proto(plan))
+            await self.context.write(message)
             msg = await self.context.read()
-        except (grpc.aio.AioRpcError, asyncio.InvalidStateError, RuntimeError) as exc:
-            raise WorkerGone(str(exc)) from exc
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            # grpc raises several types (AioRpcError, InvalidStateError, cygrpc's ExecuteBatchError)
+            # for a stream that broke under us: all mean the worker is gone.
+            raise WorkerGone(f"{type(exc).__name__}: {exc}") from exc
         if msg is grpc.aio.EOF or msg is None:  # type: ignore[attr-defined]
             raise WorkerGone("stream closed")
         if msg.WhichOneof("msg") != "result":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 from pathlib import Path
 
 import pytest
@@ -229,3 +230,36 @@ def test_largest_seed_wraps_for_parallel_samples() -> None:
     params = RequestParams(max_new_tokens=3, sampler=SamplerSpec(seed=2**64 - 1))
     seeds = [engine_module._sample_params(params, i, 2, "g").sampler.seed for i in range(2)]
     assert seeds == [2**64 - 1, 0]
+
+
+async def test_the_idle_pool_check_runs_in_slices_and_yields_between_them(
+    tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(engine_module, "IDLE_CHECK_BUDGET", 1)
+    slices: list[int] = []
+    ticks = {"n": 0}
+    run = engine_module.PoolCheck.run
+
+    def counted(self, budget: int) -> bool:  # type: ignore[no-untyped-def]
+        slices.append(ticks["n"])
+        return run(self, budget)
+
+    monkeypatch.setattr(engine_module.PoolCheck, "run", counted)
+
+    async def ticker() -> None:
+        while True:
+            ticks["n"] += 1
+            await asyncio.sleep(0)
+
+    engine, _ = _engine(tokenizer)
+    task = asyncio.create_task(engine.run())
+    tick = asyncio.create_task(ticker())
+    await _drain(engine.submit("r", tokenizer.encode("Once upon a time"), _params(6)).events)
+    while engine._pool_dirty:
+        await asyncio.sleep(0.01)
+    engine.stop()
+    await task
+    tick.cancel()
+    assert len(slices) > 3, slices
+    # Other coroutines ran between consecutive slices: the loop was never held for the whole check.
+    assert all(b > a for a, b in itertools.pairwise(slices))
