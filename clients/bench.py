@@ -3,6 +3,8 @@
 Sends `--requests` generations at `--concurrency` in flight (or at `--rate` per second, Poisson),
 with prompt lengths drawn from a seeded generator, optionally sharing a prefix per group, and
 prints TTFT, TPOT, ITL, throughput and the prefix-cache hit rate, as text or one JSON object.
+Calls the control plane refuses (RESOURCE_EXHAUSTED when its queue is full, ...) are counted by
+status code under "refused"; the statistics cover the completed requests only.
 """
 
 from __future__ import annotations
@@ -14,15 +16,45 @@ import random
 import statistics
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass, field
-from typing import TextIO
+from typing import TextIO, TypedDict
 
-from clients.client import StepwiseClient, generate_request, sampling_params
+import grpc
+
+from clients.client import (
+    StepwiseClient,
+    add_connection_arguments,
+    client_from_args,
+    generate_request,
+    sampling_params,
+)
+from protos.stepwise.v1 import generation_pb2 as gen_pb
+
+
+class Report(TypedDict):
+    """What `stepwise bench` prints, in this order. Statistics cover the completed requests only."""
+
+    requests: int
+    completed: int
+    refused: dict[str, int]  # status code name -> calls that ended with it
+    duration_s: float
+    request_throughput: float
+    output_throughput_tok_s: float
+    total_throughput_tok_s: float
+    prefix_hit_rate: float
+    ttft_mean_ms: float
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+    tpot_mean_ms: float
+    itl_p50_ms: float
+    itl_p99_ms: float
+    latency_p50_s: float
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--address", default="127.0.0.1:50051")
-    parser.add_argument("--requests", type=int, default=64)
+    add_connection_arguments(parser)
+    parser.add_argument("--requests", type=int, default=64, help="generations to send")
     parser.add_argument("--concurrency", type=int, default=16, help="requests in flight (when --rate is 0)")
     parser.add_argument(
         "--rate", type=float, default=0.0, help="Poisson arrivals per second (0: closed loop)"
@@ -32,9 +64,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shared-prefix", type=int, default=0, help="tokens shared by each group's prompts")
     parser.add_argument("--groups", type=int, default=4, help="prefix groups (with --shared-prefix)")
     parser.add_argument("--vocab", type=int, default=1000, help="token ids are drawn below this")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", action="store_true")
-    parser.add_argument("--wait", type=float, default=30.0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the prompts and arrival times")
+    parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
 
 
 @dataclass(slots=True)
@@ -46,6 +77,7 @@ class Sample:
     latency: float = 0.0
     itls: list[float] = field(default_factory=list)
     ok: bool = False
+    refused: str = ""  # the status code's name when the call ended in a gRPC error
 
 
 def _range(text: str) -> tuple[int, int]:
@@ -69,9 +101,22 @@ def make_prompts(ns: argparse.Namespace) -> list[tuple[list[int], int]]:
 
 
 async def _one(client: StepwiseClient, ids: list[int], max_new: int) -> Sample:
+    """One generation's timings; a call that ends in a gRPC error comes back with `refused` set."""
     sample = Sample(prompt_tokens=len(ids))
-    start = last = time.perf_counter()
     request = generate_request(ids, sampling_params(max_new_tokens=max_new, temperature=0.0, ignore_eos=True))
+    start = time.perf_counter()
+    try:
+        await _stream(client, request, sample, start)
+    except grpc.aio.AioRpcError as exc:
+        sample.refused = exc.code().name
+    sample.latency = time.perf_counter() - start
+    return sample
+
+
+async def _stream(
+    client: StepwiseClient, request: gen_pb.GenerateRequest, sample: Sample, start: float
+) -> None:
+    last = start
     async for response in client.stream(request):
         now = time.perf_counter()
         if response.WhichOneof("event") == "chunk" and response.chunk.token_ids:
@@ -83,15 +128,14 @@ async def _one(client: StepwiseClient, ids: list[int], max_new: int) -> Sample:
             last = now
         elif response.WhichOneof("event") == "finished":
             sample.cached_tokens = response.finished.usage.cached_tokens
-            sample.ok = response.finished.reason != 3  # not ABORT
-    sample.latency = time.perf_counter() - start
-    return sample
+            sample.ok = response.finished.reason != gen_pb.FINISH_REASON_ABORT
 
 
-async def run(ns: argparse.Namespace, out: TextIO = sys.stdout) -> dict[str, float]:
+async def run(ns: argparse.Namespace, out: TextIO = sys.stdout) -> Report:
+    """Send the load, print the report (text, or JSON with --json) to `out`, and return it."""
     prompts = make_prompts(ns)
     rng = random.Random(ns.seed + 1)
-    async with StepwiseClient(ns.address) as client:
+    async with client_from_args(ns) as client:
         await client.wait_ready(ns.wait)
         gate = asyncio.Semaphore(ns.concurrency if ns.rate <= 0 else len(prompts))
 
@@ -119,8 +163,10 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def summarize(samples: list[Sample], elapsed: float) -> dict[str, float]:
+def summarize(samples: list[Sample], elapsed: float) -> Report:
+    """The report: counts over all samples, statistics over the completed ones only."""
     done = [s for s in samples if s.ok]
+    refused = Counter(s.refused for s in samples if s.refused)
     ttft = [s.ttft for s in done]
     tpot = [(s.latency - s.ttft) / (s.output_tokens - 1) for s in done if s.output_tokens > 1]
     itl = [x for s in done for x in s.itls]
@@ -130,6 +176,7 @@ def summarize(samples: list[Sample], elapsed: float) -> dict[str, float]:
     return {
         "requests": len(samples),
         "completed": len(done),
+        "refused": dict(sorted(refused.items())),
         "duration_s": round(elapsed, 4),
         "request_throughput": round(len(done) / elapsed, 3),
         "output_throughput_tok_s": round(output / elapsed, 2),
@@ -145,6 +192,13 @@ def summarize(samples: list[Sample], elapsed: float) -> dict[str, float]:
     }
 
 
-def render(report: dict[str, float]) -> str:
+def render(report: Report) -> str:
+    """One `key  value` line per entry; "refused" as `CODE count, ...` or `none`."""
     width = max(len(k) for k in report)
-    return "\n".join(f"{k:<{width}}  {v}" for k, v in report.items())
+    return "\n".join(f"{k:<{width}}  {_render_value(v)}" for k, v in report.items())
+
+
+def _render_value(value: object) -> str:
+    if isinstance(value, dict):
+        return ", ".join(f"{code} {count}" for code, count in value.items()) or "none"
+    return str(value)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -90,12 +92,55 @@ def generate_request(
     return req
 
 
-class StepwiseClient:
-    """`async with StepwiseClient("127.0.0.1:50051") as client: ...`"""
+# Answers that waiting or retrying cannot change: wait_ready raises them at once.
+REFUSED_AUTH = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
+PEM_CERTIFICATE = b"-----BEGIN CERTIFICATE-----"
 
-    def __init__(self, address: str) -> None:
+
+class NotServingError(TimeoutError):
+    """Nothing at `address` answered SERVING within the wait; `last` says what the last check saw."""
+
+    def __init__(self, address: str, waited_s: float, last: str) -> None:
+        super().__init__(f"no control plane serving at {address} (waited {waited_s:g} s; {last})")
+        self.address, self.waited_s, self.last = address, waited_s, last
+
+
+def open_channel(
+    address: str, *, api_key: str | None = None, tls_ca: str | Path | None = None
+) -> grpc.aio.Channel:
+    """A channel to `address`: TLS checked against the CA in the PEM file `tls_ca`, else plaintext.
+
+    On a TLS channel `api_key` rides along as call credentials (`authorization: Bearer KEY` on every
+    call); on a plaintext one gRPC refuses call credentials, and the caller must send
+    `bearer_metadata(api_key)` itself. OSError when `tls_ca` cannot be read.
+    """
+    if tls_ca is None:
+        return grpc.aio.insecure_channel(address)
+    credentials = grpc.ssl_channel_credentials(root_certificates=Path(tls_ca).read_bytes())
+    if api_key:
+        credentials = grpc.composite_channel_credentials(
+            credentials, grpc.access_token_call_credentials(api_key)
+        )
+    return grpc.aio.secure_channel(address, credentials)
+
+
+def bearer_metadata(api_key: str) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {api_key}"),)
+
+
+class StepwiseClient:
+    """`async with StepwiseClient("127.0.0.1:50051") as client: ...`
+
+    `tls_ca`: a PEM file with the CA that signed the control plane's certificate; the channel is
+    TLS when given, plaintext otherwise (OSError when it cannot be read). `api_key`: every call
+    (Generate, Abort, GetServerInfo and the health check) carries `authorization: Bearer API_KEY`.
+    """
+
+    def __init__(self, address: str, *, api_key: str | None = None, tls_ca: str | Path | None = None) -> None:
         self.address = address
-        self.channel = grpc.aio.insecure_channel(address)
+        self.channel = open_channel(address, api_key=api_key, tls_ca=tls_ca)
+        # With TLS the channel's call credentials carry the key; plaintext needs it per call.
+        self.metadata = bearer_metadata(api_key) if api_key and tls_ca is None else None
         self.stub = gen_grpc.GenerationStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
 
@@ -109,22 +154,41 @@ class StepwiseClient:
         await self.channel.close(None)
 
     async def wait_ready(self, timeout: float = 60.0) -> None:
-        """Wait until health says SERVING (a worker is attached); TimeoutError otherwise."""
+        """Wait until health says SERVING (a worker is attached).
+
+        NotServingError (a TimeoutError) after `timeout` seconds. A check the server refuses
+        (UNAUTHENTICATED, PERMISSION_DENIED) raises its AioRpcError at once: waiting cannot fix it.
+        """
         deadline = time.monotonic() + timeout
+        last = ""
         while True:
-            try:
-                reply = await self.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=2.0)
-                if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.aio.AioRpcError:
-                pass
+            seen = await self._check(max(0.1, min(2.0, deadline - time.monotonic())))
+            if seen is None:
+                return
+            # A check cut short by the deadline says less than the failure before it (a refused TLS
+            # handshake, a refused connection): keep that one for the message.
+            if not last or not seen.startswith(grpc.StatusCode.DEADLINE_EXCEEDED.name):
+                last = seen
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{self.address} not serving after {timeout:.0f} s")
+                raise NotServingError(self.address, timeout, last)
             await asyncio.sleep(0.1)
+
+    async def _check(self, timeout: float) -> str | None:
+        """None when the server is SERVING; otherwise what it answered, for NotServingError."""
+        request = health_pb2.HealthCheckRequest(service="")
+        try:
+            reply = await self.health.Check(request, timeout=timeout, metadata=self.metadata)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in REFUSED_AUTH:
+                raise
+            return f"{exc.code().name}: {exc.details()}"
+        if reply.status == health_pb2.HealthCheckResponse.SERVING:
+            return None
+        return "it answers NOT_SERVING: no worker attached yet"
 
     def stream(self, request: gen_pb.GenerateRequest) -> AsyncIterator[gen_pb.GenerateResponse]:
         """The raw response stream (cancel it to abort the request)."""
-        return self.stub.Generate(request)  # type: ignore[no-any-return]
+        return self.stub.Generate(request, metadata=self.metadata)  # type: ignore[no-any-return]
 
     async def generate(
         self,
@@ -150,11 +214,11 @@ class StepwiseClient:
         return gens
 
     async def abort(self, request_id: str) -> bool:
-        reply = await self.stub.Abort(gen_pb.AbortRequest(request_id=request_id))
+        reply = await self.stub.Abort(gen_pb.AbortRequest(request_id=request_id), metadata=self.metadata)
         return bool(reply.found)
 
     async def server_info(self) -> gen_pb.ServerInfo:
-        return await self.stub.GetServerInfo(gen_pb.GetServerInfoRequest())
+        return await self.stub.GetServerInfo(gen_pb.GetServerInfoRequest(), metadata=self.metadata)
 
 
 def apply_response(gen: Generation, response: gen_pb.GenerateResponse) -> None:
@@ -177,3 +241,42 @@ async def collect(stream: AsyncIterator[gen_pb.GenerateResponse]) -> Generation:
     async for response in stream:
         apply_response(gen, response)
     return gen
+
+
+# --- command line (`stepwise generate`, `stepwise bench`) -------------------------------------------
+
+
+def add_connection_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add --address, --api-key, --tls-ca and --wait: how a command reaches the control plane."""
+    parser.add_argument("--address", default="127.0.0.1:50051", help="control plane client address HOST:PORT")
+    parser.add_argument("--api-key", default=None, help="bearer token; also STEPWISE_API_KEY")
+    parser.add_argument(
+        "--tls-ca",
+        type=pem_file,
+        default=None,
+        metavar="PATH",
+        help="CA certificate (PEM) that signed the control plane's certificate; turns on TLS",
+    )
+    parser.add_argument(
+        "--wait", type=float, default=30.0, help="seconds to wait for a serving control plane"
+    )
+
+
+def pem_file(text: str) -> Path:
+    """argparse type: a readable file holding a PEM certificate; ArgumentTypeError otherwise."""
+    path = Path(text).expanduser()
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"cannot read {path}: {exc.strerror or exc}") from None
+    if PEM_CERTIFICATE not in data:
+        raise argparse.ArgumentTypeError(f"{path} holds no PEM certificate")
+    return path
+
+
+def client_from_args(ns: argparse.Namespace) -> StepwiseClient:
+    """The client add_connection_arguments' flags describe (namespaces built by hand may omit the
+    --api-key and --tls-ca attributes: plaintext, no key)."""
+    return StepwiseClient(
+        ns.address, api_key=getattr(ns, "api_key", None), tls_ca=getattr(ns, "tls_ca", None)
+    )

@@ -6,22 +6,28 @@ import argparse
 import sys
 from typing import TextIO
 
-from clients.client import Generation, StepwiseClient, apply_response, generate_request, sampling_params
+from clients.client import (
+    Generation,
+    add_connection_arguments,
+    apply_response,
+    client_from_args,
+    generate_request,
+    sampling_params,
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompt", help="prompt text")
-    parser.add_argument("--address", default="127.0.0.1:50051", help="control plane client address")
-    parser.add_argument("--max-new-tokens", type=int, default=64)
+    add_connection_arguments(parser)
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="stop after this many new tokens")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    parser.add_argument("--top-p", type=float, default=None)
-    parser.add_argument("--top-k", type=int, default=None)
-    parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass (default: 1.0)")
     parser.add_argument(
-        "--wait", type=float, default=30.0, help="seconds to wait for a serving control plane"
+        "--top-k", type=int, default=None, help="sample among the k likeliest (default: no limit)"
     )
+    parser.add_argument("--seed", type=int, default=None, help="sampling seed (default: the server's)")
+    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
 
 
 async def run(ns: argparse.Namespace, out: TextIO = sys.stdout) -> Generation:
@@ -35,11 +41,14 @@ async def run(ns: argparse.Namespace, out: TextIO = sys.stdout) -> Generation:
         ignore_eos=ns.ignore_eos,
     )
     gen = Generation()
-    async with StepwiseClient(ns.address) as client:
+    echoed = False
+    async with client_from_args(ns) as client:
         await client.wait_ready(ns.wait)
-        out.write(ns.prompt)
-        out.flush()
+        # The prompt is echoed with the first answer, so a refused call leaves stdout empty.
         async for response in client.stream(generate_request(ns.prompt, sampling)):
+            if not echoed:
+                out.write(ns.prompt)
+                echoed = True
             apply_response(gen, response)
             if response.WhichOneof("event") == "chunk":
                 out.write(response.chunk.text)

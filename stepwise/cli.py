@@ -2,31 +2,61 @@
 
 Imports stay inside the subcommands: the control plane never loads torch, and `generate` loads
 neither plane.
+
+Routine failures (a bad flag or environment value, a missing model directory, a busy port, no
+server at the address, a call the control plane refused) print one line, `stepwise CMD: what`,
+and exit 2; `main()` maps them in one place. Anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
+import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from stepwise import flags, logs
 
+if TYPE_CHECKING:
+    from control_plane.config import ControlConfig
+
 DEMO_PROMPT = "Once upon a time"
+LOG_LEVEL_HELP = "debug, info, warning or error"
+# gRPC status codes that mean the control plane answered and said no: the caller's to fix.
+REFUSED_CODES = frozenset(
+    {
+        "UNAUTHENTICATED",
+        "PERMISSION_DENIED",
+        "RESOURCE_EXHAUSTED",
+        "INVALID_ARGUMENT",
+        "FAILED_PRECONDITION",
+        "OUT_OF_RANGE",
+        "ALREADY_EXISTS",
+    }
+)
+
+
+class RoutineError(Exception):
+    """A failure the person running the command can fix from the message alone (main() prints it)."""
+
+
+def _parser(prog: str, description: str) -> flags.ArgumentParser:
+    return flags.ArgumentParser(prog=prog, description=description)
 
 
 def _control_parser() -> argparse.ArgumentParser:
     from control_plane import config
 
-    parser = argparse.ArgumentParser(prog="stepwise control", description="the control plane")
+    parser = _parser("stepwise control", COMMANDS["control"].summary)
     config.add_arguments(parser)
     parser.add_argument("--ready-file", type=Path, default=None, help="write the bound ports here as JSON")
-    parser.add_argument("--log-level", default="info")
+    parser.add_argument("--log-level", default="info", help=LOG_LEVEL_HELP)
     flags.apply_env_defaults(parser)
     return parser
 
@@ -34,9 +64,9 @@ def _control_parser() -> argparse.ArgumentParser:
 def _worker_parser() -> argparse.ArgumentParser:
     from data_plane import config
 
-    parser = argparse.ArgumentParser(prog="stepwise worker", description="a data-plane worker")
+    parser = _parser("stepwise worker", COMMANDS["worker"].summary)
     config.add_arguments(parser)
-    parser.add_argument("--log-level", default="info")
+    parser.add_argument("--log-level", default="info", help=LOG_LEVEL_HELP)
     for action in parser._actions:
         if action.dest == "model":
             action.required, action.default, action.type = False, "embedded", str
@@ -44,25 +74,37 @@ def _worker_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _resolve_model(spec: str | Path) -> Path:
+    """resolve_model(), with a missing or incomplete directory as a RoutineError naming --model."""
+    from stepwise.embedded import resolve_model
+
+    try:
+        return resolve_model(str(spec))
+    except FileNotFoundError as exc:
+        raise RoutineError(f"--model: {exc}") from exc
+
+
 def cmd_control(argv: Sequence[str]) -> int:
     from control_plane.config import control_config_from_args
-    from stepwise.embedded import resolve_model
 
     ns = _control_parser().parse_args(argv)
     logs.configure(ns.log_level)
+    model_dir = _resolve_model(ns.model)
     try:
-        config = control_config_from_args(ns, resolve_model(ns.model))
+        config = control_config_from_args(ns, model_dir)
     except ValueError as exc:
-        print(f"stepwise control: {exc}", file=sys.stderr)
-        return 2
+        raise RoutineError(str(exc)) from exc
     return asyncio.run(_serve_control(config, ns.ready_file))
 
 
-async def _serve_control(config: object, ready_file: Path | None) -> int:
+async def _serve_control(config: ControlConfig, ready_file: Path | None) -> int:
     from control_plane.server import ControlPlane
 
-    plane = ControlPlane(config)  # type: ignore[arg-type]
-    await plane.start()
+    plane = ControlPlane(config)
+    try:
+        await plane.start()
+    except OSError as exc:  # a busy or unbindable port: ControlPlane.start() names the address
+        raise RoutineError(f"cannot start: {exc}") from exc
     if ready_file is not None:
         tmp = ready_file.with_suffix(".tmp")
         tmp.write_text(json.dumps({"port": plane.port, "worker_port": plane.worker_port}))
@@ -78,25 +120,20 @@ async def _serve_control(config: object, ready_file: Path | None) -> int:
 
 def cmd_worker(argv: Sequence[str]) -> int:
     from data_plane import config, worker
-    from stepwise.embedded import resolve_model
 
     ns = _worker_parser().parse_args(argv)
     logs.configure(ns.log_level)
-    ns.model = resolve_model(ns.model)
+    ns.model = _resolve_model(ns.model)
     try:
         cfg = config.config_from_args(ns)
     except ValueError as exc:
-        print(f"stepwise worker: {exc}", file=sys.stderr)
-        return 2
+        raise RoutineError(str(exc)) from exc
     return worker.run(cfg)
 
 
 def _up_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="stepwise up",
-        description="a control plane and N workers as child processes; every other flag is passed on",
-    )
-    parser.add_argument("--workers", type=int, default=1)
+    parser = _parser("stepwise up", COMMANDS["up"].summary + "; every other flag is passed on")
+    parser.add_argument("--workers", type=int, default=1, help="how many workers to start")
     flags.apply_env_defaults(parser)
     return parser
 
@@ -105,14 +142,29 @@ def cmd_up(argv: Sequence[str]) -> int:
     from stepwise.up import Stack, run_up, split_flags
 
     ns, rest = _up_parser().parse_known_args(argv)
-    to_control, to_worker = split_flags(rest, _control_parser(), _worker_parser())
+    control, worker = _control_parser(), _worker_parser()
+    to_control, to_worker = split_flags(rest, control, worker)
+    # Bad values are the children's to reject, but here they are one line instead of a child's
+    # line and then `up`'s own complaint that the child exited.
+    control.parse_args(to_control)
+    worker.parse_args(to_worker)
     return asyncio.run(run_up(Stack(to_control, to_worker, ns.workers)))
 
 
+def _quiet_grpc() -> None:
+    """Keep gRPC's C core from logging below ERROR to a client's stderr (unless the caller chose).
+
+    It logs a failed TLS handshake at INFO; the same failure reaches our one-line message anyway.
+    Read when grpc is first imported, so this must run before that.
+    """
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+
+
 def cmd_generate(argv: Sequence[str]) -> int:
+    _quiet_grpc()
     from clients import generate
 
-    parser = argparse.ArgumentParser(prog="stepwise generate", description="stream one generation")
+    parser = _parser("stepwise generate", COMMANDS["generate"].summary)
     generate.add_arguments(parser)
     flags.apply_env_defaults(parser)
     ns = parser.parse_args(argv)
@@ -121,9 +173,10 @@ def cmd_generate(argv: Sequence[str]) -> int:
 
 
 def cmd_bench(argv: Sequence[str]) -> int:
+    _quiet_grpc()
     from clients import bench
 
-    parser = argparse.ArgumentParser(prog="stepwise bench", description="load generator with serving metrics")
+    parser = _parser("stepwise bench", COMMANDS["bench"].summary)
     bench.add_arguments(parser)
     flags.apply_env_defaults(parser)
     report = asyncio.run(bench.run(parser.parse_args(argv)))
@@ -135,9 +188,11 @@ def cmd_demo(argv: Sequence[str]) -> int:
     from clients import generate
     from stepwise.up import Stack
 
-    parser = argparse.ArgumentParser(prog="stepwise demo")
-    parser.add_argument("prompt", nargs="?", default=DEMO_PROMPT)
-    parser.add_argument("--max-new-tokens", type=int, default=80)
+    parser = _parser("stepwise demo", COMMANDS["demo"].summary)
+    parser.add_argument(
+        "prompt", nargs="?", default=DEMO_PROMPT, help=f"prompt text (default: {DEMO_PROMPT!r})"
+    )
+    parser.add_argument("--max-new-tokens", type=int, default=80, help="stop after this many new tokens")
     ns = parser.parse_args(argv)
 
     async def demo() -> int:
@@ -160,6 +215,8 @@ def cmd_demo(argv: Sequence[str]) -> int:
                 stop=[],
                 ignore_eos=False,
                 wait=60.0,
+                api_key=None,
+                tls_ca=None,
             )
             gen = await generate.run(gen_ns)
             return 0 if gen.finish_reason in ("stop", "length") else 1
@@ -181,32 +238,74 @@ def cmd_simulate(argv: Sequence[str]) -> int:
     return simulate.main(argv)
 
 
+@dataclass(frozen=True, slots=True)
+class Command:
+    run: Callable[[Sequence[str]], int]
+    summary: str
+
+
 COMMANDS = {
-    "control": cmd_control,
-    "worker": cmd_worker,
-    "up": cmd_up,
-    "generate": cmd_generate,
-    "bench": cmd_bench,
-    "demo": cmd_demo,
-    "replay": cmd_replay,
-    "simulate": cmd_simulate,
+    "control": Command(cmd_control, "the control plane: schedules requests, serves clients and workers"),
+    "worker": Command(cmd_worker, "a data-plane worker: runs the model for a control plane"),
+    "up": Command(cmd_up, "a control plane and N workers as child processes"),
+    "generate": Command(cmd_generate, "stream one generation to the terminal"),
+    "bench": Command(cmd_bench, "load generator with serving metrics"),
+    "demo": Command(cmd_demo, "start the stack on the embedded model, stream one generation, stop"),
+    "replay": Command(cmd_replay, "replay a recording against a fresh worker or scheduler, or show it"),
+    "simulate": Command(cmd_simulate, "the real scheduler on a request trace, on a simulated clock"),
 }
+USAGE = f"usage: stepwise {{{', '.join(COMMANDS)}}} [flags]"
+
+
+def _help() -> str:
+    width = max(map(len, COMMANDS))
+    lines = [f"  {name:<{width}}  {command.summary}" for name, command in COMMANDS.items()]
+    footer = "stepwise COMMAND --help lists its flags; a flag --x-y can also be set as STEPWISE_X_Y."
+    return "\n".join([USAGE, "", "commands:", *lines, "", footer])
+
+
+def _routine_message(exc: Exception) -> str | None:
+    """The one line a routine failure prints, or None when `exc` is a bug (it keeps its traceback)."""
+    if isinstance(exc, RoutineError):
+        return str(exc)
+    import grpc
+
+    from clients.client import NotServingError
+
+    if isinstance(exc, NotServingError):
+        return str(exc)
+    if isinstance(exc, grpc.aio.AioRpcError):
+        status = f"{exc.code().name}: {exc.details()}"
+        if exc.code().name in REFUSED_CODES:
+            return f"the control plane refused the call ({status})"
+        if exc.code() == grpc.StatusCode.UNAVAILABLE:
+            return f"lost the control plane ({status})"
+    return None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    if not args or args[0] in ("-h", "--help") or args[0] not in COMMANDS:
-        names = ", ".join(COMMANDS)
-        print(
-            f"usage: stepwise {{{names}}} [flags]   (stepwise COMMAND --help for its flags)", file=sys.stderr
-        )
-        return 0 if args and args[0] in ("-h", "--help") else 2
+    if args and args[0] in ("-h", "--help"):
+        print(_help())
+        return 0
+    if not args or args[0] not in COMMANDS:
+        problem = f"stepwise: unknown command {args[0]!r}; " if args else ""
+        print(f"{problem}{USAGE}   (stepwise --help describes the commands)", file=sys.stderr)
+        return 2
     from stepwise.parent import die_with_parent
 
     die_with_parent()
-    with contextlib.suppress(KeyboardInterrupt):
-        return COMMANDS[args[0]](args[1:])
-    return 130
+    name = args[0]
+    try:
+        return COMMANDS[name].run(args[1:])
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:
+        message = _routine_message(exc)
+        if message is None:
+            raise
+        print(f"stepwise {name}: {' '.join(message.split())}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

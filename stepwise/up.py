@@ -106,8 +106,20 @@ class Stack:
         await self._wait_workers(deadline)
         return self.address
 
+    def api_key(self) -> str | None:
+        """The key `up` itself uses to ask the control plane about its workers (--api-key or the
+        first key of --api-key-file, as given to the control plane; else STEPWISE_API_KEY)."""
+        args = self.control_args
+        for i, arg in enumerate(args[:-1]):
+            if arg == "--api-key":
+                return args[i + 1]
+            if arg == "--api-key-file":
+                lines = Path(args[i + 1]).read_text().splitlines()
+                return next((k.strip() for k in lines if k.strip() and not k.lstrip().startswith("#")), None)
+        return os.environ.get("STEPWISE_API_KEY") or None
+
     async def _wait_workers(self, deadline: float) -> None:
-        async with StepwiseClient(self.address) as client:
+        async with StepwiseClient(self.address, api_key=self.api_key()) as client:
             await client.wait_ready(max(deadline - time.monotonic(), 1.0))
             while len((await client.server_info()).workers) < self.workers:
                 self._check_alive()

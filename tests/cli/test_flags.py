@@ -72,3 +72,45 @@ def test_apply_env_defaults_ignores_empty_values() -> None:
     assert parser.parse_args([]).x == 5
     apply_env_defaults(parser, {"STEPWISE_X": "6"})
     assert parser.parse_args([]).x == 6
+
+
+def test_env_values_are_checked_like_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    from stepwise.flags import ArgumentParser
+
+    parser = ArgumentParser(prog="stepwise x")
+    parser.add_argument("--n", type=int, default=1)
+    parser.add_argument("--policy", choices=("a", "b"), default="a")
+    for env, complaint in (
+        ({"STEPWISE_N": "abc"}, "stepwise x: STEPWISE_N=abc: invalid int value\n"),
+        ({"STEPWISE_POLICY": "c"}, "stepwise x: STEPWISE_POLICY=c: invalid choice (choose from a, b)\n"),
+    ):
+        with pytest.raises(SystemExit) as exited:
+            apply_env_defaults(parser, env)
+        assert exited.value.code == 2
+        assert capsys.readouterr().err == complaint
+
+
+def test_env_values_for_switches_and_repeatable_flags() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--on", action="store_true")
+    parser.add_argument("--no-cache", dest="cache", action="store_false")
+    parser.add_argument("--stop", action="append", default=[])
+    apply_env_defaults(parser, {"STEPWISE_ON": "Yes", "STEPWISE_NO_CACHE": "1", "STEPWISE_STOP": "a, b"})
+    ns = parser.parse_args([])
+    assert (ns.on, ns.cache, ns.stop) == (True, False, ["a, b"])
+    assert parser.parse_args(["--stop", "x"]).stop == ["a, b", "x"]  # argparse appends to the default
+    with pytest.raises(SystemExit):
+        apply_env_defaults(parser, {"STEPWISE_ON": "maybe"})
+
+
+def test_one_line_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    from stepwise.flags import ArgumentParser
+
+    parser = ArgumentParser(prog="stepwise x")
+    parser.add_argument("--port", type=int)
+    with pytest.raises(SystemExit) as exited:
+        parser.parse_args(["--port", "abc"])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err == "stepwise x: argument --port: invalid int value: 'abc'\n"
