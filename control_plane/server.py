@@ -14,6 +14,7 @@ import asyncio
 import dataclasses
 import hashlib
 import hmac
+import socket
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -456,10 +457,27 @@ def server_credentials(
 def _bind(server: grpc.aio.Server, host: str, port: int, creds: grpc.ServerCredentials | None) -> int:
     """Bind `host:port` (0 picks a free port); OSError naming the address when it cannot be had."""
     address = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+    _probe(host, port, address)
     try:
         bound = server.add_secure_port(address, creds) if creds else server.add_insecure_port(address)
     except RuntimeError as exc:
-        raise OSError(f"cannot listen on {address}: {exc} (is another server using it?)") from None
+        raise OSError(f"cannot listen on {address} (is another server using it?)") from exc
     if bound == 0:
         raise OSError(f"cannot listen on {address} (is another server using it?)")
     return bound
+
+
+def _probe(host: str, port: int, address: str) -> None:
+    """Try the address with a plain socket first: a taken port is then one clear OSError, rather than
+    gRPC's own error log followed by one."""
+    if port == 0:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC does: TIME_WAIT is fine
+        try:
+            probe.bind((host.strip("[]"), port))
+        except OSError as exc:
+            raise OSError(
+                f"cannot listen on {address}: {exc.strerror} (is another server using it?)"
+            ) from None
