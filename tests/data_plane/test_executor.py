@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -109,3 +111,16 @@ def test_released_slots_may_be_reused_by_the_same_plan(make_executor) -> None:
     result = executor.execute(plan)
     assert result.error == ""
     assert (result.kv.live_seqs, result.kv.seq_slots) == (1, len(PROMPT))
+
+
+def test_a_reset_plan_forgets_every_sequence_first(make_executor) -> None:
+    """After a fault of its own the control plane starts over: handles and slots are reused at once."""
+    executor, _ = _prefilled(make_executor, handles=(1, 2), host_pool_tokens=64)
+    offload = make_plan(2, offloads=[KvTransfer(2, executor.table.slot_table(2).copy())])
+    assert executor.execute(offload).error == ""
+    slots = SlotAllocator(256, page_size=4, seed=3)
+    fresh = make_plan(1, new_seqs=[new_seq(1)], extends=[Extend(1, 0, PROMPT, slots.alloc(1, len(PROMPT)))])
+    assert "already live" in executor.execute(fresh).error  # without reset the handle is taken
+    result = executor.execute(dataclasses.replace(fresh, reset=True))
+    assert result.error == ""
+    assert (result.kv.live_seqs, result.kv.host_seqs, result.kv.seq_slots) == (1, 0, len(PROMPT))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -86,3 +88,12 @@ def test_cost_model() -> None:
 def test_bad_plan_is_an_error_result() -> None:
     result = SimExecutor(4096, 1000, 0).execute(_decode(1, [42], 0))
     assert "42" in result.error
+
+
+def test_a_reset_plan_forgets_every_sequence_first() -> None:
+    executor = SimExecutor(4096, 1000, 0)
+    assert executor.execute(_prefill(1, [(1, "a", 5, 100), (2, "b", 3, 100)])).error == ""
+    again = _prefill(1, [(1, "c", 4, 100)])
+    assert "already live" in executor.execute(again).error
+    result = executor.execute(dataclasses.replace(again, reset=True))
+    assert result.error == "" and result.kv.live_seqs == 1

@@ -209,3 +209,16 @@ def test_missing_model_exits_with_a_message(tmp_path: pathlib.Path) -> None:
     proc = subprocess.run(args, cwd=REPO_ROOT, capture_output=True, text=True, timeout=PROCESS_TIMEOUT_S)
     assert proc.returncode == 4
     assert "config.json" in proc.stderr
+
+
+async def test_an_empty_control_message_ends_the_session_cleanly(model_dir: pathlib.Path) -> None:
+    """A ControlMessage with nothing in it once raised out of the serve loop with a traceback."""
+    empty = worker_pb2.ControlMessage()
+    async with (
+        fake_control(run_plans_then(empty)) as (control, port),
+        worker_process(model_dir, port) as proc,
+    ):
+        code, stderr = await exit_code(proc)
+    assert code == 1
+    assert "Traceback" not in stderr and "cannot read" in stderr
+    assert len(control.session.results) == 2
