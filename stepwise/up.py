@@ -134,17 +134,25 @@ class Stack:
 
     def stop(self, timeout: float = 10.0) -> None:
         """SIGTERM workers then the control plane; SIGKILL whatever is left after the timeout."""
-        for proc in reversed(self.procs):
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + timeout
-        for proc in self.procs:
-            try:
-                proc.wait(max(deadline - time.monotonic(), 0.1))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_processes(self.procs, timeout)
         self._tmp.cleanup()
+
+
+def stop_processes(procs: Sequence[subprocess.Popen[bytes]], timeout: float = 10.0) -> None:
+    """SIGTERM the processes last to first (a stopped one is continued first, so it can hear it),
+    then SIGKILL whatever is left after `timeout` seconds."""
+    for proc in reversed(procs):
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGCONT)
+                proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for proc in procs:
+        try:
+            proc.wait(max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 async def run_up(stack: Stack) -> int:

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -17,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from stepwise.embedded import resolve_model
-from stepwise.up import Stack
+from stepwise.up import Stack, stop_processes
 
 # --strict-invariants: the KV pool invariants are checked after every step; a violation ends the run.
 CONTROL_BASE = [
@@ -158,19 +156,7 @@ class ControlProcess:
                 await asyncio.sleep(0.05)
 
     def stop(self, timeout: float = 10.0) -> None:
-        for proc in reversed(self.procs):
-            if proc.poll() is None:
-                if proc.returncode is None:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(proc.pid, signal.SIGCONT)
-                proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + timeout
-        for proc in self.procs:
-            try:
-                proc.wait(max(deadline - time.monotonic(), 0.1))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_processes(self.procs, timeout)
 
 
 @pytest.fixture
