@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from control_plane.request import Request
 from control_plane.scheduler.kv import KvManager
+from control_plane.scheduler.priority import priority_sign, urgency
 
 IGNORE_EOS_RESERVE_TOKENS = 1
 
@@ -250,13 +251,13 @@ class PrefillAdder:
         Candidates must already be ordered least important first; those chosen earlier in this pass
         are skipped (§2.4). Mutates the reserved budget and `preempt_list`.
         """
-        sign = 1 if self.limits.low_priority_values_first else -1
+        sign = priority_sign(self.limits.low_priority_values_first)
         need = (req.seqlen - len(req.prefix_indices)) + self._clip(req.max_new_tokens) - self.rem_total_tokens
         chosen: list[Request] = []
-        new_priority = _priority_or_default(req, sign)
         already = {id(r) for r in self.preempt_list}
         for cand in (c for c in candidates if id(c) not in already):
-            if (new_priority - _priority_or_default(cand, sign)) * (-sign) <= self.limits.priority_threshold:
+            # Only a request more important by more than the threshold may preempt.
+            if urgency(cand, sign) - urgency(req, sign) <= self.limits.priority_threshold:
                 break
             chosen.append(cand)
             need -= self.offset(cand)
@@ -268,10 +269,3 @@ class PrefillAdder:
             self.rem_total_token_offset -= self.offset(cand)
         self.preempt_list.extend(chosen)
         return chosen
-
-
-def _priority_or_default(req: Request, sign: int) -> int:
-    if req.priority is not None:
-        return req.priority
-    # Least important: sys.maxsize when low values are preferred, else -sys.maxsize - 1.
-    return 2**63 - 1 if sign == 1 else -(2**63)

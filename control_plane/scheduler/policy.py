@@ -16,6 +16,7 @@ from control_plane.cache.radix import RadixCache
 from control_plane.config import SchedulerConfig
 from control_plane.request import Request
 from control_plane.scheduler.kv import KvManager
+from control_plane.scheduler.priority import priority_sign, urgency
 
 # Past this many waiting requests LPM falls back to FCFS for the pass (per-request matching cost).
 LPM_FALLBACK_QUEUE_LEN = 128
@@ -27,10 +28,6 @@ class Policy(Protocol):
     def order(self, queue: list[Request], running: Sequence[Request]) -> None: ...
 
 
-def _priority_sign(config: SchedulerConfig) -> int:
-    return 1 if config.schedule_low_priority_values_first else -1
-
-
 class Fcfs:
     """Arrival order; with priority scheduling, by (priority, queue entry) (§2.2 step 3)."""
 
@@ -38,11 +35,11 @@ class Fcfs:
 
     def __init__(self, config: SchedulerConfig) -> None:
         self.priority = config.enable_priority_scheduling
-        self.sign = _priority_sign(config)
+        self.sign = priority_sign(config.schedule_low_priority_values_first)
 
     def order(self, queue: list[Request], running: Sequence[Request]) -> None:
         if self.priority:
-            queue.sort(key=lambda r: (_prio(r) * self.sign, r.wait_queue_entry_time))
+            queue.sort(key=lambda r: (urgency(r, self.sign), r.wait_queue_entry_time))
 
 
 class LongestOutputFirst:
@@ -50,11 +47,11 @@ class LongestOutputFirst:
 
     def __init__(self, config: SchedulerConfig) -> None:
         self.priority = config.enable_priority_scheduling
-        self.sign = _priority_sign(config)
+        self.sign = priority_sign(config.schedule_low_priority_values_first)
 
     def order(self, queue: list[Request], running: Sequence[Request]) -> None:
         if self.priority:
-            queue.sort(key=lambda r: (_prio(r) * self.sign, -r.max_new_tokens))
+            queue.sort(key=lambda r: (urgency(r, self.sign), -r.max_new_tokens))
         else:
             queue.sort(key=lambda r: -r.max_new_tokens)
 
@@ -169,10 +166,6 @@ class DfsWeight:
         for child in children:
             self._visit(child, by_node, weight, out)
         out.extend(by_node.get(id(node), ()))
-
-
-def _prio(req: Request) -> int:
-    return req.priority if req.priority is not None else 0
 
 
 PolicyFactory = Callable[[SchedulerConfig, KvManager], Policy]

@@ -1,0 +1,151 @@
+"""Building a prefill batch (SCHEDULER.md §3.5, §4): the chunked request, the admission loop under
+the adder's budgets, batch_is_full, and mixing the running batch into a prefill step (§4.4)."""
+
+from __future__ import annotations
+
+from control_plane.request import Request
+from control_plane.scheduler.adder import AddReqResult, PrefillAdder
+from control_plane.scheduler.batch import RunningBatch, ScheduledBatch
+from control_plane.scheduler.plan import KvTransfer, StepKind
+from control_plane.scheduler.preemption import Preemption
+from control_plane.scheduler.state import StepStats
+
+
+class Admission(Preemption):
+    """The prefill batch: who is admitted this step and with which chunk (§3, §4)."""
+
+    def _apply_pending_chunked_abort(self) -> None:
+        req, reason = self.chunked_req, self._pending_chunked_abort
+        if req is None or reason is None:
+            return
+        self._pending_chunked_abort = None
+        self.chunked_req = None
+        self.kv.release_aborted(req)
+        self._finish(req, reason)
+
+    def _stash_chunked_req(self, req: Request) -> None:
+        if req.extend_range[1] > len(req.prefix_indices):
+            self._push_remap(self.kv.cache_unfinished_req(req, chunked=True))
+
+    def _merge_last_batch(self) -> None:
+        last = self.last_batch
+        if last is None or not last.is_extend:
+            return
+        members = last.extend_reqs + last.decode_reqs
+        survivors = [r for r in members if not r.finished and r is not self.chunked_req]
+        if len(survivors) != len(members):
+            self.batch_is_full = False
+        if survivors:
+            self.running.merge(survivors)
+
+    def _allocatable(self) -> int:
+        return min(self.max_running_requests - len(self.running), self.kv.free_rows())
+
+    def _get_new_batch_prefill(self, stats: StepStats) -> ScheduledBatch | None:
+        if self.preemption:
+            self.batch_is_full = False
+        if (self.batch_is_full or not self.waiting) and self.chunked_req is None:
+            return None
+        if self._allocatable() <= 0 and self.chunked_req is None and not self.preemption:
+            self.batch_is_full = True
+            return None
+        self.policy.order(self.waiting, self.running.reqs)
+        mixed = self.config.enable_mixed_chunk and len(self.running) > 0
+        running_bs = len(self.running)
+        adder = PrefillAdder(
+            self.kv,
+            self.adder_limits,
+            self.running.reqs,
+            self.ratio.current,
+            mixed_decode_tokens=running_bs if mixed else 0,
+        )
+        chunked_before = self.chunked_req
+        if self.chunked_req is not None:
+            self.chunked_req = adder.add_chunked_req(self.chunked_req)
+        preempted = self._admit_waiting(adder)
+        if not adder.can_run_list:
+            return None
+        self._fill_stats(stats, adder, running_bs)
+        admitted = {id(r) for r in adder.can_run_list}
+        self.waiting = [r for r in self.waiting if id(r) not in admitted]
+        for req in preempted:
+            self._add_to_queue_or_abort(req)
+        if adder.new_chunked_req is not None:
+            assert self.chunked_req is None, "only one request may be mid-chunk"
+            self.chunked_req = adder.new_chunked_req
+        if self.chunked_req is not None:
+            self.chunked_req.inflight_middle_chunks += 1
+        batch = ScheduledBatch(StepKind.PREFILL, list(adder.can_run_list), chunked_req=self.chunked_req)
+        self._prepare_extend(batch.extend_reqs, chunked_before)
+        if mixed:
+            self._mix_with_running(batch, stats)
+        return batch
+
+    def _admit_waiting(self, adder: PrefillAdder) -> list[Request]:
+        """The admission loop (§3.5 step 9). Returns requests preempted to make room."""
+        preempted: list[Request] = []
+        for req in self.waiting:
+            if len(adder.can_run_list) >= self._allocatable():
+                self.batch_is_full = True
+            if self.batch_is_full and not (self.preemption and self._preempt_for(req, adder, preempted)):
+                break
+            self._init_next_round_input(req)
+            ignore_eos_path = req.params.ignore_eos and self.kv.disabled
+            result = adder.add_one_req(req, ignore_eos_path)
+            if result is not AddReqResult.CONTINUE:
+                if result is AddReqResult.NO_TOKEN:
+                    self.batch_is_full = True
+                break
+        return preempted
+
+    def _fill_stats(self, stats: StepStats, adder: PrefillAdder, running_bs: int) -> None:
+        stats.kind = StepKind.PREFILL
+        stats.new_seqs = len(adder.can_run_list)
+        stats.new_tokens = adder.log_input_tokens
+        stats.cached_tokens = adder.log_hit_tokens
+        stats.running_at_admission = running_bs
+        stats.rem_total_tokens = adder.rem_total_tokens
+        stats.rem_input_tokens = adder.rem_input_tokens
+        stats.rem_chunk_tokens = adder.rem_chunk_tokens
+
+    def _prepare_extend(self, reqs: list[Request], continuation: Request | None) -> None:
+        """Allocate rows and slots, assign handles to newcomers, commit the extend lengths."""
+        for req in reqs:
+            if req is not continuation and not req.retracted_stain:
+                req.cached_tokens = len(req.prefix_indices)
+            req.is_retracted = False
+            req.preempted = False
+        self.kv.alloc_for_extend(reqs)
+        self._introduced = set()
+        for req in reqs:
+            if req.host_backup_len:
+                self._restore(req)
+            if req.handle < 0:
+                req.handle = self._next_handle
+                self._next_handle += 1
+                self.by_handle[req.handle] = req
+                self._introduced.add(req.handle)
+            req.kv_committed_len = req.extend_range[1]
+
+    def _restore(self, req: Request) -> None:
+        """Copy the host backup into the first slots of the fresh extend; compute only the rest."""
+        n = req.host_backup_len
+        self._restores.append(KvTransfer(req.handle, self.kv.row(req)[:n].copy()))
+        del self.offloaded[req.handle]
+        self.by_handle[req.handle] = req
+        self.host_used -= n
+        req.host_backup_len = 0
+        req.extend_range = (n, req.extend_range[1])
+
+    def _mix_with_running(self, batch: ScheduledBatch, stats: StepStats) -> None:
+        """Mixed chunk (§4.4): decode the running batch inside the prefill step, no memory check."""
+        if self.running.filter_finished():
+            self.batch_is_full = False
+        if not len(self.running):
+            return
+        batch.kind = StepKind.MIXED
+        batch.decode_reqs = list(self.running.reqs)
+        self._alloc_decode()
+        stats.kind = StepKind.MIXED
+        stats.decode_bs = len(batch.decode_reqs)
+        self.running = RunningBatch()

@@ -1,0 +1,155 @@
+"""Decode and retraction (SCHEDULER.md §6): the memory check, retraction order, the OOM abort of the
+last request, sample groups aborted whole, and the host backup pool (Appendix A)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from control_plane.request import AbortCode, FinishReason, Request
+from control_plane.scheduler.batch import ScheduledBatch
+from control_plane.scheduler.intake import Intake
+from control_plane.scheduler.plan import KvTransfer, StepKind
+from control_plane.scheduler.priority import urgency
+from control_plane.scheduler.state import StepStats
+
+HOST_POOL_FULL = (
+    "KV cache pool is full and the host backup pool has no room for this request's {n} tokens: "
+    "aborted instead of retracted."
+)
+OOM_LAST_REQUEST = (
+    "Out of memory even after retracting all other requests in the decode batch. Aborting the last request."
+)
+
+
+class Retraction(Intake):
+    """The decode step and what gives way when KV runs out (§6)."""
+
+    def _update_running_batch(self, stats: StepStats) -> ScheduledBatch | None:
+        if self.running.filter_finished():
+            self.batch_is_full = False
+        if not len(self.running):
+            self.batch_is_full = False
+            return None
+        before = len(self.running)
+        kv_full = not self.kv.check_decode_mem(self.running.seq_lens)
+        test_retract = self.config.test_retract and self.forward_ct % self.config.test_retract_interval == 0
+        if kv_full or test_retract:
+            stats.kv_full = kv_full
+            self._retract(stats)
+        else:
+            self.ratio.decay_step()
+        if len(self.running) < before:
+            self.batch_is_full = False
+        if not len(self.running):
+            return None
+        stats.kind = StepKind.DECODE
+        stats.decode_bs = len(self.running)
+        batch = ScheduledBatch(StepKind.DECODE, decode_reqs=list(self.running.reqs))
+        self._alloc_decode()
+        return batch
+
+    def _alloc_decode(self) -> None:
+        self._decode_slots = self.kv.alloc_for_decode(self.running.rows, self.running.seq_lens)
+        self._decode_handles = self.running.handles
+        self.running.seq_lens += 1
+
+    def _retraction_order(self) -> list[int]:
+        """Indices, most worth keeping first; the loop retracts from the end (§6.3)."""
+        reqs = self.running.reqs
+        sign = self.priority_sign
+
+        def key(i: int) -> tuple[int, ...]:
+            r = reqs[i]
+            length_key = (len(r.output_ids), -len(r.origin_input_ids))
+            group_key = (1 if r.params.group else 0,)  # parallel-sample groups are kept first
+            if self.config.retraction_policy == "priority":
+                return (*group_key, -urgency(r, sign), *length_key)
+            return (*group_key, *length_key)
+
+        return sorted(range(len(reqs)), key=key, reverse=True)
+
+    def _retract(self, stats: StepStats) -> None:
+        reqs = self.running.reqs
+        order = self._retraction_order()
+        available_before = self.kv.available_size()
+        stats.ratio_before_retract = self.ratio.current
+        retracted: list[Request] = []
+        first = True
+        while first or not self.kv.check_decode_mem(self.running.seq_lens[order]):
+            if len(order) == 1:
+                break
+            if reqs[order[-1]].params.group and not stats.kv_full:
+                break  # TEST_RETRACT exercises retraction; a sample group is never partially retracted
+            victim = reqs[order.pop()]
+            first = False
+            if victim.params.group:
+                order = self._abort_group(victim, order)
+                continue
+            if self._release_for_requeue(victim, remaining=len(order)):
+                retracted.append(victim)
+        if len(order) == 1 and not self.kv.check_decode_mem(self.running.seq_lens[order]):
+            last = reqs[order.pop()]
+            self.kv.release_req(last, 0, self.config.retract_decode_steps)
+            self._finish(last, FinishReason.abort(OOM_LAST_REQUEST, AbortCode.INTERNAL))
+        self.running.keep(order)
+        self.ratio.current = self.ratio.estimate_after_retract(
+            self.running.reqs, self.config.retract_decode_steps
+        )
+        for req in retracted:
+            self.num_retracted_total += 1
+            self._add_to_queue_or_abort(req)
+        stats.retracted = [r.rid for r in retracted]
+        stats.retracted_input_tokens = sum(len(r.origin_input_ids) for r in retracted)
+        stats.retracted_output_tokens = sum(len(r.output_ids) for r in retracted)
+        stats.retract_tokens_gained = self.kv.available_size() - available_before
+
+    def _abort_group(self, victim: Request, order: list[int]) -> list[int]:
+        """A parallel-sample group is never partially retracted: under pressure it is aborted whole."""
+        reqs = self.running.reqs
+        members = [i for i in order if reqs[i].params.group == victim.params.group]
+        for req in [victim, *(reqs[i] for i in members)]:
+            self.kv.release_aborted(req)
+            self._finish(
+                req, FinishReason.abort("KV cache pool is full: the sample group was aborted together.")
+            )
+        return [i for i in order if i not in set(members)]
+
+    def _release_for_requeue(self, req: Request, remaining: int) -> bool:
+        """Release without inserting into the tree and reset for a later re-prefill (§6.4).
+
+        With a host backup pool the KV is offloaded first and the worker keeps the handle; when the
+        pool cannot hold it the request is aborted instead. Returns whether it is to be re-queued.
+        """
+        backed_up = self._backup(req)
+        self.kv.release_req(req, remaining, self.config.retract_decode_steps)
+        if backed_up is False:
+            self._finish(req, FinishReason.abort(HOST_POOL_FULL.format(n=req.kv_committed_len)))
+            return False
+        if backed_up:
+            del self.by_handle[req.handle]
+            self.offloaded[req.handle] = req
+        elif req.handle >= 0:
+            self._release_handle(req)
+        req.retraction_count += 1
+        req.prefix_indices = np.zeros(0, dtype=np.int64)
+        req.last_node = None
+        req.cache_protected_len = 0
+        req.extend_range = (0, 0)
+        req.inflight_middle_chunks = 0
+        req.is_retracted = True
+        req.retracted_stain = True
+        req.kv_committed_len = 0
+        return True
+
+    def _backup(self, req: Request) -> bool | None:
+        """Offload the request's committed KV to the host pool: None when there is no host pool,
+        False when it has no room."""
+        if not self.host_capacity:
+            return None
+        n = req.kv_committed_len
+        if self.host_used + n > self.host_capacity:
+            return False
+        self._offloads.append(KvTransfer(req.handle, self.kv.row(req)[:n].copy()))
+        self.host_used += n
+        req.host_backup_len = n
+        return True

@@ -1,0 +1,23 @@
+"""Sizes the scheduler derives from its worker: the running-request cap (§9) and the clamp on
+max_new_tokens at intake (§1.5)."""
+
+from __future__ import annotations
+
+
+def resolve_max_running_requests(configured: int | None, capacity: int, context_len: int) -> int:
+    """SGLang's default: min(clamp(int(T / context · 512), 2048, 4096), T // 2) (§9)."""
+    if configured is not None:
+        return max(1, min(configured, capacity // 2))
+    default = min(max(int(capacity / context_len * 512), 2048), 4096)
+    return max(1, min(default, capacity // 2))
+
+
+def clamp_max_new_tokens(
+    requested: int | None, input_len: int, max_req_len: int, capacity: int, page_size: int, limit: int | None
+) -> int:
+    """§1.5: any admitted request can pass the adder's total-token gate on an empty pool."""
+    wanted = requested if requested is not None else 2**30
+    if limit is not None and limit > 0:
+        wanted = min(wanted, limit)
+    ceil_input = -(-input_len // page_size) * page_size
+    return max(0, min(wanted, max_req_len - input_len - 1, capacity - ceil_input - page_size - 1))
