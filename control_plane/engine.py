@@ -22,15 +22,15 @@ from control_plane.cache.invariants import InvariantError, PoolCheck, check_pool
 from control_plane.config import ControlConfig
 from control_plane.record.recorder import close_recording, make_scheduler
 from control_plane.request import AbortCode, FinishReason, Request, RequestParams
-from control_plane.scheduler.plan import StepKind, StepPlan, StepResult, WorkerLimits
-from control_plane.scheduler.scheduler import QueueFull, RequestRejected, RequestUpdate, StepStats
+from control_plane.scheduler.plan import StepPlan, StepResult, WorkerLimits
+from control_plane.scheduler.scheduler import QueueFull, RequestRejected, RequestUpdate
+from control_plane.step_log import StepLog
+from control_plane.timeouts import Timeouts
 from control_plane.tokenizer import TextStream, Tokenizer
 from control_plane.worker_checks import WorkerFault, check_result
 
 log = structlog.get_logger("stepwise.engine")
 
-WAITING_TIMEOUT = "Request waiting timeout reached."
-RUNNING_TIMEOUT = "Request running timeout reached."
 INTERNAL_ERROR = "internal error in the control plane (logged); the request could not be continued"
 # A request live during this many faults of our own is ended rather than tried again.
 MAX_FAULTS_PER_REQUEST = 2
@@ -171,10 +171,8 @@ class Engine:
         self.kv_mismatches = 0
         self.reported_kv = (0, 0)
         self.steps = 0
-        self._decode_batches = 0
-        self._decode_tokens_since_log = 0
-        self._last_decode_log = time.monotonic()
-        self._last_prefill_log = time.monotonic()
+        self.step_log = StepLog(self.worker, config.decode_log_interval, self.log)
+        self.timeouts = Timeouts(config.waiting_timeout_s, config.running_timeout_s, self._first_forward)
 
     # --- called from request handlers -----------------------------------------------------------
 
@@ -218,6 +216,10 @@ class Engine:
             self._inbox.append(_Abort(r, FinishReason.abort(message, code)))
         self._wake.set()
         return bool(live)
+
+    def _first_forward(self, rid: str) -> float | None:
+        stream = self.streams.get(rid)
+        return stream.admitted if stream is not None else None
 
     def knows(self, rid: str) -> bool:
         return rid in self._groups or rid in self.streams
@@ -278,8 +280,11 @@ class Engine:
 
     async def _iteration(self) -> None:
         self._drain_inbox()
-        self._check_timeouts()
+        if self.timeouts.enabled:
+            self.timeouts.check(self.scheduler, time.monotonic())
         plan = self.scheduler.next_plan()
+        if self.timeouts.enabled:
+            self.timeouts.note_waiting(self.scheduler, time.monotonic())
         self._publish()
         if plan is None:
             await self._idle()
@@ -293,7 +298,7 @@ class Engine:
         self._wake.clear()
         if self._inbox or self._stopping:
             return
-        timeout = self._timeout_poll_s()
+        timeout = self.timeouts.poll_s() if self.streams else None
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._wake.wait(), timeout)
 
@@ -316,7 +321,7 @@ class Engine:
         self.steps += 1
         if self.config.scheduler.strict_invariants:
             self._check_invariants()
-        self._log_step(plan, result, stats)
+        self.step_log.record(plan, stats, self.scheduler)
 
     async def _exchange(self, plan: StepPlan) -> StepResult:
         """Send a plan and wait for its result, no longer than the plan's deadline (a hung worker)."""
@@ -561,21 +566,6 @@ class Engine:
 
     # --- timeouts, books, invariants, logs ------------------------------------------------------------
 
-    def _timeout_poll_s(self) -> float | None:
-        limits = [t for t in (self.config.waiting_timeout_s, self.config.running_timeout_s) if t > 0]
-        return min(limits) / 4 if limits and self.streams else None
-
-    def _check_timeouts(self) -> None:
-        wait_s, run_s = self.config.waiting_timeout_s, self.config.running_timeout_s
-        if wait_s <= 0 and run_s <= 0:
-            return
-        now = time.monotonic()
-        for stream in list(self.streams.values()):
-            if stream.admitted is None and wait_s > 0 and now - stream.arrived > wait_s:
-                self.scheduler.abort(stream.rid, FinishReason.abort(WAITING_TIMEOUT))
-            elif stream.admitted is not None and run_s > 0 and now - stream.admitted > run_s:
-                self.scheduler.abort(stream.rid, FinishReason.abort(RUNNING_TIMEOUT))
-
     def _check_books(self, step_id: int, expected: tuple[int, int], result: StepResult) -> None:
         reported = (result.kv.live_seqs, result.kv.seq_slots)
         self.reported_kv = reported
@@ -622,79 +612,6 @@ class Engine:
             self.log.error("kv pool invariant violated", error=str(exc))
             if self.config.scheduler.strict_invariants:
                 raise
-
-    def _log_step(self, plan: StepPlan, result: StepResult, stats: StepStats) -> None:
-        """Metrics every step; SGLang's prefill line per prefill, decode line every N decodes."""
-        sched = self.scheduler
-        metrics.record_pool(
-            self.worker,
-            metrics.PoolFigures(
-                running=len(sched.running),
-                queued=len(sched.waiting),
-                available=sched.kv.available_size(),
-                evictable=sched.kv.evictable_size(),
-                capacity=sched.capacity,
-                new_token_ratio=sched.ratio.current,
-            ),
-        )
-        if stats.retracted:
-            self._observe_retraction(stats)
-            self.log.warning(retraction_line(stats), step=plan.step_id)
-        if plan.kind is not StepKind.DECODE:
-            self._log_prefill(plan, stats)
-        elif len(plan.decodes):
-            self._log_decode(plan)
-
-    def _observe_retraction(self, stats: StepStats) -> None:
-        metrics.NUM_RETRACTED_REQS.labels(self.worker).set(len(stats.retracted))
-        metrics.RETRACTED_REQUESTS.labels(self.worker).inc(len(stats.retracted))
-        metrics.RETRACTED_INPUT_TOKENS.labels(self.worker).inc(stats.retracted_input_tokens)
-        metrics.RETRACTED_OUTPUT_TOKENS.labels(self.worker).inc(stats.retracted_output_tokens)
-
-    def _log_prefill(self, plan: StepPlan, stats: StepStats) -> None:
-        sched = self.scheduler
-        now = time.monotonic()
-        throughput = stats.new_tokens / max(now - self._last_prefill_log, 1e-9)
-        self._last_prefill_log = now
-        metrics.PROMPT_TOKENS.labels(self.worker).inc(stats.new_tokens)
-        metrics.CACHED_TOKENS.labels(self.worker).inc(stats.cached_tokens)
-        seen = stats.new_tokens + stats.cached_tokens
-        metrics.CACHE_HIT_RATE.labels(self.worker).set(stats.cached_tokens / seen if seen else 0.0)
-        usage = sched.kv.used_tokens() / sched.capacity
-        self.log.info(
-            f"Prefill batch, #new-seq: {stats.new_seqs}, #new-token: {stats.new_tokens}, "
-            f"#cached-token: {stats.cached_tokens}, token usage: {usage:.2f}, "
-            f"#running-req: {stats.running_at_admission}, #queue-req: {len(sched.waiting)}, "
-            f"#pending-token: {sched.pending_tokens()}, input throughput (token/s): {throughput:.2f}",
-            step=plan.step_id,
-        )
-
-    def _log_decode(self, plan: StepPlan) -> None:
-        sched = self.scheduler
-        self._decode_batches += 1
-        self._decode_tokens_since_log += len(plan.decodes)
-        if self._decode_batches % self.config.decode_log_interval:
-            return
-        now = time.monotonic()
-        throughput = self._decode_tokens_since_log / max(now - self._last_decode_log, 1e-9)
-        self._last_decode_log, self._decode_tokens_since_log = now, 0
-        metrics.GEN_THROUGHPUT.labels(self.worker).set(throughput)
-        usage = sched.kv.used_tokens() / sched.capacity
-        self.log.info(
-            f"Decode batch, #running-req: {len(plan.decodes)}, #token: {sched.kv.used_tokens()}, "
-            f"token usage: {usage:.2f}, gen throughput (token/s): {throughput:.2f}, "
-            f"#queue-req: {len(sched.waiting)}",
-            step=plan.step_id,
-        )
-
-
-def retraction_line(stats: StepStats) -> str:
-    """SGLang's retraction warning (SCHEDULER.md §6.1)."""
-    head = "KV cache pool is full. Retract requests. " if stats.kv_full else "Testing retraction. "
-    line = f"{head}#retracted_reqs: {len(stats.retracted)}, #new_tokens_gained: {stats.retract_tokens_gained}"
-    if stats.kv_full:
-        line += f", #new_token_ratio: {stats.ratio_before_retract:.4f} -> {stats.new_token_ratio:.4f}"
-    return line
 
 
 def _sample_params(params: RequestParams, index: int, n: int, group: str) -> RequestParams:

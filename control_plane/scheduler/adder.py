@@ -65,6 +65,9 @@ class PrefillAdder:
         self.preempt_list: list[Request] = []
         self.log_hit_tokens = 0
         self.log_input_tokens = 0
+        # The part of the two above that re-does the work of retracted requests (§3.3, §10.5).
+        self.reprocessed_hit_tokens = 0
+        self.reprocessed_input_tokens = 0
         self.req_states: list[tuple[float, int]] | None = None
 
     # --- budgets -------------------------------------------------------------------------------
@@ -92,7 +95,16 @@ class PrefillAdder:
             return AddReqResult.OTHER
         return AddReqResult.CONTINUE
 
-    def _update_prefill_budget(self, prefix_len: int, extend_len: int, max_new_tokens: int) -> None:
+    @property
+    def cache_hit_rate(self) -> float:
+        """SGLang's prefill cache-hit rate: hit / (hit + input), leaving out re-processed retracted work."""
+        hit = self.log_hit_tokens - self.reprocessed_hit_tokens
+        seen = hit + self.log_input_tokens - self.reprocessed_input_tokens
+        return hit / seen if seen > 0 else 0.0
+
+    def _update_prefill_budget(
+        self, req: Request, prefix_len: int, extend_len: int, max_new_tokens: int
+    ) -> None:
         extend = self.ceil_page(extend_len)
         self.rem_total_token_offset += extend + max_new_tokens + self.page_size
         self.cur_rem_token_offset += extend + self.page_size
@@ -101,6 +113,9 @@ class PrefillAdder:
             self.rem_chunk_tokens -= extend
         self.log_hit_tokens += prefix_len
         self.log_input_tokens += extend
+        if req.retracted_stain:
+            self.reprocessed_hit_tokens += prefix_len
+            self.reprocessed_input_tokens += extend
 
     def _clip(self, max_new_tokens: int) -> int:
         return min(max_new_tokens, self.limits.clip_max_new_tokens)
@@ -119,7 +134,7 @@ class PrefillAdder:
         length = min(candidate, rem)
         req.extend_range = (prefix_len, prefix_len + length)
         self.can_run_list.append(req)
-        self._update_prefill_budget(0, length, 0 if truncated else self._clip(req.max_new_tokens))
+        self._update_prefill_budget(req, 0, length, 0 if truncated else self._clip(req.max_new_tokens))
         return req if truncated else None
 
     # --- a new request (§3.7) --------------------------------------------------------------------
@@ -166,7 +181,7 @@ class PrefillAdder:
             req.extend_range = (prefix_len, req.seqlen)
             self.can_run_list.append(req)
             self.kv.inc_lock(req.last_node)
-            self._update_prefill_budget(prefix_len, input_tokens, self._clip(req.max_new_tokens))
+            self._update_prefill_budget(req, prefix_len, input_tokens, self._clip(req.max_new_tokens))
             return None
         return self._admit_chunk(req, prefix_len)
 
@@ -184,7 +199,7 @@ class PrefillAdder:
         self.can_run_list.append(req)
         self.new_chunked_req = req
         self.kv.inc_lock(req.last_node)
-        self._update_prefill_budget(prefix_len, trunc, 0)
+        self._update_prefill_budget(req, prefix_len, trunc, 0)
         return None
 
     # --- ignore_eos with the cache disabled (§3.8) --------------------------------------------------
@@ -220,14 +235,14 @@ class PrefillAdder:
         if self.rem_chunk_tokens is None or candidate <= self.rem_chunk_tokens or req.host_backup_len:
             req.extend_range = (prefix_len, req.seqlen)
             self.can_run_list.append(req)
-            self._update_prefill_budget(prefix_len, candidate, self._clip(req.max_new_tokens))
+            self._update_prefill_budget(req, prefix_len, candidate, self._clip(req.max_new_tokens))
         else:
             if self.rem_chunk_tokens <= 0:
                 return AddReqResult.OTHER
             req.extend_range = (0, self.rem_chunk_tokens)
             self.can_run_list.append(req)
             self.new_chunked_req = req
-            self._update_prefill_budget(0, self.rem_chunk_tokens, 0)
+            self._update_prefill_budget(req, 0, self.rem_chunk_tokens, 0)
         return self.budget_state()
 
     def _simulated_finish_fits(self, candidate: int) -> bool:

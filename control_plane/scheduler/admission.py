@@ -103,6 +103,7 @@ class Admission(Preemption):
         stats.new_seqs = len(adder.can_run_list)
         stats.new_tokens = adder.log_input_tokens
         stats.cached_tokens = adder.log_hit_tokens
+        stats.cache_hit_rate = adder.cache_hit_rate
         stats.running_at_admission = running_bs
         stats.rem_total_tokens = adder.rem_total_tokens
         stats.rem_input_tokens = adder.rem_input_tokens

@@ -91,6 +91,7 @@ class Retraction(Intake):
             last = reqs[order.pop()]
             self.kv.release_req(last, 0, self.config.retract_decode_steps)
             self._finish(last, FinishReason.abort(OOM_LAST_REQUEST, AbortCode.INTERNAL))
+            stats.oom_aborted.append(last.rid)
         self.running.keep(order)
         self.ratio.current = self.ratio.estimate_after_retract(
             self.running.reqs, self.config.retract_decode_steps

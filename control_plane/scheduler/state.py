@@ -69,6 +69,10 @@ class StepStats:
     ratio_before_retract: float = 0.0
     # Whether the retraction was forced by a full pool (else by the TEST_RETRACT switch).
     kv_full: bool = False
+    # Prefill cache-hit rate without re-processed retracted work (§10.5); 0 for a decode step.
+    cache_hit_rate: float = 0.0
+    # Requests aborted because even alone they did not fit (§6.3's OOM abort of the last request).
+    oom_aborted: list[str] = field(default_factory=list)
 
 
 class SchedulerState:

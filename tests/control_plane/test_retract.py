@@ -160,6 +160,8 @@ def test_oom_aborts_the_last_request_with_sglangs_message() -> None:
     assert reason.message == OOM_LAST_REQUEST
     assert OOM_LAST_REQUEST.startswith("Out of memory even after retracting all other requests")
     assert plan is not None and plan.releases.tolist() == [1] and not len(plan.decodes)
+    # The step reports it, for SGLang's log line (§6.3) "retract_decode: aborted last request a due to OOM".
+    assert sched.last_stats is not None and sched.last_stats.oom_aborted == ["a"]
     assert sched.ratio.current == 0.0  # the estimate over an empty batch; the next decay lifts it
     sched.ratio.decay_step()
     assert sched.ratio.current == sched.ratio.min

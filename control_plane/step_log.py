@@ -1,0 +1,107 @@
+"""What one worker's step loop reports: SGLang's log lines (SCHEDULER.md §10) and the Prometheus
+figures, per step. Formatting lives here so the loop reads as plan, send, receive, apply, publish."""
+
+from __future__ import annotations
+
+import time
+
+import structlog
+
+from control_plane import metrics
+from control_plane.scheduler.plan import StepKind, StepPlan
+from control_plane.scheduler.scheduler import Scheduler, StepStats
+
+
+def retraction_line(stats: StepStats) -> str:
+    """SGLang's retraction warning (SCHEDULER.md §6.1)."""
+    head = "KV cache pool is full. Retract requests. " if stats.kv_full else "Testing retraction. "
+    line = f"{head}#retracted_reqs: {len(stats.retracted)}, #new_tokens_gained: {stats.retract_tokens_gained}"
+    if stats.kv_full:
+        line += f", #new_token_ratio: {stats.ratio_before_retract:.4f} -> {stats.new_token_ratio:.4f}"
+    return line
+
+
+def oom_abort_line(rid: str) -> str:
+    """SGLang's line for the last request aborted because even alone it did not fit (§6.3)."""
+    return f"retract_decode: aborted last request {rid} due to OOM"
+
+
+class StepLog:
+    """Per-worker counters between log lines; `record` is called once per completed step."""
+
+    def __init__(
+        self, worker: str, decode_log_interval: int, log: structlog.typing.FilteringBoundLogger
+    ) -> None:
+        self.worker = worker
+        self.decode_log_interval = decode_log_interval
+        self.log = log
+        self._decode_batches = 0
+        self._decode_tokens_since_log = 0
+        self._last_decode_log = time.monotonic()
+        self._last_prefill_log = time.monotonic()
+
+    def record(self, plan: StepPlan, stats: StepStats, sched: Scheduler) -> None:
+        """Metrics every step; SGLang's prefill line per prefill, decode line every N decodes."""
+        metrics.record_pool(
+            self.worker,
+            metrics.PoolFigures(
+                running=len(sched.running),
+                queued=len(sched.waiting),
+                available=sched.kv.available_size(),
+                evictable=sched.kv.evictable_size(),
+                capacity=sched.capacity,
+                new_token_ratio=sched.ratio.current,
+            ),
+        )
+        self._observe_retraction(stats)
+        if stats.retracted:
+            self.log.warning(retraction_line(stats), step=plan.step_id)
+        for rid in stats.oom_aborted:
+            self.log.error(oom_abort_line(rid), step=plan.step_id)
+        if plan.kind is not StepKind.DECODE:
+            self._log_prefill(plan, stats, sched)
+        elif len(plan.decodes):
+            metrics.CACHE_HIT_RATE.labels(self.worker).set(0.0)  # as SGLang's decode stats do
+            self._log_decode(plan, sched)
+
+    def _observe_retraction(self, stats: StepStats) -> None:
+        # The gauge is this step's figure: back to 0 on a step without retraction (§10.5).
+        metrics.NUM_RETRACTED_REQS.labels(self.worker).set(len(stats.retracted))
+        if not stats.retracted:
+            return
+        metrics.RETRACTED_REQUESTS.labels(self.worker).inc(len(stats.retracted))
+        metrics.RETRACTED_INPUT_TOKENS.labels(self.worker).inc(stats.retracted_input_tokens)
+        metrics.RETRACTED_OUTPUT_TOKENS.labels(self.worker).inc(stats.retracted_output_tokens)
+
+    def _log_prefill(self, plan: StepPlan, stats: StepStats, sched: Scheduler) -> None:
+        now = time.monotonic()
+        throughput = stats.new_tokens / max(now - self._last_prefill_log, 1e-9)
+        self._last_prefill_log = now
+        metrics.PROMPT_TOKENS.labels(self.worker).inc(stats.new_tokens)
+        metrics.CACHED_TOKENS.labels(self.worker).inc(stats.cached_tokens)
+        metrics.CACHE_HIT_RATE.labels(self.worker).set(stats.cache_hit_rate)
+        usage = sched.kv.used_tokens() / sched.capacity
+        self.log.info(
+            f"Prefill batch, #new-seq: {stats.new_seqs}, #new-token: {stats.new_tokens}, "
+            f"#cached-token: {stats.cached_tokens}, token usage: {usage:.2f}, "
+            f"#running-req: {stats.running_at_admission}, #queue-req: {len(sched.waiting)}, "
+            f"#pending-token: {sched.pending_tokens()}, input throughput (token/s): {throughput:.2f}",
+            step=plan.step_id,
+        )
+
+    def _log_decode(self, plan: StepPlan, sched: Scheduler) -> None:
+        self._decode_batches += 1
+        self._decode_tokens_since_log += len(plan.decodes)
+        if self._decode_batches % self.decode_log_interval:
+            return
+        now = time.monotonic()
+        throughput = self._decode_tokens_since_log / max(now - self._last_decode_log, 1e-9)
+        self._last_decode_log, self._decode_tokens_since_log = now, 0
+        metrics.GEN_THROUGHPUT.labels(self.worker).set(throughput)
+        usage = sched.kv.used_tokens() / sched.capacity
+        self.log.info(
+            f"Decode batch, #running-req: {len(plan.decodes)}, #token: {sched.kv.used_tokens()}, "
+            f"token usage: {usage:.2f}, gen throughput (token/s): {throughput:.2f}, "
+            f"#queue-req: {len(sched.waiting)}",
+            step=plan.step_id,
+        )
