@@ -54,6 +54,7 @@ def sampling_params(
     frequency_penalty: float | None = None,
     presence_penalty: float | None = None,
     n: int | None = None,
+    min_new_tokens: int | None = None,
 ) -> gen_pb.SamplingParams:
     """Build SamplingParams, leaving unset what the caller did not give (server defaults apply)."""
     msg = gen_pb.SamplingParams(stop=list(stop), stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos)
@@ -68,6 +69,7 @@ def sampling_params(
         "frequency_penalty": frequency_penalty,
         "presence_penalty": presence_penalty,
         "n": n,
+        "min_new_tokens": min_new_tokens,
     }
     for name, value in optional.items():
         if value is not None:

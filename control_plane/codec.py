@@ -358,6 +358,8 @@ def sampling_from_proto(msg: gen_pb.SamplingParams, limits: Limits | None = None
     min_p = float(_opt(msg, "min_p", 0.0))  # type: ignore[arg-type]
     rep = float(_opt(msg, "repetition_penalty", 1.0))  # type: ignore[arg-type]
     _check(max_new is None or max_new >= 0, "sampling.max_new_tokens", f"must be >= 0, got {max_new}")
+    min_new = msg.min_new_tokens if msg.HasField("min_new_tokens") else 0
+    _check(min_new >= 0, "sampling.min_new_tokens", f"must be >= 0, got {min_new}")
     _check(temperature >= 0.0, "sampling.temperature", f"must be >= 0, got {temperature}")
     _check(0.0 < top_p <= 1.0, "sampling.top_p", f"must be in (0, 1], got {top_p}")
     _check(top_k >= 0, "sampling.top_k", f"must be >= 0, got {top_k}")
@@ -378,6 +380,7 @@ def sampling_from_proto(msg: gen_pb.SamplingParams, limits: Limits | None = None
     )
     return RequestParams(
         max_new_tokens=max_new,
+        min_new_tokens=min_new,
         stop=tuple(msg.stop),
         stop_token_ids=frozenset(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
@@ -411,6 +414,7 @@ def generate_input_from_proto(msg: gen_pb.GenerateRequest, limits: Limits | None
     priority = msg.priority if msg.HasField("priority") else None
     params = RequestParams(
         max_new_tokens=params.max_new_tokens,
+        min_new_tokens=params.min_new_tokens,
         stop=params.stop,
         stop_token_ids=params.stop_token_ids,
         ignore_eos=params.ignore_eos,

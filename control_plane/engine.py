@@ -193,7 +193,7 @@ class Engine:
                 rid,
                 i,
                 len(input_ids),
-                TextStream(self.tokenizer, input_ids, params.stop),
+                TextStream(self.tokenizer, input_ids, params.stop, min_new_tokens=params.min_new_tokens),
                 events,
                 owner=owner,
             )
@@ -404,7 +404,9 @@ class Engine:
     def _orphan(req: Request, stream: RequestStream) -> Orphan:
         """The request as a new arrival that continues right after the last token its client got."""
         streamed = req.output_ids[: stream.completion_tokens]
-        params = req.params
+        params = dataclasses.replace(
+            req.params, min_new_tokens=max(0, req.params.min_new_tokens - len(streamed))
+        )
         if params.max_new_tokens is not None:
             params = dataclasses.replace(params, max_new_tokens=params.max_new_tokens - len(streamed))
         return Orphan(stream, req.origin_input_ids + streamed, params)

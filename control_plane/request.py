@@ -75,6 +75,8 @@ class RequestParams:
     """What the client asked for; never changes after intake."""
 
     max_new_tokens: int | None = None
+    # Stop conditions (EOS, stop token ids, stop strings) are ignored until this many tokens (§1.5).
+    min_new_tokens: int = 0
     stop: tuple[str, ...] = ()
     stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
@@ -101,6 +103,8 @@ class Request:
     params: RequestParams
     # Order of arrival (a logical clock, never the wall clock: decisions must replay exactly).
     max_new_tokens: int = 0
+    # params.min_new_tokens lowered to max_new_tokens when larger (§1.5).
+    min_new_tokens: int = 0
     output_ids: list[int] = field(default_factory=list)
     # Scheduling state (SCHEDULER.md §0.1).
     handle: int = -1

@@ -138,6 +138,10 @@ class WorkerLinkService(wk_grpc.WorkerLinkServicer):
         page = self.config.scheduler.page_size
         if page is not None and hello.page_size != page:
             return f"page_size {hello.page_size} differs from the control plane's --page-size {page}"
+        chunk = self.config.scheduler.chunked_prefill_size
+        if page is None and chunk and hello.page_size > 0 and chunk % hello.page_size:
+            # SGLang asserts the chunk is a whole number of pages (§4.1); the page is the worker's here.
+            return f"page_size {hello.page_size} does not divide --chunked-prefill-size {chunk}"
         fingerprint = self.router.model_fingerprint
         if fingerprint and hello.model_fingerprint != fingerprint:
             return "model_fingerprint differs from the workers already attached"
@@ -289,7 +293,8 @@ class GenerationService(gen_grpc.GenerationServicer):
         except QueueFull as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except RequestRejected as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            # SGLang answers 503 here (§1.5 _add_request_to_queue): the server refuses, the input is fine.
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         except ValueError as exc:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {exc}")
         except Exception:

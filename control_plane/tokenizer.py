@@ -586,7 +586,7 @@ class StreamDelta:
 class TextStream:
     """Detokenization and stop-string matching for one request's generated tokens."""
 
-    __slots__ = ("_detokenizer", "_matcher")
+    __slots__ = ("_detokenizer", "_matcher", "_unmatched_tokens")
 
     def __init__(
         self,
@@ -594,13 +594,20 @@ class TextStream:
         prompt_ids: Sequence[int],
         stops: Sequence[str] = (),
         skip_special_tokens: bool = True,
+        min_new_tokens: int = 0,
     ) -> None:
+        """Stop strings are looked for only in text of tokens after the first `min_new_tokens`."""
         self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens)
         self._matcher = StopMatcher(stops)
+        self._unmatched_tokens = min_new_tokens
 
     def push(self, token_ids: Sequence[int]) -> StreamDelta:
         """Add generated ids. A delta with `stop` set is the last; pushing after it raises RuntimeError."""
-        text, stop = self._matcher.feed(self._detokenizer.push(token_ids))
+        text = self._detokenizer.push(token_ids)
+        if self._unmatched_tokens > 0:
+            self._unmatched_tokens -= len(token_ids)
+            return StreamDelta(text, None)
+        text, stop = self._matcher.feed(text)
         return StreamDelta(text, stop)
 
     def finish(self) -> str:

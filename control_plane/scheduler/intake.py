@@ -42,6 +42,7 @@ class Intake(SchedulerState):
             self.page_size,
             self.config.max_new_tokens_limit,
         )
+        req.min_new_tokens = min(params.min_new_tokens, req.max_new_tokens)
         req.priority = self._intake_priority(params.priority)
         if error is not None:
             # SGLang queues it with the prompt cut to one token so it finishes after one cheap prefill;

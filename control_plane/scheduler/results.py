@@ -57,6 +57,8 @@ class Results(Planning):
                 not req.params.ignore_eos and token in self.limits.eos_token_ids
             )
             return FinishReason.length("max_new_tokens"), not matched
+        if len(req.output_ids) < req.min_new_tokens:
+            return None, True  # stop conditions do not count yet (§1.5 min_new_tokens)
         if token in req.params.stop_token_ids:
             return FinishReason.stop(f"stop token {token}"), False
         if not req.params.ignore_eos and token in self.limits.eos_token_ids:

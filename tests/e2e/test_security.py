@@ -247,3 +247,16 @@ async def test_bad_utf8_and_non_finite_numbers_are_invalid_arguments(start_contr
                     pass
             assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert f"sampling.{name}" in (refused.value.details() or "")
+
+
+async def test_a_priority_refused_by_the_server_is_unavailable(start_control) -> None:
+    """SGLang answers 503 when priority scheduling is off and --abort-on-priority-when-disabled is set:
+    the server refuses, the input itself is fine (SCHEDULER.md §1.5)."""
+    plane = await start_control("--abort-on-priority-when-disabled")
+    plane.add_worker("w0")
+    await plane.wait_workers(1)
+    async with StepwiseClient(plane.address) as client:
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await client.generate([5, 6, 7], max_new_tokens=2, priority=3)
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "priority" in (refused.value.details() or "")
