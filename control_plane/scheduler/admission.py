@@ -38,15 +38,17 @@ class Admission(Preemption):
         if survivors:
             self.running.merge(survivors)
 
-    def _allocatable(self) -> int:
-        return min(self.max_running_requests - len(self.running), self.kv.free_rows())
+    def _allocatable(self, running_bs: int) -> int:
+        """Requests that may still join: free rows, and room under the running cap for a running
+        batch of `running_bs` (§3.5 step 5's get_num_allocatable_reqs)."""
+        return min(self.max_running_requests - running_bs, self.kv.free_rows())
 
     def _get_new_batch_prefill(self, stats: StepStats) -> ScheduledBatch | None:
         if self.preemption:
             self.batch_is_full = False
         if (self.batch_is_full or not self.waiting) and self.chunked_req is None:
             return None
-        if self._allocatable() <= 0 and self.chunked_req is None and not self.preemption:
+        if self._allocatable(len(self.running)) <= 0 and self.chunked_req is None and not self.preemption:
             self.batch_is_full = True
             return None
         self.policy.order(self.waiting, self.running.reqs)
@@ -62,7 +64,7 @@ class Admission(Preemption):
         chunked_before = self.chunked_req
         if self.chunked_req is not None:
             self.chunked_req = adder.add_chunked_req(self.chunked_req)
-        preempted = self._admit_waiting(adder)
+        preempted = self._admit_waiting(adder, running_bs)
         if not adder.can_run_list:
             return None
         self._fill_stats(stats, adder, running_bs)
@@ -81,11 +83,16 @@ class Admission(Preemption):
             self._mix_with_running(batch, stats)
         return batch
 
-    def _admit_waiting(self, adder: PrefillAdder) -> list[Request]:
-        """The admission loop (§3.5 step 9). Returns requests preempted to make room."""
+    def _admit_waiting(self, adder: PrefillAdder, running_bs: int) -> list[Request]:
+        """The admission loop (§3.5 step 9). Returns requests preempted to make room.
+
+        The slot limit uses the running batch as it was when the pass began (SGLang computes
+        running_bs once, `scheduler.py:_get_new_batch_prefill_raw`): requests preempted in this pass
+        free their rows, but not their places under the running cap, until the next pass.
+        """
         preempted: list[Request] = []
         for req in self.waiting:
-            if len(adder.can_run_list) >= self._allocatable():
+            if len(adder.can_run_list) >= self._allocatable(running_bs):
                 self.batch_is_full = True
             if self.batch_is_full and not (self.preemption and self._preempt_for(req, adder, preempted)):
                 break

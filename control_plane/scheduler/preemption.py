@@ -14,7 +14,10 @@ class Preemption(Retraction):
     def _preempt_for(self, req: Request, adder: PrefillAdder, preempted: list[Request]) -> bool:
         """Priority preemption (§2.4): release running requests that the newcomer outranks."""
         sign = self.priority_sign
-        candidates = [r for r in self.running.reqs if not r.finished and not r.preempted]
+        # A parallel-sample group is never split: its members are not preemption candidates.
+        candidates = [
+            r for r in self.running.reqs if not r.finished and not r.preempted and not r.params.group
+        ]
         candidates.sort(key=lambda r: (-urgency(r, sign), -r.wait_queue_entry_time))
         self._init_next_round_input(req)
         victims = adder.preempt_to_schedule(req, candidates)
@@ -22,9 +25,12 @@ class Preemption(Retraction):
             return False
         victim_ids = {id(v) for v in victims}
         in_batch_order = [r for r in self.running.reqs if id(r) in victim_ids]
-        for victim in in_batch_order:
+        running_bs = len(self.running)
+        # `remaining` counts down per release, as SGLang's release_counter (schedule_policy.py
+        # preempt_to_schedule): the tree is asked to evict for the requests still running after each.
+        for released, victim in enumerate(in_batch_order, start=1):
             victim.preempted = True
-            if self._release_for_requeue(victim, remaining=len(self.running) - len(victim_ids)):
+            if self._release_for_requeue(victim, remaining=running_bs - released):
                 preempted.append(victim)
         self.running.remove(in_batch_order)
         self.batch_is_full = False

@@ -16,6 +16,7 @@ HOST_POOL_FULL = (
     "KV cache pool is full and the host backup pool has no room for this request's {n} tokens: "
     "aborted instead of retracted."
 )
+GROUP_ABORTED = "KV cache pool is full: the sample group was aborted together."
 OOM_LAST_REQUEST = (
     "Out of memory even after retracting all other requests in the decode batch. Aborting the last request."
 )
@@ -105,14 +106,18 @@ class Retraction(Intake):
         stats.retract_tokens_gained = self.kv.available_size() - available_before
 
     def _abort_group(self, victim: Request, order: list[int]) -> list[int]:
-        """A parallel-sample group is never partially retracted: under pressure it is aborted whole."""
+        """A parallel-sample group is never partially retracted: under pressure it is aborted whole,
+        members still waiting or mid-chunk included."""
+        reason = FinishReason.abort(GROUP_ABORTED)
         reqs = self.running.reqs
         members = [i for i in order if reqs[i].params.group == victim.params.group]
         for req in [victim, *(reqs[i] for i in members)]:
             self.kv.release_aborted(req)
-            self._finish(
-                req, FinishReason.abort("KV cache pool is full: the sample group was aborted together.")
-            )
+            self._finish(req, reason)
+        elsewhere = [r for r in self.requests.values() if r.params.group == victim.params.group]
+        for req in elsewhere:
+            if not req.finished and (req in self.waiting or req is self.chunked_req):
+                self.abort(req.rid, reason)
         return [i for i in order if i not in set(members)]
 
     def _release_for_requeue(self, req: Request, remaining: int) -> bool:
