@@ -127,7 +127,13 @@ class PrefillAdder:
         assert self.rem_chunk_tokens is not None, "a chunked request exists only when chunking is on"
         rem = min(self.rem_chunk_tokens, int(self.rem_total_tokens))
         if rem <= 0:
-            rem = self.rem_chunk_tokens  # never leave the chunked request out (it holds KV)
+            # SGLang forces progress with the whole chunk budget (the request holds KV and must not be
+            # left out), but a forced chunk larger than the pool can supply would fail to allocate:
+            # take what the pool really has, page-floored, and park the chunk when that is nothing.
+            supply = self.kv.available_size() + self.kv.evictable_size()
+            rem = min(self.rem_chunk_tokens, supply // self.page_size * self.page_size)
+            if rem <= 0:
+                return req
         prefix_len = len(req.prefix_indices)
         candidate = req.seqlen - prefix_len
         truncated = candidate > rem

@@ -3,12 +3,14 @@ the adder's budgets, batch_is_full, and mixing the running batch into a prefill 
 
 from __future__ import annotations
 
-from control_plane.request import Request
+from control_plane.request import AbortCode, FinishReason, Request
 from control_plane.scheduler.adder import AddReqResult, PrefillAdder
 from control_plane.scheduler.batch import RunningBatch, ScheduledBatch
 from control_plane.scheduler.plan import KvTransfer, StepKind
 from control_plane.scheduler.preemption import Preemption
 from control_plane.scheduler.state import StepStats
+
+OOM_CHUNK = "Out of memory: no room for the next chunk of this prompt and nothing running to free any."
 
 
 class Admission(Preemption):
@@ -38,6 +40,15 @@ class Admission(Preemption):
         if survivors:
             self.running.merge(survivors)
 
+    def _parked_chunk(self, req: Request) -> None:
+        """The chunked request got no chunk: not even a page is free or evictable. Running requests
+        will finish or be retracted and free memory; with none, nothing ever will, so it ends."""
+        if len(self.running):
+            return
+        self.chunked_req = None
+        self.kv.release_aborted(req)
+        self._finish(req, FinishReason.abort(OOM_CHUNK, AbortCode.INTERNAL))
+
     def _allocatable(self, running_bs: int) -> int:
         """Requests that may still join: free rows, and room under the running cap for a running
         batch of `running_bs` (§3.5 step 5's get_num_allocatable_reqs)."""
@@ -64,6 +75,8 @@ class Admission(Preemption):
         chunked_before = self.chunked_req
         if self.chunked_req is not None:
             self.chunked_req = adder.add_chunked_req(self.chunked_req)
+            if self.chunked_req is not None and self.chunked_req not in adder.can_run_list:
+                self._parked_chunk(self.chunked_req)
         preempted = self._admit_waiting(adder, running_bs)
         if not adder.can_run_list:
             return None
@@ -75,7 +88,7 @@ class Admission(Preemption):
         if adder.new_chunked_req is not None:
             assert self.chunked_req is None, "only one request may be mid-chunk"
             self.chunked_req = adder.new_chunked_req
-        if self.chunked_req is not None:
+        if self.chunked_req is not None and self.chunked_req in adder.can_run_list:
             self.chunked_req.inflight_middle_chunks += 1
         batch = ScheduledBatch(StepKind.PREFILL, list(adder.can_run_list), chunked_req=self.chunked_req)
         self._prepare_extend(batch.extend_reqs, chunked_before)
@@ -146,10 +159,16 @@ class Admission(Preemption):
         req.extend_range = (n, req.extend_range[1])
 
     def _mix_with_running(self, batch: ScheduledBatch, stats: StepStats) -> None:
-        """Mixed chunk (§4.4): decode the running batch inside the prefill step, no memory check."""
+        """Mixed chunk (§4.4): decode the running batch inside the prefill step.
+
+        SGLang mixes without a memory check: admission pre-charged one token per running request,
+        but with pages a decode at a page boundary takes a whole page, and the allocation could fail
+        (SGLang raises there). When the decode does not fit, this step runs the prefill alone; the
+        running batch decodes next step, where the decode memory check and retraction apply.
+        """
         if self.running.filter_finished():
             self.batch_is_full = False
-        if not len(self.running):
+        if not len(self.running) or not self.kv.check_decode_mem(self.running.seq_lens):
             return
         batch.kind = StepKind.MIXED
         batch.decode_reqs = list(self.running.reqs)
