@@ -26,10 +26,12 @@ from grpc_reflection.v1alpha import reflection
 
 from control_plane import codec, metrics
 from control_plane.config import ControlConfig, Security
-from control_plane.engine import Chunk, Engine, Event, Submission, WorkerGone
+from control_plane.engine import Engine
+from control_plane.failover import WorkerGone
 from control_plane.router import Router
 from control_plane.scheduler.plan import StepPlan, StepResult
 from control_plane.scheduler.scheduler import QueueFull, RequestRejected
+from control_plane.streams import Chunk, Event, Submission
 from control_plane.tokenizer import Tokenizer
 from control_plane.worker_checks import WorkerFault, hello_refusal
 from protos.stepwise.v1 import generation_pb2 as gen_pb

@@ -10,10 +10,12 @@ import pytest
 import structlog
 
 from control_plane import engine as engine_module
+from control_plane import failover as failover_module
 from control_plane.config import ControlConfig
-from control_plane.engine import Chunk, Done, Engine
+from control_plane.engine import Engine
 from control_plane.request import RequestParams, SamplerSpec
 from control_plane.scheduler.plan import StepPlan, StepResult, WorkerLimits
+from control_plane.streams import Chunk, Done
 from control_plane.tokenizer import Tokenizer
 from stepwise.embedded import resolve_model
 from tests.control_plane.factories import make_config
@@ -176,7 +178,7 @@ async def test_a_request_that_keeps_faulting_ends_with_an_abort(tokenizer: Token
         raise RuntimeError("apply_result bug")
 
     engine.scheduler.apply_result = apply_fails  # type: ignore[method-assign]
-    make = engine_module.make_scheduler
+    make = failover_module.make_scheduler
 
     def make_broken(config, limits):  # type: ignore[no-untyped-def]
         sched = make(config, limits)
@@ -184,7 +186,7 @@ async def test_a_request_that_keeps_faulting_ends_with_an_abort(tokenizer: Token
             sched.apply_result = apply_fails  # type: ignore[method-assign]
         return sched
 
-    engine_module.make_scheduler = make_broken  # type: ignore[assignment]
+    failover_module.make_scheduler = make_broken  # type: ignore[assignment]
     try:
         task = asyncio.create_task(engine.run())
         events = await asyncio.wait_for(_drain(engine.submit("doomed", [5, 6, 7], _params(5)).events), 10)
@@ -198,7 +200,7 @@ async def test_a_request_that_keeps_faulting_ends_with_an_abort(tokenizer: Token
         engine.stop()
         await task
     finally:
-        engine_module.make_scheduler = make  # type: ignore[assignment]
+        failover_module.make_scheduler = make  # type: ignore[assignment]
 
 
 async def test_arrivals_left_in_the_inbox_when_the_engine_stops_are_answered(tokenizer: Tokenizer) -> None:

@@ -15,9 +15,10 @@ from pathlib import Path
 import pytest
 
 from control_plane.config import ControlConfig
-from control_plane.engine import Done, Engine
+from control_plane.engine import Engine
 from control_plane.request import RequestParams, SamplerSpec
 from control_plane.scheduler.plan import StepPlan, StepResult, WorkerLimits
+from control_plane.streams import Done
 from control_plane.timeouts import RUNNING_TIMEOUT, WAITING_TIMEOUT
 from control_plane.tokenizer import Tokenizer
 from stepwise.embedded import resolve_model
