@@ -8,6 +8,8 @@ Mutation and locking contract:
   never free or allocate. A `MatchResult` is only safe to use until the next `evict`/`reset` unless its
   `last_node` is locked with `inc_lock_ref`.
 * `evict`, `reset`, `cache_finished_req` and `cache_unfinished_req` free slots through the allocator.
+  The last two are SGLang's per-request operations (§7.4, §7.5) on plain request state; they are the
+  only implementation: the scheduler's KvManager calls them with a request's fill ids and row.
 * Locked nodes (and all their ancestors) are never evicted. Each admitted request holds exactly one lock,
   on its `last_node`, from admission until finish or retraction (§7.6, §12.4).
 
@@ -52,6 +54,9 @@ class ReqCacheState(NamedTuple):
     slots: np.ndarray  # the request's slots for its positions [0, len(slots))
     last_node: TreeNode  # the node the request holds its one lock on (the root: no lock)
     protected_len: int  # positions [0, protected_len) are tree-owned: the request must never free them
+    # Positions [0, shared_len) were in the tree before the call: the request's own slots for those
+    # past its old protected_len were duplicates, now freed and replaced by the tree's (a remap).
+    shared_len: int = 0
 
 
 def as_token_bytes(key: TokenIds) -> bytes:
@@ -332,7 +337,8 @@ class RadixCache:
         request's duplicates of pages that were already cached, and moves the request's lock from
         `last_node` to the new deepest node. Returns the request's new slots (tree slots for the aligned
         prefix, its own for the rest), lock node and protected length; the unaligned tail stays private.
-        Use `chunked=True` for middle chunks (no hit counting).
+        `shared_len` tells which positions now read the tree's slots instead of the request's own (the
+        caller's remap). Use `chunked=True` for middle chunks (no hit counting).
         """
         slots = np.asarray(slots, dtype=SLOT_DTYPE)
         if self.disable:
@@ -346,7 +352,7 @@ class RadixCache:
         new_slots = np.concatenate((match.indices, slots[len(match.indices) :]))
         self.dec_lock_ref(last_node)
         self.inc_lock_ref(match.last_node)
-        return ReqCacheState(new_slots, match.last_node, len(match.indices))
+        return ReqCacheState(new_slots, match.last_node, len(match.indices), cached)
 
     def empty_state(self) -> ReqCacheState:
         """The state of a request that holds nothing (new, finished or retracted)."""

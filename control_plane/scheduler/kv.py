@@ -17,12 +17,30 @@ import numpy as np
 
 from control_plane.cache.allocator import SlotAllocator
 from control_plane.cache.radix import RadixCache
+from control_plane.cache.tree_node import TreeNode
 from control_plane.request import Request
 from control_plane.scheduler.plan import SlotRemap as Remap
 
 
 class KvOutOfMemory(RuntimeError):
     """An allocation that admission or the decode check should have prevented."""
+
+
+def eviction_priority(req: Request, low_values_first: bool) -> int:
+    """The request's priority as the radix tree keeps it: larger = more important = evicted later.
+
+    The tree's priority policy evicts the smallest (priority, last_access_time) first and a node keeps
+    the largest priority inserted through it (SCHEDULER.md §7.3, §7.6). The scheduler ranks requests
+    by `priority_sign`: larger values first by default, smaller ones with
+    --schedule-low-priority-values-first, so there the value is negated to keep "more important =
+    kept longer" in both modes. (SGLang inserts the raw value, `getattr(req, "priority", 0) or 0` in
+    radix_cache.py:cache_finished_req, so its priority eviction keeps the least important requests'
+    prefixes longest under low-values-first.) None, a request without a priority while priority
+    scheduling is off, counts as 0 as in SGLang; with priority scheduling on, intake has already
+    replaced None by the least important value (§1.5), which maps to the smallest tree priority.
+    """
+    value = req.priority if req.priority is not None else 0
+    return -value if low_values_first else value
 
 
 class KvManager:
@@ -37,9 +55,13 @@ class KvManager:
         *,
         disable_radix_cache: bool = False,
         eviction_policy: str = "lru",
+        low_priority_values_first: bool = False,
     ) -> None:
         self.capacity = capacity
         self.page_size = page_size
+        # The scheduler's priority convention (--schedule-low-priority-values-first), for
+        # `eviction_priority`.
+        self.low_priority_values_first = low_priority_values_first
         self.allocator = SlotAllocator(capacity, page_size)
         self.tree = RadixCache(
             self.allocator, page_size=page_size, disable=disable_radix_cache, eviction_policy=eviction_policy
@@ -123,8 +145,7 @@ class KvManager:
 
         A request without a row gets one, and its cached prefix is written into it first.
         """
-        need = sum(r.extend_range[1] - r.extend_range[0] for r in reqs) + len(reqs) * self.page_size
-        self.evict_for(need)
+        self.evict_for(self.extend_need(reqs))
         out = []
         for req in reqs:
             start, end = req.extend_range
@@ -144,6 +165,17 @@ class KvManager:
             row[start:end] = slots
             out.append(slots)
         return out
+
+    def extend_need(self, reqs: list[Request]) -> int:
+        """Slots to make room for before allocating these extends (SCHEDULER.md §7.6, §7.7).
+
+        Page 1: the tokens requested (`alloc_token_slots`). Paged: one spare page per request on top,
+        SGLang's over-estimate that every request may start a new page (`alloc_paged_token_slots_extend`).
+        """
+        tokens = sum(r.extend_range[1] - r.extend_range[0] for r in reqs)
+        if self.page_size == 1:
+            return tokens
+        return tokens + len(reqs) * self.page_size
 
     def decode_need(self, seq_lens: np.ndarray) -> int:
         """Slots the next decode of these sequences needs (a new page only at a page boundary)."""
@@ -173,27 +205,26 @@ class KvManager:
         return slots
 
     # --- caching and release (SCHEDULER.md §7.4, §7.5, §6.4) --------------------------------------
+    # The cache rules themselves are RadixCache's (one implementation); these adapt a Request and
+    # its row to them and keep what is KvManager's own: the row table and the worker's remaps.
 
     def cache_finished_req(self, req: Request, insert: bool = True) -> None:
-        """Mutates: give the request's committed KV to the tree (or free it), unlock, free its row."""
+        """Mutates: §7.4 through the tree (insert or free the committed KV, drop the request's lock),
+        then free the request's row. Afterwards the request holds no slot and no lock."""
         kv_len = req.kv_committed_len
-        kv = self.row(req)[:kv_len].copy()
-        if self.disabled:
-            self._free(kv[req.cache_protected_len :])
-        else:
-            aligned = kv_len // self.page_size * self.page_size
-            if insert:
-                tokens = req.fill_ids[:aligned]
-                prefix_len = self.tree.insert(tokens, kv[:aligned])
-                self._free(kv[req.cache_protected_len : prefix_len])
-            else:
-                self._free(kv[req.cache_protected_len : aligned])
-            self._free(kv[aligned:])
-            self.dec_lock(req.last_node)
+        self.tree.cache_finished_req(
+            req.fill_ids[:kv_len],
+            self.row(req)[:kv_len].copy(),
+            req.cache_protected_len,
+            self._lock_node(req),
+            insert=insert,
+            priority=eviction_priority(req, self.low_priority_values_first),
+        )
         self._release_row(req)
 
     def cache_unfinished_req(self, req: Request, chunked: bool = False) -> Remap | None:
-        """Mutates: insert the computed part into the tree and move the request's lock forward.
+        """Mutates: §7.5 through the tree (insert the computed part, move the request's lock forward),
+        then write the tree's slots into the request's row.
 
         Afterwards `prefix_indices` = tree part + the unaligned private tail, `cache_protected_len`
         = the tree part. Returns a remap when the tree already held part of what the request
@@ -201,26 +232,22 @@ class KvManager:
         """
         kv_len = req.kv_committed_len
         row = self.row(req)
-        if self.disabled:
-            req.prefix_indices = row[:kv_len].copy()
-            return None
-        aligned = kv_len // self.page_size * self.page_size
-        tokens = req.fill_ids[:aligned]
         old_protected = req.cache_protected_len
-        prefix_len = self.tree.insert(tokens, row[:aligned].copy(), chunked=chunked)
-        self._free(row[old_protected:prefix_len].copy())
-        match = self.tree.match_prefix(tokens)
-        new_indices = match.indices
-        remap = None
-        if prefix_len > old_protected:
-            remap = Remap(req.handle, old_protected, new_indices[old_protected:prefix_len].copy())
-        row[old_protected : len(new_indices)] = new_indices[old_protected:]
-        self.dec_lock(req.last_node)
-        self.inc_lock(match.last_node)
-        req.cache_protected_len = len(new_indices)
-        req.prefix_indices = row[:kv_len].copy()
-        req.last_node = match.last_node
-        return remap
+        state = self.tree.cache_unfinished_req(
+            req.fill_ids[:kv_len],
+            row[:kv_len].copy(),
+            old_protected,
+            self._lock_node(req),
+            chunked=chunked,
+            priority=eviction_priority(req, self.low_priority_values_first),
+        )
+        row[old_protected : state.protected_len] = state.slots[old_protected : state.protected_len]
+        req.prefix_indices = state.slots
+        req.cache_protected_len = state.protected_len
+        req.last_node = state.last_node
+        if state.shared_len <= old_protected:
+            return None
+        return Remap(req.handle, old_protected, state.slots[old_protected : state.shared_len].copy())
 
     def release_req(self, req: Request, remaining: int, retract_decode_steps: int) -> None:
         """Mutates: release a retracted or preempted request without inserting its KV (§6.4)."""
@@ -234,9 +261,9 @@ class KvManager:
         else:
             self.dec_lock(req.last_node)
 
-    def _free(self, slots: np.ndarray) -> None:
-        if len(slots):
-            self.allocator.free(slots)
+    def _lock_node(self, req: Request) -> TreeNode:
+        """The node the request holds its lock on; the root (no lock) when it has none."""
+        return req.last_node if req.last_node is not None else self.tree.root
 
     def _release_row(self, req: Request) -> None:
         if req.req_pool_idx >= 0:

@@ -95,6 +95,7 @@ class SchedulerState:
             limits.max_context,
             disable_radix_cache=config.disable_radix_cache,
             eviction_policy=config.radix_eviction_policy,
+            low_priority_values_first=config.schedule_low_priority_values_first,
         )
         self.policy = make_policy(config, self.kv)
         self.ratio = NewTokenRatioTracker.from_config(config)

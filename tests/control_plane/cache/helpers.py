@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from control_plane.cache.allocator import SlotAllocator
-from control_plane.cache.radix import RadixCache
+from control_plane.cache.radix import RadixCache, ReqCacheState
 from control_plane.cache.tree_node import TreeNode
 
 
@@ -39,6 +39,11 @@ class FakeReq:
     slots: np.ndarray
     protected_len: int
     last_node: TreeNode  # holds the request's one tree lock (the root: none)
+    priority: int = 0  # the tree's priority of its inserts (larger: evicted later)
+
+    def adopt(self, state: ReqCacheState) -> None:
+        """Mutates: take the slots, lock node and protected length that a cache call returned."""
+        self.slots, self.last_node, self.protected_len = state.slots, state.last_node, state.protected_len
 
     def private_slots(self, page_size: int) -> int:
         """Slots held outside the tree, in whole pages: the last page is the request's even if partly used."""

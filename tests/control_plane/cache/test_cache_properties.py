@@ -43,11 +43,12 @@ class CacheMachine(RuleBasedStateMachine):
 
     # ---- rules ---------------------------------------------------------------------------------
 
-    @rule(tokens=tokens_st, chunk=st.integers(1, 14))
-    def admit_request(self, tokens: list[int], chunk: int) -> None:
+    @rule(tokens=tokens_st, chunk=st.integers(1, 14), priority=st.integers(-2, 3))
+    def admit_request(self, tokens: list[int], chunk: int, priority: int) -> None:
         match_len = len(self.tree.match_prefix(tokens[:-1]).indices)
         req = admit(self.alloc, self.tree, tokens, extend=min(chunk, len(tokens) - match_len))
         if req is not None:
+            req.priority = priority
             self.reqs.append(req)
             self.computed.append(len(req.slots))
 
@@ -137,6 +138,16 @@ class CacheMachine(RuleBasedStateMachine):
         tree_pages = {s // self.page_size for s in self._tree_slots()}
         assert not tree_pages & seen, "a private page is also in the tree"
 
+    @invariant()
+    def priority_never_grows_downwards(self) -> None:
+        """§7.3: an insert raises every node on its path to max(existing, new), and a split copies the
+        node's priority to the new upper part, so no node outranks its (non-root) parent."""
+        if not hasattr(self, "tree"):
+            return
+        for node in self.tree.iter_nodes():
+            if node is not self.tree.root:
+                assert all(child.priority <= node.priority for child in node.children.values())
+
     def teardown(self) -> None:
         if not hasattr(self, "tree"):
             return
@@ -154,8 +165,17 @@ class CacheMachine(RuleBasedStateMachine):
         return [i for i, r in enumerate(self.reqs) if self.computed[i] >= len(r.tokens)]
 
     def _cache_unfinished(self, req: FakeReq, tokens: list[int], chunked: bool) -> None:
-        state = self.tree.cache_unfinished_req(tokens, req.slots, req.protected_len, req.last_node, chunked)
-        req.slots, req.last_node, req.protected_len = state
+        own, old_protected = req.slots.copy(), req.protected_len
+        state = self.tree.cache_unfinished_req(
+            tokens, req.slots, req.protected_len, req.last_node, chunked, req.priority
+        )
+        # The shared positions read the tree's slots and the request's duplicates went back to the
+        # allocator; every later position keeps the request's own slot (§7.5).
+        assert self.tree.disable or old_protected <= state.shared_len <= state.protected_len
+        assert self.alloc.is_free(own[old_protected : state.shared_len]).all()
+        shared = max(state.shared_len, old_protected)
+        assert state.slots[shared:].tolist() == own[shared:].tolist()
+        req.adopt(state)
 
     def _release(self, i: int, insert: bool, drop_last: bool) -> None:
         req = self.reqs.pop(i)
@@ -167,6 +187,7 @@ class CacheMachine(RuleBasedStateMachine):
             req.protected_len,
             req.last_node,
             insert,
+            req.priority,
         )
         assert state.protected_len == 0 and len(state.slots) == 0
 

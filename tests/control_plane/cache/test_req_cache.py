@@ -1,4 +1,7 @@
-"""cache_finished_req / cache_unfinished_req on plain request state (SCHEDULER.md §7.4, §7.5, §6.4)."""
+"""cache_finished_req / cache_unfinished_req on plain request state (SCHEDULER.md §7.4, §7.5, §6.4).
+
+These are the only implementation of §7.4/§7.5: the scheduler reaches them through KvManager
+(tests/control_plane/test_kv_manager.py covers that adapter)."""
 
 from __future__ import annotations
 
@@ -25,9 +28,7 @@ def test_finished_req_inserts_outputs_and_unlocks() -> None:
     alloc, tree = make_cache(capacity=32)
     req = admit(alloc, tree, [1, 2, 3, 4])
     assert req is not None
-    req.slots, req.last_node, req.protected_len = tree.cache_unfinished_req(
-        req.tokens, req.slots, req.protected_len, req.last_node
-    )
+    req.adopt(tree.cache_unfinished_req(req.tokens, req.slots, req.protected_len, req.last_node))
     assert decode(alloc, req, 5) and decode(alloc, req, 6)
     state = tree.cache_finished_req(req.tokens, req.slots, req.protected_len, req.last_node)
     assert state.last_node is tree.root and state.protected_len == 0 and len(state.slots) == 0
@@ -56,7 +57,7 @@ def test_unfinished_req_swaps_in_the_tree_slots_for_a_cached_prefix() -> None:
     assert late is not None
     state = tree.cache_unfinished_req(late.tokens, late.slots, late.protected_len, late.last_node)
     assert state.slots[:4].tolist() == cached[:4].tolist()
-    assert state.slots[4] == late.slots[4] and state.protected_len == 5
+    assert state.slots[4] == late.slots[4] and (state.protected_len, state.shared_len) == (5, 4)
     assert alloc.is_free(late.slots[:4]).all()
     check_pool_invariants(alloc, tree, 0)
 
@@ -68,7 +69,7 @@ def test_chunked_prefill_keeps_the_unaligned_tail_private() -> None:
     assert req is not None
     state = tree.cache_unfinished_req(tokens[:10], req.slots, 0, req.last_node, chunked=True)
     assert state.protected_len == 8 and state.last_node.hit_count == 0
-    req.slots, req.last_node, req.protected_len = state
+    req.adopt(state)
     check_pool_invariants(alloc, tree, req.private_slots(4))  # the half-used third page
     tail = alloc.alloc_extend(10, int(req.slots[-1]), 4)  # next chunk continues that page
     assert tail is not None and tail[:2].tolist() == [int(req.slots[-1]) + 1, int(req.slots[-1]) + 2]
@@ -82,9 +83,7 @@ def test_retraction_frees_private_slots_without_inserting() -> None:
     alloc, tree = make_cache(capacity=32, page_size=2)
     req = admit(alloc, tree, [1, 2, 3, 4, 5])
     assert req is not None
-    req.slots, req.last_node, req.protected_len = tree.cache_unfinished_req(
-        req.tokens, req.slots, req.protected_len, req.last_node
-    )
+    req.adopt(tree.cache_unfinished_req(req.tokens, req.slots, req.protected_len, req.last_node))
     for token in (6, 7, 8):
         assert decode(alloc, req, token)
     state = tree.cache_finished_req(req.tokens, req.slots, req.protected_len, req.last_node, insert=False)
