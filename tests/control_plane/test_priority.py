@@ -136,9 +136,12 @@ def test_running_never_exceeds_the_cap_under_preemption() -> None:
     worker = FakeWorker(4096, eos=EOS)
     arrivals = [(i, f"r{i}", prompt(16, i), params(8, priority=(i * 37) % 50)) for i in range(12)]
     rejected: list[str] = []
+    preempted: set[str] = set()
 
     def check(s: Scheduler, step: int) -> None:
         assert len(s.running) <= 2 and len(s.waiting) <= 3
+        # A waiting request that has output was running: it was preempted.
+        preempted.update(r.rid for r in s.waiting if r.output_ids)
 
     sched_add = sched.add_request
 
@@ -152,3 +155,4 @@ def test_running_never_exceeds_the_cap_under_preemption() -> None:
     sched.add_request = add  # type: ignore[method-assign]
     out = run(sched, worker, arrivals, on_step=check)
     assert set(out.finished) | set(rejected) == {f"r{i}" for i in range(12)}
+    assert preempted, "the test is about preemption: some request must have been preempted"
