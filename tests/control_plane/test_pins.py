@@ -1,0 +1,327 @@
+"""Hand-built scheduler scenarios that pin rules nothing else pins, each expected value worked out by
+hand from SCHEDULER.md (the arithmetic is in the comments, with the § it comes from).
+
+Conventions of every scenario below: page size 1, no chunking (chunked_prefill_size=None), the fake
+worker never samples EOS (lengths decide finishes), prompts with different seeds share no prefix.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from control_plane.cache.invariants import check_pool_invariants
+from control_plane.request import FinishKind, FinishReason, RequestParams
+from control_plane.scheduler.plan import StepPlan
+from control_plane.scheduler.retraction import GROUP_ABORTED
+from control_plane.scheduler.scheduler import Scheduler, resolve_max_running_requests
+from control_plane.step_log import retraction_line
+from tests.control_plane.factories import make_scheduler, params, prompt
+from tests.control_plane.fake_worker import FakeWorker
+
+
+class Stepper:
+    """Drives one scheduler step by step against a fake worker (no EOS), naming requests by rid."""
+
+    def __init__(self, sched: Scheduler) -> None:
+        self.sched = sched
+        self.worker = FakeWorker(sched.capacity)
+        self.rid_of: dict[int, str] = {}
+        self.finished: dict[str, FinishReason] = {}
+        self.tokens: dict[str, int] = {}
+
+    def add(self, rid: str, ids: list[int], p: RequestParams) -> None:
+        self.sched.add_request(rid, ids, p)
+
+    def step(self) -> StepPlan:
+        sched = self.sched
+        plan = sched.next_plan()
+        assert plan is not None
+        self._collect()
+        self.rid_of.update((seq.handle, seq.request_id) for seq in plan.new_seqs)
+        expected = (sched.live_handles(), sched.live_seq_slots() + len(plan.decodes))
+        result = self.worker.run(plan)
+        assert (result.kv.live_seqs, result.kv.seq_slots) == expected
+        sched.apply_result(result)
+        self._collect()
+        check_pool_invariants(sched.kv.allocator, sched.kv.tree, sched.private_slots())
+        return plan
+
+    def _collect(self) -> None:
+        for update in self.sched.take_updates():
+            self.tokens[update.rid] = self.tokens.get(update.rid, 0) + len(update.token_ids)
+            if update.finished is not None:
+                self.finished[update.rid] = update.finished
+
+    def extended(self, plan: StepPlan) -> list[str]:
+        return [self.rid_of[h] for h in plan.extends.handles.tolist()]
+
+    def decoded(self, plan: StepPlan) -> list[str]:
+        return [self.rid_of[h] for h in plan.decodes.handles.tolist()]
+
+    def released(self, plan: StepPlan) -> list[str]:
+        return [self.rid_of[h] for h in plan.releases.tolist()]
+
+    def waiting(self) -> list[str]:
+        return [r.rid for r in self.sched.waiting]
+
+    def run_to_end(self, max_steps: int = 2000) -> None:
+        for _ in range(max_steps):
+            if self.sched.is_idle:
+                return
+            self.step()
+        raise AssertionError("did not finish")
+
+
+# --- §3.6 the batch_is_full life cycle ------------------------------------------------------------------
+
+
+def test_after_no_token_the_queue_is_left_alone_until_a_running_request_finishes() -> None:
+    """§3.6: a NO_TOKEN verdict sets batch_is_full; while it is set no admission is attempted at all (the
+    LOF policy does not even re-sort the queue, §2.2 is applied once per attempt). The running set
+    shrinking in update_running_batch resets it, and the attempt comes on the next step (§1.3: the
+    prefill attempt, step 6, precedes the filter of finished requests, step 7)."""
+    s = Stepper(make_scheduler(capacity=200, chunked_prefill_size=None, schedule_policy="lof"))
+    s.add("a", prompt(20, 1), params(10))
+    assert s.extended(s.step()) == ["a"] and not s.sched.batch_is_full
+
+    # Step 2. a's prompt is cached and locked: available = 200 - 20 = 180, evictable 0. a has 1 of 10
+    # tokens: offset(a) = min(10 - 1, 4096) · 0.7 = 6.3 (§3.2), rem_total = 180 - 6.3 = 173.7.
+    # b: total = 150 + min(40, 4096) + 1 = 191 >= 173.7 -> NO_TOKEN (§3.7 step 6); a decodes instead.
+    s.add("b", prompt(150, 2), params(40))
+    plan = s.step()
+    assert s.extended(plan) == [] and s.decoded(plan) == ["a"] and s.sched.batch_is_full
+
+    # c would fit (5 + 50 + 1 = 56 < 173.7) and LOF would put it (max_new 50) before b (40), but no
+    # attempt is made while the flag is set: steps 3..10 only decode a and the queue stays [b, c].
+    s.add("c", prompt(5, 3), params(50))
+    for _ in range(3, 11):
+        plan = s.step()
+        assert s.extended(plan) == [] and s.decoded(plan) == ["a"]
+        assert s.sched.batch_is_full and s.waiting() == ["b", "c"]
+    # a's 10 tokens: 1 from its prefill (step 1) + 9 decodes (steps 2..10).
+    assert s.finished["a"].kind is FinishKind.LENGTH and s.tokens["a"] == 10
+
+    # Step 11: the prefill attempt still sees the flag (a is not filtered yet); the filter then shrinks
+    # the running set and resets it. Nothing runs: the plan only releases a.
+    plan = s.step()
+    assert s.released(plan) == ["a"] and not len(plan.extends) and not len(plan.decodes)
+    assert not s.sched.batch_is_full and s.waiting() == ["b", "c"]
+
+    # Step 12: the attempt runs. a's 29 committed tokens are cached and unlocked, so A + E = 200 and
+    # nothing runs: rem_total = 200. LOF order: c, b. c: 56 < 200, admitted; rem_total = 200 - 56 = 144.
+    # b: 191 >= 144 -> NO_TOKEN again.
+    plan = s.step()
+    assert s.extended(plan) == ["c"] and s.sched.batch_is_full and s.waiting() == ["b"]
+
+
+def test_after_no_token_a_retraction_lets_admission_resume() -> None:
+    """§3.6 / §6.1 step 4: a retraction shrinks the running set, which resets batch_is_full; the next
+    step attempts admission again (here TEST_RETRACT retracts, §6.1 step 3, every 3rd forward)."""
+    s = Stepper(
+        make_scheduler(capacity=200, chunked_prefill_size=None, schedule_policy="lof", test_retract=True)
+    )
+    s.add("a", prompt(20, 1), params(30))
+    s.add("a2", prompt(10, 2), params(30))
+    # Step 1 (forward 1): a (20 + 30 + 1 = 51 < 200) and a2 (41 < 200 - 51 = 149) are admitted.
+    assert s.extended(s.step()) == ["a", "a2"]
+
+    # Step 2: A = 200 - 30 = 170, offsets 2 · (30 - 1) · 0.7 = 40.6, rem_total = 129.4;
+    # b: 150 + 40 + 1 = 191 >= 129.4 -> NO_TOKEN. forward_ct = 1: no test retraction; decode (forward 2).
+    s.add("b", prompt(150, 3), params(40))
+    plan = s.step()
+    assert s.decoded(plan) == ["a", "a2"] and s.sched.batch_is_full
+    s.add("c", prompt(5, 4), params(50))
+    # Step 3: flag set, no attempt; forward_ct = 2: decode (forward 3).
+    plan = s.step()
+    assert s.decoded(plan) == ["a", "a2"] and s.waiting() == ["b", "c"] and s.sched.batch_is_full
+
+    # Step 4: flag set, no attempt; forward_ct = 3 -> test retraction (§6.3 order: both have 3 outputs,
+    # the longer prompt goes first: a). It is re-queued at the back and the flag is reset.
+    plan = s.step()
+    assert s.sched.last_stats is not None and s.sched.last_stats.retracted == ["a"]
+    assert s.decoded(plan) == ["a2"] and not s.sched.batch_is_full
+    assert s.waiting() == ["b", "c", "a"]
+
+    # Step 5: the attempt runs. LOF order: c (50), b (40), a (30). c (56) fits; b (191) does not.
+    plan = s.step()
+    assert s.extended(plan) == ["c"] and s.sched.batch_is_full and s.waiting() == ["b", "a"]
+
+
+# --- §3.8 add_one_req_ignore_eos --------------------------------------------------------------------------
+
+
+def ignore_eos_pass(
+    radix: bool, running: list[tuple[str, int, int]], newcomer: tuple[str, int, int]
+) -> Stepper:
+    """Each running (rid, prompt length, max_new) is admitted in its own step; then the newcomer arrives.
+    Every request ignores EOS; the radix cache is on or off (§3.7 step 4 takes the §3.8 path only when
+    it is off)."""
+    s = Stepper(make_scheduler(capacity=200, chunked_prefill_size=None, disable_radix_cache=not radix))
+    for i, (rid, n, max_new) in enumerate(running):
+        s.add(rid, prompt(n, i + 1), params(max_new, ignore_eos=True))
+        assert s.extended(s.step()) == [rid]
+    rid, n, max_new = newcomer
+    s.add(rid, prompt(n, 9), params(max_new, ignore_eos=True))
+    return s
+
+
+def test_ignore_eos_simulation_admits_what_the_normal_gate_refuses() -> None:
+    """§3.8: R (100-token prompt, 1 of 10 tokens) runs; N (10 tokens, max_new 95) arrives.
+
+    Normal gate (radix on, §3.7 step 6): R's prompt is locked, A = 200 - 100 = 100, E = 0;
+    offset(R) = (10 - 1) · 0.7 = 6.3, rem_total = 93.7; total(N) = 10 + 95 + 1 = 106 >= 93.7 -> NO_TOKEN.
+
+    Simulated finish (radix off): paged(N) = 10 <= min(cur_rem 100, rem_total 93.7). States (tokens left
+    at ratio 1.0 for ignore-EOS requests, tokens occupied): R (10 - 1 = 9, 101), N (95, 10), sorted by
+    tokens left. free = cur_rem - 10 = 90. i=0, bs=2: 90 + 0 - 9·2 = 72 > 1·2, freed = 101;
+    i=1, bs=1: 90 + 101 - 95 = 96 > 1 -> N is admitted.
+    """
+    normal = ignore_eos_pass(True, [("R", 100, 10)], ("N", 10, 95))
+    plan = normal.step()
+    assert normal.extended(plan) == [] and normal.decoded(plan) == ["R"] and normal.waiting() == ["N"]
+
+    simulated = ignore_eos_pass(False, [("R", 100, 10)], ("N", 10, 95))
+    plan = simulated.step()
+    assert simulated.extended(plan) == ["N"] and not simulated.waiting()
+    # The admission was sound: both finish, and the books balance on every step.
+    simulated.run_to_end()
+    assert simulated.tokens == {"R": 10, "N": 95}
+
+
+def test_ignore_eos_simulation_refuses_what_the_normal_gate_admits() -> None:
+    """§3.8: R1 and R2 (10-token prompts, 1 of 80 tokens each, admitted in steps 1 and 2) run; N (10
+    tokens, max_new 57) arrives. No decode has run yet, so the ratio is still 0.7.
+
+    Normal gate (radix on): A = 200 - 20 = 180, E = 0; offsets 2 · (80 - 1) · 0.7 = 110.6,
+    rem_total = 69.4; total(N) = 10 + 57 + 1 = 68 < 69.4 -> admitted.
+
+    Simulated finish (radix off): states N (57, 10), R1 (79, 11), R2 (79, 11); free = 180 - 10 = 170.
+    i=0, bs=3: 170 + 0 - 57·3 = -1 <= 1·3 -> NO_TOKEN: N waits.
+    (R2's own admission in step 2: states R1 (79, 11), R2 (80, 10), free = 190 - 10 = 180:
+    180 - 79·2 = 22 > 2, then 180 + 11 - 80 = 111 > 1: admitted on both paths.)
+    """
+    running = [("R1", 10, 80), ("R2", 10, 80)]
+    normal = ignore_eos_pass(True, running, ("N", 10, 57))
+    assert normal.extended(normal.step()) == ["N"]
+
+    simulated = ignore_eos_pass(False, running, ("N", 10, 57))
+    plan = simulated.step()
+    assert simulated.extended(plan) == [] and simulated.decoded(plan) == ["R1", "R2"]
+    assert simulated.waiting() == ["N"]
+
+
+# --- §9 max_running_requests ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("capacity", "context", "expected"),
+    [
+        # int(1_000_000 / 8192 · 512) = 62500 -> clamped to 4096; T // 2 = 500000 -> 4096.
+        (1_000_000, 8192, 4096),
+        # int(100_000 / 32768 · 512) = int(1562.5) = 1562 -> raised to 2048; T // 2 = 50000 -> 2048.
+        (100_000, 32768, 2048),
+        # int(300_000 / 65536 · 512) = int(2343.75) = 2343, inside [2048, 4096]; T // 2 = 150000.
+        (300_000, 65536, 2343),
+        # int(250_001 / 50_000 · 512) = int(2560.01) = 2560 (int() floors).
+        (250_001, 50_000, 2560),
+        # int(3000 / 2048 · 512) = 750 -> 2048; but T // 2 = 1500 -> 1500.
+        (3000, 2048, 1500),
+        # int(4096 / 2048 · 512) = 1024 -> 2048; T // 2 = 2048 -> 2048.
+        (4096, 2048, 2048),
+        # int(10 / 4 · 512) = 1280 -> 2048; T // 2 = 5 -> 5.
+        (10, 4, 5),
+    ],
+)
+def test_max_running_requests_default(capacity: int, context: int, expected: int) -> None:
+    """§9: max_running_requests defaults to min(clamp(int(T / context · 512), 2048, 4096), T // 2)."""
+    assert resolve_max_running_requests(None, capacity, context) == expected
+
+
+@pytest.mark.parametrize(("configured", "expected"), [(900, 500), (3, 3), (500, 500)])
+def test_max_running_requests_configured_is_capped_at_half_the_pool(configured: int, expected: int) -> None:
+    """§9: a configured value becomes min(value, T // 2) (T = 1000: T // 2 = 500); the row pool has that
+    many rows."""
+    sched = make_scheduler(capacity=1000, max_context=512, max_running_requests=configured)
+    assert sched.max_running_requests == expected and sched.kv.free_rows() == expected
+
+
+def test_scheduler_uses_the_default() -> None:
+    """§9 through the scheduler: T = 3000, context 2048 -> 1500 (see the table above)."""
+    sched = make_scheduler(capacity=3000, max_context=2048)
+    assert sched.max_running_requests == 1500 and sched.kv.free_rows() == 1500
+
+
+# --- §6.1 / §10.4 the retraction log line ------------------------------------------------------------
+
+
+def test_retraction_line_of_a_real_kv_full_retraction() -> None:
+    """§6.1's warning, from the stats of a retraction that a full pool forced.
+
+    T = 256, radix off (all KV private), init ratio 0.5: min = 0.5 · 0.14 = 0.07, decay = 0.43 / 600
+    (§5). a (10-token prompt), b (20), c (10), max_new 100 each, admitted in steps 1, 2, 3:
+    b: A = 246, rem_total = 246 - 99 · 0.5 = 196.5 > 20 + 100 + 1 = 121;
+    c: A = 226, rem_total = 226 - 2 · 49.5 = 127 > 10 + 100 + 1 = 111.
+    After step 3, A = 256 - 40 = 216 and each decode step takes 3 slots: decodes 1..72 fit (before the
+    72nd, A = 216 - 3 · 71 = 3), the 73rd (step 76) finds A = 0 < 3 -> KV full.
+    Then each has 1 + 72 = 73 outputs; the ratio has decayed 72 times: 0.5 - 72 · 0.43 / 600 = 0.4484.
+    Retraction (§6.3): equal outputs, longest prompt first: b, holding 20 + 72 = 92 slots; then a and c
+    need 2 <= 92. Gained: 92 - 0 = 92. New ratio over the kept a, c (§5):
+    (73 + 73 + 20 · 2) / (100 + 100 + 1) = 186 / 201 = 0.92537.
+    """
+    s = Stepper(
+        make_scheduler(
+            capacity=256, chunked_prefill_size=None, disable_radix_cache=True, init_new_token_ratio=0.5
+        )
+    )
+    for rid, n, seed in (("a", 10, 1), ("b", 20, 2), ("c", 10, 3)):
+        s.add(rid, prompt(n, seed), params(100))
+        assert s.extended(s.step()) == [rid]
+    for _ in range(72):
+        plan = s.step()
+        assert s.decoded(plan) == ["a", "b", "c"]
+        assert s.sched.last_stats is not None and not s.sched.last_stats.retracted
+    plan = s.step()
+    stats = s.sched.last_stats
+    assert stats is not None and plan.step_id == 76 and stats.kv_full and stats.retracted == ["b"]
+    assert s.decoded(plan) == ["a", "c"] and s.waiting() == ["b"]
+    assert retraction_line(stats) == (
+        "KV cache pool is full. Retract requests. #retracted_reqs: 1, #new_tokens_gained: 92, "
+        "#new_token_ratio: 0.4484 -> 0.9254"
+    )
+
+
+# --- parallel-sample groups aborted whole ---------------------------------------------------------------
+
+
+def test_a_sample_group_is_aborted_whole_under_real_kv_pressure() -> None:
+    """SCHEDULER.md "Also in scope" and Appendix A's beam rule: a group (n > 1) is never split by
+    retraction; when one member is aborted for memory, all are, waiting or running.
+
+    T = 128, radix off, init ratio 0.02. x (5 tokens, max_new 1) and g/0, g/1, g/2 (one 10-token prompt,
+    max_new 100, group "g") arrive together. Step 1: x (5 + 1 + 1 = 7 < 128) and g/0 (111 < 121) are
+    admitted; g/1: 111 >= 121 - 111 = 10 -> NO_TOKEN, batch_is_full. x finishes at its prefill, so
+    the merge in step 2 resets the flag (§1.3 step 4): A = 128 - 10 = 118, offset(g/0) = 99 · 0.02 =
+    1.98, g/1: 111 < 116.02 admitted; g/2: 111 >= 116.02 - 111 -> NO_TOKEN, it waits.
+    From step 3 g/0 and g/1 decode 2 slots a step from A = 108: 54 decodes fit, the 55th (step 57) does
+    not. Both are group members, so the retraction aborts the group: g/0, g/1 and the waiting g/2.
+    """
+    s = Stepper(
+        make_scheduler(
+            capacity=128, chunked_prefill_size=None, disable_radix_cache=True, init_new_token_ratio=0.02
+        )
+    )
+    s.add("x", prompt(5, 9), params(1))
+    for j in range(3):
+        s.add(f"g/{j}", prompt(10, 5), params(100, group="g"))
+    assert s.extended(s.step()) == ["x", "g/0"] and s.finished["x"].kind is FinishKind.LENGTH
+    assert s.extended(s.step()) == ["g/1"] and s.waiting() == ["g/2"]
+    for _ in range(54):
+        assert s.decoded(s.step()) == ["g/0", "g/1"]
+    assert not any(rid.startswith("g/") for rid in s.finished)
+    plan = s.step()
+    stats = s.sched.last_stats
+    assert stats is not None and plan.step_id == 57 and stats.kv_full and stats.retracted == []
+    assert sorted(s.released(plan)) == ["g/0", "g/1"] and not len(plan.decodes)
+    for rid in ("g/0", "g/1", "g/2"):
+        assert s.finished[rid].kind is FinishKind.ABORT and s.finished[rid].message == GROUP_ABORTED, rid
+    assert not s.waiting() and not len(s.sched.running) and s.sched.is_idle
