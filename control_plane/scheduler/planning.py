@@ -17,11 +17,12 @@ class Planning(Admission):
 
     def _build_plan(self, batch: ScheduledBatch | None, stats: StepStats) -> StepPlan:
         releases = np.asarray(self._releases, dtype=np.int64)
-        # A remap queued for a request released since (retracted, preempted, aborted) is moot: the
-        # worker drops the sequence before it would apply the remap.
+        # A remap or an offload queued for a request released since (retracted, preempted, aborted,
+        # refused re-entry by a full queue) is moot: the worker drops the sequence first.
         released = set(self._releases)
         remaps = tuple(r for r in self._remaps if r.handle not in released)
-        offloads, restores = tuple(self._offloads), tuple(self._restores)
+        offloads = tuple(t for t in self._offloads if t.handle not in released)
+        restores = tuple(self._restores)
         self._releases, self._remaps, self._offloads, self._restores = [], [], [], []
         if batch is None:
             return StepPlan(

@@ -91,8 +91,11 @@ class Retraction(Intake):
         if len(order) == 1 and not self.kv.check_decode_mem(self.running.seq_lens[order]):
             last = reqs[order.pop()]
             self.kv.release_req(last, 0, self.config.retract_decode_steps)
-            self._finish(last, FinishReason.abort(OOM_LAST_REQUEST, AbortCode.INTERNAL))
+            reason = FinishReason.abort(OOM_LAST_REQUEST, AbortCode.INTERNAL)
+            self._finish(last, reason)
             stats.oom_aborted.append(last.rid)
+            if last.params.group:
+                self._abort_group_elsewhere(last.params.group, reason)
         self.running.keep(order)
         self.ratio.current = self.ratio.estimate_after_retract(
             self.running.reqs, self.config.retract_decode_steps
@@ -114,11 +117,14 @@ class Retraction(Intake):
         for req in [victim, *(reqs[i] for i in members)]:
             self.kv.release_aborted(req)
             self._finish(req, reason)
-        elsewhere = [r for r in self.requests.values() if r.params.group == victim.params.group]
-        for req in elsewhere:
+        self._abort_group_elsewhere(victim.params.group, reason)
+        return [i for i in order if i not in set(members)]
+
+    def _abort_group_elsewhere(self, group: str, reason: FinishReason) -> None:
+        """The group's members still waiting or mid-chunk go with the rest of it."""
+        for req in [r for r in self.requests.values() if r.params.group == group]:
             if not req.finished and (req in self.waiting or req is self.chunked_req):
                 self.abort(req.rid, reason)
-        return [i for i in order if i not in set(members)]
 
     def _release_for_requeue(self, req: Request, remaining: int) -> bool:
         """Release without inserting into the tree and reset for a later re-prefill (§6.4).

@@ -84,7 +84,10 @@ class SchedulerState:
         self.page_size = config.page_size or limits.page_size
         self.capacity = limits.kv_capacity_tokens
         self.max_req_len = min(limits.max_context - 1, self.capacity - 1)
-        self.max_req_input_len = self.max_req_len - 5
+        # SGLang's max_req_len - 5, and with large pages also short of a page below the pool: a
+        # longer prompt passes the length check but never the adder's gate (input + page < pool),
+        # so it would wait forever; it is refused at intake instead.
+        self.max_req_input_len = min(self.max_req_len - 5, self.capacity - self.page_size)
         self.max_running_requests = resolve_max_running_requests(
             config.max_running_requests, self.capacity, limits.max_context
         )
