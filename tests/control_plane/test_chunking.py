@@ -97,7 +97,10 @@ def test_abort_of_the_chunked_request_is_applied_at_the_next_plan() -> None:
     def abort_mid_chunk(s: object, step: int) -> None:
         if step == 1:
             assert sched.chunked_req is not None
-            sched.abort("r0", FinishReason.abort("cancelled"))
+            assert sched.abort("r0", FinishReason.abort("cancelled"))
+            # Only marked: the request is still the chunked one and has not finished yet.
+            assert sched.chunked_req is not None and sched.requests["r0"].finished is False
+            assert not sched.take_updates()
 
     out = run(sched, worker, [(0, "r0", prompt(900), params(4))], on_step=abort_mid_chunk)
     assert out.finished["r0"].message == "cancelled"
@@ -116,6 +119,27 @@ def test_mixed_decode_allocation_evicts_like_every_allocation() -> None:
     arrivals[6] = (0, "r6", prompt(100, seed=101) + prompt(1, seed=6), params(1))
     arrivals[8] = (0, "r8", prompt(20, seed=102) + prompt(1, seed=8), params(56))
     sched = make_scheduler(capacity=260, chunked_prefill_size=16, enable_mixed_chunk=True)
+    # Which plan (by index) was being planned when the tree evicted.
+    plans: list[object] = []
+    evictions: list[int] = []
+    evict, next_plan = sched.kv.tree.evict, sched.next_plan
+
+    def counted(num_tokens: int) -> object:
+        evictions.append(len(plans))
+        return evict(num_tokens)
+
+    def recording() -> object:
+        plan = next_plan()
+        if plan is not None:
+            plans.append(plan)
+        return plan
+
+    sched.kv.tree.evict = counted  # type: ignore[method-assign]
+    sched.next_plan = recording  # type: ignore[method-assign]
     out = run(sched, FakeWorker(260, eos=EOS), arrivals)
     assert len(out.finished) == len(arrivals)
-    assert any(p.kind is StepKind.MIXED for p in out.plans[20:])
+    mixed = [i for i, p in enumerate(out.plans) if p.kind is StepKind.MIXED and i >= 20]
+    assert mixed
+    # The event the test is named after: the pool was made room in by evicting cached prefixes while
+    # a mixed step was being planned (the decode memory check before mixing, or the allocation).
+    assert any(i in mixed for i in evictions), (mixed, evictions)

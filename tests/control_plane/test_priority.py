@@ -76,13 +76,23 @@ def test_priority_when_disabled_may_be_rejected() -> None:
     sched.add_request("plain", prompt(10), params(4))
 
 
+PREEMPTED: dict[int, list[str]] = {}
+
+
 def preemption_run(new_priority: int, **config: Any) -> tuple[dict[str, list[int]], list[list[int]], dict]:
     sched = priority_scheduler(max_running_requests=1, **config)
     arrivals = [
         (0, "low", prompt(20, 1), params(12, priority=0)),
         (3, "new", prompt(20, 2), params(4, priority=new_priority)),
     ]
-    out = run(sched, FakeWorker(4096, eos=EOS), arrivals)
+    requeued = PREEMPTED.setdefault(new_priority, [])
+    requeued.clear()
+
+    def watch(s: Scheduler, step: int) -> None:
+        # A waiting request with output was running: it was preempted and re-queued.
+        requeued.extend(r.rid for r in s.waiting if r.output_ids and r.rid not in requeued)
+
+    out = run(sched, FakeWorker(4096, eos=EOS), arrivals, on_step=watch)
     handles = [p.extends.handles.tolist() + p.decodes.handles.tolist() for p in out.plans]
     return out.tokens, handles, out.finished
 
@@ -92,6 +102,7 @@ def test_preemption_when_the_gap_exceeds_the_threshold() -> None:
     # "low" (handle 1) decodes, "new" arrives at step 3 and preempts it; "low" later re-prefills
     # under a fresh handle and finishes with its tokens intact.
     assert handles[:4] == [[1], [1], [1], [2]]
+    assert PREEMPTED[20] == ["low"]  # released and re-queued, not merely paused
     assert all(f.kind is FinishKind.LENGTH for f in finished.values())
     assert len(tokens["low"]) == 12 and len(tokens["new"]) == 4
     reference, _, _ = preemption_run(10)
