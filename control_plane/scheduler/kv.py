@@ -20,6 +20,7 @@ from control_plane.cache.radix import RadixCache
 from control_plane.cache.tree_node import TreeNode
 from control_plane.request import Request
 from control_plane.scheduler.plan import SlotRemap as Remap
+from control_plane.scheduler.priority import priority_sign, urgency
 
 
 class KvOutOfMemory(RuntimeError):
@@ -39,8 +40,7 @@ def eviction_priority(req: Request, low_values_first: bool) -> int:
     scheduling is off, counts as 0 as in SGLang; with priority scheduling on, intake has already
     replaced None by the least important value (§1.5), which maps to the smallest tree priority.
     """
-    value = req.priority if req.priority is not None else 0
-    return -value if low_values_first else value
+    return -urgency(req, priority_sign(low_values_first))
 
 
 class KvManager:
