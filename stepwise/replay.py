@@ -22,6 +22,7 @@ from control_plane.record.entries import Entry, Header
 from control_plane.record.files import RecordingError, read_entries, read_header
 from control_plane.record.replay import ReplayReport, replay_scheduler, replay_worker
 from control_plane.record.timeline import StepLine, TimelineBuilder
+from stepwise import flags
 from stepwise.wire import Executor, step_through_wire
 
 EXIT_IDENTICAL, EXIT_DIVERGED, EXIT_BAD_INPUT = 0, 1, 2
@@ -134,7 +135,7 @@ def _clip(text: str, width: int = 60) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="stepwise replay", description=__doc__.split("\n\n")[0])
+    parser = flags.ArgumentParser(prog="stepwise replay", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="what", required=True)
     worker = sub.add_parser("worker", help="recorded plans into a fresh worker; compare results")
     worker.add_argument("recording", type=Path)

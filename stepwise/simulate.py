@@ -248,7 +248,7 @@ def _distribution(name: str, values: list[float]) -> dict[str, float | None]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = flags.ArgumentParser(
         prog="stepwise simulate", description="the real scheduler on a request trace with a sim worker"
     )
     parser.add_argument("trace", type=Path, help="JSON lines, one request each, sorted by arrival")

@@ -30,6 +30,9 @@ from tests.cli.runner import assert_one_line, run_cli, run_cli_async
         (["up", "--port", "abc"], ["stepwise control:", "--port"]),
         (["up", "--kv-tokens", "x"], ["stepwise worker:", "--kv-tokens"]),
         (["generate", "hi", "--tls-ca", "/nonexistent/ca.pem"], ["--tls-ca", "/nonexistent/ca.pem"]),
+        (["replay", "bogus"], ["stepwise replay:", "bogus"]),
+        (["simulate"], ["stepwise simulate:", "trace"]),
+        (["simulate", "t.jsonl", "--kv-tokens", "x"], ["stepwise simulate:", "--kv-tokens"]),
     ],
 )
 def test_bad_flag_value(args: list[str], names: list[str]) -> None:
