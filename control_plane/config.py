@@ -275,7 +275,10 @@ def scheduler_config_from_args(
     }
     for name, (attr, kind) in _ENV_KNOBS.items():
         if env.get(name):
-            values[attr] = _parse_env_value(env[name], kind)
+            try:
+                values[attr] = _parse_env_value(env[name], kind)
+            except ValueError:
+                raise ValueError(f"{name}={env[name]}: not a valid {kind.__name__}") from None
     config = SchedulerConfig(**values)  # type: ignore[arg-type]
     validate_scheduler_config(config)
     return config

@@ -143,7 +143,10 @@ def cmd_up(argv: Sequence[str]) -> int:
 
     ns, rest = _up_parser().parse_known_args(argv)
     control, worker = _control_parser(), _worker_parser()
-    to_control, to_worker = split_flags(rest, control, worker)
+    try:
+        to_control, to_worker = split_flags(rest, control, worker)
+    except ValueError as exc:
+        raise RoutineError(str(exc)) from exc
     # Bad values are the children's to reject, but here they are one line instead of a child's
     # line and then `up`'s own complaint that the child exited.
     control.parse_args(to_control)

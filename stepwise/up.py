@@ -38,7 +38,7 @@ def split_flags(
             return
         name = group[0].split("=", 1)[0]
         if name not in control_opts and name not in worker_opts:
-            raise SystemExit(f"stepwise up: unknown flag {name}")
+            raise ValueError(f"unknown flag {name}")
         if name in control_opts:
             to_control.extend(group)
         if name in worker_opts:
@@ -49,7 +49,7 @@ def split_flags(
         if token.startswith("-") and not _is_number(token):
             flush()
         elif not group:
-            raise SystemExit(f"stepwise up: unexpected argument {token!r}")
+            raise ValueError(f"unexpected argument {token!r}")
         group.append(token)
     flush()
     return to_control, to_worker

@@ -33,6 +33,7 @@ from tests.cli.runner import assert_one_line, run_cli, run_cli_async
         (["replay", "bogus"], ["stepwise replay:", "bogus"]),
         (["simulate"], ["stepwise simulate:", "trace"]),
         (["simulate", "t.jsonl", "--kv-tokens", "x"], ["stepwise simulate:", "--kv-tokens"]),
+        (["up", "--nope"], ["stepwise up:", "--nope"]),
     ],
 )
 def test_bad_flag_value(args: list[str], names: list[str]) -> None:
@@ -48,6 +49,11 @@ def test_bad_flag_value(args: list[str], names: list[str]) -> None:
         (["control"], {"STEPWISE_SCHEDULE_POLICY": "nope"}, ["STEPWISE_SCHEDULE_POLICY=nope", "choice"]),
         (["control"], {"STEPWISE_ENABLE_MIXED_CHUNK": "maybe"}, ["STEPWISE_ENABLE_MIXED_CHUNK=maybe"]),
         (["generate", "hi"], {"STEPWISE_MAX_NEW_TOKENS": "x"}, ["stepwise generate:", "STEPWISE_MAX_NEW"]),
+        (
+            ["control", "--port", "0", "--worker-port", "0"],
+            {"STEPWISE_INIT_NEW_TOKEN_RATIO": "x"},
+            ["stepwise control:", "STEPWISE_INIT_NEW_TOKEN_RATIO=x"],
+        ),
     ],
 )
 def test_bad_environment_value_names_the_variable(

@@ -59,7 +59,7 @@ def test_up_routes_each_flag_to_the_children_that_know_it() -> None:
     )
     assert control == ["--page-size", "4", "--schedule-policy", "lpm", "--model", "embedded"]
     assert worker == ["--page-size", "4", "--kv-tokens", "99", "--model", "embedded"]
-    with pytest.raises(SystemExit, match="unknown flag --nope"):
+    with pytest.raises(ValueError, match="unknown flag --nope"):
         split_flags(["--nope"], _control_parser(), _worker_parser())
 
 
