@@ -25,6 +25,19 @@ EMBEDDED_DIR = ASSETS_DIR / "embedded"
 CORPUS_PATH = ASSETS_DIR / "corpus" / "english.txt"
 EMBEDDED_SPEC = "embedded"
 EOS_TOKEN = "<|endoftext|>"
+# The demo's chat template (transformers' Jinja conventions): plain "User:" / "Assistant:" turns, close
+# to the prose the model was trained on, so `/v1/chat/completions` has something to render.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}{{ message['content'] + '\\n\\n' }}"
+    "{% elif message['role'] == 'user' %}{{ 'User: ' + message['content'] + '\\n' }}"
+    "{% elif message['role'] == 'assistant' %}{{ 'Assistant: ' + message['content'] + eos_token + '\\n' }}"
+    "{% else %}{{ raise_exception('unknown role: ' + message['role']) }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
+)
 # Files whose presence means a checkpoint directory is complete.
 REQUIRED_FILES = ("config.json", "model.safetensors", "generation_config.json", "tokenizer.json")
 
@@ -155,6 +168,7 @@ def _save_tokenizer(tokenizer: Any, out: pathlib.Path, spec: BuildSpec) -> None:
         unk_token=EOS_TOKEN,
         pad_token=EOS_TOKEN,
         model_max_length=spec.max_position_embeddings,
+        chat_template=CHAT_TEMPLATE,
     )
     fast.save_pretrained(str(out))
 
