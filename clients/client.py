@@ -188,9 +188,16 @@ class StepwiseClient:
             return None
         return "it answers NOT_SERVING: no worker attached yet"
 
-    def stream(self, request: gen_pb.GenerateRequest) -> AsyncIterator[gen_pb.GenerateResponse]:
-        """The raw response stream (cancel it to abort the request)."""
-        return self.stub.Generate(request, metadata=self.metadata)  # type: ignore[no-any-return]
+    def stream(
+        self, request: gen_pb.GenerateRequest, *, api_key: str | None = None
+    ) -> AsyncIterator[gen_pb.GenerateResponse]:
+        """The raw response stream (cancel it to abort the request).
+
+        `api_key`: this call's bearer token instead of the client's own (a gateway forwarding its
+        callers' keys over one shared channel).
+        """
+        metadata = bearer_metadata(api_key) if api_key else self.metadata
+        return self.stub.Generate(request, metadata=metadata)  # type: ignore[no-any-return]
 
     async def generate(
         self,
@@ -219,8 +226,9 @@ class StepwiseClient:
         reply = await self.stub.Abort(gen_pb.AbortRequest(request_id=request_id), metadata=self.metadata)
         return bool(reply.found)
 
-    async def server_info(self) -> gen_pb.ServerInfo:
-        return await self.stub.GetServerInfo(gen_pb.GetServerInfoRequest(), metadata=self.metadata)
+    async def server_info(self, *, api_key: str | None = None) -> gen_pb.ServerInfo:
+        metadata = bearer_metadata(api_key) if api_key else self.metadata
+        return await self.stub.GetServerInfo(gen_pb.GetServerInfoRequest(), metadata=metadata)
 
 
 def apply_response(gen: Generation, response: gen_pb.GenerateResponse) -> None:

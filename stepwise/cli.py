@@ -134,12 +134,19 @@ def cmd_worker(argv: Sequence[str]) -> int:
 def _up_parser() -> argparse.ArgumentParser:
     parser = _parser("stepwise up", COMMANDS["up"].summary + "; every other flag is passed on")
     parser.add_argument("--workers", type=int, default=1, help="how many workers to start")
+    parser.add_argument(
+        "--gateway-port", type=int, default=None, help="also start the OpenAI gateway on this port (0: any)"
+    )
+    parser.add_argument("--gateway-host", default="127.0.0.1", help="the gateway's HTTP bind address")
+    parser.add_argument(
+        "--ready-file", type=Path, default=None, help="write the client and gateway addresses here as JSON"
+    )
     flags.apply_env_defaults(parser)
     return parser
 
 
 def cmd_up(argv: Sequence[str]) -> int:
-    from stepwise.up import Stack, run_up, split_flags
+    from stepwise.up import Stack, gateway_args, run_up, split_flags
 
     ns, rest = _up_parser().parse_known_args(argv)
     control, worker = _control_parser(), _worker_parser()
@@ -151,7 +158,36 @@ def cmd_up(argv: Sequence[str]) -> int:
     # line and then `up`'s own complaint that the child exited.
     control.parse_args(to_control)
     worker.parse_args(to_worker)
-    return asyncio.run(run_up(Stack(to_control, to_worker, ns.workers)))
+    gateway = None
+    if ns.gateway_port is not None:
+        gateway = gateway_args(to_control, ns.gateway_host, ns.gateway_port)
+    return asyncio.run(run_up(Stack(to_control, to_worker, ns.workers, gateway), ns.ready_file))
+
+
+def cmd_gateway(argv: Sequence[str]) -> int:
+    _quiet_grpc()
+    from gateway import server
+    from gateway.app import GatewayConfig
+    from gateway.chat import load_template
+
+    parser = _parser("stepwise gateway", COMMANDS["gateway"].summary)
+    server.add_arguments(parser)
+    parser.add_argument("--log-level", default="info", help=LOG_LEVEL_HELP)
+    flags.apply_env_defaults(parser)
+    ns = parser.parse_args(argv)
+    logs.configure(ns.log_level)
+    model_dir = _resolve_model(ns.model)
+    try:
+        template = load_template(model_dir)
+    except (OSError, ValueError) as exc:
+        raise RoutineError(f"--model: cannot read the chat template of {model_dir}: {exc}") from exc
+    name = ns.served_model_name or (ns.model if ns.model == "embedded" else model_dir.name)
+    config = GatewayConfig(ns.control, name, template, ns.tls_ca)
+    try:
+        sock = server.bind(ns.host, ns.port)
+    except OSError as exc:
+        raise RoutineError(str(exc)) from exc
+    return asyncio.run(server.serve(config, sock, ns.log_level, ns.ready_file))
 
 
 def _quiet_grpc() -> None:
@@ -251,6 +287,7 @@ COMMANDS = {
     "control": Command(cmd_control, "the control plane: schedules requests, serves clients and workers"),
     "worker": Command(cmd_worker, "a data-plane worker: runs the model for a control plane"),
     "up": Command(cmd_up, "a control plane and N workers as child processes"),
+    "gateway": Command(cmd_gateway, "an OpenAI-compatible HTTP gateway in front of control planes"),
     "generate": Command(cmd_generate, "stream one generation to the terminal"),
     "bench": Command(cmd_bench, "load generator with serving metrics"),
     "demo": Command(cmd_demo, "start the stack on the embedded model, stream one generation, stop"),

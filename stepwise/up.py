@@ -66,12 +66,21 @@ def _is_number(token: str) -> bool:
 class Stack:
     """The child processes of one `up`."""
 
-    def __init__(self, control_args: list[str], worker_args: list[str], workers: int) -> None:
+    def __init__(
+        self,
+        control_args: list[str],
+        worker_args: list[str],
+        workers: int,
+        gateway_args: list[str] | None = None,
+    ) -> None:
         self.control_args = control_args
         self.worker_args = worker_args
         self.workers = workers
+        # None: no gateway; else `stepwise gateway` flags (`--control` and `--ready-file` are added).
+        self.gateway_args = gateway_args
         self.procs: list[subprocess.Popen[bytes]] = []
         self.address = ""
+        self.gateway_address = ""
         self._tmp = tempfile.TemporaryDirectory(prefix="stepwise-up-")
 
     def _spawn(self, args: list[str]) -> subprocess.Popen[bytes]:
@@ -104,7 +113,23 @@ class Stack:
             )
         self.address = f"127.0.0.1:{ports['port']}"
         await self._wait_workers(deadline)
+        if self.gateway_args is not None:
+            await self._start_gateway(deadline)
         return self.address
+
+    async def _start_gateway(self, deadline: float) -> None:
+        """Start `stepwise gateway` in front of the control plane; wait until it accepts HTTP."""
+        ready = Path(self._tmp.name) / "gateway.json"
+        args = [*(self.gateway_args or []), "--control", self.address, "--ready-file", str(ready)]
+        gateway = self._spawn(["gateway", *args])
+        while not ready.exists():
+            if gateway.poll() is not None:
+                raise RuntimeError(f"gateway exited with code {gateway.returncode}")
+            if time.monotonic() > deadline:
+                raise TimeoutError("gateway did not start")
+            await asyncio.sleep(0.05)
+        host = _flag_value(self.gateway_args or [], "--host") or "127.0.0.1"
+        self.gateway_address = f"{host}:{json.loads(ready.read_text())['port']}"
 
     def api_key(self) -> str | None:
         """The key `up` itself uses to ask the control plane about its workers (--api-key or the
@@ -138,6 +163,27 @@ class Stack:
         self._tmp.cleanup()
 
 
+def _flag_value(args: Sequence[str], flag: str) -> str | None:
+    """The value of `flag VALUE` or `flag=VALUE` in `args` (the last one wins), else None."""
+    value = None
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
+def gateway_args(control_args: Sequence[str], host: str, port: int) -> list[str]:
+    """`stepwise gateway` flags for `up --gateway-port`: the control plane's model and log level."""
+    args = ["--host", host, "--port", str(port)]
+    for flag in ("--model", "--log-level"):
+        value = _flag_value(control_args, flag)
+        if value is not None:
+            args += [flag, value]
+    return args
+
+
 def stop_processes(procs: Sequence[subprocess.Popen[bytes]], timeout: float = 10.0) -> None:
     """SIGTERM the processes last to first (a stopped one is continued first, so it can hear it),
     then SIGKILL whatever is left after `timeout` seconds."""
@@ -155,7 +201,14 @@ def stop_processes(procs: Sequence[subprocess.Popen[bytes]], timeout: float = 10
             proc.wait()
 
 
-async def run_up(stack: Stack) -> int:
+def write_ready(path: Path, data: dict[str, object]) -> None:
+    """Write `data` as JSON to `path` atomically: a reader never sees a half-written file."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data))
+    tmp.rename(path)
+
+
+async def run_up(stack: Stack, ready_file: Path | None = None) -> int:
     """Start, print the address, then wait for a signal or a child's exit; stop everything."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -163,10 +216,13 @@ async def run_up(stack: Stack) -> int:
         loop.add_signal_handler(sig, stop.set)
     try:
         address = await stack.start()
+        gateway = f", OpenAI gateway http://{stack.gateway_address}/v1" if stack.gateway_address else ""
         print(
-            f"stepwise is up: client address {address} ({stack.workers} worker(s)); Ctrl-C stops it",
+            f"stepwise is up: client address {address} ({stack.workers} worker(s){gateway}); Ctrl-C stops it",
             flush=True,
         )
+        if ready_file is not None:
+            write_ready(ready_file, {"address": address, "gateway_address": stack.gateway_address})
         while not stop.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), 0.5)

@@ -1,0 +1,284 @@
+"""The FastAPI application: OpenAI endpoints translated into Generate calls on one shared channel.
+
+Each caller's `Authorization: Bearer KEY` is forwarded on its own gRPC call, so the control plane
+decides who may generate, exactly as for a direct gRPC client. A streaming client that goes away
+cancels its gRPC call, which aborts the request and frees its KV.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
+from grpc_health.v1 import health_pb2
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException
+
+from clients.client import StepwiseClient
+from gateway.chat import ChatTemplate
+from gateway.errors import GatewayError, from_grpc
+from gateway.formats import ChatFormat, Collected, CompletionFormat
+from gateway.metrics import GatewayMetrics
+from gateway.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields, parse_body
+from protos.stepwise.v1 import generation_pb2 as gen_pb
+
+HEALTH_TIMEOUT_S = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayConfig:
+    """`control`: HOST:PORT or any gRPC target (`dns:///NAME:PORT`), passed to the channel as is."""
+
+    control: str
+    model_name: str
+    template: ChatTemplate | None = None
+    tls_ca: Path | None = None
+
+
+def create_app(config: GatewayConfig) -> FastAPI:
+    """The gateway's application; its gRPC channel opens with the app's lifespan."""
+    gateway = Gateway(config)
+    app = FastAPI(title="Stepwise gateway", lifespan=gateway.lifespan, docs_url=None, redoc_url=None)
+    app.state.gateway = gateway
+    app.add_api_route("/v1/completions", gateway.completions, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", gateway.chat_completions, methods=["POST"])
+    app.add_api_route("/v1/models", gateway.models, methods=["GET"])
+    app.add_api_route("/health", gateway.health, methods=["GET"])
+    app.add_api_route("/metrics", gateway.metrics_endpoint, methods=["GET"])
+    app.add_exception_handler(HTTPException, _http_error)
+    return app
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    """Starlette's own errors (unknown path, wrong method) in OpenAI's error shape."""
+    status = exc.status_code if isinstance(exc, HTTPException) else 500
+    return error_response(GatewayError(status, f"{request.method} {request.url.path}: {exc}"))
+
+
+def error_response(error: GatewayError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status)
+
+
+def bearer_key(request: Request) -> str | None:
+    """The caller's API key from `Authorization: Bearer KEY`, forwarded to the control plane."""
+    scheme, _, key = request.headers.get("authorization", "").partition(" ")
+    return key.strip() or None if scheme.lower() == "bearer" else None
+
+
+def sse(data: dict[str, Any]) -> str:
+    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+class Gateway:
+    """The endpoints and what they share: the channel, the chat template, the metrics."""
+
+    def __init__(self, config: GatewayConfig) -> None:
+        self.config = config
+        self.metrics = GatewayMetrics()
+        self.created = int(time.time())
+        self._client: StepwiseClient | None = None
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app: FastAPI) -> AsyncIterator[None]:
+        # A grpc.aio channel belongs to the event loop it was made in: make it in the server's.
+        self._client = StepwiseClient(self.config.control, tls_ca=self.config.tls_ca)
+        try:
+            yield
+        finally:
+            await self._client.close()
+
+    @property
+    def client(self) -> StepwiseClient:
+        assert self._client is not None, "the gateway's lifespan has not started"
+        return self._client
+
+    # --- endpoints ------------------------------------------------------------------------------
+
+    async def completions(self, request: Request) -> Response:
+        started = time.monotonic()
+        try:
+            body = parse_body(await request.body(), CompletionRequest)
+            body.refuse_unsupported()
+            fmt = CompletionFormat(self._model(body))
+            return await self._generate(request, body, body.single_prompt(), fmt, "completions", started)
+        except GatewayError as exc:
+            return self._refused("completions", exc, started)
+
+    async def chat_completions(self, request: Request) -> Response:
+        started = time.monotonic()
+        try:
+            body = parse_body(await request.body(), ChatCompletionRequest)
+            body.refuse_unsupported()
+            prompt = self.render_chat(body)
+            fmt = ChatFormat(self._model(body))
+            return await self._generate(request, body, prompt, fmt, "chat_completions", started)
+        except GatewayError as exc:
+            return self._refused("chat_completions", exc, started)
+
+    def render_chat(self, body: ChatCompletionRequest) -> str:
+        """The prompt text the model's chat template makes of the messages."""
+        if self.config.template is None:
+            problem = "messages: the model has no chat template; use /v1/completions"
+            raise GatewayError(400, problem, "messages")
+        messages = [m.template_dict() for m in body.messages]
+        return self.config.template.render(messages, body.add_generation_prompt)
+
+    async def models(self, request: Request) -> Response:
+        started = time.monotonic()
+        try:
+            info = await self.client.server_info(api_key=bearer_key(request))
+        except grpc.aio.AioRpcError as exc:
+            return self._refused("models", from_grpc(exc), started)
+        model = {
+            "id": self.config.model_name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "stepwise",
+            "max_model_len": info.max_context,
+        }
+        self.metrics.observe("models", 200, time.monotonic() - started)
+        return JSONResponse({"object": "list", "data": [model]})
+
+    async def health(self) -> Response:
+        """200 only while the control plane behind the gateway answers SERVING (a worker attached)."""
+        request = health_pb2.HealthCheckRequest(service="")
+        try:
+            reply = await self.client.health.Check(request, timeout=HEALTH_TIMEOUT_S)
+        except grpc.aio.AioRpcError as exc:
+            return error_response(GatewayError(503, f"control plane unreachable: {exc.code().name}"))
+        if reply.status != health_pb2.HealthCheckResponse.SERVING:
+            return error_response(GatewayError(503, "control plane NOT_SERVING: no worker attached"))
+        return JSONResponse({"status": "ok"})
+
+    async def metrics_endpoint(self) -> Response:
+        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    # --- generation -----------------------------------------------------------------------------
+
+    def _model(self, body: SamplingFields) -> str:
+        return body.model or self.config.model_name
+
+    def _refused(self, endpoint: str, error: GatewayError, started: float) -> Response:
+        self.metrics.observe(endpoint, error.status, time.monotonic() - started)
+        return error_response(error)
+
+    async def _generate(
+        self,
+        request: Request,
+        body: SamplingFields,
+        prompt: str | list[int],
+        fmt: CompletionFormat,
+        endpoint: str,
+        started: float,
+    ) -> Response:
+        """Start the Generate call and answer with its first response in hand, so a refused call
+        is an HTTP error status rather than an error event inside a 200 stream."""
+        call = self.client.stream(body.grpc_request(prompt, fmt.id), api_key=bearer_key(request))
+        responses = aiter(call)
+        try:
+            first = await anext(responses)
+        except grpc.aio.AioRpcError as exc:
+            raise from_grpc(exc) from None
+        except StopAsyncIteration:
+            raise GatewayError(502, "the control plane ended the call without a result") from None
+        self.metrics.ttft.labels(endpoint).observe(time.monotonic() - started)
+        run = Run(call, first, responses, Collected.of(body.n))
+        if body.stream:
+            events = self._stream(run, fmt, body.include_usage(), endpoint, started)
+            return StreamingResponse(events, media_type="text/event-stream")
+        return await self._whole(request, run, fmt, endpoint, started)
+
+    async def _whole(
+        self, request: Request, run: Run, fmt: CompletionFormat, endpoint: str, started: float
+    ) -> Response:
+        """Collect every choice, or cancel the call when the client leaves first."""
+        collecting = asyncio.ensure_future(run.drain())
+        leaving = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait([collecting, leaving], return_when=asyncio.FIRST_COMPLETED)
+            if not collecting.done():
+                self.metrics.disconnects.labels(endpoint).inc()
+                run.cancel()
+                collecting.cancel()
+                return Response(status_code=499)
+            collecting.result()
+        except GatewayError as exc:
+            return self._refused(endpoint, exc, started)
+        except grpc.aio.AioRpcError as exc:
+            return self._refused(endpoint, from_grpc(exc), started)
+        finally:
+            leaving.cancel()
+        self.metrics.completion_tokens.labels(endpoint).inc(run.collected.usage()["completion_tokens"])
+        self.metrics.observe(endpoint, 200, time.monotonic() - started)
+        return JSONResponse(fmt.whole(run.collected))
+
+    async def _stream(
+        self, run: Run, fmt: CompletionFormat, include_usage: bool, endpoint: str, started: float
+    ) -> AsyncIterator[str]:
+        """Server-sent events; an error after the first event is an error event, then the end."""
+        status, finished = 200, False
+        try:
+            for opening in fmt.opening(len(run.collected.choices)):
+                yield sse(opening)
+            async for index, text, reason in run.events():
+                if text or reason:
+                    yield sse(fmt.chunk(index, text, reason))
+            if include_usage:
+                yield sse(fmt.usage_chunk(run.collected))
+            yield "data: [DONE]\n\n"
+            finished = True
+        except (GatewayError, grpc.aio.AioRpcError) as exc:
+            error = exc if isinstance(exc, GatewayError) else from_grpc(exc)
+            status, finished = error.status, True
+            yield sse(error.body())
+        finally:
+            if not finished:  # the client went away (Starlette cancelled us): abort the request
+                status = 499
+                run.cancel()
+                self.metrics.disconnects.labels(endpoint).inc()
+            self.metrics.completion_tokens.labels(endpoint).inc(run.collected.usage()["completion_tokens"])
+            self.metrics.observe(endpoint, status, time.monotonic() - started)
+
+
+class Run:
+    """One Generate call in flight: its first response already read, the rest to come."""
+
+    def __init__(
+        self,
+        call: AsyncIterator[gen_pb.GenerateResponse],
+        first: gen_pb.GenerateResponse,
+        rest: AsyncIterator[gen_pb.GenerateResponse],
+        collected: Collected,
+    ) -> None:
+        self.call, self.first, self.rest, self.collected = call, first, rest, collected
+
+    async def events(self) -> AsyncIterator[tuple[int, str, str | None]]:
+        """(choice index, new text, finish reason or None) per response, recorded in `collected`."""
+        yield self.collected.apply(self.first)
+        async for response in self.rest:
+            yield self.collected.apply(response)
+
+    async def drain(self) -> None:
+        async for _ in self.events():
+            pass
+
+    def cancel(self) -> None:
+        """Cancel the gRPC call: the control plane aborts the request and frees its KV."""
+        cancel = getattr(self.call, "cancel", None)
+        if cancel is not None:
+            cancel()
+
+
+async def _disconnected(request: Request) -> None:
+    """Return once the HTTP client has gone away (the body has been read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
