@@ -51,8 +51,8 @@ class Failover(Publishing):
         self._drain_inbox()  # arrivals not yet seen become requests too; aborts take effect
         self._publish()
         target = self.successor(cast("Engine", self)) if self.successor is not None else None
-        # An idle worker that goes away (scaled down, restarted) costs nothing: a warning.
-        report = self.log.error if self.streams else self.log.warning
+        # An idle worker that goes away (scaled down, restarted, `up` stopping) costs nothing: info.
+        report = self.log.error if self.streams else self.log.info
         if target is None:
             report("worker lost", error=error, continued=0, aborted=len(self.streams))
             self._abort_all(f"worker {self.worker} disconnected ({error}) and no other worker is attached")
