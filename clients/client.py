@@ -260,15 +260,20 @@ def add_connection_arguments(parser: argparse.ArgumentParser) -> None:
     """Add --address, --api-key, --tls-ca and --wait: how a command reaches the control plane."""
     parser.add_argument("--address", default="127.0.0.1:50051", help="control plane client address HOST:PORT")
     parser.add_argument("--api-key", default=None, help="bearer token; also STEPWISE_API_KEY")
+    add_tls_ca_argument(parser)
+    parser.add_argument(
+        "--wait", type=float, default=30.0, help="seconds to wait for a serving control plane"
+    )
+
+
+def add_tls_ca_argument(parser: argparse.ArgumentParser) -> None:
+    """--tls-ca PATH: the PEM CA that signed the control plane's certificate (checked when parsed)."""
     parser.add_argument(
         "--tls-ca",
         type=pem_file,
         default=None,
         metavar="PATH",
         help="CA certificate (PEM) that signed the control plane's certificate; turns on TLS",
-    )
-    parser.add_argument(
-        "--wait", type=float, default=30.0, help="seconds to wait for a serving control plane"
     )
 
 

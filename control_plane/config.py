@@ -318,15 +318,21 @@ def limits_from_args(ns: argparse.Namespace) -> Limits:
     return limits
 
 
+def read_api_keys(path: Path) -> list[str]:
+    """The keys of an --api-key-file: one per line; blank lines and `#` comments are skipped.
+    ValueError naming the flag when the file cannot be read."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as exc:
+        raise ValueError(f"--api-key-file: cannot read {path}: {exc.strerror}") from None
+    return [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+
+
 def security_from_args(ns: argparse.Namespace, host: str) -> Security:
     """Check the TLS/key flags fit together; read key files now so a bad path fails at start."""
     keys = [ns.api_key] if ns.api_key else []
     if ns.api_key_file is not None:
-        try:
-            lines = ns.api_key_file.read_text().splitlines()
-        except OSError as exc:
-            raise ValueError(f"--api-key-file: cannot read {ns.api_key_file}: {exc.strerror}") from None
-        keys += [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+        keys += read_api_keys(ns.api_key_file)
     security = Security(
         tls_cert=ns.tls_cert,
         tls_key=ns.tls_key,

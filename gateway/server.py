@@ -14,7 +14,7 @@ from pathlib import Path
 
 import uvicorn
 
-from clients.client import pem_file
+from clients.client import add_tls_ca_argument
 from gateway.app import GatewayConfig, create_app
 
 
@@ -30,13 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--served-model-name", default=None, help="the model id clients see (default: the directory name)"
     )
-    parser.add_argument(
-        "--tls-ca",
-        type=pem_file,
-        default=None,
-        metavar="PATH",
-        help="CA certificate (PEM) that signed the control plane's certificate; turns on TLS",
-    )
+    add_tls_ca_argument(parser)
     parser.add_argument("--ready-file", type=Path, default=None, help="write the bound port here as JSON")
 
 

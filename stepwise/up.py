@@ -134,13 +134,14 @@ class Stack:
     def api_key(self) -> str | None:
         """The key `up` itself uses to ask the control plane about its workers (--api-key or the
         first key of --api-key-file, as given to the control plane; else STEPWISE_API_KEY)."""
-        args = self.control_args
-        for i, arg in enumerate(args[:-1]):
-            if arg == "--api-key":
-                return args[i + 1]
-            if arg == "--api-key-file":
-                lines = Path(args[i + 1]).read_text().splitlines()
-                return next((k.strip() for k in lines if k.strip() and not k.lstrip().startswith("#")), None)
+        from control_plane.config import read_api_keys
+
+        key = _flag_value(self.control_args, "--api-key")
+        if key:
+            return key
+        key_file = _flag_value(self.control_args, "--api-key-file")
+        if key_file:
+            return next(iter(read_api_keys(Path(key_file))), None)
         return os.environ.get("STEPWISE_API_KEY") or None
 
     async def _wait_workers(self, deadline: float) -> None:
