@@ -29,10 +29,12 @@ from control_plane.scheduler.plan import (
     TokenLogprobs,
     WorkerLimits,
 )
+from protos import decode_set
+from protos.arrays import INT32, INT64, WireError, pack, unpack
 from protos.stepwise.v1 import generation_pb2 as gen_pb
 from protos.stepwise.v1 import worker_pb2 as wk_pb
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAX_SAMPLES = 64
 
 
@@ -42,31 +44,6 @@ class InvalidArgument(ValueError):
 
 class ProtocolError(ValueError):
     """A worker's message that breaks the protocol; the message says how. The worker is at fault."""
-
-
-class _LastMessage:
-    """The message last converted to or from one typed value, found again by identity.
-
-    The step loop converts each plan and result once for the wire; the recorder asks for the same
-    message again right after. Handing back the one already built keeps recording off the hot path.
-    Messages handed out are shared: callers copy before they mutate.
-    """
-
-    __slots__ = ("_message", "_value")
-
-    def __init__(self) -> None:
-        self._value: object = None
-        self._message: object = None
-
-    def get(self, value: object) -> object | None:
-        return self._message if value is self._value else None
-
-    def put(self, value: object, message: object) -> None:
-        self._value, self._message = value, message
-
-
-_LAST_PLAN = _LastMessage()
-_LAST_RESULT = _LastMessage()
 
 
 # --- worker link -------------------------------------------------------------------------------
@@ -141,63 +118,101 @@ def sampler_from_proto(msg: wk_pb.SamplerParams) -> SamplerSpec:
     )
 
 
+# --- plans ---------------------------------------------------------------------------------------
+
+
+class PlanEncoder:
+    """Encodes the plans of one worker link, the decode set as a delta against the last decode plan.
+
+    One per link, fed every plan in the order it is sent (the worker's PlanDecoder mirrors it). A plan
+    with `reset` starts from an empty decode set, as the worker does. The encoder's state changes
+    only once a plan is wholly encoded; an exception (a bug of ours, e.g. a handle decoded twice)
+    leaves it as it was.
+    """
+
+    def __init__(self) -> None:
+        self._decodes = decode_set.EMPTY
+        # Handles released or offloaded since the last decode plan: the likely leavers of the set.
+        self._leaving: list[np.ndarray] = []
+
+    def encode(self, plan: StepPlan) -> wk_pb.ControlMessage:
+        prev, leaving = (decode_set.EMPTY, []) if plan.reset else (self._decodes, self._leaving)
+        leaving = [*leaving, plan.releases, _handles_of(plan.offloads)]
+        message, decodes = _encode_plan(plan, prev, np.concatenate(leaving))
+        self._decodes, self._leaving = decodes, [] if len(plan.decodes) else leaving
+        return message
+
+
 def plan_to_proto(plan: StepPlan) -> wk_pb.ControlMessage:
-    cached = _LAST_PLAN.get(plan)
-    if cached is not None:
-        return cached  # type: ignore[return-value]
-    message = _encode_plan(plan)
-    _LAST_PLAN.put(plan, message)
+    """A plan on its own, its decode set in full (recordings, tests, `step_through_wire`)."""
+    message, _ = _encode_plan(plan, decode_set.EMPTY, None)
     return message
 
 
-def _encode_plan(plan: StepPlan) -> wk_pb.ControlMessage:
-    ext, dec = plan.extends, plan.decodes
-    msg = wk_pb.StepPlan(
-        step_id=plan.step_id,
-        reset=plan.reset,
-        release_handles=plan.releases.tolist(),
-        offloads=[wk_pb.KvTransfer(handle=t.handle, slots=t.slots.tolist()) for t in plan.offloads],
-        restores=[wk_pb.KvTransfer(handle=t.handle, slots=t.slots.tolist()) for t in plan.restores],
-        new_seqs=[
-            wk_pb.NewSequence(
-                handle=s.handle,
-                sampler=sampler_to_proto(s.sampler),
-                prefix_slots=s.prefix_slots.tolist(),
-                history_ids=s.history_ids.tolist(),
-                request_id=s.request_id,
-                prompt_len=s.prompt_len,
-                sim_output_len=s.sim_output_len,
-            )
-            for s in plan.new_seqs
-        ],
-        extends=wk_pb.ExtendBatch(
-            handles=ext.handles.tolist(),
-            starts=ext.starts.tolist(),
-            lens=ext.lens.tolist(),
-            sample=ext.sample.tolist(),
-            token_ids=ext.token_ids.tolist(),
-            slots=ext.slots.tolist(),
-        ),
-        decodes=wk_pb.DecodeBatch(handles=dec.handles.tolist(), slots=dec.slots.tolist()),
-        remaps=[wk_pb.SlotRemap(handle=r.handle, start=r.start, slots=r.slots.tolist()) for r in plan.remaps],
-    )
-    return wk_pb.ControlMessage(plan=msg)
+def _handles_of(transfers: tuple[KvTransfer, ...]) -> np.ndarray:
+    return np.fromiter((t.handle for t in transfers), dtype=np.int64, count=len(transfers))
+
+
+def _encode_plan(
+    plan: StepPlan, prev: decode_set.DecodeSet, leaving: np.ndarray | None
+) -> tuple[wk_pb.ControlMessage, decode_set.DecodeSet]:
+    """The message (a delta against `prev` unless `leaving` is None), and the decode set to diff the
+    next plan against. Filled in place: a nested constructor would copy each sub-message."""
+    dec = plan.decodes
+    delta, decodes = decode_set.encode(prev, dec.handles, dec.slots, leaving, allow_delta=leaving is not None)
+    message = wk_pb.ControlMessage()
+    msg = message.plan
+    msg.step_id, msg.reset = plan.step_id, plan.reset
+    if len(plan.releases):
+        msg.release_handles.extend(plan.releases.tolist())
+    for t in plan.offloads:
+        msg.offloads.add(handle=t.handle, slots=pack(t.slots, INT64))
+    for t in plan.restores:
+        msg.restores.add(handle=t.handle, slots=pack(t.slots, INT64))
+    for s in plan.new_seqs:
+        _fill_new_seq(msg.new_seqs.add(), s)
+    if len(plan.extends):
+        _fill_extends(msg.extends, plan.extends)
+    if delta.count:
+        decode_set.fill(msg.decodes, delta)
+    for r in plan.remaps:
+        msg.remaps.add(handle=r.handle, start=r.start, slots=pack(r.slots, INT64))
+    return message, decodes
+
+
+def _fill_new_seq(msg: wk_pb.NewSequence, s: NewSeq) -> None:
+    msg.handle = s.handle
+    msg.sampler.CopyFrom(sampler_to_proto(s.sampler))
+    msg.prefix_slots = pack(s.prefix_slots, INT64)
+    msg.history_ids.extend(s.history_ids.tolist())
+    msg.request_id, msg.prompt_len, msg.sim_output_len = s.request_id, s.prompt_len, s.sim_output_len
+
+
+def _fill_extends(msg: wk_pb.ExtendBatch, ext: ExtendWork) -> None:
+    msg.handles.extend(ext.handles.tolist())
+    msg.starts.extend(ext.starts.tolist())
+    msg.lens.extend(ext.lens.tolist())
+    msg.sample.extend(ext.sample.tolist())
+    msg.token_ids = pack(ext.token_ids, INT32)
+    msg.slots = pack(ext.slots, INT64)
 
 
 def plan_from_proto(msg: wk_pb.StepPlan) -> StepPlan:
-    """Inverse of plan_to_proto (the plan's kind is not on the wire; it is derived)."""
-    ext, dec = msg.extends, msg.decodes
+    """Inverse of plan_to_proto (the plan's kind is not on the wire; it is derived). A plan read on
+    its own must carry its decode set in full; WireError (a ValueError) names what is wrong."""
+    ext = msg.extends
     extends = ExtendWork(
         handles=np.array(ext.handles, dtype=np.int64),
         starts=np.array(ext.starts, dtype=np.int32),
         lens=np.array(ext.lens, dtype=np.int32),
         sample=np.array(ext.sample, dtype=bool),
-        token_ids=np.array(ext.token_ids, dtype=np.int32),
-        slots=np.array(ext.slots, dtype=np.int64),
+        token_ids=unpack(ext.token_ids, INT32, "extends.token_ids", np.int32),
+        slots=unpack(ext.slots, INT64, "extends.slots"),
     )
-    decodes = DecodeWork(
-        handles=np.array(dec.handles, dtype=np.int64), slots=np.array(dec.slots, dtype=np.int64)
-    )
+    decoded = decode_set.decode(decode_set.EMPTY, decode_set.from_proto(msg.decodes))
+    decodes = DecodeWork()
+    if decoded is not None:
+        decodes = DecodeWork(handles=decoded.handles.astype(np.int64), slots=decoded.slots)
     if len(extends) and len(decodes):
         derived = StepKind.MIXED
     else:
@@ -207,48 +222,63 @@ def plan_from_proto(msg: wk_pb.StepPlan) -> StepPlan:
         kind=derived,
         reset=msg.reset,
         releases=np.array(msg.release_handles, dtype=np.int64),
-        offloads=tuple(KvTransfer(t.handle, np.array(t.slots, dtype=np.int64)) for t in msg.offloads),
-        restores=tuple(KvTransfer(t.handle, np.array(t.slots, dtype=np.int64)) for t in msg.restores),
-        new_seqs=tuple(
-            NewSeq(
-                handle=s.handle,
-                sampler=sampler_from_proto(s.sampler),
-                prefix_slots=np.array(s.prefix_slots, dtype=np.int64),
-                history_ids=np.array(s.history_ids, dtype=np.int32),
-                request_id=s.request_id,
-                prompt_len=s.prompt_len,
-                sim_output_len=s.sim_output_len,
-            )
-            for s in msg.new_seqs
-        ),
+        offloads=tuple(KvTransfer(t.handle, unpack(t.slots, INT64, "offloads.slots")) for t in msg.offloads),
+        restores=tuple(KvTransfer(t.handle, unpack(t.slots, INT64, "restores.slots")) for t in msg.restores),
+        new_seqs=tuple(_new_seq_from_proto(s) for s in msg.new_seqs),
         extends=extends,
         decodes=decodes,
-        remaps=tuple(SlotRemap(r.handle, r.start, np.array(r.slots, dtype=np.int64)) for r in msg.remaps),
+        remaps=tuple(
+            SlotRemap(r.handle, r.start, unpack(r.slots, INT64, "remaps.slots")) for r in msg.remaps
+        ),
     )
 
 
-_MAX_HANDLE = (1 << 63) - 1
+def _new_seq_from_proto(s: wk_pb.NewSequence) -> NewSeq:
+    return NewSeq(
+        handle=s.handle,
+        sampler=sampler_from_proto(s.sampler),
+        prefix_slots=unpack(s.prefix_slots, INT64, "new_seqs.prefix_slots"),
+        history_ids=np.array(s.history_ids, dtype=np.int32),
+        request_id=s.request_id,
+        prompt_len=s.prompt_len,
+        sim_output_len=s.sim_output_len,
+    )
 
 
-def result_from_proto(msg: wk_pb.StepResult) -> StepResult:
-    """Decode a worker's result; ProtocolError when it cannot be one (checked against the plan later)."""
-    if len(msg.handles) != len(msg.token_ids):
-        raise ProtocolError(f"result has {len(msg.handles)} handles but {len(msg.token_ids)} token_ids")
-    if msg.logprobs and len(msg.logprobs) != len(msg.handles):
-        raise ProtocolError(f"result has {len(msg.logprobs)} logprobs for {len(msg.handles)} tokens")
-    if len(msg.handles) and max(msg.handles) > _MAX_HANDLE:
-        raise ProtocolError(f"result names handle {max(msg.handles)}, which no plan ever sends")
-    result = _decode_result(msg)
-    _LAST_RESULT.put(result, msg)
-    return result
+def sampled_count(plan: StepPlan) -> int:
+    """Tokens the plan's result must carry: one per extend with `sample` set, one per decode."""
+    return int(np.count_nonzero(plan.extends.sample)) + len(plan.decodes)
 
 
-def _decode_result(msg: wk_pb.StepResult) -> StepResult:
+# --- results -------------------------------------------------------------------------------------
+
+
+def result_from_proto(msg: wk_pb.StepResult, sampled: int | None = None) -> StepResult:
+    """Decode a worker's result; ProtocolError when it cannot be one, or (given `sampled`, what the
+    plan sampled) when its token count differs. An error result carries no tokens. Step id and
+    vocabulary are check_result's."""
+    try:
+        tokens = unpack(msg.token_ids, INT32, "token_ids", np.int32)
+    except WireError as exc:
+        raise ProtocolError(f"result for step {msg.step_id}: {exc}") from None
+    if sampled is not None and not msg.error and len(tokens) != sampled:
+        raise ProtocolError(
+            f"result for step {msg.step_id} has {len(tokens)} tokens; the plan sampled {sampled}"
+        )
+    if msg.logprobs and len(msg.logprobs) != len(tokens):
+        raise ProtocolError(f"result has {len(msg.logprobs)} logprobs for {len(tokens)} tokens")
+    for name in ("forward_s", "wait_s"):
+        seconds = getattr(msg, name)
+        if not (math.isfinite(seconds) and seconds >= 0.0):
+            raise ProtocolError(f"result for step {msg.step_id}: {name} {seconds} is not a duration")
+    return _decode_result(msg, tokens)
+
+
+def _decode_result(msg: wk_pb.StepResult, tokens: np.ndarray) -> StepResult:
     kv = msg.kv
     return StepResult(
         step_id=msg.step_id,
-        handles=np.array(msg.handles, dtype=np.int64),
-        token_ids=np.array(msg.token_ids, dtype=np.int32),
+        token_ids=tokens,
         logprobs=tuple(
             TokenLogprobs(lp.logprob, tuple(lp.top_ids), tuple(lp.top_logprobs)) for lp in msg.logprobs
         ),
@@ -260,19 +290,17 @@ def _decode_result(msg: wk_pb.StepResult) -> StepResult:
             host_seqs=kv.host_seqs,
         ),
         forward_s=msg.forward_s,
+        wait_s=msg.wait_s,
         error=msg.error,
     )
 
 
 def result_to_proto(result: StepResult) -> wk_pb.WorkerMessage:
-    cached = _LAST_RESULT.get(result)
-    if cached is not None:
-        return wk_pb.WorkerMessage(result=cached)  # type: ignore[arg-type]
+    """Inverse of result_from_proto (recordings, tests and tools that speak for a worker)."""
     kv = result.kv
     msg = wk_pb.StepResult(
         step_id=result.step_id,
-        handles=result.handles.tolist(),
-        token_ids=result.token_ids.tolist(),
+        token_ids=pack(result.token_ids, INT32),
         logprobs=[
             wk_pb.TokenLogprobs(logprob=lp.logprob, top_ids=lp.top_ids, top_logprobs=lp.top_logprobs)
             for lp in result.logprobs
@@ -285,6 +313,7 @@ def result_to_proto(result: StepResult) -> wk_pb.WorkerMessage:
             host_seqs=kv.host_seqs,
         ),
         forward_s=result.forward_s,
+        wait_s=result.wait_s,
         error=result.error,
     )
     return wk_pb.WorkerMessage(result=msg)

@@ -1,12 +1,14 @@
 """Protobuf <-> data_plane.messages. The only data_plane module that imports the generated stubs.
 
+Plans are read by a PlanDecoder, one per session: the decode set arrives as a delta against the
+previous decode plan (protos/decode_set.py) and leaves as whole handle and slot arrays. Big arrays
+are little-endian `bytes` fields (protos/arrays.py); a malformed one is a ValueError naming it.
+
 Normalisation on the way in: proto3 cannot tell "unset" from zero, so top_p <= 0 and
 repetition_penalty <= 0 mean "off" (1.0), and has_seed=false means no seed.
 """
 
 from __future__ import annotations
-
-from collections.abc import Iterable
 
 import numpy as np
 
@@ -26,26 +28,57 @@ from data_plane.messages import (
     TokenLogprobs,
     Welcome,
 )
+from protos import decode_set
+from protos.arrays import INT32, INT64, WireError, pack, unpack
 from protos.stepwise.v1 import worker_pb2
-
-
-def _array(values: Iterable[int] | Iterable[bool], dtype: type) -> np.ndarray:
-    return np.fromiter(values, dtype=dtype)
-
 
 # ---- control -> worker -------------------------------------------------------------------------
 
 
+class PlanDecoder:
+    """Reads the plans of one session in the order they arrive, keeping the decode set they diff
+    against. A plan that cannot be read raises ValueError and leaves the state as it was."""
+
+    def __init__(self) -> None:
+        self._decodes = decode_set.EMPTY
+
+    def control(self, msg: worker_pb2.ControlMessage) -> ControlEvent:
+        """Decode one ControlMessage; ValueError if it carries nothing or a plan that cannot be read."""
+        kind = msg.WhichOneof("msg")
+        if kind == "welcome":
+            return Welcome(accepted=msg.welcome.accepted, reason=msg.welcome.reason)
+        if kind == "plan":
+            return self.plan(msg.plan)
+        if kind == "shutdown":
+            return Shutdown(reason=msg.shutdown.reason)
+        raise ValueError("empty ControlMessage")
+
+    def plan(self, p: worker_pb2.StepPlan) -> StepPlan:
+        prev = decode_set.EMPTY if p.reset else self._decodes
+        decoded = decode_set.decode(prev, decode_set.from_proto(p.decodes))
+        releases = _array(p.release_handles, np.uint64)
+        if decoded is not None:
+            _check_released_gone(decoded, releases)
+        plan = _plan_from_proto(p, releases, decoded)
+        self._decodes = prev if decoded is None else decoded
+        return plan
+
+
+def _check_released_gone(decoded: decode_set.DecodeSet, releases: np.ndarray) -> None:
+    at = decoded.index.positions(releases)
+    if len(at) and int(at.max()) >= 0:
+        handle = releases[int(np.argmax(at))]
+        raise WireError(f"decodes: handle {handle} is released by this plan but still in its decode set")
+
+
 def control_from_proto(msg: worker_pb2.ControlMessage) -> ControlEvent:
-    """Decode one ControlMessage; ValueError if it carries nothing."""
-    kind = msg.WhichOneof("msg")
-    if kind == "welcome":
-        return Welcome(accepted=msg.welcome.accepted, reason=msg.welcome.reason)
-    if kind == "plan":
-        return plan_from_proto(msg.plan)
-    if kind == "shutdown":
-        return Shutdown(reason=msg.shutdown.reason)
-    raise ValueError("empty ControlMessage")
+    """One ControlMessage on its own (a plan must carry its decode set in full); ValueError."""
+    return PlanDecoder().control(msg)
+
+
+def plan_from_proto(p: worker_pb2.StepPlan) -> StepPlan:
+    """One plan on its own (its decode set in full); ValueError when it cannot be read."""
+    return PlanDecoder().plan(p)
 
 
 def sampler_from_proto(p: worker_pb2.SamplerParams) -> SamplerParams:
@@ -62,27 +95,36 @@ def sampler_from_proto(p: worker_pb2.SamplerParams) -> SamplerParams:
     )
 
 
-def plan_from_proto(p: worker_pb2.StepPlan) -> StepPlan:
+def _plan_from_proto(
+    p: worker_pb2.StepPlan, releases: np.ndarray, decoded: decode_set.DecodeSet | None
+) -> StepPlan:
+    decodes = DecodeBatch() if decoded is None else DecodeBatch(handles=decoded.handles, slots=decoded.slots)
     return StepPlan(
         step_id=p.step_id,
-        release_handles=_array(p.release_handles, np.uint64),
+        release_handles=releases,
         reset=p.reset,
-        offloads=tuple(KvTransfer(t.handle, _array(t.slots, np.int64)) for t in p.offloads),
-        restores=tuple(KvTransfer(t.handle, _array(t.slots, np.int64)) for t in p.restores),
+        offloads=tuple(KvTransfer(t.handle, unpack(t.slots, INT64, "offloads.slots")) for t in p.offloads),
+        restores=tuple(KvTransfer(t.handle, unpack(t.slots, INT64, "restores.slots")) for t in p.restores),
         new_seqs=tuple(_new_seq_from_proto(s) for s in p.new_seqs),
-        extends=ExtendBatch(
-            handles=_array(p.extends.handles, np.uint64),
-            starts=_array(p.extends.starts, np.int64),
-            lens=_array(p.extends.lens, np.int64),
-            sample=_array(p.extends.sample, np.bool_),
-            token_ids=_array(p.extends.token_ids, np.int64),
-            slots=_array(p.extends.slots, np.int64),
-        ),
-        decodes=DecodeBatch(
-            handles=_array(p.decodes.handles, np.uint64),
-            slots=_array(p.decodes.slots, np.int64),
-        ),
-        remaps=tuple(SlotRemap(r.handle, r.start, _array(r.slots, np.int64)) for r in p.remaps),
+        extends=_extends_from_proto(p.extends),
+        decodes=decodes,
+        remaps=tuple(SlotRemap(r.handle, r.start, unpack(r.slots, INT64, "remaps.slots")) for r in p.remaps),
+    )
+
+
+_NO_EXTENDS = ExtendBatch()
+
+
+def _extends_from_proto(e: worker_pb2.ExtendBatch) -> ExtendBatch:
+    if not e.ByteSize():  # most decode steps: nothing to extend
+        return _NO_EXTENDS
+    return ExtendBatch(
+        handles=_array(e.handles, np.uint64),
+        starts=_array(e.starts, np.int64),
+        lens=_array(e.lens, np.int64),
+        sample=_array(e.sample, np.bool_),
+        token_ids=unpack(e.token_ids, INT32, "extends.token_ids"),
+        slots=unpack(e.slots, INT64, "extends.slots"),
     )
 
 
@@ -90,12 +132,16 @@ def _new_seq_from_proto(s: worker_pb2.NewSequence) -> NewSequence:
     return NewSequence(
         handle=s.handle,
         sampler=sampler_from_proto(s.sampler),
-        prefix_slots=_array(s.prefix_slots, np.int64),
+        prefix_slots=unpack(s.prefix_slots, INT64, "new_seqs.prefix_slots"),
         history_ids=_array(s.history_ids, np.int64),
         request_id=s.request_id,
         sim_output_len=s.sim_output_len,
         prompt_len=s.prompt_len,
     )
+
+
+def _array(values: object, dtype: type) -> np.ndarray:
+    return np.fromiter(values, dtype=dtype, count=len(values))  # type: ignore[arg-type, call-overload]
 
 
 def sampler_to_proto(s: SamplerParams) -> worker_pb2.SamplerParams:
@@ -114,19 +160,19 @@ def sampler_to_proto(s: SamplerParams) -> worker_pb2.SamplerParams:
 
 
 def plan_to_proto(plan: StepPlan) -> worker_pb2.StepPlan:
-    """The inverse of plan_from_proto (used by tests and fake control planes)."""
+    """The inverse of plan_from_proto, decode set in full (used by tests and fake control planes)."""
     e, d = plan.extends, plan.decodes
-    return worker_pb2.StepPlan(
+    msg = worker_pb2.StepPlan(
         step_id=plan.step_id,
         reset=plan.reset,
         release_handles=plan.release_handles.tolist(),
-        offloads=[worker_pb2.KvTransfer(handle=t.handle, slots=t.slots.tolist()) for t in plan.offloads],
-        restores=[worker_pb2.KvTransfer(handle=t.handle, slots=t.slots.tolist()) for t in plan.restores],
+        offloads=[worker_pb2.KvTransfer(handle=t.handle, slots=pack(t.slots, INT64)) for t in plan.offloads],
+        restores=[worker_pb2.KvTransfer(handle=t.handle, slots=pack(t.slots, INT64)) for t in plan.restores],
         new_seqs=[
             worker_pb2.NewSequence(
                 handle=s.handle,
                 sampler=sampler_to_proto(s.sampler),
-                prefix_slots=s.prefix_slots.tolist(),
+                prefix_slots=pack(s.prefix_slots, INT64),
                 history_ids=s.history_ids.tolist(),
                 request_id=s.request_id,
                 sim_output_len=s.sim_output_len,
@@ -139,14 +185,18 @@ def plan_to_proto(plan: StepPlan) -> worker_pb2.StepPlan:
             starts=e.starts.tolist(),
             lens=e.lens.tolist(),
             sample=e.sample.tolist(),
-            token_ids=e.token_ids.tolist(),
-            slots=e.slots.tolist(),
+            token_ids=pack(e.token_ids, INT32),
+            slots=pack(e.slots, INT64),
         ),
-        decodes=worker_pb2.DecodeBatch(handles=d.handles.tolist(), slots=d.slots.tolist()),
         remaps=[
-            worker_pb2.SlotRemap(handle=r.handle, start=r.start, slots=r.slots.tolist()) for r in plan.remaps
+            worker_pb2.SlotRemap(handle=r.handle, start=r.start, slots=pack(r.slots, INT64))
+            for r in plan.remaps
         ],
     )
+    full, _ = decode_set.encode(decode_set.EMPTY, d.handles, d.slots, allow_delta=False)
+    if full.count:
+        decode_set.fill(msg.decodes, full)
+    return msg
 
 
 # ---- worker -> control -------------------------------------------------------------------------
@@ -190,8 +240,7 @@ def result_to_proto(r: StepResult) -> worker_pb2.WorkerMessage:
     return worker_pb2.WorkerMessage(
         result=worker_pb2.StepResult(
             step_id=r.step_id,
-            handles=r.handles.tolist(),
-            token_ids=r.token_ids.tolist(),
+            token_ids=pack(r.token_ids, INT32),
             logprobs=[
                 worker_pb2.TokenLogprobs(
                     logprob=lp.logprob, top_ids=list(lp.top_ids), top_logprobs=list(lp.top_logprobs)
@@ -207,6 +256,7 @@ def result_to_proto(r: StepResult) -> worker_pb2.WorkerMessage:
             ),
             forward_s=r.forward_s,
             error=r.error,
+            wait_s=r.wait_s,
         )
     )
 
@@ -215,8 +265,7 @@ def result_from_proto(r: worker_pb2.StepResult) -> StepResult:
     """The inverse of result_to_proto (used by tests and fake control planes)."""
     return StepResult(
         step_id=r.step_id,
-        handles=_array(r.handles, np.uint64),
-        token_ids=_array(r.token_ids, np.int64),
+        token_ids=unpack(r.token_ids, INT32, "token_ids"),
         kv=KvReport(
             live_seqs=r.kv.live_seqs,
             seq_slots=r.kv.seq_slots,
@@ -229,4 +278,5 @@ def result_from_proto(r: worker_pb2.StepResult) -> StepResult:
             TokenLogprobs(lp.logprob, tuple(lp.top_ids), tuple(lp.top_logprobs)) for lp in r.logprobs
         ),
         error=r.error,
+        wait_s=r.wait_s,
     )

@@ -32,7 +32,6 @@ class PreparedStep:
 
     batch: ForwardBatch
     sample_rows: np.ndarray  # table rows, in result order
-    sample_handles: np.ndarray  # uint64, in result order
 
 
 class Executor:
@@ -65,13 +64,13 @@ class Executor:
     def _execute(self, plan: StepPlan, started: float) -> StepResult:
         prepared = self._apply(plan)
         if prepared is None:
-            return self._result(plan.step_id, np.zeros(0, np.uint64), np.zeros(0, np.int64), (), started)
+            return self._result(plan.step_id, np.zeros(0, np.int64), (), started)
         logits = self.model.forward(prepared.batch, self.pool)
         output = self._sample(logits, prepared.sample_rows)
         self.table.last_token[prepared.sample_rows] = output.token_ids
         ones = np.ones(len(prepared.sample_rows), dtype=np.int64)
         self.table.extend_history(prepared.sample_rows, ones, output.token_ids)
-        return self._result(plan.step_id, prepared.sample_handles, output.token_ids, output.logprobs, started)
+        return self._result(plan.step_id, output.token_ids, output.logprobs, started)
 
     def forward_logits(self, plan: StepPlan) -> torch.Tensor:
         """Apply a plan and return its sampling rows' logits without sampling (for tests and replay)."""
@@ -188,7 +187,6 @@ class Executor:
         return PreparedStep(
             batch=batch,
             sample_rows=np.concatenate((ext_rows[sample_mask], dec_rows)),
-            sample_handles=np.concatenate((ext.handles[sample_mask], dec.handles)).astype(np.uint64),
         )
 
     def _check_work(self, plan: StepPlan) -> tuple[np.ndarray, np.ndarray]:
@@ -254,7 +252,6 @@ class Executor:
     def _result(
         self,
         step_id: int,
-        handles: np.ndarray,
         token_ids: np.ndarray,
         logprobs: tuple[TokenLogprobs, ...],
         started: float,
@@ -262,7 +259,6 @@ class Executor:
     ) -> StepResult:
         return StepResult(
             step_id=step_id,
-            handles=handles,
             token_ids=token_ids,
             kv=self.kv_report(),
             forward_s=time.perf_counter() - started,
@@ -271,8 +267,7 @@ class Executor:
         )
 
     def _error_result(self, plan: StepPlan, message: str, started: float) -> StepResult:
-        empty_handles, empty_tokens = np.zeros(0, np.uint64), np.zeros(0, np.int64)
-        return self._result(plan.step_id, empty_handles, empty_tokens, (), started, message or "step failed")
+        return self._result(plan.step_id, np.zeros(0, np.int64), (), started, message or "step failed")
 
     def _device_mem_used(self) -> int:
         if self.device.type == "cuda":

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 
 def _empty(dtype: type) -> np.ndarray:
@@ -123,14 +123,22 @@ class TokenLogprobs:
 @dataclass(frozen=True, slots=True)
 class StepResult:
     step_id: int
-    # One entry per sampled token: sampling extends in plan order, then decodes in plan order.
-    handles: np.ndarray
+    # One per sampling entry, in plan order: the extends with `sample` set, then every decode (the
+    # plan names the sequences; see sampled_handles).
     token_ids: np.ndarray
     kv: KvReport
     forward_s: float = 0.0
     # Empty, or one per sampled token when any sequence of the step asked for logprobs.
     logprobs: tuple[TokenLogprobs, ...] = ()
     error: str = ""
+    # Set by the worker loop: seconds it waited for this plan after finishing the previous step.
+    wait_s: float = 0.0
+
+
+def sampled_handles(plan: StepPlan) -> np.ndarray:
+    """The sequences a plan's result tokens belong to, in result order (uint64)."""
+    ext = plan.extends
+    return np.concatenate((ext.handles[ext.sample.astype(bool)], plan.decodes.handles)).astype(np.uint64)
 
 
 @dataclass(frozen=True, slots=True)

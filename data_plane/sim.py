@@ -1,12 +1,16 @@
-"""The sim backend: a worker without a model, for scale tests and `stepwise simulate`.
+"""The sim backend: a worker without a model, for scale tests, benchmarks and `stepwise simulate`.
 
-It is a simulator, not an inference engine. It keeps the same per-sequence state a real worker
-keeps (slot tables from plan deltas, so its KV report is real) and answers every plan with
-deterministic tokens: token i of a request is a hash of (seed, request id, position), and the
-request emits EOS once it has produced its output length (`sim_output_len` from the plan, or a
-seeded rule). Because tokens depend on the request id and position only, batching, chunking and
-retraction never change a request's output. Step time follows a cost model,
+It is a simulator, not an inference engine. It keeps the per-sequence state a real worker keeps
+(each sequence's length from the plan deltas, so its KV report is real) and answers every plan with
+deterministic tokens: the token at position p of a request is a hash of (seed, request id, p), and
+the request's output token number `sim_output_len` (from the plan, or a seeded rule) is EOS. Tokens
+depend on the request id and position only, so batching, chunking and retraction never change a
+request's output; a sequence decoded past its EOS (the control plane learns of a finish a step late
+under overlap) simply gets more tokens. Step time follows a cost model,
 `a + b·(new tokens) + c·(Σ context of the batch)` seconds.
+
+A step costs a few vectorised numpy operations whatever the batch size: sequences are rows of
+arrays, found by one binary search per step, and the KV report is kept up to date incrementally.
 """
 
 from __future__ import annotations
@@ -18,10 +22,14 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from data_plane.messages import KvReport, StepPlan, StepResult
+from protos.arrays import SortedIndex
 
 # Seeded rule for requests without an output length: between 16 and 271 tokens.
 RULE_MIN_OUTPUT, RULE_SPAN = 16, 256
 TOKEN_FLOOR = 3  # never emit the low ids that tokenizers reserve for special tokens
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_MIX1, _MIX2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+_INITIAL_ROWS = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,13 +55,93 @@ class CostModel:
         return self.a + self.b * new_tokens + self.c * context_tokens
 
 
-@dataclass(slots=True)
-class _SimSeq:
-    request_id: str
-    prompt_len: int
-    output_len: int
-    length: int = 0
-    sampled: bool = False
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser: a well-spread uint64 hash of each uint64 (wrapping arithmetic)."""
+    x = x ^ (x >> np.uint64(30))
+    x = x * _MIX1
+    x = x ^ (x >> np.uint64(27))
+    x = x * _MIX2
+    return x ^ (x >> np.uint64(31))
+
+
+def _digest(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
+
+
+class _SimTable:
+    """The sim's sequences as rows of arrays, with the KV report's totals kept incrementally."""
+
+    def __init__(self) -> None:
+        self.row_of: dict[int, int] = {}
+        self._free: list[int] = []
+        self.handle = np.zeros(0, dtype=np.uint64)
+        self.key = np.zeros(0, dtype=np.uint64)
+        self.length = np.zeros(0, dtype=np.int64)
+        self.prompt_len = np.zeros(0, dtype=np.int64)
+        self.output_len = np.zeros(0, dtype=np.int64)
+        self.live = np.zeros(0, dtype=bool)
+        self.offloaded: set[int] = set()
+        self.seq_slots = 0
+        self._index: tuple[SortedIndex, np.ndarray] | None = None
+        self._grow(_INITIAL_ROWS)
+
+    def add(self, handle: int, key: int, prompt_len: int, output_len: int, length: int) -> None:
+        if handle in self.row_of:
+            raise ValueError(f"handle {handle} is already live")
+        if not self._free:
+            self._grow(len(self.length))
+        row = self.row_of[handle] = self._free.pop()
+        self.handle[row], self.key[row] = handle, key
+        self.prompt_len[row], self.output_len[row], self.length[row] = prompt_len, output_len, length
+        self.live[row] = True
+        self.seq_slots += length
+        self._index = None
+
+    def remove(self, handle: int) -> None:
+        row = self.row_of.pop(handle)  # KeyError: not live
+        if handle in self.offloaded:
+            self.offloaded.discard(handle)
+        else:
+            self.seq_slots -= int(self.length[row])
+        self.live[row] = False
+        self._free.append(row)
+        self._index = None
+
+    def offload(self, handle: int) -> None:
+        row = self.row_of[handle]
+        if handle not in self.offloaded:
+            self.offloaded.add(handle)
+            self.seq_slots -= int(self.length[row])
+
+    def restore(self, handle: int, length: int) -> None:
+        """The host copy comes back as the sequence's first `length` positions (an offload names
+        only committed KV: under overlap, one position fewer than the table held)."""
+        self.offloaded.remove(handle)  # KeyError: nothing to restore
+        self.length[self.row_of[handle]] = length
+        self.seq_slots += length
+
+    def rows(self, handles: np.ndarray) -> np.ndarray:
+        """Rows of `handles`; KeyError naming the first that is not live."""
+        if self._index is None:
+            live = np.flatnonzero(self.live)
+            self._index = (SortedIndex(self.handle[live]), live)
+        index, live = self._index
+        at = index.positions(handles)
+        if len(at) and int(at.min()) < 0:
+            raise KeyError(int(handles[int(np.argmin(at))]))
+        return live[at]
+
+    def advance(self, rows: np.ndarray, counts: np.ndarray | int) -> None:
+        """The sequences in `rows` (distinct) hold `counts` more tokens each."""
+        self.length[rows] += counts
+        self.seq_slots += int(np.sum(counts)) if np.ndim(counts) else int(counts) * len(rows)
+
+    def _grow(self, extra: int) -> None:
+        old = len(self.length)
+        for name in ("handle", "key", "length", "prompt_len", "output_len", "live"):
+            array = getattr(self, name)
+            setattr(self, name, np.concatenate((array, np.zeros(extra, dtype=array.dtype))))
+        self._free.extend(range(old + extra - 1, old - 1, -1))
 
 
 @dataclass(slots=True)
@@ -66,95 +154,73 @@ class SimExecutor:
     cost: CostModel = field(default_factory=CostModel)
     seed: int = 0
     sleep: bool = False
-    seqs: dict[int, _SimSeq] = field(default_factory=dict)
-    offloaded: dict[int, int] = field(default_factory=dict)
+    table: _SimTable = field(default_factory=_SimTable, init=False)
 
     def execute(self, plan: StepPlan) -> StepResult:
         try:
             return self._execute(plan)
         except (KeyError, ValueError) as exc:
-            empty = np.zeros(0, dtype=np.int64)
-            return StepResult(
-                plan.step_id, empty.astype(np.uint64), empty, self.kv_report(), error=f"sim: {exc!r}"
-            )
+            return StepResult(plan.step_id, np.zeros(0, np.int64), self.kv_report(), error=f"sim: {exc!r}")
 
     def _execute(self, plan: StepPlan) -> StepResult:
-        if plan.reset:
-            self.seqs.clear()
-            self.offloaded.clear()
-        for handle in plan.release_handles.tolist():
-            del self.seqs[handle]
-            self.offloaded.pop(handle, None)
-        for t in plan.offloads:
-            self.offloaded[t.handle] = self.seqs[t.handle].length
-        for t in plan.restores:
-            self.offloaded.pop(t.handle)
-        for new in plan.new_seqs:
-            if new.handle in self.seqs:
-                raise ValueError(f"handle {new.handle} is already live")
-            self.seqs[new.handle] = _SimSeq(
-                new.request_id,
-                new.prompt_len,
-                new.sim_output_len or self._rule(new.request_id),
-                length=len(new.prefix_slots),
-            )
-        handles = self._extend(plan)
-        tokens = [self._sample(self.seqs[h]) for h in handles]
-        for handle in plan.decodes.handles.tolist():
-            seq = self.seqs[handle]
-            seq.length += 1
-            handles.append(handle)
-            tokens.append(self._sample(seq))
-        seconds = self.step_seconds(plan)
+        self._apply_deltas(plan)
+        ext, dec = plan.extends, plan.decodes
+        ext_rows = self._extend_rows(plan)
+        dec_rows = self.table.rows(dec.handles)
+        self.table.advance(ext_rows, ext.lens)
+        self.table.advance(dec_rows, 1)
+        tokens = self._tokens(np.concatenate((ext_rows[ext.sample.astype(bool)], dec_rows)))
+        context = int(self.table.length[ext_rows].sum() + self.table.length[dec_rows].sum())
+        seconds = self.cost.step_seconds(int(ext.lens.sum()) + len(dec_rows), context)
         if self.sleep:
             time.sleep(seconds)
-        return StepResult(
-            step_id=plan.step_id,
-            handles=np.asarray(handles, dtype=np.uint64),
-            token_ids=np.asarray(tokens, dtype=np.int64),
-            kv=self.kv_report(),
-            forward_s=seconds,
-        )
+        return StepResult(plan.step_id, tokens, self.kv_report(), forward_s=seconds)
 
-    def _extend(self, plan: StepPlan) -> list[int]:
+    def _extend_rows(self, plan: StepPlan) -> np.ndarray:
+        """Rows of the extends; ValueError unless each starts where its sequence ends."""
         ext = plan.extends
-        sampled = []
-        for i, handle in enumerate(ext.handles.tolist()):
-            seq = self.seqs[handle]
-            if int(ext.starts[i]) != seq.length:
-                raise ValueError(
-                    f"extend of {handle} starts at {int(ext.starts[i])}, sequence has {seq.length}"
-                )
-            seq.length += int(ext.lens[i])
-            if ext.sample[i]:
-                sampled.append(handle)
-        return sampled
+        rows = self.table.rows(ext.handles)
+        stale = np.flatnonzero(self.table.length[rows] != ext.starts)
+        if len(stale):
+            i = int(stale[0])
+            have = int(self.table.length[rows[i]])
+            raise ValueError(f"extend of {ext.handles[i]} starts at {ext.starts[i]}, sequence has {have}")
+        return rows
 
-    def _sample(self, seq: _SimSeq) -> int:
-        """The token at position `seq.length` (the next one) of this request."""
-        position = seq.length
-        if position - seq.prompt_len >= seq.output_len:
-            return self.eos_token_id
-        digest = hashlib.blake2b(f"{self.seed}/{seq.request_id}/{position}".encode(), digest_size=8).digest()
-        token = TOKEN_FLOOR + int.from_bytes(digest, "little") % (self.vocab_size - TOKEN_FLOOR)
-        return token if token != self.eos_token_id else TOKEN_FLOOR
+    def _apply_deltas(self, plan: StepPlan) -> None:
+        if plan.reset:
+            self.table = _SimTable()
+        for handle in plan.release_handles.tolist():
+            self.table.remove(handle)
+        for t in plan.offloads:
+            self.table.offload(t.handle)
+        for t in plan.restores:
+            self.table.restore(t.handle, len(t.slots))
+        for new in plan.new_seqs:
+            output_len = new.sim_output_len or self._rule(new.request_id)
+            key = _digest(f"{self.seed}/{new.request_id}")
+            self.table.add(new.handle, key, new.prompt_len, output_len, len(new.prefix_slots))
+
+    def _tokens(self, rows: np.ndarray) -> np.ndarray:
+        """The token at each row's next position: hashed, or EOS at its output length."""
+        table = self.table
+        position = table.length[rows]
+        hashed = _mix(table.key[rows] + position.astype(np.uint64) * _GOLDEN)
+        span = np.uint64(self.vocab_size - TOKEN_FLOOR)
+        tokens = (hashed % span).astype(np.int64) + TOKEN_FLOOR
+        tokens[tokens == self.eos_token_id] = TOKEN_FLOOR
+        tokens[position - table.prompt_len[rows] == table.output_len[rows]] = self.eos_token_id
+        return tokens
 
     def _rule(self, request_id: str) -> int:
-        digest = hashlib.blake2b(f"{self.seed}/len/{request_id}".encode(), digest_size=8).digest()
-        return RULE_MIN_OUTPUT + int.from_bytes(digest, "little") % RULE_SPAN
-
-    def step_seconds(self, plan: StepPlan) -> float:
-        new_tokens = int(plan.extends.lens.sum()) + len(plan.decodes.handles)
-        handles = np.concatenate((plan.extends.handles, plan.decodes.handles)).tolist()
-        context = sum(self.seqs[h].length for h in handles if h in self.seqs)
-        return self.cost.step_seconds(new_tokens, context)
+        return RULE_MIN_OUTPUT + _digest(f"{self.seed}/len/{request_id}") % RULE_SPAN
 
     def kv_report(self) -> KvReport:
-        live = [s for h, s in self.seqs.items() if h not in self.offloaded]
+        table = self.table
         return KvReport(
-            live_seqs=len(live),
-            seq_slots=sum(s.length for s in live),
+            live_seqs=len(table.row_of) - len(table.offloaded),
+            seq_slots=table.seq_slots,
             capacity_tokens=self.capacity,
             device_mem_used_bytes=0,
-            host_seqs=len(self.offloaded),
+            host_seqs=len(table.offloaded),
         )

@@ -3,6 +3,12 @@
 Loop, as the design reads: dial (with backoff) -> Hello -> Welcome -> for each StepPlan:
 execute, answer with a StepResult carrying the same step_id -> Shutdown ends it.
 
+The session is a pipeline: a reader task reads and decodes plans into a bounded queue as they
+arrive, while the executor loop runs the plans in order (in a thread: the forward releases the
+GIL) and writes their results in order. With two plans in flight the next one is decoded and
+waiting when a step ends, so the worker starts it at once; each result says how long the worker
+waited for its plan (`wait_s`).
+
 Exit codes: 0 on Shutdown, SIGTERM or SIGINT; 1 when the stream breaks; 2 when the control plane
 refuses the worker; 3 when the control plane cannot be reached within --connect-timeout; 4 when
 the model cannot be loaded.
@@ -13,9 +19,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import signal
 import sys
+import time
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -41,6 +49,10 @@ EXIT_REFUSED = 2
 EXIT_CONNECT_FAILED = 3
 EXIT_BAD_MODEL = 4
 
+# A control plane keeps a few plans in flight at most; past this many waiting, the reader stops
+# reading (gRPC's flow control then holds the control plane back) rather than queue without bound.
+MAX_QUEUED_PLANS = 8
+
 _CHANNEL_OPTIONS = [
     # Keep redialing quickly while the control plane starts, instead of grpc's default backoff to 120 s.
     ("grpc.initial_reconnect_backoff_ms", 100),
@@ -65,6 +77,19 @@ class LoadedWorker:
 
 class StreamBroken(Exception):
     """The control plane went away or broke the protocol."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Arrived:
+    """A decoded plan, and when it was ready (time.perf_counter())."""
+
+    plan: StepPlan
+    at: float
+
+
+# What the reader hands the executor loop, in stream order: plans, then a Shutdown or the error
+# that ended reading.
+_Inbox = asyncio.Queue[_Arrived | Shutdown | Exception]
 
 
 # ---- start-up ----------------------------------------------------------------------------------
@@ -181,12 +206,12 @@ async def _dial(config: WorkerConfig) -> grpc.aio.Channel:
     return channel
 
 
-async def _read(call: grpc.aio.StreamStreamCall) -> Welcome | StepPlan | Shutdown:
+async def _read(call: grpc.aio.StreamStreamCall, decoder: codec.PlanDecoder) -> Welcome | StepPlan | Shutdown:
     msg = await call.read()
     if msg is grpc.aio.EOF:  # type: ignore[attr-defined]
         raise StreamBroken("control plane closed the stream")
     try:
-        return codec.control_from_proto(msg)  # type: ignore[arg-type]
+        return decoder.control(msg)  # type: ignore[arg-type]
     except ValueError as exc:
         raise StreamBroken(f"control plane sent a message the worker cannot read: {exc}") from None
 
@@ -195,24 +220,63 @@ async def _session(worker: LoadedWorker, channel: grpc.aio.Channel) -> int:
     """Hello, Welcome, then plans until Shutdown. Returns the exit code."""
     call = worker_pb2_grpc.WorkerLinkStub(channel).Connect()
     await call.write(codec.hello_to_proto(worker.hello))
-    welcome = await _read(call)
+    decoder = codec.PlanDecoder()
+    welcome = await _read(call, decoder)
     if not isinstance(welcome, Welcome):
         raise StreamBroken(f"expected Welcome, got {type(welcome).__name__}")
     if not welcome.accepted:
         log.error("refused", reason=welcome.reason)
         return EXIT_REFUSED
     log.info("welcomed")
+    inbox: _Inbox = asyncio.Queue(maxsize=MAX_QUEUED_PLANS)
+    reader = asyncio.create_task(_read_plans(call, decoder, inbox))
+    try:
+        return await _run_plans(worker, call, inbox)
+    finally:
+        reader.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await reader
+
+
+async def _read_plans(call: grpc.aio.StreamStreamCall, decoder: codec.PlanDecoder, inbox: _Inbox) -> None:
+    """Read and decode every message as it arrives, while the executor loop runs earlier plans.
+    Ends at a Shutdown or at the first error, which is queued after the plans read before it."""
+    try:
+        while True:
+            event = await _read(call, decoder)
+            if isinstance(event, StepPlan):
+                await inbox.put(_Arrived(event, time.perf_counter()))
+            elif isinstance(event, Shutdown):
+                await inbox.put(event)
+                return
+    except Exception as exc:
+        await inbox.put(exc)
+
+
+async def _run_plans(worker: LoadedWorker, call: grpc.aio.StreamStreamCall, inbox: _Inbox) -> int:
+    """Execute the queued plans in order and answer each; the exit code once a Shutdown comes."""
+    finished: float | None = None  # when the previous step ended
     while True:
-        event = await _read(call)
-        if isinstance(event, Shutdown):
-            log.info("shutdown", reason=event.reason)
+        item = await inbox.get()
+        if isinstance(item, Exception):
+            raise item
+        if isinstance(item, Shutdown):
+            log.info("shutdown", reason=item.reason)
             await call.done_writing()
             return EXIT_OK
-        if isinstance(event, StepPlan):
-            result = await asyncio.to_thread(worker.executor.execute, event)
-            if result.error:
-                log.error("step_error", step_id=result.step_id, error=result.error)
-            await call.write(codec.result_to_proto(result))
+        wait_s = 0.0 if finished is None else max(0.0, item.at - finished)
+        result = await asyncio.to_thread(worker.executor.execute, item.plan)
+        finished = time.perf_counter()
+        if result.error:
+            log.error("step_error", step_id=result.step_id, error=result.error)
+        await _write(call, dataclasses.replace(result, wait_s=wait_s))
+
+
+async def _write(call: grpc.aio.StreamStreamCall, result: StepResult) -> None:
+    try:
+        await call.write(codec.result_to_proto(result))
+    except asyncio.InvalidStateError:  # the call ended while the step ran
+        raise StreamBroken("control plane closed the stream") from None
 
 
 async def serve(worker: LoadedWorker, config: WorkerConfig) -> int:

@@ -6,7 +6,8 @@
 - `show REC [--json]`: the recording as a timeline, one entry per step.
 
 REC is a recording file (`<worker>-<n>.0000.rec`; later parts are followed), a session name, or a
-directory holding one session. Exit codes: 0 identical / shown, 1 diverged, 2 unreadable input.
+directory holding one session; recordings made by an older format are refused. Exit codes: 0
+identical / shown, 1 diverged, 2 unreadable input.
 """
 
 from __future__ import annotations
@@ -18,12 +19,13 @@ import warnings
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from control_plane.record import codec as record_codec
 from control_plane.record.entries import Entry, Header
 from control_plane.record.files import RecordingError, read_entries, read_header
 from control_plane.record.replay import ReplayReport, replay_scheduler, replay_worker
 from control_plane.record.timeline import StepLine, TimelineBuilder
 from stepwise import flags
-from stepwise.wire import Executor, step_through_wire
+from stepwise.wire import Executor, WireLink
 
 EXIT_IDENTICAL, EXIT_DIVERGED, EXIT_BAD_INPUT = 0, 1, 2
 
@@ -158,12 +160,17 @@ def _report(report: ReplayReport) -> int:
 
 
 def _run(ns: argparse.Namespace) -> int:
+    header = read_header(ns.recording)
+    refusal = record_codec.unsupported_format(header)
+    if refusal:
+        raise RecordingError(f"{ns.recording}: {refusal}")
     entries = read_entries(ns.recording)
     if ns.what == "scheduler":
         return _report(replay_scheduler(entries))
     if ns.what == "worker":
-        executor = fresh_executor(read_header(ns.recording), ns.model, ns.device, ns.dtype)
-        return _report(replay_worker(entries, lambda plan: step_through_wire(executor, plan)))
+        # One link for the whole session: the plans' decode sets travel as deltas, as they did live.
+        link = WireLink(fresh_executor(header, ns.model, ns.device, ns.dtype))
+        return _report(replay_worker(entries, link.step))
     if ns.json:
         for line in timeline(entries):
             print(json.dumps(line.to_json()))

@@ -1,7 +1,11 @@
 """The worker link without a network: a plan goes through both planes' codecs to an executor and back.
 
-Used by `simulate` and `replay worker`, so what they exercise is the wire format itself: the
-control plane's plan_to_proto, the data plane's plan_from_proto, and the same for the result.
+Used by `simulate` and `replay worker`, so what they exercise is the wire format itself. Two forms:
+
+- `step_through_wire(executor, plan)`: stateless, each plan on its own with its decode set in full;
+- `WireLink(executor).step(plan)`: one link's PlanEncoder and PlanDecoder, so the decode set travels
+  as a delta against the previous decode plan, as it does between real processes. Feed it every
+  plan of a session in order.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from control_plane import codec as control_codec
 from control_plane.scheduler.plan import StepPlan, StepResult
 from data_plane import codec as data_codec
 from data_plane import messages
+from protos.stepwise.v1 import worker_pb2
 
 
 class Executor(Protocol):
@@ -19,6 +24,28 @@ class Executor(Protocol):
 
 
 def step_through_wire(executor: Executor, plan: StepPlan) -> StepResult:
-    wire_plan = control_codec.plan_to_proto(plan).plan
-    result = executor.execute(data_codec.plan_from_proto(wire_plan))
-    return control_codec.result_from_proto(data_codec.result_to_proto(result).result)
+    wire_plan = _wire(control_codec.plan_to_proto(plan).plan)
+    return _answer(executor, data_codec.plan_from_proto(wire_plan), plan)
+
+
+class WireLink:
+    """Both ends of one worker link in one process, serialised bytes included."""
+
+    def __init__(self, executor: Executor) -> None:
+        self.executor = executor
+        self.encoder = control_codec.PlanEncoder()
+        self.decoder = data_codec.PlanDecoder()
+
+    def step(self, plan: StepPlan) -> StepResult:
+        wire_plan = _wire(self.encoder.encode(plan).plan)
+        return _answer(self.executor, self.decoder.plan(wire_plan), plan)
+
+
+def _wire(plan: worker_pb2.StepPlan) -> worker_pb2.StepPlan:
+    """The plan as the worker would parse it off the stream."""
+    return worker_pb2.StepPlan.FromString(plan.SerializeToString())
+
+
+def _answer(executor: Executor, worker_plan: messages.StepPlan, plan: StepPlan) -> StepResult:
+    result = data_codec.result_to_proto(executor.execute(worker_plan)).result
+    return control_codec.result_from_proto(result, control_codec.sampled_count(plan))

@@ -1,7 +1,9 @@
 """Recording entries <-> protobuf Records. The only module that imports the record stubs.
 
 Plans, results and worker limits reuse the worker link's messages and control_plane.codec's
-conversions, so a recorded plan is byte for byte what went down the stream.
+conversions. A plan is recorded with its decode set in full (on the stream it is a delta against
+the plan before), so every recorded plan reads on its own; a result is recorded as the worker sent
+it (tokens in plan order, no handles).
 """
 
 from __future__ import annotations
@@ -29,6 +31,21 @@ from control_plane.scheduler.plan import StepKind
 from control_plane.scheduler.scheduler import StepStats
 from protos.stepwise.v1 import record_pb2 as rec_pb
 
+# The layout this codec writes and reads. 2: worker protocol 2's messages (1 had results naming
+# their handles and plans' arrays as packed fields; its plans would read back without decodes).
+FORMAT_VERSION = 2
+
+
+def unsupported_format(header: Header) -> str:
+    """Why a recording with this header cannot be read ("" when it can)."""
+    if header.format_version == FORMAT_VERSION:
+        return ""
+    return (
+        f"recording format {header.format_version} is not supported (this version reads format "
+        f"{FORMAT_VERSION}); record the session again"
+    )
+
+
 # --- scheduler config and header ----------------------------------------------------------------
 
 
@@ -48,7 +65,7 @@ def config_from_json(text: str) -> SchedulerConfig:
 
 def _header_to_proto(h: Header) -> rec_pb.Header:
     return rec_pb.Header(
-        format_version=h.format_version,
+        format_version=FORMAT_VERSION,
         scheduler_config_json=config_to_json(h.scheduler),
         worker=link.hello_from_limits(h.limits),
         seeds=dict(h.seeds),
@@ -85,6 +102,7 @@ def _params_to_proto(p: RequestParams) -> rec_pb.RequestParams:
     return rec_pb.RequestParams(
         has_max_new_tokens=p.max_new_tokens is not None,
         max_new_tokens=p.max_new_tokens or 0,
+        min_new_tokens=p.min_new_tokens,
         stop=list(p.stop),
         stop_token_ids=sorted(p.stop_token_ids),
         ignore_eos=p.ignore_eos,
@@ -100,6 +118,7 @@ def _params_to_proto(p: RequestParams) -> rec_pb.RequestParams:
 def _params_from_proto(m: rec_pb.RequestParams) -> RequestParams:
     return RequestParams(
         max_new_tokens=m.max_new_tokens if m.has_max_new_tokens else None,
+        min_new_tokens=m.min_new_tokens,
         stop=tuple(m.stop),
         stop_token_ids=frozenset(m.stop_token_ids),
         ignore_eos=m.ignore_eos,

@@ -16,6 +16,7 @@ from data_plane.messages import (
     NewSequence,
     SamplerParams,
     StepPlan,
+    sampled_handles,
 )
 
 GREEDY = SamplerParams()
@@ -143,7 +144,7 @@ class Driver:
     def _run(self, plan: StepPlan) -> dict[int, int]:
         result = self.executor.execute(plan)
         assert result.error == "", result.error
-        sampled = dict(zip(result.handles.tolist(), result.token_ids.tolist(), strict=True))
+        sampled = dict(zip(sampled_handles(plan).tolist(), result.token_ids.tolist(), strict=True))
         for h, t in sampled.items():
             self.tokens[h].append(t)
         return sampled

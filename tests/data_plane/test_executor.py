@@ -37,19 +37,35 @@ def test_kv_report_counts_live_sequences_and_slots(make_executor) -> None:
 
 
 def test_result_order_is_sampling_extends_then_decodes(make_executor) -> None:
-    executor, slots = _prefilled(make_executor, handles=(1, 2))
-    plan = make_plan(
-        2,
-        new_seqs=[new_seq(5), new_seq(6)],
-        extends=[
-            Extend(5, 0, PROMPT[:3], slots.alloc(5, 3)),
-            Extend(6, 0, PROMPT[:2], slots.alloc(6, 2), False),
-        ],
-        decodes=[(2, int(slots.alloc(2, 1)[0])), (1, int(slots.alloc(1, 1)[0]))],
-    )
-    result = executor.execute(plan)
-    assert result.step_id == 2
-    assert result.handles.tolist() == [5, 2, 1]
+    """Tokens come in plan order (sampling extends, then decodes): swapping two decodes swaps their
+    tokens, and the extend that samples nothing (a non-final chunk) has none."""
+    results = []
+    for order in ((2, 1), (1, 2)):
+        executor = make_executor(capacity=256)
+        slots = SlotAllocator(256, page_size=4, seed=11)
+        prompts = {1: PROMPT, 2: [464, 300, 42, 17, 99, 5]}
+        prefill = make_plan(
+            1,
+            new_seqs=[new_seq(h) for h in prompts],
+            extends=[Extend(h, 0, p, slots.alloc(h, len(p))) for h, p in prompts.items()],
+        )
+        assert executor.execute(prefill).error == ""
+        decode_slots = {h: int(slots.alloc(h, 1)[0]) for h in (1, 2)}
+        plan = make_plan(
+            2,
+            new_seqs=[new_seq(5), new_seq(6)],
+            extends=[
+                Extend(5, 0, PROMPT[:3], slots.alloc(5, 3)),
+                Extend(6, 0, PROMPT[:2], slots.alloc(6, 2), False),
+            ],
+            decodes=[(h, decode_slots[h]) for h in order],
+        )
+        result = executor.execute(plan)
+        assert result.step_id == 2 and result.error == ""
+        results.append(result.token_ids.tolist())
+    (ext5, tok2, tok1), (same5, first1, then2) = results
+    assert tok1 != tok2, "the two prompts were meant to give different next tokens"
+    assert (ext5, tok1, tok2) == (same5, first1, then2)
 
 
 def test_offload_then_restore_gives_identical_logits(make_executor) -> None:

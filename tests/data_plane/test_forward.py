@@ -35,7 +35,7 @@ def test_mixed_step_matches_transformers(make_executor, hf_model, page_size: int
     )
     first = executor.execute(step1)
     assert first.error == ""
-    assert first.handles.tolist() == [1, 2, 3]
+    assert len(first.token_ids) == 3  # the non-final chunk of handle 4 samples nothing
     tokens = {h: [*p, t] for (h, p), t in zip(prompts.items(), first.token_ids.tolist(), strict=True)}
 
     # Handle 5 reuses handle 1's first 8 slots as its cached prefix (same 8 tokens).

@@ -7,7 +7,7 @@ import pathlib
 import pytest
 import torch
 
-from data_plane.messages import SamplerParams
+from data_plane.messages import SamplerParams, sampled_handles
 from tests.data_plane.factories import Driver, Extend, SlotAllocator, hf_next_logits, make_plan, new_seq
 
 PROMPTS = (
@@ -166,4 +166,4 @@ def _decodes(slots: SlotAllocator, handles) -> list[tuple[int, int]]:
 def _sampled(executor, plan) -> dict[int, int]:
     result = executor.execute(plan)
     assert result.error == "", result.error
-    return dict(zip(result.handles.tolist(), result.token_ids.tolist(), strict=True))
+    return dict(zip(sampled_handles(plan).tolist(), result.token_ids.tolist(), strict=True))

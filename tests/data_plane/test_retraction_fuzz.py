@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from data_plane.executor import Executor
-from data_plane.messages import StepPlan
+from data_plane.messages import StepPlan, sampled_handles
 from tests.data_plane.factories import Extend, make_plan, new_seq
 
 CAPACITY = 80
@@ -96,7 +96,7 @@ class MiniControl:
         self.step_id = plan.step_id
         result = self.executor.execute(plan)
         assert result.error == "", result.error
-        tokens = dict(zip(result.handles.tolist(), result.token_ids.tolist(), strict=True))
+        tokens = dict(zip(sampled_handles(plan).tolist(), result.token_ids.tolist(), strict=True))
         for r in sampled:
             r.output.append(tokens[r.handle])
             if r.done:

@@ -7,7 +7,15 @@ import dataclasses
 import numpy as np
 import pytest
 
-from data_plane.messages import DecodeBatch, ExtendBatch, NewSequence, SamplerParams, StepPlan
+from data_plane.messages import (
+    DecodeBatch,
+    ExtendBatch,
+    KvTransfer,
+    NewSequence,
+    SamplerParams,
+    StepPlan,
+    sampled_handles,
+)
 from data_plane.sim import CostModel, SimExecutor
 
 
@@ -45,13 +53,12 @@ def _decode(step: int, handles: list[int], first_slot: int) -> StepPlan:
 
 def _run(executor: SimExecutor, seqs: list[tuple[int, str, int, int]], steps: int) -> dict[int, list[int]]:
     out: dict[int, list[int]] = {s[0]: [] for s in seqs}
-    result = executor.execute(_prefill(1, seqs))
-    for h, t in zip(result.handles.tolist(), result.token_ids.tolist(), strict=True):
-        out[h].append(t)
-    for step in range(steps):
-        result = executor.execute(_decode(step + 2, [s[0] for s in seqs], 1000 + step * 10))
-        assert not result.error
-        for h, t in zip(result.handles.tolist(), result.token_ids.tolist(), strict=True):
+    plans = [_prefill(1, seqs)]
+    plans += [_decode(step + 2, [s[0] for s in seqs], 1000 + step * 10) for step in range(steps)]
+    for plan in plans:
+        result = executor.execute(plan)
+        assert not result.error, result.error
+        for h, t in zip(sampled_handles(plan).tolist(), result.token_ids.tolist(), strict=True):
             out[h].append(t)
     return out
 
@@ -65,8 +72,22 @@ def test_tokens_depend_on_request_and_position_not_on_the_batch() -> None:
 
 def test_eos_after_the_output_length() -> None:
     tokens = _run(SimExecutor(4096, 1000, eos_token_id=0), [(1, "a", 4, 3)], 5)[1]
-    assert tokens[:3] != [0, 0, 0] and 0 not in tokens[:3]
+    assert 0 not in tokens[:3]
     assert tokens[3] == 0
+
+
+def test_decodes_past_eos_keep_producing_tokens() -> None:
+    """Under overlap the control plane learns of a finish a step late and decodes once more."""
+    tokens = _run(SimExecutor(4096, 1000, eos_token_id=0), [(1, "a", 4, 2)], 8)[1]
+    assert tokens[2] == 0
+    assert len(tokens) == 9 and 0 not in tokens[3:]
+    assert all(3 <= t < 1000 for t in tokens[3:])
+
+
+def test_tokens_depend_on_the_seed() -> None:
+    seqs = [(1, "a", 5, 100)]
+    one, two = (_run(SimExecutor(4096, 1000, 0, seed=seed), seqs, 6) for seed in (1, 2))
+    assert one != two
 
 
 def test_kv_report_tracks_slot_tables() -> None:
@@ -76,6 +97,13 @@ def test_kv_report_tracks_slot_tables() -> None:
     assert (result.kv.live_seqs, result.kv.seq_slots) == (2, 12)
     result = executor.execute(StepPlan(3, release_handles=np.asarray([1], dtype=np.uint64)))
     assert (result.kv.live_seqs, result.kv.seq_slots) == (1, 7)
+    moved = KvTransfer(2, np.arange(7, dtype=np.int64))
+    result = executor.execute(StepPlan(4, offloads=(moved,)))
+    assert (result.kv.live_seqs, result.kv.seq_slots, result.kv.host_seqs) == (0, 0, 1)
+    result = executor.execute(StepPlan(5, restores=(moved,)))
+    assert (result.kv.live_seqs, result.kv.seq_slots, result.kv.host_seqs) == (1, 7, 0)
+    result = executor.execute(StepPlan(6, offloads=(moved,), release_handles=np.asarray([2], np.uint64)))
+    assert "2" in result.error  # released before the offload: nothing left to offload
 
 
 def test_cost_model() -> None:
@@ -97,3 +125,29 @@ def test_a_reset_plan_forgets_every_sequence_first() -> None:
     assert "already live" in executor.execute(again).error
     result = executor.execute(dataclasses.replace(again, reset=True))
     assert result.error == "" and result.kv.live_seqs == 1
+
+
+def test_a_restore_names_the_length_the_sequence_continues_from() -> None:
+    """Under overlap a retraction offloads only the committed positions: one fewer than the table
+    held when the retracted sequence's last decode was still in flight. The restore names them, and
+    the re-prefill continues from there."""
+    sim = SimExecutor(capacity=4096, vocab_size=500, eos_token_id=0)
+    assert not sim.execute(_prefill(1, [(1, "r", 4, 50)])).error
+    assert not sim.execute(_decode(2, [1], 100)).error  # the table holds 5 positions now
+    offload = StepPlan(3, offloads=(KvTransfer(1, np.arange(4, dtype=np.int64)),))
+    assert not sim.execute(offload).error
+    restore = StepPlan(
+        4,
+        restores=(KvTransfer(1, np.arange(200, 204, dtype=np.int64)),),
+        extends=ExtendBatch(
+            handles=np.asarray([1], dtype=np.uint64),
+            starts=np.asarray([4], dtype=np.int64),
+            lens=np.asarray([2], dtype=np.int64),
+            sample=np.ones(1, dtype=bool),
+            token_ids=np.ones(2, dtype=np.int64),
+            slots=np.arange(204, 206, dtype=np.int64),
+        ),
+    )
+    result = sim.execute(restore)
+    assert not result.error, result.error
+    assert result.kv.seq_slots == 6 and result.kv.host_seqs == 0

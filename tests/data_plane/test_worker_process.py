@@ -129,6 +129,10 @@ def expected_tokens(make_executor) -> list[int]:  # type: ignore[no-untyped-def]
     return [int(executor.execute(plan).token_ids[0]) for plan in two_step_plans()]
 
 
+def tokens(result: worker_pb2.StepResult) -> list[int]:
+    return codec.result_from_proto(result).token_ids.tolist()
+
+
 SHUTDOWN = worker_pb2.ControlMessage(shutdown=worker_pb2.Shutdown(reason="test over"))
 
 
@@ -141,14 +145,13 @@ async def test_worker_says_hello_runs_plans_and_exits_on_shutdown(model_dir, mak
     assert code == 0, stderr
     hello = control.session.hello
     assert hello is not None
-    assert (hello.protocol_version, hello.worker_id, hello.page_size) == (1, "test-worker", 1)
+    assert (hello.protocol_version, hello.worker_id, hello.page_size) == (2, "test-worker", 1)
     assert hello.model_fingerprint == model_fingerprint(model_dir)
     assert (hello.kv_capacity_tokens, hello.max_context, hello.vocab_size) == (1024, 2048, 1024)
     assert (hello.dtype, hello.device, list(hello.eos_token_ids)) == ("float32", "cpu", [0])
     results = control.session.results
     assert [r.step_id for r in results] == [100, 101]
-    assert [list(r.handles) for r in results] == [[1], [1]]
-    assert [r.token_ids[0] for r in results] == expected_tokens(make_executor)
+    assert [tokens(r) for r in results] == [[t] for t in expected_tokens(make_executor)]
     assert (results[1].kv.live_seqs, results[1].kv.seq_slots) == (1, len(PROMPT) + 1)
 
 

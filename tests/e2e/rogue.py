@@ -1,7 +1,9 @@
 """A hand-driven worker over real gRPC: says whatever hello and results a test wants.
 
-It speaks the WorkerLink protocol from the test process, so a test can play a buggy, hostile or
-hung worker against a real control plane process and check what the control plane does about it.
+It speaks the WorkerLink protocol (version 2) from the test process, so a test can play a buggy,
+hostile or hung worker against a real control plane process and check what the control plane does
+about it. Plans are read with the data plane's PlanDecoder (their decode sets are deltas), and
+`honest_result` builds the result a well-behaved worker would send, for a test to corrupt.
 """
 
 from __future__ import annotations
@@ -11,7 +13,10 @@ import contextlib
 from dataclasses import dataclass, field
 
 import grpc
+import numpy as np
 
+from data_plane.codec import PlanDecoder
+from data_plane.messages import StepPlan, sampled_handles
 from protos.stepwise.v1 import worker_pb2 as wk_pb
 from protos.stepwise.v1 import worker_pb2_grpc as wk_grpc
 
@@ -29,7 +34,7 @@ def hello(worker_id: str = "rogue", **fields: object) -> wk_pb.Hello:
         "vocab_size": EMBEDDED_VOCAB,
         "dtype": "sim",
         "device": "sim",
-        "protocol_version": 1,
+        "protocol_version": 2,
         "eos_token_ids": [2],
     }
     values.update(fields)
@@ -44,6 +49,7 @@ class RogueWorker:
     hello: wk_pb.Hello
     credentials: grpc.ChannelCredentials | None = None
     welcome: wk_pb.Welcome | None = None
+    decoder: PlanDecoder = field(default_factory=PlanDecoder, repr=False)
     _channel: grpc.aio.Channel | None = field(default=None, repr=False)
     _call: grpc.aio.StreamStreamCall | None = field(default=None, repr=False)
 
@@ -68,10 +74,11 @@ class RogueWorker:
         msg = await asyncio.wait_for(self._call.read(), timeout)
         return None if msg is grpc.aio.EOF else msg  # type: ignore[attr-defined, return-value]
 
-    async def plan(self, timeout: float = 30.0) -> wk_pb.StepPlan:
+    async def plan(self, timeout: float = 30.0) -> StepPlan:
+        """The next plan, decoded against the plans before it."""
         msg = await self.read(timeout)
         assert msg is not None and msg.HasField("plan"), f"expected a plan, got {msg}"
-        return msg.plan
+        return self.decoder.plan(msg.plan)
 
     async def send(self, result: wk_pb.StepResult) -> None:
         assert self._call is not None
@@ -92,20 +99,25 @@ class RogueWorker:
         return None
 
 
-def honest_result(plan: wk_pb.StepPlan, live: set[int], token: int = 7) -> wk_pb.StepResult:
+def honest_result(plan: StepPlan, live: set[int], token: int = 7) -> wk_pb.StepResult:
     """The result a well-behaved worker would send (every sampled sequence gets `token`).
 
     `live` is the caller's set of live handles, updated by the plan; KV books are not modelled, so
     the control plane may log a book mismatch, which these tests do not look at.
     """
-    live.difference_update(plan.release_handles)
+    live.difference_update(plan.release_handles.tolist())
     live.update(s.handle for s in plan.new_seqs)
-    ext = plan.extends
-    handles = [h for h, sample in zip(ext.handles, ext.sample, strict=True) if sample]
-    handles += list(plan.decodes.handles)
     return wk_pb.StepResult(
         step_id=plan.step_id,
-        handles=handles,
-        token_ids=[token] * len(handles),
+        token_ids=tokens_bytes([token] * len(sampled_handles(plan))),
         kv=wk_pb.KvReport(live_seqs=len(live), capacity_tokens=0),
     )
+
+
+def tokens_bytes(tokens: list[int]) -> bytes:
+    """Token ids as a result carries them: int32 little-endian (any int32, to send bad ones too)."""
+    return np.asarray(tokens, dtype="<i4").tobytes()
+
+
+def tokens_of(result: wk_pb.StepResult) -> list[int]:
+    return np.frombuffer(result.token_ids, dtype="<i4").tolist()

@@ -17,12 +17,13 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from clients.client import StepwiseClient
+from data_plane.messages import StepPlan
 from data_plane.models.loader import model_fingerprint
 from protos.stepwise.v1 import generation_pb2 as gen_pb
 from protos.stepwise.v1 import worker_pb2 as wk_pb
 from stepwise.embedded import resolve_model
 from tests.e2e.conftest import ControlProcess
-from tests.e2e.rogue import RogueWorker, hello, honest_result
+from tests.e2e.rogue import RogueWorker, hello, honest_result, tokens_bytes
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
@@ -165,7 +166,7 @@ BAD_HELLO_VALUES = {
     "vocab_size": st.sampled_from([0, 5, 2**31 - 1]) | INT32,
     "eos_token_ids": st.lists(INT32, max_size=3),
     "host_pool_capacity_tokens": st.sampled_from([-1, 10**13]) | st.integers(-(2**63), 2**63 - 1),
-    "protocol_version": st.sampled_from([0, 2]),
+    "protocol_version": st.sampled_from([0, 1, 3]),
     "dtype": st.text(max_size=3) | st.just("d" * 500),
 }
 
@@ -210,15 +211,15 @@ async def _rogue_round(
     assert all(0 <= t < 1024 for t in gen.token_ids)
 
 
-async def _answer(rogue: RogueWorker, plan: wk_pb.StepPlan, answer: tuple[str, list[object]]) -> None:
+async def _answer(rogue: RogueWorker, plan: StepPlan, answer: tuple[str, list[object]]) -> None:
     kind, values = answer
     result = honest_result(plan, set())
     if kind == "mangled":
+        # Any int32 tokens, any count, and sometimes a few stray bytes (no whole number of tokens).
         ints = [int(v) for v in values]  # type: ignore[call-overload]
-        del result.handles[:]
-        result.handles.extend(v % 2**64 for v in ints)
-        del result.token_ids[:]
-        result.token_ids.extend(((v + 2**31) % 2**32) - 2**31 for v in ints[: len(ints) // 2 + 1])
+        tokens = tokens_bytes([((v + 2**31) % 2**32) - 2**31 for v in ints[: len(ints) // 2 + 1]])
+        result.token_ids = tokens + b"\x01" * (len(ints) % 3)
+        result.wait_s = [0.0, -1.0, float("inf")][ints[0] % 3] if ints else 0.0
     if kind == "garbage":
         await rogue.send_raw(wk_pb.WorkerMessage(result=wk_pb.StepResult(step_id=len(values), error="")))
     elif kind == "empty":

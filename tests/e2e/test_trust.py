@@ -16,7 +16,7 @@ import pytest
 
 from clients.client import StepwiseClient, generate_request, sampling_params
 from protos.stepwise.v1 import worker_pb2 as wk_pb
-from tests.e2e.rogue import RogueWorker, hello, honest_result
+from tests.e2e.rogue import RogueWorker, hello, honest_result, tokens_bytes, tokens_of
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -67,13 +67,22 @@ async def _books_empty(address: str, timeout: float = 10.0) -> None:
             await asyncio.sleep(0.05)
 
 
+def _tokens(change):  # type: ignore[no-untyped-def]
+    """A corruption of the result's tokens: `change` maps the honest token list to another."""
+    return lambda r: setattr(r, "token_ids", tokens_bytes(change(tokens_of(r))))
+
+
 BAD_RESULTS = {
-    "lengths differ": lambda r: r.token_ids.append(9),
-    "unknown handle": lambda r: r.handles.__setitem__(0, 987654),
-    "handle >= 2^63": lambda r: r.handles.__setitem__(0, 2**63 + 5),
-    "negative token": lambda r: r.token_ids.__setitem__(0, -1),
-    "token outside the vocabulary": lambda r: r.token_ids.__setitem__(0, 1024),
+    "one token too many": _tokens(lambda t: [*t, 9]),
+    "one token too few": _tokens(lambda t: t[:-1]),
+    "a token cut short": lambda r: setattr(r, "token_ids", r.token_ids[:-1]),
+    "negative token": _tokens(lambda t: [-1, *t[1:]]),
+    "token outside the vocabulary": _tokens(lambda t: [1024, *t[1:]]),
     "another step's id": lambda r: setattr(r, "step_id", r.step_id + 7),
+    "a wait that is no duration": lambda r: setattr(r, "wait_s", float("nan")),
+    "logprobs for tokens it did not send": lambda r: r.logprobs.extend(
+        [wk_pb.TokenLogprobs(logprob=-1.0)] * (len(tokens_of(r)) + 1)
+    ),
 }
 
 
@@ -107,7 +116,7 @@ async def test_a_bad_result_with_no_other_worker_ends_the_stream_with_a_reason(s
     async with RogueWorker(plane.worker_address, hello()) as rogue, StepwiseClient(plane.address) as client:
         task = asyncio.create_task(client.generate([5, 6, 7], max_new_tokens=6))
         result = honest_result(await rogue.plan(), set())
-        result.token_ids[0] = -3
+        result.token_ids = tokens_bytes([-3, *tokens_of(result)[1:]])
         await rogue.send(result)
         gen = await asyncio.wait_for(task, 30)
     assert gen.finish_reason == "abort" and "token" in gen.finish_message, gen.finish_message

@@ -12,9 +12,10 @@ import pytest
 
 from control_plane.config import SchedulerConfig
 from control_plane.record import codec
-from control_plane.record.entries import ApplyResult, Entry, Header, NextPlan
+from control_plane.record.entries import AddRequest, ApplyResult, Entry, Header, NextPlan
 from control_plane.record.files import TruncatedRecording, read_entries, recording_parts, varint
 from control_plane.record.replay import first_difference, replay_scheduler
+from control_plane.request import RequestParams, SamplerSpec
 from control_plane.scheduler.plan import WorkerLimits
 from stepwise import replay, simulate
 from tests.record.conftest import write_trace
@@ -177,3 +178,22 @@ def test_unreadable_input_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[
 def test_array_difference_reports_the_index() -> None:
     assert first_difference(np.array([1, 2, 3]), np.array([1, 5, 3]), "x") == ("x[1]", "2", "5")
     assert first_difference(np.array([1, 2]), np.array([1, 2, 3]), "x") == ("len(x)", "2", "3")
+
+
+def test_every_request_parameter_survives_the_record() -> None:
+    """A recorded arrival keeps what the scheduler decides by: min_new_tokens included (replaying a
+    request that ignores EOS for its first tokens without it would diverge)."""
+    params = RequestParams(
+        max_new_tokens=9,
+        min_new_tokens=5,
+        stop=("x",),
+        stop_token_ids=frozenset({3}),
+        ignore_eos=True,
+        sampler=SamplerSpec(temperature=0.5, seed=7),
+        priority=2,
+        routing_key="k",
+        group="g",
+        sim_output_len=4,
+    )
+    entry = AddRequest(3, "r", (1, 2, 3), params)
+    assert codec.decode(codec.encode(entry)) == entry

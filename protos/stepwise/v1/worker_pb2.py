@@ -24,15 +24,13 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fprotos/stepwise/v1/worker.proto\x12\x0bstepwise.v1\"f\n\rWorkerMessage\x12#\n\x05hello\x18\x01 \x01(\x0b\x32\x12.stepwise.v1.HelloH\x00\x12)\n\x06result\x18\x02 \x01(\x0b\x32\x17.stepwise.v1.StepResultH\x00\x42\x05\n\x03msg\"\x92\x01\n\x0e\x43ontrolMessage\x12\'\n\x07welcome\x18\x01 \x01(\x0b\x32\x14.stepwise.v1.WelcomeH\x00\x12%\n\x04plan\x18\x02 \x01(\x0b\x32\x15.stepwise.v1.StepPlanH\x00\x12)\n\x08shutdown\x18\x03 \x01(\x0b\x32\x15.stepwise.v1.ShutdownH\x00\x42\x05\n\x03msg\"\x80\x02\n\x05Hello\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x02 \x01(\t\x12\x1a\n\x12kv_capacity_tokens\x18\x03 \x01(\x03\x12\x11\n\tpage_size\x18\x04 \x01(\x05\x12\x13\n\x0bmax_context\x18\x05 \x01(\x05\x12\x12\n\nvocab_size\x18\x06 \x01(\x05\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\x18\n\x10protocol_version\x18\t \x01(\x05\x12\x15\n\reos_token_ids\x18\n \x03(\x05\x12!\n\x19host_pool_capacity_tokens\x18\x0b \x01(\x03\"+\n\x07Welcome\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x1a\n\x08Shutdown\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\xd4\x01\n\rSamplerParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x05 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x06 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x10\n\x08has_seed\x18\x08 \x01(\x08\x12\x0c\n\x04seed\x18\t \x01(\x04\x12\x10\n\x08logprobs\x18\n \x01(\x05\"\xbd\x01\n\x0bNewSequence\x12\x0e\n\x06handle\x18\x01 \x01(\x04\x12+\n\x07sampler\x18\x02 \x01(\x0b\x32\x1a.stepwise.v1.SamplerParams\x12\x18\n\x0cprefix_slots\x18\x03 \x03(\x03\x42\x02\x10\x01\x12\x17\n\x0bhistory_ids\x18\x04 \x03(\x05\x42\x02\x10\x01\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x16\n\x0esim_output_len\x18\x06 \x01(\x05\x12\x12\n\nprompt_len\x18\x07 \x01(\x05\"\x86\x01\n\x0b\x45xtendBatch\x12\x13\n\x07handles\x18\x01 \x03(\x04\x42\x02\x10\x01\x12\x12\n\x06starts\x18\x02 \x03(\x05\x42\x02\x10\x01\x12\x10\n\x04lens\x18\x03 \x03(\x05\x42\x02\x10\x01\x12\x12\n\x06sample\x18\x04 \x03(\x08\x42\x02\x10\x01\x12\x15\n\ttoken_ids\x18\x05 \x03(\x05\x42\x02\x10\x01\x12\x11\n\x05slots\x18\x06 \x03(\x03\x42\x02\x10\x01\"5\n\x0b\x44\x65\x63odeBatch\x12\x13\n\x07handles\x18\x01 \x03(\x04\x42\x02\x10\x01\x12\x11\n\x05slots\x18\x02 \x03(\x03\x42\x02\x10\x01\"/\n\nKvTransfer\x12\x0e\n\x06handle\x18\x01 \x01(\x04\x12\x11\n\x05slots\x18\x02 \x03(\x03\x42\x02\x10\x01\"=\n\tSlotRemap\x12\x0e\n\x06handle\x18\x01 \x01(\x04\x12\r\n\x05start\x18\x02 \x01(\x05\x12\x11\n\x05slots\x18\x03 \x03(\x03\x42\x02\x10\x01\"\xc7\x02\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x1b\n\x0frelease_handles\x18\x02 \x03(\x04\x42\x02\x10\x01\x12)\n\x08offloads\x18\x03 \x03(\x0b\x32\x17.stepwise.v1.KvTransfer\x12)\n\x08restores\x18\x04 \x03(\x0b\x32\x17.stepwise.v1.KvTransfer\x12*\n\x08new_seqs\x18\x05 \x03(\x0b\x32\x18.stepwise.v1.NewSequence\x12)\n\x07\x65xtends\x18\x06 \x01(\x0b\x32\x18.stepwise.v1.ExtendBatch\x12)\n\x07\x64\x65\x63odes\x18\x07 \x01(\x0b\x32\x18.stepwise.v1.DecodeBatch\x12&\n\x06remaps\x18\x08 \x03(\x0b\x32\x16.stepwise.v1.SlotRemap\x12\r\n\x05reset\x18\t \x01(\x08\"{\n\x08KvReport\x12\x11\n\tlive_seqs\x18\x01 \x01(\x03\x12\x11\n\tseq_slots\x18\x02 \x01(\x03\x12\x17\n\x0f\x63\x61pacity_tokens\x18\x03 \x01(\x03\x12\x1d\n\x15\x64\x65vice_mem_used_bytes\x18\x04 \x01(\x03\x12\x11\n\thost_seqs\x18\x05 \x01(\x03\"O\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x13\n\x07top_ids\x18\x02 \x03(\x05\x42\x02\x10\x01\x12\x18\n\x0ctop_logprobs\x18\x03 \x03(\x02\x42\x02\x10\x01\"\xbc\x01\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x13\n\x07handles\x18\x02 \x03(\x04\x42\x02\x10\x01\x12\x15\n\ttoken_ids\x18\x03 \x03(\x05\x42\x02\x10\x01\x12,\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1a.stepwise.v1.TokenLogprobs\x12!\n\x02kv\x18\x05 \x01(\x0b\x32\x15.stepwise.v1.KvReport\x12\x11\n\tforward_s\x18\x06 \x01(\x01\x12\r\n\x05\x65rror\x18\x07 \x01(\t2T\n\nWorkerLink\x12\x46\n\x07\x43onnect\x12\x1a.stepwise.v1.WorkerMessage\x1a\x1b.stepwise.v1.ControlMessage(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fprotos/stepwise/v1/worker.proto\x12\x0bstepwise.v1\"f\n\rWorkerMessage\x12#\n\x05hello\x18\x01 \x01(\x0b\x32\x12.stepwise.v1.HelloH\x00\x12)\n\x06result\x18\x02 \x01(\x0b\x32\x17.stepwise.v1.StepResultH\x00\x42\x05\n\x03msg\"\x92\x01\n\x0e\x43ontrolMessage\x12\'\n\x07welcome\x18\x01 \x01(\x0b\x32\x14.stepwise.v1.WelcomeH\x00\x12%\n\x04plan\x18\x02 \x01(\x0b\x32\x15.stepwise.v1.StepPlanH\x00\x12)\n\x08shutdown\x18\x03 \x01(\x0b\x32\x15.stepwise.v1.ShutdownH\x00\x42\x05\n\x03msg\"\x80\x02\n\x05Hello\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x02 \x01(\t\x12\x1a\n\x12kv_capacity_tokens\x18\x03 \x01(\x03\x12\x11\n\tpage_size\x18\x04 \x01(\x05\x12\x13\n\x0bmax_context\x18\x05 \x01(\x05\x12\x12\n\nvocab_size\x18\x06 \x01(\x05\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\x18\n\x10protocol_version\x18\t \x01(\x05\x12\x15\n\reos_token_ids\x18\n \x03(\x05\x12!\n\x19host_pool_capacity_tokens\x18\x0b \x01(\x03\"+\n\x07Welcome\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x1a\n\x08Shutdown\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\xd4\x01\n\rSamplerParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x05 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x06 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x10\n\x08has_seed\x18\x08 \x01(\x08\x12\x0c\n\x04seed\x18\t \x01(\x04\x12\x10\n\x08logprobs\x18\n \x01(\x05\"\xbf\x01\n\x0bNewSequence\x12\x0e\n\x06handle\x18\x01 \x01(\x04\x12+\n\x07sampler\x18\x02 \x01(\x0b\x32\x1a.stepwise.v1.SamplerParams\x12\x14\n\x0cprefix_slots\x18\x08 \x01(\x0c\x12\x17\n\x0bhistory_ids\x18\x04 \x03(\x05\x42\x02\x10\x01\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x16\n\x0esim_output_len\x18\x06 \x01(\x05\x12\x12\n\nprompt_len\x18\x07 \x01(\x05J\x04\x08\x03\x10\x04\"\x8a\x01\n\x0b\x45xtendBatch\x12\x13\n\x07handles\x18\x01 \x03(\x04\x42\x02\x10\x01\x12\x12\n\x06starts\x18\x02 \x03(\x05\x42\x02\x10\x01\x12\x10\n\x04lens\x18\x03 \x03(\x05\x42\x02\x10\x01\x12\x12\n\x06sample\x18\x04 \x03(\x08\x42\x02\x10\x01\x12\x11\n\ttoken_ids\x18\x07 \x01(\x0c\x12\r\n\x05slots\x18\x08 \x01(\x0cJ\x04\x08\x05\x10\x06J\x04\x08\x06\x10\x07\"\xb6\x01\n\x0b\x44\x65\x63odeBatch\x12\r\n\x05\x63ount\x18\x03 \x01(\x05\x12\x10\n\x04\x66ull\x18\x04 \x03(\x04\x42\x02\x10\x01\x12\x10\n\x04left\x18\x05 \x03(\x04\x42\x02\x10\x01\x12\x12\n\x06joined\x18\x06 \x03(\x04\x42\x02\x10\x01\x12\x17\n\x0brun_entries\x18\x07 \x03(\x05\x42\x02\x10\x01\x12\x15\n\trun_slots\x18\x08 \x03(\x03\x42\x02\x10\x01\x12\x14\n\x08run_lens\x18\t \x03(\x05\x42\x02\x10\x01J\x04\x08\x01\x10\x02J\x04\x08\x02\x10\x03R\x07handlesR\x05slots\"1\n\nKvTransfer\x12\x0e\n\x06handle\x18\x01 \x01(\x04\x12\r\n\x05slots\x18\x03 \x01(\x0cJ\x04\x08\x02\x10\x03\"?\n\tSlotRemap\x12\x0e\n\x06handle\x18\x01 \x01(\x04\x12\r\n\x05start\x18\x02 \x01(\x05\x12\r\n\x05slots\x18\x04 \x01(\x0cJ\x04\x08\x03\x10\x04\"\xc7\x02\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x1b\n\x0frelease_handles\x18\x02 \x03(\x04\x42\x02\x10\x01\x12)\n\x08offloads\x18\x03 \x03(\x0b\x32\x17.stepwise.v1.KvTransfer\x12)\n\x08restores\x18\x04 \x03(\x0b\x32\x17.stepwise.v1.KvTransfer\x12*\n\x08new_seqs\x18\x05 \x03(\x0b\x32\x18.stepwise.v1.NewSequence\x12)\n\x07\x65xtends\x18\x06 \x01(\x0b\x32\x18.stepwise.v1.ExtendBatch\x12)\n\x07\x64\x65\x63odes\x18\x07 \x01(\x0b\x32\x18.stepwise.v1.DecodeBatch\x12&\n\x06remaps\x18\x08 \x03(\x0b\x32\x16.stepwise.v1.SlotRemap\x12\r\n\x05reset\x18\t \x01(\x08\"{\n\x08KvReport\x12\x11\n\tlive_seqs\x18\x01 \x01(\x03\x12\x11\n\tseq_slots\x18\x02 \x01(\x03\x12\x17\n\x0f\x63\x61pacity_tokens\x18\x03 \x01(\x03\x12\x1d\n\x15\x64\x65vice_mem_used_bytes\x18\x04 \x01(\x03\x12\x11\n\thost_seqs\x18\x05 \x01(\x03\"O\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x13\n\x07top_ids\x18\x02 \x03(\x05\x42\x02\x10\x01\x12\x18\n\x0ctop_logprobs\x18\x03 \x03(\x02\x42\x02\x10\x01\"\xc8\x01\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x08 \x01(\x0c\x12,\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1a.stepwise.v1.TokenLogprobs\x12!\n\x02kv\x18\x05 \x01(\x0b\x32\x15.stepwise.v1.KvReport\x12\x11\n\tforward_s\x18\x06 \x01(\x01\x12\r\n\x05\x65rror\x18\x07 \x01(\t\x12\x0e\n\x06wait_s\x18\t \x01(\x01J\x04\x08\x02\x10\x03J\x04\x08\x03\x10\x04R\x07handles2T\n\nWorkerLink\x12\x46\n\x07\x43onnect\x12\x1a.stepwise.v1.WorkerMessage\x1a\x1b.stepwise.v1.ControlMessage(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.stepwise.v1.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_NEWSEQUENCE'].fields_by_name['prefix_slots']._loaded_options = None
-  _globals['_NEWSEQUENCE'].fields_by_name['prefix_slots']._serialized_options = b'\020\001'
   _globals['_NEWSEQUENCE'].fields_by_name['history_ids']._loaded_options = None
   _globals['_NEWSEQUENCE'].fields_by_name['history_ids']._serialized_options = b'\020\001'
   _globals['_EXTENDBATCH'].fields_by_name['handles']._loaded_options = None
@@ -43,28 +41,24 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_EXTENDBATCH'].fields_by_name['lens']._serialized_options = b'\020\001'
   _globals['_EXTENDBATCH'].fields_by_name['sample']._loaded_options = None
   _globals['_EXTENDBATCH'].fields_by_name['sample']._serialized_options = b'\020\001'
-  _globals['_EXTENDBATCH'].fields_by_name['token_ids']._loaded_options = None
-  _globals['_EXTENDBATCH'].fields_by_name['token_ids']._serialized_options = b'\020\001'
-  _globals['_EXTENDBATCH'].fields_by_name['slots']._loaded_options = None
-  _globals['_EXTENDBATCH'].fields_by_name['slots']._serialized_options = b'\020\001'
-  _globals['_DECODEBATCH'].fields_by_name['handles']._loaded_options = None
-  _globals['_DECODEBATCH'].fields_by_name['handles']._serialized_options = b'\020\001'
-  _globals['_DECODEBATCH'].fields_by_name['slots']._loaded_options = None
-  _globals['_DECODEBATCH'].fields_by_name['slots']._serialized_options = b'\020\001'
-  _globals['_KVTRANSFER'].fields_by_name['slots']._loaded_options = None
-  _globals['_KVTRANSFER'].fields_by_name['slots']._serialized_options = b'\020\001'
-  _globals['_SLOTREMAP'].fields_by_name['slots']._loaded_options = None
-  _globals['_SLOTREMAP'].fields_by_name['slots']._serialized_options = b'\020\001'
+  _globals['_DECODEBATCH'].fields_by_name['full']._loaded_options = None
+  _globals['_DECODEBATCH'].fields_by_name['full']._serialized_options = b'\020\001'
+  _globals['_DECODEBATCH'].fields_by_name['left']._loaded_options = None
+  _globals['_DECODEBATCH'].fields_by_name['left']._serialized_options = b'\020\001'
+  _globals['_DECODEBATCH'].fields_by_name['joined']._loaded_options = None
+  _globals['_DECODEBATCH'].fields_by_name['joined']._serialized_options = b'\020\001'
+  _globals['_DECODEBATCH'].fields_by_name['run_entries']._loaded_options = None
+  _globals['_DECODEBATCH'].fields_by_name['run_entries']._serialized_options = b'\020\001'
+  _globals['_DECODEBATCH'].fields_by_name['run_slots']._loaded_options = None
+  _globals['_DECODEBATCH'].fields_by_name['run_slots']._serialized_options = b'\020\001'
+  _globals['_DECODEBATCH'].fields_by_name['run_lens']._loaded_options = None
+  _globals['_DECODEBATCH'].fields_by_name['run_lens']._serialized_options = b'\020\001'
   _globals['_STEPPLAN'].fields_by_name['release_handles']._loaded_options = None
   _globals['_STEPPLAN'].fields_by_name['release_handles']._serialized_options = b'\020\001'
   _globals['_TOKENLOGPROBS'].fields_by_name['top_ids']._loaded_options = None
   _globals['_TOKENLOGPROBS'].fields_by_name['top_ids']._serialized_options = b'\020\001'
   _globals['_TOKENLOGPROBS'].fields_by_name['top_logprobs']._loaded_options = None
   _globals['_TOKENLOGPROBS'].fields_by_name['top_logprobs']._serialized_options = b'\020\001'
-  _globals['_STEPRESULT'].fields_by_name['handles']._loaded_options = None
-  _globals['_STEPRESULT'].fields_by_name['handles']._serialized_options = b'\020\001'
-  _globals['_STEPRESULT'].fields_by_name['token_ids']._loaded_options = None
-  _globals['_STEPRESULT'].fields_by_name['token_ids']._serialized_options = b'\020\001'
   _globals['_WORKERMESSAGE']._serialized_start=48
   _globals['_WORKERMESSAGE']._serialized_end=150
   _globals['_CONTROLMESSAGE']._serialized_start=153
@@ -78,23 +72,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLERPARAMS']._serialized_start=634
   _globals['_SAMPLERPARAMS']._serialized_end=846
   _globals['_NEWSEQUENCE']._serialized_start=849
-  _globals['_NEWSEQUENCE']._serialized_end=1038
-  _globals['_EXTENDBATCH']._serialized_start=1041
-  _globals['_EXTENDBATCH']._serialized_end=1175
-  _globals['_DECODEBATCH']._serialized_start=1177
-  _globals['_DECODEBATCH']._serialized_end=1230
-  _globals['_KVTRANSFER']._serialized_start=1232
-  _globals['_KVTRANSFER']._serialized_end=1279
-  _globals['_SLOTREMAP']._serialized_start=1281
-  _globals['_SLOTREMAP']._serialized_end=1342
-  _globals['_STEPPLAN']._serialized_start=1345
-  _globals['_STEPPLAN']._serialized_end=1672
-  _globals['_KVREPORT']._serialized_start=1674
-  _globals['_KVREPORT']._serialized_end=1797
-  _globals['_TOKENLOGPROBS']._serialized_start=1799
-  _globals['_TOKENLOGPROBS']._serialized_end=1878
-  _globals['_STEPRESULT']._serialized_start=1881
-  _globals['_STEPRESULT']._serialized_end=2069
-  _globals['_WORKERLINK']._serialized_start=2071
-  _globals['_WORKERLINK']._serialized_end=2155
+  _globals['_NEWSEQUENCE']._serialized_end=1040
+  _globals['_EXTENDBATCH']._serialized_start=1043
+  _globals['_EXTENDBATCH']._serialized_end=1181
+  _globals['_DECODEBATCH']._serialized_start=1184
+  _globals['_DECODEBATCH']._serialized_end=1366
+  _globals['_KVTRANSFER']._serialized_start=1368
+  _globals['_KVTRANSFER']._serialized_end=1417
+  _globals['_SLOTREMAP']._serialized_start=1419
+  _globals['_SLOTREMAP']._serialized_end=1482
+  _globals['_STEPPLAN']._serialized_start=1485
+  _globals['_STEPPLAN']._serialized_end=1812
+  _globals['_KVREPORT']._serialized_start=1814
+  _globals['_KVREPORT']._serialized_end=1937
+  _globals['_TOKENLOGPROBS']._serialized_start=1939
+  _globals['_TOKENLOGPROBS']._serialized_end=2018
+  _globals['_STEPRESULT']._serialized_start=2021
+  _globals['_STEPRESULT']._serialized_end=2221
+  _globals['_WORKERLINK']._serialized_start=2223
+  _globals['_WORKERLINK']._serialized_end=2307
 # @@protoc_insertion_point(module_scope)

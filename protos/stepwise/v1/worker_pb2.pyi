@@ -99,12 +99,12 @@ class NewSequence(_message.Message):
     PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
     handle: int
     sampler: SamplerParams
-    prefix_slots: _containers.RepeatedScalarFieldContainer[int]
+    prefix_slots: bytes
     history_ids: _containers.RepeatedScalarFieldContainer[int]
     request_id: str
     sim_output_len: int
     prompt_len: int
-    def __init__(self, handle: _Optional[int] = ..., sampler: _Optional[_Union[SamplerParams, _Mapping]] = ..., prefix_slots: _Optional[_Iterable[int]] = ..., history_ids: _Optional[_Iterable[int]] = ..., request_id: _Optional[str] = ..., sim_output_len: _Optional[int] = ..., prompt_len: _Optional[int] = ...) -> None: ...
+    def __init__(self, handle: _Optional[int] = ..., sampler: _Optional[_Union[SamplerParams, _Mapping]] = ..., prefix_slots: _Optional[bytes] = ..., history_ids: _Optional[_Iterable[int]] = ..., request_id: _Optional[str] = ..., sim_output_len: _Optional[int] = ..., prompt_len: _Optional[int] = ...) -> None: ...
 
 class ExtendBatch(_message.Message):
     __slots__ = ("handles", "starts", "lens", "sample", "token_ids", "slots")
@@ -118,25 +118,35 @@ class ExtendBatch(_message.Message):
     starts: _containers.RepeatedScalarFieldContainer[int]
     lens: _containers.RepeatedScalarFieldContainer[int]
     sample: _containers.RepeatedScalarFieldContainer[bool]
-    token_ids: _containers.RepeatedScalarFieldContainer[int]
-    slots: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, handles: _Optional[_Iterable[int]] = ..., starts: _Optional[_Iterable[int]] = ..., lens: _Optional[_Iterable[int]] = ..., sample: _Optional[_Iterable[bool]] = ..., token_ids: _Optional[_Iterable[int]] = ..., slots: _Optional[_Iterable[int]] = ...) -> None: ...
+    token_ids: bytes
+    slots: bytes
+    def __init__(self, handles: _Optional[_Iterable[int]] = ..., starts: _Optional[_Iterable[int]] = ..., lens: _Optional[_Iterable[int]] = ..., sample: _Optional[_Iterable[bool]] = ..., token_ids: _Optional[bytes] = ..., slots: _Optional[bytes] = ...) -> None: ...
 
 class DecodeBatch(_message.Message):
-    __slots__ = ("handles", "slots")
-    HANDLES_FIELD_NUMBER: _ClassVar[int]
-    SLOTS_FIELD_NUMBER: _ClassVar[int]
-    handles: _containers.RepeatedScalarFieldContainer[int]
-    slots: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, handles: _Optional[_Iterable[int]] = ..., slots: _Optional[_Iterable[int]] = ...) -> None: ...
+    __slots__ = ("count", "full", "left", "joined", "run_entries", "run_slots", "run_lens")
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    FULL_FIELD_NUMBER: _ClassVar[int]
+    LEFT_FIELD_NUMBER: _ClassVar[int]
+    JOINED_FIELD_NUMBER: _ClassVar[int]
+    RUN_ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    RUN_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    RUN_LENS_FIELD_NUMBER: _ClassVar[int]
+    count: int
+    full: _containers.RepeatedScalarFieldContainer[int]
+    left: _containers.RepeatedScalarFieldContainer[int]
+    joined: _containers.RepeatedScalarFieldContainer[int]
+    run_entries: _containers.RepeatedScalarFieldContainer[int]
+    run_slots: _containers.RepeatedScalarFieldContainer[int]
+    run_lens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, count: _Optional[int] = ..., full: _Optional[_Iterable[int]] = ..., left: _Optional[_Iterable[int]] = ..., joined: _Optional[_Iterable[int]] = ..., run_entries: _Optional[_Iterable[int]] = ..., run_slots: _Optional[_Iterable[int]] = ..., run_lens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KvTransfer(_message.Message):
     __slots__ = ("handle", "slots")
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     handle: int
-    slots: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, handle: _Optional[int] = ..., slots: _Optional[_Iterable[int]] = ...) -> None: ...
+    slots: bytes
+    def __init__(self, handle: _Optional[int] = ..., slots: _Optional[bytes] = ...) -> None: ...
 
 class SlotRemap(_message.Message):
     __slots__ = ("handle", "start", "slots")
@@ -145,8 +155,8 @@ class SlotRemap(_message.Message):
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     handle: int
     start: int
-    slots: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, handle: _Optional[int] = ..., start: _Optional[int] = ..., slots: _Optional[_Iterable[int]] = ...) -> None: ...
+    slots: bytes
+    def __init__(self, handle: _Optional[int] = ..., start: _Optional[int] = ..., slots: _Optional[bytes] = ...) -> None: ...
 
 class StepPlan(_message.Message):
     __slots__ = ("step_id", "release_handles", "offloads", "restores", "new_seqs", "extends", "decodes", "remaps", "reset")
@@ -195,19 +205,19 @@ class TokenLogprobs(_message.Message):
     def __init__(self, logprob: _Optional[float] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "handles", "token_ids", "logprobs", "kv", "forward_s", "error")
+    __slots__ = ("step_id", "token_ids", "logprobs", "kv", "forward_s", "error", "wait_s")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
-    HANDLES_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     KV_FIELD_NUMBER: _ClassVar[int]
     FORWARD_S_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    WAIT_S_FIELD_NUMBER: _ClassVar[int]
     step_id: int
-    handles: _containers.RepeatedScalarFieldContainer[int]
-    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    token_ids: bytes
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
     kv: KvReport
     forward_s: float
     error: str
-    def __init__(self, step_id: _Optional[int] = ..., handles: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., kv: _Optional[_Union[KvReport, _Mapping]] = ..., forward_s: _Optional[float] = ..., error: _Optional[str] = ...) -> None: ...
+    wait_s: float
+    def __init__(self, step_id: _Optional[int] = ..., token_ids: _Optional[bytes] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., kv: _Optional[_Union[KvReport, _Mapping]] = ..., forward_s: _Optional[float] = ..., error: _Optional[str] = ..., wait_s: _Optional[float] = ...) -> None: ...
