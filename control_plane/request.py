@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 from array import array
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -89,13 +89,33 @@ class RequestParams:
     sim_output_len: int = 0
 
 
+class RowColumns(Protocol):
+    """Where a request's per-step state lives while it holds a request row (the scheduler's
+    control_plane/scheduler/columns.py): the columns are authoritative then, not the Request."""
+
+    committed: np.ndarray
+    allocated: np.ndarray
+    n_out: np.ndarray
+
+    def sync(self, req: Request) -> None: ...
+
+    def append_one(self, req: Request, token: int) -> None: ...
+
+
 @dataclass(slots=True, eq=False)
 class Request:
     """One generation as the scheduler sees it.
 
     Positions [0, kv_committed_len) have KV on the worker (slot ids in the request's row of the
-    request-to-token table); `prefix_indices` are the slots reused for [0, len(prefix_indices)) in the
-    current extend; `extend_range` is the half-open range computed by the current extend.
+    request-to-token table), positions [0, kv_allocated_len) have a slot (more than committed while a
+    decode planned for it is in flight); `prefix_indices` are the slots reused for
+    [0, len(prefix_indices)) in the current extend; `extend_range` is the half-open range computed by
+    the current extend.
+
+    While the request holds a row its lengths and generated tokens live in the scheduler's columns
+    (`bind_columns`): `kv_committed_len` and `kv_allocated_len` read and write them, and `output_ids`
+    first materialises the tokens applied since the last read. Once the row is released, the fields
+    here are authoritative again.
     """
 
     rid: str
@@ -105,14 +125,15 @@ class Request:
     max_new_tokens: int = 0
     # params.min_new_tokens lowered to max_new_tokens when larger (§1.5).
     min_new_tokens: int = 0
-    output_ids: list[int] = field(default_factory=list)
+    # The engine's key for this request's stream (unsigned 64-bit), carried into token output only:
+    # never a scheduling input, not recorded.
+    uid: int = 0
     # Scheduling state (SCHEDULER.md §0.1).
     handle: int = -1
     req_pool_idx: int = -1
     prefix_indices: np.ndarray = field(default_factory=lambda: EMPTY_SLOTS)
     last_node: Any = None
     cache_protected_len: int = 0
-    kv_committed_len: int = 0
     extend_range: tuple[int, int] = (0, 0)
     num_matched_prefix_tokens: int = 0
     inflight_middle_chunks: int = 0
@@ -130,25 +151,100 @@ class Request:
     host_backup_len: int = 0
     # Set when priority preemption picked this request in the current pass.
     preempted: bool = False
-    # Prompt + outputs as int64, kept in step with output_ids: the prefix tree keys on these bytes,
-    # and converting a Python list of 2k ids costs ~36 µs per match (an array slice: ~0.6 µs).
+    # What kv_committed_len and kv_allocated_len hold while no columns are bound.
+    _kv_committed_len: int = 0
+    _kv_allocated_len: int = 0
+    _columns: RowColumns | None = field(default=None, repr=False)
+    # Generated tokens live in `_fill` (prompt + outputs as int64: the prefix tree keys on these
+    # bytes, and converting a Python list of 2k ids costs ~36 µs per match, an array slice ~0.6 µs)
+    # and, as Python ints, in `_output_ids`, which is extended from `_fill` only when read: a Python
+    # int per token is the expensive part. `_num_outputs` counts them; while `_fill` is not built,
+    # `_output_ids` holds them all.
+    _output_ids: list[int] = field(default_factory=list)
+    _num_outputs: int = 0
     _fill: array = field(default_factory=lambda: array("q"))
+
+    # --- the state that lives in the columns while the request holds a row ---------------------
+
+    def bind_columns(self, columns: RowColumns | None) -> None:
+        """For the columns only: from now on (None: no longer) they hold this request's state."""
+        self._columns = columns
+
+    @property
+    def output_ids(self) -> list[int]:
+        """Generated tokens, append-only. Do not mutate the list. Costs a Python int per token not
+        read before: prefer `num_outputs` for the count and `fill_ids` for the ids."""
+        if self._columns is not None:
+            self._columns.sync(self)
+        missing = self._num_outputs - len(self._output_ids)
+        if missing:
+            self._output_ids.extend(self._fill[len(self._fill) - missing :])
+        return self._output_ids
+
+    @output_ids.setter
+    def output_ids(self, ids: list[int]) -> None:
+        if self._columns is not None:
+            raise RuntimeError(f"{self.rid}: output_ids are the columns' while the request holds a row")
+        self._output_ids = list(ids)
+        self._num_outputs = len(self._output_ids)
+        self._fill = array("q")
+
+    @property
+    def num_outputs(self) -> int:
+        """len(output_ids), without building the list."""
+        columns = self._columns
+        return int(columns.n_out[self.req_pool_idx]) if columns is not None else self._num_outputs
+
+    @property
+    def kv_committed_len(self) -> int:
+        columns = self._columns
+        return int(columns.committed[self.req_pool_idx]) if columns is not None else self._kv_committed_len
+
+    @kv_committed_len.setter
+    def kv_committed_len(self, n: int) -> None:
+        if self._columns is not None:
+            self._columns.committed[self.req_pool_idx] = n
+        else:
+            self._kv_committed_len = n
+
+    @property
+    def kv_allocated_len(self) -> int:
+        columns = self._columns
+        return int(columns.allocated[self.req_pool_idx]) if columns is not None else self._kv_allocated_len
+
+    @kv_allocated_len.setter
+    def kv_allocated_len(self, n: int) -> None:
+        if self._columns is not None:
+            self._columns.allocated[self.req_pool_idx] = n
+        else:
+            self._kv_allocated_len = n
+
+    def extend_output(self, tokens: np.ndarray) -> None:
+        """For the columns' sync (and detached requests) only: append generated token ids (int)."""
+        fill = self.fill_ids
+        fill.frombytes(tokens.astype(np.int64).tobytes())
+        self._num_outputs += len(tokens)
+
+    # --- derived ---------------------------------------------------------------------------------
 
     @property
     def fill_ids(self) -> array:
         """Prompt plus generated tokens: what a (re-)prefill must cover. Do not mutate."""
-        if len(self._fill) != len(self.origin_input_ids) + len(self.output_ids):
+        if self._columns is not None:
+            self._columns.sync(self)
+        if len(self._fill) != len(self.origin_input_ids) + self._num_outputs:
             self._fill = array("q", self.origin_input_ids + self.output_ids)
         return self._fill
 
     def append_output(self, token: int) -> None:
-        self.output_ids.append(token)
-        if self._fill:  # once built, kept in step; fill_ids rebuilds it if it ever falls behind
-            self._fill.append(token)
+        if self._columns is not None:
+            self._columns.append_one(self, token)
+        else:
+            self.extend_output(np.array([token], dtype=np.int64))
 
     @property
     def seqlen(self) -> int:
-        return len(self.origin_input_ids) + len(self.output_ids)
+        return len(self.origin_input_ids) + self.num_outputs
 
     @property
     def finished(self) -> bool:

@@ -1,8 +1,8 @@
 """What the control plane checks of a worker before it believes it: its hello, then every result.
 
 A worker is a peer, not a part of us: a hello with absurd figures would have the control plane
-allocate for them, and a result naming handles it was not asked about, or tokens outside the
-vocabulary, would corrupt the books or reach clients. Both are refused here with a message that
+allocate for them, and a result with a token more or fewer than the plan sampled, or tokens
+outside the vocabulary, would corrupt the books or reach clients. Both are refused here with a message that
 names the field; a bad result is the worker's fault (`WorkerFault`), and costs that worker only.
 """
 
@@ -77,19 +77,18 @@ def _shown(value: object) -> str:
 def check_result(plan: StepPlan, result: StepResult, vocab_size: int) -> None:
     """Raise WorkerFault unless `result` answers `plan`: same step, one token per sampled sequence.
 
-    The sampled sequences are the extends with `sample` set and every decode; the worker may list
-    them in any order, but each exactly once, and every token must be in [0, vocab_size).
+    The sampled sequences are the extends with `sample` set, then every decode, in plan order; the
+    result carries exactly one token for each, in that order, each in [0, vocab_size).
     """
     if result.step_id != plan.step_id:
         raise WorkerFault(f"result for step {result.step_id} while step {plan.step_id} was in flight")
-    ext = plan.extends
-    expected = np.concatenate([ext.handles[ext.sample], plan.decodes.handles])
-    if len(result.handles) != len(expected) or not np.array_equal(np.sort(result.handles), np.sort(expected)):
-        raise WorkerFault(
-            f"step {plan.step_id}: result names {len(result.handles)} sequences, not the "
-            f"{len(expected)} the plan sampled"
-        )
+    expected = int(np.count_nonzero(plan.extends.sample)) + len(plan.decodes)
     tokens = result.token_ids
+    if len(tokens) != expected:
+        raise WorkerFault(
+            f"step {plan.step_id}: result carries {len(tokens)} tokens, not one for each of the "
+            f"{expected} sequences the plan sampled"
+        )
     if len(tokens) and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab_size):
         bad = int(tokens.min()) if int(tokens.min()) < 0 else int(tokens.max())
         raise WorkerFault(f"step {plan.step_id}: token id {bad} is outside the vocabulary [0, {vocab_size})")

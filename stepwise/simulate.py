@@ -2,8 +2,11 @@
 
 No network and no wall clock: the clock advances by the cost model's time for each step, and
 requests arrive when the clock passes their `arrival`. Plans and results cross both planes' codecs
-(stepwise/wire.py), so the wire format is exercised. Output: the timeline (one line per step, the
-same as `stepwise replay show`), then a summary. Two runs on the same input print the same bytes.
+(stepwise/wire.py), so the wire format is exercised. By default two plans are in flight (SGLang's
+overlap scheduling: the next plan is made while the worker runs the current one, so it is made on
+the clock of the previous step's end); `--disable-overlap-schedule` applies each result first.
+Output: the timeline (one line per step, the same as `stepwise replay show`), then a summary. Two
+runs on the same input print the same bytes.
 
 Trace lines are JSON objects: `rid`, `arrival` (seconds, lines sorted by it), a prompt as
 `prompt_ids` or `prompt_len` (+ `prefix_group`, `prefix_len`: a group's requests share their first
@@ -37,7 +40,7 @@ from control_plane.record.recorder import (
 )
 from control_plane.record.timeline import StepLine, TimelineSink
 from control_plane.request import RequestParams, SamplerSpec
-from control_plane.scheduler.plan import WorkerLimits
+from control_plane.scheduler.plan import StepResult, WorkerLimits
 from control_plane.scheduler.scheduler import QueueFull, RequestRejected, Scheduler
 from data_plane.sim import TOKEN_FLOOR, CostModel, SimExecutor
 from stepwise import flags
@@ -47,6 +50,8 @@ from stepwise.wire import step_through_wire
 NEVER_EOS = 2**31 - 1
 DEFAULT_KV_TOKENS = 1 << 18
 DEFAULT_COST = "0.005,0.00005,0.0000005"
+# Plans in flight with overlap scheduling (SGLang's: the one running and the one being planned).
+OVERLAP_DEPTH = 2
 
 
 class TraceError(ValueError):
@@ -71,6 +76,7 @@ class SimSetup:
     limits: WorkerLimits
     cost: CostModel
     seed: int = 0
+    overlap: bool = True
 
 
 # --- the trace ------------------------------------------------------------------------------------
@@ -153,6 +159,10 @@ class Simulation:
         self.executor = SimExecutor(limits.kv_capacity_tokens, limits.vocab_size, eos, setup.cost, setup.seed)
         self.pending = deque(trace)
         self.progress: dict[str, _Progress] = {}
+        # uid -> progress (the uid is the arrival's index + 1).
+        self.by_uid: dict[int, _Progress] = {}
+        self.in_flight: deque[StepResult] = deque()
+        self.depth = OVERLAP_DEPTH if setup.overlap else 1
         self.clock = 0.0
         self.steps = 0
 
@@ -162,19 +172,27 @@ class Simulation:
         return self.summary()
 
     def _step(self) -> bool:
+        """Plan, let the worker run it, and apply the oldest result once `depth` plans are in flight
+        (or nothing new was planned). The worker never waits: the clock is the sum of step times."""
         self._arrive()
         plan = self.scheduler.next_plan()
         self._collect()
-        if plan is None:
+        if plan is not None:
+            result = step_through_wire(self.executor, plan)
+            if result.error:
+                raise RuntimeError(f"sim worker failed step {plan.step_id}: {result.error}")
+            self.in_flight.append(result)
+        elif not self.in_flight:
             return self._wait()
-        result = step_through_wire(self.executor, plan)
-        if result.error:
-            raise RuntimeError(f"sim worker failed step {plan.step_id}: {result.error}")
+        if len(self.in_flight) >= self.depth or plan is None:
+            self._apply(self.in_flight.popleft())
+        return True
+
+    def _apply(self, result: StepResult) -> None:
         self.clock += result.forward_s
         self.scheduler.apply_result(result)
         self.steps += 1
         self._collect()
-        return True
 
     def _wait(self) -> bool:
         """Nothing to plan: go idle, then jump the clock to the next arrival (False when done)."""
@@ -192,21 +210,25 @@ class Simulation:
             req = self.pending.popleft()
             progress = _Progress(req.arrival, len(req.input_ids))
             self.progress[req.rid] = progress
+            uid = len(self.progress)
+            self.by_uid[uid] = progress
             try:
-                self.scheduler.add_request(req.rid, req.input_ids, req.params)
+                self.scheduler.add_request(req.rid, req.input_ids, req.params, uid)
             except (QueueFull, RequestRejected, ValueError) as exc:
                 progress.finished, progress.reason = self.clock, f"refused: {type(exc).__name__}"
 
     def _collect(self) -> None:
-        for update in self.scheduler.take_updates():
-            progress = self.progress[update.rid]
-            if update.token_ids:
-                if progress.first_token is None:
-                    progress.first_token = self.clock
-                progress.output_tokens += len(update.token_ids)
-            if update.finished is not None:
-                progress.finished, progress.reason = self.clock, update.finished.kind.value
-                progress.cached_tokens = update.cached_tokens
+        updates = self.scheduler.take_updates()
+        uids, counts = np.unique(updates.tokens.uids, return_counts=True)
+        for uid, count in zip(uids.tolist(), counts.tolist(), strict=True):
+            progress = self.by_uid[uid]
+            if progress.first_token is None:
+                progress.first_token = self.clock
+            progress.output_tokens += count
+        for finished in updates.finished:
+            progress = self.progress[finished.rid]
+            progress.finished, progress.reason = self.clock, finished.reason.kind.value
+            progress.cached_tokens = finished.cached_tokens
 
     def summary(self) -> dict[str, object]:
         done = list(self.progress.values())
@@ -284,7 +306,7 @@ def setup_from_args(ns: argparse.Namespace) -> SimSetup:
         dtype="sim",
         device="sim",
     )
-    return SimSetup(config, limits, cost, ns.sim_seed)
+    return SimSetup(config, limits, cost, ns.sim_seed, overlap=not ns.disable_overlap_schedule)
 
 
 def _sink(ns: argparse.Namespace, setup: SimSetup, emit: Callable[[StepLine], None]) -> Sink | None:

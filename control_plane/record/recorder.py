@@ -3,6 +3,10 @@
 RecordingScheduler is the Scheduler itself (the engine keeps reading its state as before) with
 each mutating method wrapped: call, then record the call with its outcome. A sink decides where
 entries go: a file (`stepwise control --record`), a timeline (`stepwise simulate`), or both.
+
+Calls are recorded in the order they were made: under overlap scheduling plan N+1 comes before
+result N, and replaying the calls in that order reproduces every plan. A request's `uid` is not
+recorded (it only labels streamed tokens).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from control_plane.record.entries import (
 from control_plane.record.files import RecordWriter, session_path
 from control_plane.request import FinishReason, Request, RequestParams
 from control_plane.scheduler.plan import StepPlan, StepResult, WorkerLimits
-from control_plane.scheduler.scheduler import QueueFull, RequestRejected, RequestUpdate, Scheduler
+from control_plane.scheduler.scheduler import QueueFull, RequestRejected, Scheduler, StepUpdates
 
 
 class Sink(Protocol):
@@ -88,10 +92,10 @@ class RecordingScheduler(Scheduler):
         super().__init__(config, limits)
         self.sink = sink
 
-    def add_request(self, rid: str, input_ids: Sequence[int], params: RequestParams) -> Request:
+    def add_request(self, rid: str, input_ids: Sequence[int], params: RequestParams, uid: int = 0) -> Request:
         ids = tuple(input_ids)
         try:
-            req = super().add_request(rid, ids, params)
+            req = super().add_request(rid, ids, params, uid)
         except (QueueFull, RequestRejected, ValueError) as exc:
             self.sink.write(AddRequest(self.step_id, rid, ids, params, f"{type(exc).__name__}: {exc}"))
             raise
@@ -132,11 +136,10 @@ class RecordingScheduler(Scheduler):
         self.sink.write(OnIdle(self.step_id))
         self.sink.end_step(self.step_id)
 
-    def take_updates(self) -> list[RequestUpdate]:
+    def take_updates(self) -> StepUpdates:
         updates = super().take_updates()
-        for u in updates:
-            if u.finished is not None:
-                self.sink.write(Finished(self.step_id, u.rid, u.finished, u.cached_tokens))
+        for f in updates.finished:
+            self.sink.write(Finished(self.step_id, f.rid, f.reason, f.cached_tokens))
         return updates
 
     def close(self) -> None:

@@ -107,9 +107,8 @@ class _SchedulerReplay:
 
     def feed(self, entry: Entry) -> Divergence | None:
         found = self._dispatch(entry)
-        for update in self.scheduler.take_updates():
-            if update.finished is not None:
-                self.finishes.append((update.rid, update.finished))
+        for finished in self.scheduler.take_updates().finished:
+            self.finishes.append((finished.rid, finished.reason))
         return found
 
     def _dispatch(self, entry: Entry) -> Divergence | None:
@@ -197,24 +196,27 @@ StepFn = Callable[[StepPlan], StepResult]
 
 
 def comparable_result(result: StepResult) -> StepResult:
-    """What must replay exactly: step id, handles, tokens, the KV report (not timing, memory or logprobs)."""
+    """What must replay exactly: step id, tokens, the KV report (not timing, memory or logprobs)."""
     kv = dataclasses.replace(result.kv, device_mem_used_bytes=0) if result.kv else KvReport()
-    return dataclasses.replace(result, kv=kv, forward_s=0.0, logprobs=())
+    return dataclasses.replace(result, kv=kv, forward_s=0.0, wait_s=0.0, logprobs=())
 
 
 def replay_worker(entries: Iterable[Entry], step: StepFn) -> ReplayReport:
-    """Run every recorded plan through `step` and compare each result with the recorded one."""
+    """Run every recorded plan through `step` and compare each result with the recorded one.
+
+    Plans run in recorded order; results are matched oldest first (under overlap a recording holds
+    plan N+1 before result N)."""
     _header, rest = _split_header(entries)
     counts: Counter[str] = Counter()
-    pending: StepResult | None = None
+    pending: deque[StepResult] = deque()
     for entry in rest:
         if isinstance(entry, NextPlan) and entry.plan is not None:
-            pending = step(entry.plan)
+            pending.append(step(entry.plan))
             counts["plans"] += 1
-        elif isinstance(entry, ApplyResult) and pending is not None:
+        elif isinstance(entry, ApplyResult) and pending:
             counts["results"] += 1
-            found = first_difference(comparable_result(entry.result), comparable_result(pending), "result")
+            replayed = pending.popleft()
+            found = first_difference(comparable_result(entry.result), comparable_result(replayed), "result")
             if found:
                 return ReplayReport(Divergence(entry.result.step_id, *found), dict(counts))
-            pending = None
     return ReplayReport(None, dict(counts))

@@ -12,6 +12,8 @@ import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from control_plane.request import Request
 from control_plane.scheduler.kv import KvManager
 from control_plane.scheduler.priority import priority_sign, urgency
@@ -36,10 +38,22 @@ class AdderLimits:
     low_priority_values_first: bool = False
 
 
+def reserved_offset(remaining: np.ndarray, clip: int, new_token_ratio: float) -> float:
+    """Σ min(remaining, clip) · ratio over the running requests (§3.2), summed left to right as a
+    Python loop over them would (cumsum is sequential), so the budget is the same to the last bit."""
+    if not len(remaining):
+        return 0.0
+    return float(np.cumsum(np.minimum(remaining, clip) * new_token_ratio)[-1])
+
+
 class PrefillAdder:
     """Budgets for one pass. Reads the pool's free and evictable sizes live (they change as locks
     move), mutates only its own counters, `can_run_list` and the admitted requests' extend ranges
-    and locks."""
+    and locks.
+
+    `remaining` is max_new_tokens − generated per running request, in `running`'s order; the
+    scheduler passes it from its columns (without a pass over the requests), tests may leave it to
+    be computed from `running`."""
 
     def __init__(
         self,
@@ -48,6 +62,7 @@ class PrefillAdder:
         running: Sequence[Request],
         new_token_ratio: float,
         mixed_decode_tokens: int = 0,
+        remaining: np.ndarray | None = None,
     ) -> None:
         self.kv = kv
         self.limits = limits
@@ -58,7 +73,10 @@ class PrefillAdder:
         self.rem_chunk_tokens = (
             None if limits.chunked_prefill_size is None else limits.chunked_prefill_size - mixed_decode_tokens
         )
-        self.rem_total_token_offset = float(mixed_decode_tokens) + sum(self.offset(r) for r in running)
+        if remaining is None:
+            remaining = np.array([self.remaining(r) for r in running], dtype=np.int64)
+        reserved = reserved_offset(remaining, limits.clip_max_new_tokens, new_token_ratio)
+        self.rem_total_token_offset = float(mixed_decode_tokens) + reserved
         self.cur_rem_token_offset = mixed_decode_tokens
         self.can_run_list: list[Request] = []
         self.new_chunked_req: Request | None = None
@@ -72,10 +90,13 @@ class PrefillAdder:
 
     # --- budgets -------------------------------------------------------------------------------
 
+    @staticmethod
+    def remaining(req: Request) -> int:
+        return req.max_new_tokens - req.num_outputs
+
     def offset(self, req: Request) -> float:
         """Reserved future decode of a running request: min(remaining, clip) · ratio (§3.2)."""
-        remaining = req.max_new_tokens - len(req.output_ids)
-        return min(remaining, self.limits.clip_max_new_tokens) * self.new_token_ratio
+        return min(self.remaining(req), self.limits.clip_max_new_tokens) * self.new_token_ratio
 
     @property
     def rem_total_tokens(self) -> float:
@@ -157,7 +178,7 @@ class PrefillAdder:
             return self.add_one_req_ignore_eos(req)
         prefix_len = len(req.prefix_indices)
         candidate = req.seqlen - prefix_len
-        max_new = min(max(req.max_new_tokens - len(req.output_ids), 0), limits.clip_max_new_tokens)
+        max_new = min(max(req.max_new_tokens - req.num_outputs, 0), limits.clip_max_new_tokens)
         total = candidate + max_new + self.page_size
         real_input = self.ceil_page(candidate)
         if total >= self.rem_total_tokens:
@@ -212,7 +233,7 @@ class PrefillAdder:
 
     def _tokens_left(self, req: Request) -> tuple[float, int]:
         ratio = 1.0 if req.params.ignore_eos else self.new_token_ratio
-        return req.max_new_tokens * ratio - len(req.output_ids), req.seqlen
+        return req.max_new_tokens * ratio - req.num_outputs, req.seqlen
 
     def _insert_req_state(self, state: tuple[float, int]) -> None:
         assert self.req_states is not None

@@ -3,6 +3,8 @@ the adder's budgets, batch_is_full, and mixing the running batch into a prefill 
 
 from __future__ import annotations
 
+import numpy as np
+
 from control_plane.request import AbortCode, FinishReason, Request
 from control_plane.scheduler.adder import AddReqResult, PrefillAdder
 from control_plane.scheduler.batch import RunningBatch, ScheduledBatch
@@ -30,15 +32,28 @@ class Admission(Preemption):
             self._push_remap(self.kv.cache_unfinished_req(req, chunked=True))
 
     def _merge_last_batch(self) -> None:
+        """§1.3 step 4: the last extend batch's requests join the running batch, unless finished or
+        still mid-chunk. Under overlap their prefill may still be in flight: they are decoded before
+        their first token is known (§8.2 (c)). A request with max_new_tokens 0 only needs its prefill
+        (SGLang never decodes a prefill-only batch): it ends when that result is applied."""
         last = self.last_batch
         if last is None or not last.is_extend:
             return
-        members = last.extend_reqs + last.decode_reqs
-        survivors = [r for r in members if not r.finished and r is not self.chunked_req]
-        if len(survivors) != len(members):
+        extended = [
+            r
+            for r in last.extend_reqs
+            if not r.finished and r is not self.chunked_req and r.max_new_tokens > 0
+        ]
+        decoded = self.kv.columns.serial[last.decode_rows] == last.decode_serials
+        survivors = len(extended) + int(np.count_nonzero(decoded))
+        if survivors != len(last.extend_reqs) + len(last.decode_rows):
             self.batch_is_full = False
-        if survivors:
-            self.running.merge(survivors)
+        if extended:
+            self.running.merge(extended)
+        if decoded.any():
+            self.running.append(
+                last.decode_reqs[decoded], last.decode_rows[decoded], last.decode_serials[decoded]
+            )
 
     def _parked_chunk(self, req: Request) -> None:
         """The chunked request got no chunk: not even a page is free or evictable. Running requests
@@ -62,15 +77,17 @@ class Admission(Preemption):
         if self._allocatable(len(self.running)) <= 0 and self.chunked_req is None and not self.preemption:
             self.batch_is_full = True
             return None
-        self.policy.order(self.waiting, self.running.reqs)
+        running = self.running.reqs
+        self.policy.order(self.waiting, running)
         mixed = self.config.enable_mixed_chunk and len(self.running) > 0
         running_bs = len(self.running)
         adder = PrefillAdder(
             self.kv,
             self.adder_limits,
-            self.running.reqs,
+            running,
             self.ratio.current,
             mixed_decode_tokens=running_bs if mixed else 0,
+            remaining=self.running.remaining_new_tokens(),
         )
         chunked_before = self.chunked_req
         if self.chunked_req is not None:
@@ -90,8 +107,9 @@ class Admission(Preemption):
             self.chunked_req = adder.new_chunked_req
         if self.chunked_req is not None and self.chunked_req in adder.can_run_list:
             self.chunked_req.inflight_middle_chunks += 1
-        batch = ScheduledBatch(StepKind.PREFILL, list(adder.can_run_list), chunked_req=self.chunked_req)
-        self._prepare_extend(batch.extend_reqs, chunked_before)
+        batch = ScheduledBatch(StepKind.PREFILL, extend_reqs=list(adder.can_run_list))
+        batch.chunked_req = self.chunked_req
+        self._prepare_extend(batch, chunked_before)
         if mixed:
             self._mix_with_running(batch, stats)
         return batch
@@ -129,8 +147,10 @@ class Admission(Preemption):
         stats.rem_input_tokens = adder.rem_input_tokens
         stats.rem_chunk_tokens = adder.rem_chunk_tokens
 
-    def _prepare_extend(self, reqs: list[Request], continuation: Request | None) -> None:
-        """Allocate rows and slots, assign handles to newcomers, commit the extend lengths."""
+    def _prepare_extend(self, batch: ScheduledBatch, continuation: Request | None) -> None:
+        """Allocate rows and slots, assign handles to newcomers, commit the extend lengths, and note
+        in the batch each request's row tenancy and whether a token is sampled after its extend."""
+        reqs = batch.extend_reqs
         for req in reqs:
             if req is not continuation and not req.retracted_stain:
                 req.cached_tokens = len(req.prefix_indices)
@@ -138,7 +158,11 @@ class Admission(Preemption):
             req.preempted = False
         self.kv.alloc_for_extend(reqs)
         self._introduced = set()
+        columns = self.kv.columns
         for req in reqs:
+            start, end = req.extend_range
+            # A live sequence's table holds exactly the positions before its extend.
+            held = start if req.handle in self.by_handle else 0
             if req.host_backup_len:
                 self._restore(req)
             if req.handle < 0:
@@ -146,7 +170,11 @@ class Admission(Preemption):
                 self._next_handle += 1
                 self.by_handle[req.handle] = req
                 self._introduced.add(req.handle)
-            req.kv_committed_len = req.extend_range[1]
+            columns.handle[req.req_pool_idx] = req.handle
+            req.kv_committed_len = end
+            self._seq_slots += end - held
+            batch.extend_serials.append(int(columns.serial[req.req_pool_idx]))
+            batch.extend_sampled.append(req is not self.chunked_req)
 
     def _restore(self, req: Request) -> None:
         """Copy the host backup into the first slots of the fresh extend; compute only the rest."""
@@ -171,8 +199,8 @@ class Admission(Preemption):
         if not len(self.running) or not self.kv.check_decode_mem(self.running.seq_lens):
             return
         batch.kind = StepKind.MIXED
-        batch.decode_reqs = list(self.running.reqs)
+        batch.decode_from(self.running)
         self._alloc_decode()
         stats.kind = StepKind.MIXED
-        stats.decode_bs = len(batch.decode_reqs)
-        self.running = RunningBatch()
+        stats.decode_bs = len(batch.decode_rows)
+        self.running = RunningBatch(self.kv.columns)

@@ -1,72 +1,136 @@
-"""The running batch (kept columnar for the decode hot path) and the batch a plan was built from."""
+"""The running batch (columnar, for the decode hot path) and the batch a plan was built from."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from control_plane.request import Request
+from control_plane.scheduler.columns import RowColumns
 from control_plane.scheduler.plan import StepKind
 
 
-class RunningBatch:
-    """Requests being decoded, with their rows, lengths and handles as numpy columns.
+def _objects(reqs: Sequence[Request]) -> np.ndarray:
+    out = np.empty(len(reqs), dtype=object)
+    out[:] = reqs
+    return out
 
-    The columns are rebuilt only when membership changes (merge, filter); a decode step updates
-    `seq_lens` in place, so planning a decode costs no Python work per request.
+
+def _no_objects() -> np.ndarray:
+    return np.empty(0, dtype=object)
+
+
+def _no_ints() -> np.ndarray:
+    return np.zeros(0, dtype=np.int64)
+
+
+class RunningBatch:
+    """Requests being decoded, in batch order, as three parallel arrays: the Request objects, their
+    rows, and the serial of each row's tenancy when the request joined.
+
+    A request that finishes leaves its row at once (the row may even be reused) but stays in the
+    batch until the next filter, as in SGLang (§1.3: admission still counts it); such a position is
+    the one whose row serial has moved on (`live_mask`). Membership changes are array operations
+    (merge appends, filters index); a decode step touches only the columns.
     """
 
-    def __init__(self) -> None:
-        self.reqs: list[Request] = []
-        self.rows = np.zeros(0, dtype=np.int64)
-        self.seq_lens = np.zeros(0, dtype=np.int64)
-        self.handles = np.zeros(0, dtype=np.int64)
+    def __init__(self, columns: RowColumns) -> None:
+        self.columns = columns
+        self.req_array = _no_objects()
+        self.rows = _no_ints()
+        self.serials = _no_ints()
 
     def __len__(self) -> int:
-        return len(self.reqs)
+        return len(self.rows)
 
-    def _rebuild(self) -> None:
-        n = len(self.reqs)
-        self.rows = np.fromiter((r.req_pool_idx for r in self.reqs), dtype=np.int64, count=n)
-        self.seq_lens = np.fromiter((r.kv_committed_len for r in self.reqs), dtype=np.int64, count=n)
-        self.handles = np.fromiter((r.handle for r in self.reqs), dtype=np.int64, count=n)
+    @property
+    def reqs(self) -> list[Request]:
+        """The requests in batch order (a new list)."""
+        return self.req_array.tolist()  # type: ignore[no-any-return]
 
-    def merge(self, reqs: Iterable[Request]) -> None:
-        self.reqs.extend(reqs)
-        self._rebuild()
+    @property
+    def seq_lens(self) -> np.ndarray:
+        """Positions with a slot, per request: where its next decode writes."""
+        return self.columns.allocated[self.rows]
 
-    def keep(self, indices: list[int]) -> None:
-        """Keep these positions, in this order."""
-        self.reqs = [self.reqs[i] for i in indices]
-        self._rebuild()
+    def live_mask(self) -> np.ndarray:
+        """Per position: the request still holds its row (it has not finished)."""
+        return self.columns.serial[self.rows] == self.serials
+
+    def append(self, reqs: np.ndarray, rows: np.ndarray, serials: np.ndarray) -> None:
+        self.req_array = np.concatenate((self.req_array, reqs))
+        self.rows = np.concatenate((self.rows, rows))
+        self.serials = np.concatenate((self.serials, serials))
+
+    def merge(self, reqs: Sequence[Request]) -> None:
+        """Append requests that hold rows, in this order."""
+        rows = np.fromiter((r.req_pool_idx for r in reqs), dtype=np.int64, count=len(reqs))
+        self.append(_objects(reqs), rows, self.columns.serial[rows])
+
+    def keep(self, selection: np.ndarray | list[int]) -> None:
+        """Keep these positions (indices, in this order, or a boolean mask)."""
+        self.req_array = self.req_array[selection]
+        self.rows = self.rows[selection]
+        self.serials = self.serials[selection]
 
     def filter_finished(self) -> bool:
         """Drop finished requests; returns whether any were dropped."""
-        keep = [i for i, r in enumerate(self.reqs) if not r.finished]
-        if len(keep) == len(self.reqs):
+        live = self.live_mask()
+        if live.all():
             return False
-        self.keep(keep)
+        self.keep(live)
         return True
 
     def remove(self, drop: Iterable[Request]) -> None:
         gone = {id(r) for r in drop}
-        self.keep([i for i, r in enumerate(self.reqs) if id(r) not in gone])
+        self.keep(np.fromiter((id(r) not in gone for r in self.req_array), dtype=bool, count=len(self)))
+
+    def remaining_new_tokens(self) -> np.ndarray:
+        """max_new_tokens − generated, per position (finished requests included, with their final
+        count, as SGLang's admission counts them)."""
+        columns = self.columns
+        remaining = columns.max_new[self.rows] - columns.n_out[self.rows]
+        for i in np.flatnonzero(~self.live_mask()).tolist():
+            req = self.req_array[i]
+            remaining[i] = req.max_new_tokens - req.num_outputs
+        return remaining
 
 
 @dataclass(slots=True)
 class ScheduledBatch:
-    """What one plan asked the worker to do, kept until its result is applied."""
+    """What one plan asked the worker to do, kept until its result is applied (results come back in
+    plan order; several plans may be in flight)."""
 
     kind: StepKind
-    # Requests extended in this step, in plan order (the chunked continuation first).
+    step_id: int = 0
+    # Requests extended in this step, in plan order (the chunked continuation first), with the serial
+    # of each one's row tenancy and whether a token is sampled after its extend (not after a middle
+    # chunk).
     extend_reqs: list[Request] = field(default_factory=list)
-    # Requests decoded in this step, in plan order.
-    decode_reqs: list[Request] = field(default_factory=list)
+    extend_serials: list[int] = field(default_factory=list)
+    extend_sampled: list[bool] = field(default_factory=list)
+    # Requests decoded in this step, in plan order, as RunningBatch's arrays.
+    decode_reqs: np.ndarray = field(default_factory=_no_objects)
+    decode_rows: np.ndarray = field(default_factory=_no_ints)
+    decode_serials: np.ndarray = field(default_factory=_no_ints)
     # The request still mid-chunk after this step, if any.
     chunked_req: Request | None = None
 
     @property
     def is_extend(self) -> bool:
         return self.kind in (StepKind.PREFILL, StepKind.MIXED)
+
+    @property
+    def sampled_tokens(self) -> int:
+        """Tokens the result carries: one per sampled extend, then one per decode."""
+        return sum(self.extend_sampled) + len(self.decode_rows)
+
+    def decode_from(self, running: RunningBatch) -> None:
+        """The whole running batch is decoded in this step."""
+        self.decode_reqs, self.decode_rows, self.decode_serials = (
+            running.req_array,
+            running.rows,
+            running.serials,
+        )

@@ -25,15 +25,18 @@ class Intake(SchedulerState):
             )
         return None
 
-    def add_request(self, rid: str, input_ids: Sequence[int], params: RequestParams) -> Request:
-        """Queue a new request. Raises QueueFull / RequestRejected; ValueError for a duplicate rid."""
+    def add_request(self, rid: str, input_ids: Sequence[int], params: RequestParams, uid: int = 0) -> Request:
+        """Queue a new request. Raises QueueFull / RequestRejected; ValueError for a duplicate rid.
+
+        `uid` is the engine's opaque unsigned 64-bit key for the request's stream: it only labels the
+        request's tokens in `take_updates` (not a scheduling input; replays pass 0)."""
         if rid in self.requests:
             raise ValueError(f"request_id {rid!r} is already in use")
         ids = list(input_ids)
         error = self.input_length_error(len(ids))
         if error is not None and self.config.allow_auto_truncate:
             ids, error = ids[: self.max_req_input_len], None
-        req = Request(rid=rid, origin_input_ids=ids, params=params)
+        req = Request(rid=rid, origin_input_ids=ids, params=params, uid=uid)
         req.max_new_tokens = clamp_max_new_tokens(
             params.max_new_tokens,
             len(ids),

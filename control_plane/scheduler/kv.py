@@ -5,7 +5,13 @@ KV is written to and names it in the plan. This module implements SGLang's cache
 those books (SCHEDULER.md §6.4, §7.4, §7.5, §7.7) and reports slot remaps the worker must follow.
 
 Every slot is in exactly one of four states: free (allocator), evictable or protected (tree,
-unlocked or locked), or private to one request (computed by it and not in the tree).
+unlocked or locked), or private to one request (computed by it, or reserved for a decode in flight,
+and not in the tree). A request's row holds positions [0, kv_allocated_len); of those, [0,
+kv_committed_len) hold KV the tree may take. The rest (the slot of a decode still in flight when the
+request ends) is never inserted and goes back to the allocator (SGLang's kv_allocated_len).
+
+The per-row state of requests holding rows lives in `columns` (see control_plane/scheduler/columns.py);
+rows are attached to it when taken and detached when released.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from control_plane.cache.allocator import SlotAllocator
 from control_plane.cache.radix import RadixCache
 from control_plane.cache.tree_node import TreeNode
 from control_plane.request import Request
+from control_plane.scheduler.columns import RowColumns
 from control_plane.scheduler.plan import SlotRemap as Remap
 from control_plane.scheduler.priority import priority_sign, urgency
 
@@ -71,6 +78,7 @@ class KvManager:
         self.req_to_token = np.zeros((0, 0), dtype=np.int64)
         self._table_limit = (max_running_requests, max_context + 1)
         self._free_rows: deque[int] = deque(range(max_running_requests))
+        self.columns = RowColumns(max_running_requests)
 
     # --- sizes ---------------------------------------------------------------------------------
 
@@ -143,7 +151,8 @@ class KvManager:
     def alloc_for_extend(self, reqs: list[Request]) -> list[np.ndarray]:
         """Mutates: request rows and slots for each request's extend_range; returns the new slots.
 
-        A request without a row gets one, and its cached prefix is written into it first.
+        A request without a row gets one (attached to `columns`), and its cached prefix is written
+        into it first. Afterwards kv_allocated_len is the extend's end.
         """
         self.evict_for(self.extend_need(reqs))
         out = []
@@ -154,6 +163,7 @@ class KvManager:
                 if not self._free_rows:
                     raise KvOutOfMemory("alloc_req_slots runs out of memory")
                 req.req_pool_idx = self._free_rows.popleft()
+                self.columns.attach(req)
             self._reserve(req.req_pool_idx + 1, end)
             row = self.row(req)
             if new_row:
@@ -163,6 +173,7 @@ class KvManager:
             if slots is None:
                 raise KvOutOfMemory(f"Prefill out of memory: {end - start} tokens for {req.rid}")
             row[start:end] = slots
+            req.kv_allocated_len = end
             out.append(slots)
         return out
 
@@ -190,7 +201,8 @@ class KvManager:
         return self.available_size() >= need
 
     def alloc_for_decode(self, rows: np.ndarray, seq_lens: np.ndarray) -> np.ndarray:
-        """Mutates (may evict): one slot per sequence for position seq_len, written into its row.
+        """Mutates (may evict): one slot per sequence for position seq_len, written into its row;
+        the rows' allocated length becomes seq_len + 1.
 
         Evicts first like every allocation (SCHEDULER.md §7.6): a mixed step has no decode check.
         """
@@ -202,6 +214,7 @@ class KvManager:
         if slots is None:
             raise KvOutOfMemory("Decode out of memory")
         self.req_to_token[rows, seq_lens] = slots
+        self.columns.allocated[rows] = seq_lens + 1
         return slots
 
     # --- caching and release (SCHEDULER.md §7.4, §7.5, §6.4) --------------------------------------
@@ -210,11 +223,13 @@ class KvManager:
 
     def cache_finished_req(self, req: Request, insert: bool = True) -> None:
         """Mutates: §7.4 through the tree (insert or free the committed KV, drop the request's lock),
+        free the slots allocated past it (a decode in flight: whole pages past the committed part's),
         then free the request's row. Afterwards the request holds no slot and no lock."""
         kv_len = req.kv_committed_len
+        held = max(req.kv_allocated_len, kv_len)
         self.tree.cache_finished_req(
             req.fill_ids[:kv_len],
-            self.row(req)[:kv_len].copy(),
+            self.row(req)[:held].copy(),
             req.cache_protected_len,
             self._lock_node(req),
             insert=insert,
@@ -267,5 +282,6 @@ class KvManager:
 
     def _release_row(self, req: Request) -> None:
         if req.req_pool_idx >= 0:
+            self.columns.detach(req)
             self._free_rows.append(req.req_pool_idx)
             req.req_pool_idx = -1

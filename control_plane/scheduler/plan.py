@@ -128,12 +128,14 @@ class TokenLogprobs:
 @dataclass(frozen=True, slots=True)
 class StepResult:
     step_id: int
-    # One sampled token per sampling entry: sampled extends then decodes, in plan order.
-    handles: np.ndarray = field(default_factory=_i64)
+    # One sampled token per sampling entry, in plan order: the extends with `sample` set, then every
+    # decode. The plan names the sequences; the result carries only their tokens.
     token_ids: np.ndarray = field(default_factory=_i32)
     logprobs: tuple[TokenLogprobs, ...] = ()
     kv: KvReport = KvReport()
     forward_s: float = 0.0
+    # Seconds the worker waited for this plan after it had finished the previous step (its idle gap).
+    wait_s: float = 0.0
     error: str = ""
 
 

@@ -28,10 +28,10 @@ class Planning(Admission):
             return StepPlan(
                 self.step_id, StepKind.DECODE, releases=releases, remaps=remaps, offloads=offloads
             )
-        extends, new_seqs = self._extend_work(batch.extend_reqs)
+        extends, new_seqs = self._extend_work(batch)
         decodes = DecodeWork()
-        if batch.decode_reqs:
-            decodes = DecodeWork(handles=self._decode_handles.copy(), slots=self._decode_slots)
+        if len(batch.decode_rows):
+            decodes = DecodeWork(handles=self._decode_handles, slots=self._decode_slots)
         return StepPlan(
             self.step_id,
             batch.kind,
@@ -44,7 +44,8 @@ class Planning(Admission):
             decodes=decodes,
         )
 
-    def _extend_work(self, reqs: list[Request]) -> tuple[ExtendWork, tuple[NewSeq, ...]]:
+    def _extend_work(self, batch: ScheduledBatch) -> tuple[ExtendWork, tuple[NewSeq, ...]]:
+        reqs = batch.extend_reqs
         if not reqs:
             return ExtendWork(), ()
         new_seqs = []
@@ -63,7 +64,7 @@ class Planning(Admission):
                 lens=np.fromiter(
                     (r.extend_range[1] - r.extend_range[0] for r in reqs), dtype=np.int32, count=len(reqs)
                 ),
-                sample=np.fromiter((r is not self.chunked_req for r in reqs), dtype=bool, count=len(reqs)),
+                sample=np.array(batch.extend_sampled, dtype=bool),
                 token_ids=np.asarray(tokens, dtype=np.int32),
                 slots=np.concatenate(slots).astype(np.int64),
             ),

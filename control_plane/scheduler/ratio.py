@@ -38,7 +38,7 @@ class NewTokenRatioTracker:
         """(Σ generated + steps·n) / (Σ max_new_tokens + 1) over the kept requests, capped at 1."""
         generated = total = n = 0
         for req in kept:
-            generated += len(req.output_ids)
+            generated += req.num_outputs
             total += req.max_new_tokens
             n += 1
         return min(1.0, (generated + retract_decode_steps * n) / (total + 1))

@@ -1,66 +1,144 @@
 """Applying a worker's result (SGLang's process_batch_result): append tokens, run the finish checks
-in SGLang's order, cache the KV of what finished."""
+in SGLang's order, cache the KV of what finished.
+
+A result answers the oldest plan still in flight (plans execute in order on the worker). Its tokens
+are positional: one per extend with `sample` set, then one per decode, in plan order. Decodes are
+applied as a few numpy operations on the columns (control_plane/scheduler/columns.py); Python work
+is per extend and per request that finishes.
+
+A token is discarded, never streamed, when the row it was planned for no longer holds that tenancy:
+the request finished (under overlap its next decode was already planned: the "dead" decode of
+§8.2 (a)), was aborted, finished by `finish()`, retracted or preempted meanwhile (SGLang: `if
+req.is_retracted or req.finished(): continue`). A retracted request re-prefills from the outputs
+applied before its retraction.
+"""
 
 from __future__ import annotations
 
+import numpy as np
+
 from control_plane.request import FinishReason, Request
+from control_plane.scheduler.batch import ScheduledBatch
 from control_plane.scheduler.plan import StepResult
 from control_plane.scheduler.planning import Planning
-from control_plane.scheduler.state import RequestUpdate
+
+MAX_NEW_TOKENS = FinishReason.length("max_new_tokens")
+EOS = FinishReason.stop("eos")
 
 
 class Results(Planning):
     """The worker's sampled tokens applied to the requests (SGLang's process_batch_result)."""
 
     def apply_result(self, result: StepResult) -> None:
-        """Append sampled tokens, run finish checks, cache or free KV of finished requests."""
-        batch = self.last_batch
-        if batch is None:
-            return
-        sampled = dict(zip(result.handles.tolist(), result.token_ids.tolist(), strict=True))
-        for req in batch.extend_reqs:
-            self._apply_extend(req, sampled)
-        for req in batch.decode_reqs:
-            if req.finished:
-                continue
-            req.kv_committed_len += 1
-            self._append_token(req, sampled[req.handle])
+        """Apply `result` to the oldest plan in flight: append sampled tokens, run finish checks,
+        cache or free the KV of finished requests. ValueError (nothing changed) when it is not that
+        plan's result or does not carry one token per sampled entry."""
+        batch = self._oldest_in_flight(result)
+        tokens = np.asarray(result.token_ids, dtype=np.int32)
+        self._in_flight.popleft()
+        sampled = sum(batch.extend_sampled)
+        self._apply_extends(batch, tokens[:sampled])
+        if len(batch.decode_rows):
+            self._apply_decodes(batch, tokens[sampled:])
 
-    def _apply_extend(self, req: Request, sampled: dict[int, int]) -> None:
-        if req.finished:
-            return
-        if req.inflight_middle_chunks > 0:
-            req.inflight_middle_chunks -= 1
-            if req is self.chunked_req:
-                return  # a middle chunk: nothing was sampled
-        if req.max_new_tokens == 0 and not req.output_ids:
-            self.kv.cache_finished_req(req, insert=True)
-            self._finish(req, FinishReason.length("max_new_tokens"))
-            return
-        self._append_token(req, sampled[req.handle])
-        if not req.finished:
-            self._push_remap(self.kv.cache_unfinished_req(req))
-
-    def _append_token(self, req: Request, token: int) -> None:
-        req.append_output(token)
-        reason, visible = self._check_finished(req, token)
-        if reason is None:
-            self._updates.append(RequestUpdate(req.rid, (token,)))
-            return
-        self.kv.cache_finished_req(req, insert=True)
-        self._finish(req, reason, (token,) if visible else ())
-
-    def _check_finished(self, req: Request, token: int) -> tuple[FinishReason | None, bool]:
-        """SGLang's order: the length limit first, then a matched stop or EOS token (not streamed)."""
-        if len(req.output_ids) >= req.max_new_tokens:
-            matched = token in req.params.stop_token_ids or (
-                not req.params.ignore_eos and token in self.limits.eos_token_ids
+    def _oldest_in_flight(self, result: StepResult) -> ScheduledBatch:
+        if not self._in_flight:
+            raise ValueError(f"result for step {result.step_id}, but no plan is in flight")
+        batch = self._in_flight[0]
+        if result.step_id != batch.step_id:
+            raise ValueError(
+                f"result for step {result.step_id}, but the oldest plan in flight is {batch.step_id}"
             )
-            return FinishReason.length("max_new_tokens"), not matched
-        if len(req.output_ids) < req.min_new_tokens:
-            return None, True  # stop conditions do not count yet (§1.5 min_new_tokens)
-        if token in req.params.stop_token_ids:
-            return FinishReason.stop(f"stop token {token}"), False
-        if not req.params.ignore_eos and token in self.limits.eos_token_ids:
-            return FinishReason.stop("eos"), False
-        return None, True
+        if len(result.token_ids) != batch.sampled_tokens:
+            raise ValueError(
+                f"step {batch.step_id}: result carries {len(result.token_ids)} tokens, "
+                f"the plan sampled {batch.sampled_tokens}"
+            )
+        return batch
+
+    def _apply_extends(self, batch: ScheduledBatch, tokens: np.ndarray) -> None:
+        columns = self.kv.columns
+        applied: list[Request] = []  # in plan order
+        sampled_at: list[int] = []  # each one's token, or -1: a prefill-only request (max_new_tokens 0)
+        at = 0
+        entries = zip(batch.extend_reqs, batch.extend_serials, batch.extend_sampled, strict=True)
+        for req, serial, sampled in entries:
+            at += sampled
+            if not columns.holds(req, serial):
+                continue
+            if not sampled:  # a middle chunk: nothing was sampled
+                req.inflight_middle_chunks = max(req.inflight_middle_chunks - 1, 0)
+                continue
+            applied.append(req)
+            sampled_at.append(-1 if req.max_new_tokens == 0 and not req.num_outputs else at - 1)
+        if not applied:
+            return
+        taking = [i for i, t in enumerate(sampled_at) if t >= 0]
+        ended: dict[int, FinishReason] = {}
+        if taking:
+            rows = np.array([applied[i].req_pool_idx for i in taking], dtype=np.int64)
+            chosen = tokens[np.array([sampled_at[i] for i in taking], dtype=np.int64)]
+            ended = {taking[k]: reason for k, reason in self._append_tokens(rows, chosen)}
+        # In plan order, as SGLang caches them: the tree's state depends on the order of inserts.
+        for i, req in enumerate(applied):
+            reason = MAX_NEW_TOKENS if sampled_at[i] < 0 else ended.get(i)
+            if reason is None:
+                self._push_remap(self.kv.cache_unfinished_req(req))
+            else:
+                self._end(req, reason)
+
+    def _apply_decodes(self, batch: ScheduledBatch, tokens: np.ndarray) -> None:
+        columns = self.kv.columns
+        rows = batch.decode_rows
+        held = columns.serial[rows] == batch.decode_serials
+        if not held.all():
+            rows, tokens = rows[held], tokens[held]
+            if not len(rows):
+                return
+        columns.committed[rows] += 1  # the decode wrote its input token's KV
+        for i, reason in self._append_tokens(rows, tokens):
+            self._end(columns.reqs[rows[i]], reason)
+
+    def _append_tokens(self, rows: np.ndarray, tokens: np.ndarray) -> list[tuple[int, FinishReason]]:
+        """Append one token per row, stream the visible ones, and return (index, reason) of the rows
+        that finished, by SGLang's `_check_finished` order: the length limit first (its token is
+        streamed unless it is also a stop token or EOS), then, once min_new_tokens are out, a stop
+        token id or EOS unless ignore_eos (neither streamed)."""
+        columns = self.kv.columns
+        columns.append(rows, tokens)
+        n_out = columns.n_out[rows]
+        length = n_out >= columns.max_new[rows]
+        stop_hit = self._stop_token_hits(rows, tokens)
+        matched = stop_hit | (self._is_eos(tokens) & ~columns.ignore_eos[rows])
+        counts = n_out >= columns.min_new[rows]
+        finished = length | (matched & counts)
+        visible = ~(matched & (length | counts))
+        self._stream(columns.uid[rows][visible], tokens[visible])
+        return [
+            (i, self._reason(bool(length[i]), bool(stop_hit[i]), int(tokens[i])))
+            for i in np.flatnonzero(finished).tolist()
+        ]
+
+    @staticmethod
+    def _reason(length: bool, stop_token: bool, token: int) -> FinishReason:
+        if length:
+            return MAX_NEW_TOKENS
+        return FinishReason.stop(f"stop token {token}") if stop_token else EOS
+
+    def _stop_token_hits(self, rows: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+        """Per row: the token is one of the request's own stop token ids (rare: checked row by row)."""
+        columns = self.kv.columns
+        hits = np.zeros(len(rows), dtype=bool)
+        for i in np.flatnonzero(columns.has_stop[rows]).tolist():
+            hits[i] = int(tokens[i]) in columns.reqs[rows[i]].params.stop_token_ids
+        return hits
+
+    def _is_eos(self, tokens: np.ndarray) -> np.ndarray:
+        eos = self._eos_ids
+        if len(eos) == 1:
+            return tokens == eos[0]
+        return np.isin(tokens, eos)
+
+    def _end(self, req: Request, reason: FinishReason) -> None:
+        self.kv.cache_finished_req(req, insert=True)
+        self._finish(req, reason)

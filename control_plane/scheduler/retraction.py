@@ -45,14 +45,17 @@ class Retraction(Intake):
             return None
         stats.kind = StepKind.DECODE
         stats.decode_bs = len(self.running)
-        batch = ScheduledBatch(StepKind.DECODE, decode_reqs=list(self.running.reqs))
+        batch = ScheduledBatch(StepKind.DECODE)
+        batch.decode_from(self.running)
         self._alloc_decode()
         return batch
 
     def _alloc_decode(self) -> None:
-        self._decode_slots = self.kv.alloc_for_decode(self.running.rows, self.running.seq_lens)
-        self._decode_handles = self.running.handles
-        self.running.seq_lens += 1
+        """A slot for every running request's next position: plan-time work on the columns only."""
+        rows = self.running.rows
+        self._decode_slots = self.kv.alloc_for_decode(rows, self.running.seq_lens)
+        self._decode_handles = self.kv.columns.handle[rows]
+        self._seq_slots += len(rows)
 
     def _retraction_order(self) -> list[int]:
         """Indices, most worth keeping first; the loop retracts from the end (§6.3)."""
@@ -61,7 +64,7 @@ class Retraction(Intake):
 
         def key(i: int) -> tuple[int, ...]:
             r = reqs[i]
-            length_key = (len(r.output_ids), -len(r.origin_input_ids))
+            length_key = (r.num_outputs, -len(r.origin_input_ids))
             group_key = (1 if r.params.group else 0,)  # parallel-sample groups are kept first
             if self.config.retraction_policy == "priority":
                 return (*group_key, -urgency(r, sign), *length_key)
@@ -105,7 +108,7 @@ class Retraction(Intake):
             self._add_to_queue_or_abort(req)
         stats.retracted = [r.rid for r in retracted]
         stats.retracted_input_tokens = sum(len(r.origin_input_ids) for r in retracted)
-        stats.retracted_output_tokens = sum(len(r.output_ids) for r in retracted)
+        stats.retracted_output_tokens = sum(r.num_outputs for r in retracted)
         stats.retract_tokens_gained = self.kv.available_size() - available_before
 
     def _abort_group(self, victim: Request, order: list[int]) -> list[int]:
@@ -138,7 +141,7 @@ class Retraction(Intake):
             self._finish(req, FinishReason.abort(HOST_POOL_FULL.format(n=req.kv_committed_len)))
             return False
         if backed_up:
-            del self.by_handle[req.handle]
+            self._forget_sequence(req)
             self.offloaded[req.handle] = req
         elif req.handle >= 0:
             self._release_handle(req)
@@ -150,12 +153,13 @@ class Retraction(Intake):
         req.inflight_middle_chunks = 0
         req.is_retracted = True
         req.retracted_stain = True
-        req.kv_committed_len = 0
+        req.kv_committed_len = req.kv_allocated_len = 0
         return True
 
     def _backup(self, req: Request) -> bool | None:
         """Offload the request's committed KV to the host pool: None when there is no host pool,
-        False when it has no room."""
+        False when it has no room. Only committed positions: a decode in flight for it wrote one
+        more, whose token is discarded; the re-prefill after the restore recomputes it."""
         if not self.host_capacity:
             return None
         n = req.kv_committed_len

@@ -1,12 +1,17 @@
 """The scheduler's state, and what every part of it needs: the request registry, finishing a
-request, releasing its handle, and the updates the engine publishes.
+request, releasing its handle, the books of what the worker holds, and the updates the engine
+publishes.
 
 The Scheduler is assembled from one class per seam of SCHEDULER.md, each building on the ones
 before it: state -> intake (§1.5) -> retraction (§6) -> preemption (§2.4) -> admission (§3, §4)
--> planning (the wire plan) -> results (process_batch_result) -> scheduler (§1.3, the step)."""
+-> planning (the wire plan) -> results (process_batch_result) -> scheduler (§1.3, the step).
+
+Requests that hold a request row keep their per-step state in `kv.columns` (the rule is in
+control_plane/scheduler/columns.py)."""
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -33,16 +38,48 @@ class RequestRejected(Exception):
     """Refused at intake (e.g. a priority while priority scheduling is off)."""
 
 
+def _no_uids() -> np.ndarray:
+    return np.zeros(0, dtype=np.uint64)
+
+
+def _no_tokens() -> np.ndarray:
+    return np.zeros(0, dtype=np.int32)
+
+
 @dataclass(frozen=True, slots=True)
-class RequestUpdate:
-    """What changed for one request in a step: tokens to stream and, at the end, why it finished."""
+class TokenBatch:
+    """Streamed tokens, one entry each, in the order they were produced (a uid appears once per
+    result that gave its request a token). A matched EOS / stop token is not streamed."""
+
+    uids: np.ndarray = field(default_factory=_no_uids)  # uint64: the request's `uid`
+    token_ids: np.ndarray = field(default_factory=_no_tokens)  # int32
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestFinished:
+    """A request ended (its last visible token, if any, is in the same or an earlier TokenBatch)."""
 
     rid: str
-    # Output tokens to stream (a matched EOS / stop token is not streamed).
-    token_ids: tuple[int, ...] = ()
-    finished: FinishReason | None = None
-    # With `finished`: prompt tokens that were served from the prefix cache.
+    uid: int
+    reason: FinishReason
+    # Prompt tokens that were served from the prefix cache.
     cached_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class StepUpdates:
+    """What to publish since the last `take_updates`: consume `tokens` first, then `finished`
+    (every token of a request precedes its finish)."""
+
+    tokens: TokenBatch = field(default_factory=TokenBatch)
+    finished: tuple[RequestFinished, ...] = ()
+
+    @property
+    def empty(self) -> bool:
+        return not len(self.tokens) and not self.finished
 
 
 @dataclass(slots=True)
@@ -112,16 +149,23 @@ class SchedulerState:
             low_priority_values_first=config.schedule_low_priority_values_first,
         )
         self.priority_sign = priority_sign(config.schedule_low_priority_values_first)
+        self._eos_ids = np.array(sorted(limits.eos_token_ids), dtype=np.int32)
         self.preemption = config.enable_priority_scheduling and not config.disable_priority_preemption
         self.waiting: list[Request] = []
-        self.running = RunningBatch()
+        self.running = RunningBatch(self.kv.columns)
         self.chunked_req: Request | None = None
+        # The batch most recently planned (§1.3 step 4 merges it), and every planned batch whose
+        # result is not applied yet, oldest first (overlap scheduling keeps more than one, §8).
         self.last_batch: ScheduledBatch | None = None
+        self._in_flight: deque[ScheduledBatch] = deque()
         self.batch_is_full = False
         self.forward_ct = 0
         self.step_id = 0
         self.requests: dict[str, Request] = {}
+        # Sequences the worker holds after the most recent plan (offloaded ones aside), and the sum
+        # of their slot tables (= their kv_allocated_len): the books `books()` reports.
         self.by_handle: dict[int, Request] = {}
+        self._seq_slots = 0
         self._clock = 0
         self._next_handle = 1
         self._pending_chunked_abort: FinishReason | None = None
@@ -134,7 +178,10 @@ class SchedulerState:
         self._offloads: list[KvTransfer] = []
         self._restores: list[KvTransfer] = []
         self._remaps: list[SlotRemap] = []
-        self._updates: list[RequestUpdate] = []
+        # Streamed tokens (uids, ids) per applied result, and finishes, until `take_updates`.
+        self._token_uids: list[np.ndarray] = []
+        self._token_ids: list[np.ndarray] = []
+        self._finished: list[RequestFinished] = []
         # Handles introduced by the extend being planned (they get a NewSeq in the plan).
         self._introduced: set[int] = set()
         self._decode_slots = np.zeros(0, dtype=np.int64)
@@ -176,24 +223,40 @@ class SchedulerState:
         self._finish(req, reason)
         return True
 
-    def _finish(self, req: Request, reason: FinishReason, tokens: tuple[int, ...] = ()) -> None:
+    def _finish(self, req: Request, reason: FinishReason) -> None:
+        """The request has ended; its KV must already be cached or freed (it holds no row)."""
         req.finish(reason)
         if req.handle >= 0:
             self._release_handle(req)
         self.requests.pop(req.rid, None)
-        self._updates.append(RequestUpdate(req.rid, tokens, reason, req.cached_tokens))
+        self._finished.append(RequestFinished(req.rid, req.uid, reason, req.cached_tokens))
 
     def _release_handle(self, req: Request) -> None:
         """The worker forgets this sequence in the next plan (and drops any host backup of it)."""
         self._releases.append(req.handle)
-        self.by_handle.pop(req.handle, None)
+        self._forget_sequence(req)
         if self.offloaded.pop(req.handle, None) is not None:
             self.host_used -= req.host_backup_len
             req.host_backup_len = 0
         req.handle = -1
 
-    def take_updates(self) -> list[RequestUpdate]:
-        updates, self._updates = self._updates, []
+    def _forget_sequence(self, req: Request) -> None:
+        """Out of the books: the worker will no longer hold this sequence's slot table on the device."""
+        if self.by_handle.pop(req.handle, None) is not None:
+            self._seq_slots -= req.kv_allocated_len
+
+    def _stream(self, uids: np.ndarray, tokens: np.ndarray) -> None:
+        if len(tokens):
+            self._token_uids.append(uids)
+            self._token_ids.append(tokens)
+
+    def take_updates(self) -> StepUpdates:
+        """Tokens and finishes since the last call (tokens first: see StepUpdates)."""
+        tokens = TokenBatch()
+        if self._token_ids:
+            tokens = TokenBatch(_concat(self._token_uids), _concat(self._token_ids))
+        updates = StepUpdates(tokens, tuple(self._finished))
+        self._token_uids, self._token_ids, self._finished = [], [], []
         return updates
 
     def _push_remap(self, remap: SlotRemap | None) -> None:
@@ -208,3 +271,7 @@ class SchedulerState:
         # A match never covers the last token: the prefill must produce logits (§3.1, §12.3).
         self.kv.match_prefix(req, max(req.seqlen - 1, 0))
         req.cache_protected_len = len(req.prefix_indices)
+
+
+def _concat(arrays: list[np.ndarray]) -> np.ndarray:
+    return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)

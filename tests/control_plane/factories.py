@@ -3,17 +3,47 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from control_plane.cache.invariants import check_pool_invariants
 from control_plane.config import SchedulerConfig, validate_scheduler_config
-from control_plane.request import FinishReason, RequestParams, SamplerSpec
-from control_plane.scheduler.plan import StepPlan, WorkerLimits
-from control_plane.scheduler.scheduler import Scheduler
+from control_plane.request import FinishReason, Request, RequestParams, SamplerSpec
+from control_plane.scheduler.plan import StepPlan, StepResult, WorkerLimits
+from control_plane.scheduler.scheduler import Scheduler, StepUpdates
 from tests.control_plane.fake_worker import FakeWorker
 
 EOS = 2
+# Plans a driver keeps in flight in overlap mode (the engine's two; the scheduler does not limit it).
+OVERLAP_DEPTH = 2
+_RIDS: dict[int, str] = {}
+
+
+def uid_of(rid: str) -> int:
+    """A stable uid per request id (an unsigned 64-bit hash), remembered for `by_rid`."""
+    uid = int.from_bytes(hashlib.blake2b(rid.encode(), digest_size=8).digest(), "little")
+    _RIDS[uid] = rid
+    return uid
+
+
+def add(sched: Scheduler, rid: str, ids: Sequence[int], p: RequestParams) -> Request:
+    """add_request with the rid's uid, so that `by_rid` can name the streamed tokens."""
+    return sched.add_request(rid, ids, p, uid=uid_of(rid))
+
+
+def by_rid(updates: StepUpdates) -> dict[str, list[int]]:
+    """Streamed tokens per request id, in order (requests added through `add`)."""
+    out: dict[str, list[int]] = {}
+    tokens = updates.tokens
+    for uid, token in zip(tokens.uids.tolist(), tokens.token_ids.tolist(), strict=True):
+        out.setdefault(_RIDS[uid], []).append(token)
+    return out
+
+
+def finishes(updates: StepUpdates) -> dict[str, FinishReason]:
+    return {f.rid: f.reason for f in updates.finished}
 
 
 def make_config(**changes: object) -> SchedulerConfig:
@@ -53,10 +83,26 @@ class Outcome:
     plans: list[StepPlan] = field(default_factory=list)
     steps: int = 0
 
+    def decodes(self) -> Counter[str]:
+        """Decode entries naming each request over all plans (dead decodes included)."""
+        rid_of: dict[int, str] = {}
+        counts: Counter[str] = Counter()
+        for plan in self.plans:
+            rid_of.update((seq.handle, seq.request_id) for seq in plan.new_seqs)
+            counts.update(rid_of[h] for h in plan.decodes.handles.tolist())
+        return counts
 
-def check_books(sched: Scheduler, worker: FakeWorker, report: tuple[int, int]) -> None:
+
+def check_pool(sched: Scheduler) -> None:
     check_pool_invariants(sched.kv.allocator, sched.kv.tree, sched.private_slots())
-    assert report == (len(worker.seqs), sum(len(s.slots) for s in worker.seqs.values()))
+
+
+def run_plan(sched: Scheduler, worker: FakeWorker, plan: StepPlan) -> StepResult:
+    """The worker runs `plan`; its report must match the books taken right after planning."""
+    books = sched.books()
+    result = worker.run(plan)
+    assert (result.kv.live_seqs, result.kv.seq_slots) == books, (plan.step_id, books, result.kv)
+    return result
 
 
 def run(
@@ -65,41 +111,57 @@ def run(
     arrivals: Sequence[tuple[int, str, list[int], RequestParams]] = (),
     max_steps: int = 10_000,
     on_step: Callable[[Scheduler, int], None] | None = None,
+    overlap: bool = False,
+    depth: int = OVERLAP_DEPTH,
+    react: Callable[[Scheduler, Outcome], None] | None = None,
 ) -> Outcome:
-    """Feed arrivals (step, rid, prompt, params) and step until idle; checks invariants every step."""
+    """Feed arrivals (step, rid, prompt, params) and step until idle; checks the books and the pool
+    invariants every step. With `overlap`, plan N+1 is made (and run by the worker) before plan N's
+    result is applied, as SGLang's overlap loop does (`depth` plans in flight at most). `react` runs
+    right after each result's updates are collected, as the engine publishes (and may finish a
+    request for a stop string) before it plans again."""
     out = Outcome()
     pending = sorted(arrivals, key=lambda a: a[0])
+    in_flight: deque[StepResult] = deque()
+    depth = depth if overlap else 1
     step = 0
     while step < max_steps:
         while pending and pending[0][0] <= step:
             _, rid, ids, p = pending.pop(0)
             out.tokens[rid] = []
-            sched.add_request(rid, ids, p)
+            add(sched, rid, ids, p)
         if on_step is not None:
             on_step(sched, step)
         _collect(sched, out)
         plan = sched.next_plan()
         _collect(sched, out)
-        if plan is None:
+        if plan is None and not in_flight:
             if not pending:
                 break
             step += 1
             continue
-        expected = (sched.live_handles(), sched.live_seq_slots() + len(plan.decodes))
-        result = worker.run(plan)
-        assert (result.kv.live_seqs, result.kv.seq_slots) == expected, (plan.step_id, expected, result.kv)
-        sched.apply_result(result)
-        _collect(sched, out)
-        check_pool_invariants(sched.kv.allocator, sched.kv.tree, sched.private_slots())
-        out.plans.append(plan)
+        if plan is not None:
+            in_flight.append(run_plan(sched, worker, plan))
+            out.plans.append(plan)
+            check_pool(sched)
+        if len(in_flight) >= depth or plan is None:
+            sched.apply_result(in_flight.popleft())
+            _collect(sched, out)
+            if react is not None:
+                react(sched, out)
+                _collect(sched, out)
+            check_pool(sched)
         step += 1
+    assert not in_flight or step >= max_steps
     out.steps = step
     return out
 
 
 def _collect(sched: Scheduler, out: Outcome) -> None:
-    for update in sched.take_updates():
-        out.tokens.setdefault(update.rid, []).extend(update.token_ids)
-        if update.finished is not None:
-            assert update.rid not in out.finished, f"{update.rid} finished twice"
-            out.finished[update.rid] = update.finished
+    updates = sched.take_updates()
+    for rid, tokens in by_rid(updates).items():
+        assert rid not in out.finished, f"{rid} streamed after its finish"
+        out.tokens.setdefault(rid, []).extend(tokens)
+    for f in updates.finished:
+        assert f.rid not in out.finished, f"{f.rid} finished twice"
+        out.finished[f.rid] = f.reason

@@ -4,8 +4,12 @@ It keeps a "KV pool" where each slot holds the (token, position) written to it, 
 sequence, exactly as a real worker would. Every forward reads each sequence's whole context back
 through its slot table and fails loudly if any slot holds the wrong token or position: a slot
 freed while still referenced, a wrong prefix, or a bad remap shows up at once. The next token is a
-hash of the context read back, so outputs depend only on the sequence's content: batching, chunking
-and retraction must not change them.
+hash of the context read back, so outputs depend only on the sequence's content: batching, chunking,
+retraction and overlap must not change them.
+
+Plans run in the order they are given, the moment `run` is called, as a real worker runs the plans of
+one stream: a test may run plan N+1 before it hands plan N's result to the scheduler (overlap
+scheduling, SCHEDULER.md §8), and every read still checks what the earlier plans wrote.
 """
 
 from __future__ import annotations
@@ -66,13 +70,11 @@ class FakeWorker:
         for new in plan.new_seqs:
             assert new.handle not in self.seqs, f"handle {new.handle} introduced twice"
             self.seqs[new.handle] = _Seq(slots=new.prefix_slots.tolist())
-        handles: list[int] = []
         tokens: list[int] = []
-        self._extends(plan, handles, tokens)
-        self._decodes(plan, handles, tokens)
+        self._extends(plan, tokens)
+        self._decodes(plan, tokens)
         return StepResult(
             step_id=plan.step_id,
-            handles=np.asarray(handles, dtype=np.int64),
             token_ids=np.asarray(tokens, dtype=np.int32),
             kv=KvReport(
                 live_seqs=len(self.seqs) - len(self.host),
@@ -85,9 +87,12 @@ class FakeWorker:
     def _offload_and_restore(self, plan: StepPlan) -> None:
         for t in plan.offloads:
             seq = self.seqs[t.handle]
-            assert t.slots.tolist() == seq.slots, f"offload of {t.handle} names other slots than its table"
+            # The committed positions only: under overlap the table also holds the position a decode
+            # still in flight wrote, whose token the scheduler discards (SCHEDULER.md §8.2).
+            kept = len(t.slots)
+            assert t.slots.tolist() == seq.slots[:kept], f"offload of {t.handle}: not its table's first slots"
             self._read_context(t.handle)
-            self.host[t.handle] = [self.pool[s] for s in seq.slots]
+            self.host[t.handle] = [self.pool[s] for s in seq.slots[:kept]]
             seq.slots = []
             self.offloads += 1
         for t in plan.restores:
@@ -116,7 +121,7 @@ class FakeWorker:
             context.append(token)
         return context
 
-    def _extends(self, plan: StepPlan, handles: list[int], tokens: list[int]) -> None:
+    def _extends(self, plan: StepPlan, tokens: list[int]) -> None:
         ext = plan.extends
         offset = 0
         for i, handle in enumerate(ext.handles.tolist()):
@@ -131,10 +136,9 @@ class FakeWorker:
             if ext.sample[i]:
                 token = next_token(self._read_context(handle), self.vocab, self.eos, self.eos_every)
                 seq.last = token
-                handles.append(handle)
                 tokens.append(token)
 
-    def _decodes(self, plan: StepPlan, handles: list[int], tokens: list[int]) -> None:
+    def _decodes(self, plan: StepPlan, tokens: list[int]) -> None:
         dec = plan.decodes
         for handle, slot in zip(dec.handles.tolist(), dec.slots.tolist(), strict=True):
             seq = self.seqs[handle]
@@ -142,5 +146,4 @@ class FakeWorker:
             self._write(seq, slot, seq.last, len(seq.slots))
             token = next_token(self._read_context(handle), self.vocab, self.eos, self.eos_every)
             seq.last = token
-            handles.append(handle)
             tokens.append(token)

@@ -100,7 +100,7 @@ def test_abort_of_the_chunked_request_is_applied_at_the_next_plan() -> None:
             assert sched.abort("r0", FinishReason.abort("cancelled"))
             # Only marked: the request is still the chunked one and has not finished yet.
             assert sched.chunked_req is not None and sched.requests["r0"].finished is False
-            assert not sched.take_updates()
+            assert sched.take_updates().empty
 
     out = run(sched, worker, [(0, "r0", prompt(900), params(4))], on_step=abort_mid_chunk)
     assert out.finished["r0"].message == "cancelled"

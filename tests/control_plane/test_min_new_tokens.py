@@ -10,7 +10,7 @@ from control_plane import codec
 from control_plane.request import FinishKind
 from control_plane.tokenizer import TextStream
 from protos.stepwise.v1 import generation_pb2 as gen_pb
-from tests.control_plane.factories import EOS, make_scheduler, params, prompt
+from tests.control_plane.factories import EOS, add, by_rid, finishes, make_scheduler, params, prompt
 from tests.control_plane.fake_worker import FakeWorker
 
 
@@ -21,11 +21,10 @@ def _run(sched, worker, rid: str) -> tuple[list[int], FinishKind]:  # type: igno
         if plan is None:
             break
         sched.apply_result(worker.run(plan))
-        for update in sched.take_updates():
-            if update.rid == rid:
-                tokens += update.token_ids
-                if update.finished is not None:
-                    return tokens, update.finished.kind
+        updates = sched.take_updates()
+        tokens += by_rid(updates).get(rid, [])
+        if rid in (ended := finishes(updates)):
+            return tokens, ended[rid].kind
     raise AssertionError("the request never finished")
 
 
@@ -43,7 +42,7 @@ def test_eos_does_not_end_a_request_before_min_new_tokens() -> None:
 def _run_one(min_new_tokens: int) -> tuple[list[int], FinishKind]:
     sched = make_scheduler()
     worker = FakeWorker(4096, eos=EOS, eos_every=2)
-    sched.add_request("r", prompt(12, 3), params(30, min_new_tokens=min_new_tokens))
+    add(sched, "r", prompt(12, 3), params(30, min_new_tokens=min_new_tokens))
     return _run(sched, worker, "r")
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from control_plane.request import FinishKind
 from control_plane.scheduler.admission import OOM_CHUNK
 from control_plane.scheduler.plan import StepKind
-from tests.control_plane.factories import EOS, FakeWorker, make_scheduler, params, prompt
+from tests.control_plane.factories import EOS, FakeWorker, finishes, make_scheduler, params, prompt
 
 
 def _step(sched, worker):  # type: ignore[no-untyped-def]
@@ -67,7 +67,7 @@ def test_a_chunk_with_no_room_and_nothing_running_ends_with_a_reason() -> None:
     _step(sched, worker)
     sched.kv.allocator.alloc(sched.kv.available_size())
     plan = sched.next_plan()
-    updates = {u.rid: u.finished for u in sched.take_updates() if u.finished is not None}
+    updates = finishes(sched.take_updates())
     reason = updates["long"]
     assert reason is not None and reason.kind is FinishKind.ABORT and reason.message == OOM_CHUNK
     assert sched.chunked_req is None and plan is not None and plan.releases.tolist() == [1]

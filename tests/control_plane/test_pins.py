@@ -15,7 +15,7 @@ from control_plane.scheduler.plan import StepPlan
 from control_plane.scheduler.retraction import GROUP_ABORTED
 from control_plane.scheduler.scheduler import Scheduler, resolve_max_running_requests
 from control_plane.step_log import retraction_line
-from tests.control_plane.factories import make_scheduler, params, prompt
+from tests.control_plane.factories import add, by_rid, finishes, make_scheduler, params, prompt, run_plan
 from tests.control_plane.fake_worker import FakeWorker
 
 
@@ -30,7 +30,7 @@ class Stepper:
         self.tokens: dict[str, int] = {}
 
     def add(self, rid: str, ids: list[int], p: RequestParams) -> None:
-        self.sched.add_request(rid, ids, p)
+        add(self.sched, rid, ids, p)
 
     def step(self) -> StepPlan:
         sched = self.sched
@@ -38,19 +38,17 @@ class Stepper:
         assert plan is not None
         self._collect()
         self.rid_of.update((seq.handle, seq.request_id) for seq in plan.new_seqs)
-        expected = (sched.live_handles(), sched.live_seq_slots() + len(plan.decodes))
-        result = self.worker.run(plan)
-        assert (result.kv.live_seqs, result.kv.seq_slots) == expected
+        result = run_plan(sched, self.worker, plan)
         sched.apply_result(result)
         self._collect()
         check_pool_invariants(sched.kv.allocator, sched.kv.tree, sched.private_slots())
         return plan
 
     def _collect(self) -> None:
-        for update in self.sched.take_updates():
-            self.tokens[update.rid] = self.tokens.get(update.rid, 0) + len(update.token_ids)
-            if update.finished is not None:
-                self.finished[update.rid] = update.finished
+        updates = self.sched.take_updates()
+        for rid, tokens in by_rid(updates).items():
+            self.tokens[rid] = self.tokens.get(rid, 0) + len(tokens)
+        self.finished.update(finishes(updates))
 
     def extended(self, plan: StepPlan) -> list[str]:
         return [self.rid_of[h] for h in plan.extends.handles.tolist()]

@@ -13,7 +13,7 @@ from typing import Any
 from control_plane.request import FinishKind
 from control_plane.scheduler.retraction import GROUP_ABORTED
 from control_plane.scheduler.scheduler import Scheduler
-from tests.control_plane.factories import EOS, FakeWorker, make_scheduler, params, prompt
+from tests.control_plane.factories import EOS, FakeWorker, finishes, make_scheduler, params, prompt
 
 
 def _step(sched: Scheduler, worker: FakeWorker) -> Any:
@@ -98,7 +98,7 @@ def test_a_group_aborted_for_memory_takes_its_waiting_members_with_it() -> None:
     assert [r.rid for r in sched.running.reqs] == ["g/0", "g/1"] and [r.rid for r in sched.waiting] == ["g/2"]
     assert sched.kv.allocator.alloc(sched.kv.available_size()) is not None
     plan = sched.next_plan()
-    updates = {u.rid: u.finished for u in sched.take_updates() if u.finished is not None}
+    updates = finishes(sched.take_updates())
     assert {rid: (r.kind, r.message) for rid, r in updates.items()} == {
         rid: (FinishKind.ABORT, GROUP_ABORTED) for rid in ("g/0", "g/1", "g/2")
     }

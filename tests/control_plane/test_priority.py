@@ -39,7 +39,7 @@ def test_queue_full_with_priority_evicts_the_least_important_queued_request() ->
     sched.add_request("p9", prompt(10, 9), params(4, priority=9))
     updates = sched.take_updates()
     # Among equal priorities the newer entry is evicted.
-    assert [(u.rid, u.finished.message) for u in updates if u.finished] == [("p1_new", PRIORITY_EVICTED)]
+    assert [(f.rid, f.reason.message) for f in updates.finished] == [("p1_new", PRIORITY_EVICTED)]
     assert PRIORITY_EVICTED == "The request is aborted by a higher priority request."
     assert [r.rid for r in sched.waiting] == ["p5", "p1_old", "p9"]
 
@@ -50,7 +50,7 @@ def test_queue_full_with_priority_rejects_a_newcomer_that_is_not_better() -> Non
     sched.add_request("b", prompt(10, 2), params(4, priority=3))
     with pytest.raises(QueueFull):
         sched.add_request("same", prompt(10, 3), params(4, priority=3))
-    assert not sched.take_updates()
+    assert sched.take_updates().empty
 
 
 def test_queue_full_low_values_first_evicts_the_largest_value() -> None:
@@ -58,7 +58,7 @@ def test_queue_full_low_values_first_evicts_the_largest_value() -> None:
     sched.add_request("v1", prompt(10, 1), params(4, priority=1))
     sched.add_request("v7", prompt(10, 2), params(4, priority=7))
     sched.add_request("v3", prompt(10, 3), params(4, priority=3))
-    assert [u.rid for u in sched.take_updates() if u.finished] == ["v7"]
+    assert [f.rid for f in sched.take_updates().finished] == ["v7"]
 
 
 def test_default_priority_is_least_important() -> None:
@@ -156,9 +156,9 @@ def test_running_never_exceeds_the_cap_under_preemption() -> None:
 
     sched_add = sched.add_request
 
-    def add(rid, ids, p):  # type: ignore[no-untyped-def]
+    def add(rid, ids, p, uid=0):  # type: ignore[no-untyped-def]
         try:
-            return sched_add(rid, ids, p)
+            return sched_add(rid, ids, p, uid)
         except QueueFull:
             rejected.append(rid)
             return None

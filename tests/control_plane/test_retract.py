@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from control_plane.request import AbortCode, FinishKind, Request
 from control_plane.scheduler.plan import StepPlan
 from control_plane.scheduler.scheduler import OOM_LAST_REQUEST, Scheduler, StepStats
-from tests.control_plane.factories import EOS, FakeWorker, make_scheduler, params, prompt, run
+from tests.control_plane.factories import EOS, FakeWorker, finishes, make_scheduler, params, prompt, run
 
 
 def step(sched: Scheduler, worker: FakeWorker) -> tuple[StepPlan | None, StepStats | None]:
@@ -37,7 +38,10 @@ def fake_running(
         r.output_ids = [7] * outputs
         r.max_new_tokens = 100
         reqs.append(r)
-    sched.running.merge(reqs)
+    # Requests without rows: the retraction order reads only what the Request objects say.
+    objects = np.empty(len(reqs), dtype=object)
+    objects[:] = reqs
+    sched.running.append(objects, np.full(len(reqs), -1), np.zeros(len(reqs), dtype=np.int64))
     return reqs
 
 
@@ -153,10 +157,9 @@ def test_oom_aborts_the_last_request_with_sglangs_message() -> None:
     start(sched, worker, [("a", prompt(10, 1), 100)])
     assert sched.kv.allocator.alloc(sched.kv.available_size()) is not None
     plan = sched.next_plan()
-    updates = {u.rid: u for u in sched.take_updates()}
+    reason = finishes(sched.take_updates())["a"]
     assert not sched.waiting and not len(sched.running)
-    reason = updates["a"].finished
-    assert reason is not None and reason.kind is FinishKind.ABORT and reason.code is AbortCode.INTERNAL
+    assert reason.kind is FinishKind.ABORT and reason.code is AbortCode.INTERNAL
     assert reason.message == OOM_LAST_REQUEST
     assert OOM_LAST_REQUEST.startswith("Out of memory even after retracting all other requests")
     assert plan is not None and plan.releases.tolist() == [1] and not len(plan.decodes)

@@ -4,12 +4,17 @@
 The main property test also proves that its generators reach the hard cases: each case is recorded
 with `hypothesis.event` and counted in `REACHED` (examples that reached it at least once), and
 `test_every_hard_case_is_reached` fails CI when a weakened generator stops reaching one of them.
+
+About half of its examples run with overlap scheduling (SCHEDULER.md §8): the driver makes plan N+1
+before it applies result N, and outside events (aborts, stop strings, a hog) fire while a plan is in
+flight. Their outputs are compared with an unpressured run without overlap: the token streams must
+be the same.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -21,7 +26,7 @@ from control_plane.cache.invariants import check_pool_invariants
 from control_plane.config import EVICTION_POLICIES
 from control_plane.request import AbortCode, FinishKind, FinishReason, RequestParams
 from control_plane.scheduler.admission import OOM_CHUNK
-from control_plane.scheduler.plan import StepPlan
+from control_plane.scheduler.plan import StepPlan, StepResult
 from control_plane.scheduler.retraction import GROUP_ABORTED
 from control_plane.scheduler.scheduler import (
     HOST_POOL_FULL,
@@ -31,7 +36,20 @@ from control_plane.scheduler.scheduler import (
     Scheduler,
     clamp_max_new_tokens,
 )
-from tests.control_plane.factories import EOS, FakeWorker, Outcome, make_scheduler, params, prompt, run
+from tests.control_plane.factories import (
+    EOS,
+    OVERLAP_DEPTH,
+    FakeWorker,
+    Outcome,
+    add,
+    by_rid,
+    finishes,
+    make_scheduler,
+    params,
+    prompt,
+    run,
+    run_plan,
+)
 
 PREFIXES = [prompt(120, seed=s) for s in (101, 102, 103)]
 Arrival = tuple[int, str, list[int], RequestParams]
@@ -59,6 +77,13 @@ CASES = (
     "queue cap rejection",  # §1.5 _abort_on_queued_limit
     *(f"eviction under {policy}" for policy in EVICTION_POLICIES),  # §7.6
     "lpm pass over a queue longer than 128",  # §2.2 step 1: the FCFS fallback
+    # Overlap scheduling (§8.2): reached only by the examples that run with it.
+    "prefill in flight merged and decoded",  # (c): decoded before its first token is known
+    "finished while its next decode was in flight",  # (a): the dead decode, its token discarded
+    "retracted while its token was in flight",  # §6.5: that token discarded, outputs kept so far
+    "kv-full retraction with a plan in flight",  # §6.1 on lengths that count the decode in flight
+    "host backup offload with a plan in flight",  # only the committed positions are copied
+    "ended from outside while its step was in flight",  # abort / stop string between plan and result
 )
 # Aborts for memory after which no member of the request's sample group may live on.
 MEMORY_ABORTS = (GROUP_ABORTED, OOM_LAST_REQUEST)
@@ -86,6 +111,8 @@ class Setup:
     init_ratio: float = 0.7
     # Traces for this setup crowd its pool (see `hard_traces`).
     pressure: bool = False
+    # Drive it with two plans in flight (SCHEDULER.md §8).
+    overlap: bool = False
 
     def scheduler(self) -> Scheduler:
         return make_scheduler(
@@ -134,6 +161,7 @@ def hard_setups(draw: st.DrawFn, eviction: str = "lru") -> Setup:
         max_queued=draw(st.sampled_from([None, None, None, 3, 6])),
         host_pool=draw(st.sampled_from([0, 0, 24, 4096])),
         init_ratio=draw(st.sampled_from([0.7, 0.2, 0.02])),
+        overlap=draw(st.booleans()),
     )
     if draw(st.booleans()):
         # A small pool, no running cap below 4 and an optimistic ratio: decode runs out of KV (§6),
@@ -254,7 +282,7 @@ def assert_nothing_leaked(sched: Scheduler) -> None:
     kv = sched.kv
     assert sched.is_idle and sched.chunked_req is None
     assert kv.available_size() + kv.evictable_size() == sched.capacity
-    assert kv.protected_size() == 0 and sched.live_handles() == 0
+    assert kv.protected_size() == 0 and sched.books() == (0, 0) and sched.in_flight == 0
     assert kv.free_rows() == sched.max_running_requests
 
 
@@ -276,14 +304,29 @@ class Driven:
     # Slots taken by a `hog` action, and how many more plans it holds them for.
     stolen: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     hog_plans: int = 0
+    # Plans run by the worker whose results are not applied yet (with their results), oldest first.
+    in_flight: deque[tuple[StepPlan, StepResult]] = field(default_factory=deque)
+    # Handles are never reused: the request each one was introduced for.
+    rid_of: dict[int, str] = field(default_factory=dict)
+
+    def in_flight_handles(self) -> set[int]:
+        """Sequences that a plan in flight samples a token for."""
+        out: set[int] = set()
+        for plan, _ in self.in_flight:
+            out.update(plan.decodes.handles.tolist())
+            out.update(plan.extends.handles[plan.extends.sample].tolist())
+        return out
 
 
 def _collect(d: Driven) -> None:
-    for update in d.sched.take_updates():
-        d.tokens.setdefault(update.rid, []).extend(update.token_ids)
-        if update.finished is not None:
-            assert update.rid not in d.finished, f"{update.rid} finished twice"
-            d.finished[update.rid] = update.finished
+    updates = d.sched.take_updates()
+    for rid, tokens in by_rid(updates).items():
+        assert rid not in d.finished, f"{rid} streamed after its finish"
+        d.tokens.setdefault(rid, []).extend(tokens)
+    for f in updates.finished:
+        assert f.rid not in d.finished, f"{f.rid} finished twice"
+        d.finished[f.rid] = f.reason
+        d.tokens.setdefault(f.rid, [])
 
 
 def _fire(d: Driven, action: Action) -> bool:
@@ -306,6 +349,8 @@ def _fire(d: Driven, action: Action) -> bool:
     if not candidates:
         return False
     req = candidates[action.pick % len(candidates)]
+    if req.handle in d.in_flight_handles():
+        d.reached.add("ended from outside while its step was in flight")
     if action.kind == "stop_running":
         assert sched.finish(req.rid, FinishReason.stop(STOP_STRING))
         d.reached.add("stop string finish")
@@ -384,17 +429,20 @@ def _observe_step(d: Driven, setup: Setup, plan: StepPlan, tree_before: int) -> 
 
 
 def drive(setup: Setup, trace: list[Arrival], actions: list[Action], max_steps: int = 5000) -> Driven:
-    """Feed arrivals and outside actions, step until idle; checks the books after every step."""
+    """Feed arrivals and outside actions, step until idle; checks the books after every step. With
+    `setup.overlap`, plan N+1 is made (and run) before result N is applied, and actions fire while a
+    plan is in flight."""
     sched = setup.scheduler()
     d = Driven(sched, FakeWorker(setup.capacity, eos=EOS, eos_every=setup.eos_every))
     d.group_of = {rid: p.group for _, rid, _, p in trace if p.group}
     pending = sorted(trace, key=lambda a: a[0])
     armed = sorted(actions, key=lambda a: a.step)
+    depth = OVERLAP_DEPTH if setup.overlap else 1
     for step in range(max_steps):
         while pending and pending[0][0] <= step:
             _, rid, ids, p = pending.pop(0)
             try:
-                sched.add_request(rid, ids, p)
+                add(sched, rid, ids, p)
             except QueueFull as exc:
                 assert str(exc) == QUEUE_FULL
                 d.rejected.add(rid)
@@ -406,16 +454,16 @@ def drive(setup: Setup, trace: list[Arrival], actions: list[Action], max_steps: 
         plan = sched.next_plan()
         hogged = _unhog_after_plan(d)
         _collect(d)
-        if plan is None:
+        if plan is None and not d.in_flight:
             if not pending and not hogged:
                 break
             continue
-        _observe_step(d, setup, plan, tree_before)
-        expected = (sched.live_handles(), sched.live_seq_slots() + len(plan.decodes))
-        result = d.worker.run(plan)
-        assert (result.kv.live_seqs, result.kv.seq_slots) == expected, (plan.step_id, expected, result.kv)
-        sched.apply_result(result)
-        _collect(d)
+        if plan is not None:
+            _observe_step(d, setup, plan, tree_before)
+            _observe_overlap(d, plan)
+            d.in_flight.append((plan, run_plan(sched, d.worker, plan)))
+        if len(d.in_flight) >= depth or plan is None:
+            _apply_oldest(d)
         check_pool_invariants(sched.kv.allocator, sched.kv.tree, sched.private_slots() + len(d.stolen))
     for reason in d.finished.values():
         if reason.message == OOM_LAST_REQUEST:
@@ -425,6 +473,35 @@ def drive(setup: Setup, trace: list[Arrival], actions: list[Action], max_steps: 
         elif "host backup pool has no room" in reason.message:
             d.reached.add("host pool full abort")
     return d
+
+
+def _observe_overlap(d: Driven, plan: StepPlan) -> None:
+    """Before `plan` joins the plans in flight: what it does with the sequences they sample."""
+    d.rid_of.update((seq.handle, seq.request_id) for seq in plan.new_seqs)
+    if not d.in_flight:
+        return
+    introduced = {seq.handle for p, _ in d.in_flight for seq in p.new_seqs}
+    if introduced & set(plan.decodes.handles.tolist()):
+        d.reached.add("prefill in flight merged and decoded")
+    stats = d.sched.last_stats
+    sampled = {d.rid_of[h] for h in d.in_flight_handles()}
+    if stats is not None and sampled & set(stats.retracted):
+        d.reached.add("retracted while its token was in flight")
+        if stats.kv_full:
+            d.reached.add("kv-full retraction with a plan in flight")
+    if {t.handle for t in plan.offloads} & d.in_flight_handles():
+        d.reached.add("host backup offload with a plan in flight")
+
+
+def _apply_oldest(d: Driven) -> None:
+    """Apply the oldest result; note requests it finished that a later plan in flight decodes."""
+    _, result = d.in_flight.popleft()
+    before = set(d.finished)
+    d.sched.apply_result(result)
+    _collect(d)
+    ended = set(d.finished) - before
+    if ended & {d.rid_of[h] for h in d.in_flight_handles()}:
+        d.reached.add("finished while its next decode was in flight")
 
 
 def allowed_abort(rid: str, reason: FinishReason, d: Driven) -> bool:
@@ -621,7 +698,7 @@ def test_the_oom_abort_of_a_sample_group_member_aborts_its_waiting_siblings() ->
     assert [r.rid for r in sched.waiting] == ["g/1"]
     assert sched.kv.allocator.alloc(sched.kv.available_size()) is not None
     sched.next_plan()
-    finished = {u.rid: u.finished for u in sched.take_updates() if u.finished is not None}
+    finished = finishes(sched.take_updates())
     assert finished["g/0"] is not None and finished["g/0"].message == OOM_LAST_REQUEST
     assert "g/1" in finished and finished["g/1"].kind is FinishKind.ABORT
     assert not sched.waiting

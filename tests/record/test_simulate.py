@@ -58,21 +58,42 @@ def test_chunk_counts(simulate: Simulate, prompt: int, passes: int) -> None:
     assert all(e["end"] - e["start"] <= 256 for e in extends)
 
 
-def test_prefill_goes_before_decode(simulate: Simulate) -> None:
-    """An arrival is prefilled in the first step after it is seen; decode then resumes with both."""
+@pytest.mark.parametrize(("mode", "seen_at"), [("--disable-overlap-schedule", 6), ("", 7)])
+def test_prefill_goes_before_decode(simulate: Simulate, mode: str, seen_at: int) -> None:
+    """An arrival is prefilled in the first step after it is seen; decode then resumes with both.
+
+    Without overlap plan k is made when step k-1 has ended (clock 0.01·(k-1)): b (0.055) is seen by
+    plan 7. With overlap plan k is made while step k-1 runs, on the clock of step k-2's end: plan 8.
+    Then b is decoded in the very next plan, before its first token is known (SCHEDULER.md §8.2)."""
     lines, _ = simulate(
         [
             {"rid": "a", "arrival": 0, "prompt_len": 30, "max_new_tokens": 20},
-            # Seen after step 6 (the clock reads 0.06 then).
             {"rid": "b", "arrival": 0.055, "prompt_len": 30, "max_new_tokens": 5},
         ],
         *FLAT_COST,
+        *([mode] if mode else []),
     )
     kinds = [line["kind"] for line in lines]
-    assert kinds[:7] == ["prefill"] + ["decode"] * 5 + ["prefill"]
-    assert [e["rid"] for e in lines[6]["extends"]] == ["b"]
-    assert lines[6]["decodes"] == []
-    assert lines[7]["kind"] == "decode" and lines[7]["decodes"] == ["a", "b"]
+    assert kinds[: seen_at + 1] == ["prefill"] + ["decode"] * (seen_at - 1) + ["prefill"]
+    assert [e["rid"] for e in lines[seen_at]["extends"]] == ["b"]
+    assert lines[seen_at]["decodes"] == []
+    assert lines[seen_at + 1]["kind"] == "decode" and lines[seen_at + 1]["decodes"] == ["a", "b"]
+
+
+def test_overlap_and_no_overlap_generate_the_same(simulate: Simulate) -> None:
+    """The same trace with and without overlap: same tokens and finishes (the summary), at least as
+    many steps with overlap (its dead decodes: each request decodes once more, §8.2)."""
+    requests = [
+        {"rid": f"r{i}", "arrival": 0.002 * i, "prompt_len": 20 + 9 * i, "max_new_tokens": 12 + i}
+        | {"output_len": 6 + i % 5}
+        for i in range(12)
+    ]
+    flags = ("--kv-tokens", "400", "--chunked-prefill-size", "32")
+    _, overlap = simulate(requests, *flags)
+    _, plain = simulate(requests, *flags, "--disable-overlap-schedule")
+    for key in ("requests", "finish_reasons", "output_tokens", "prompt_tokens"):
+        assert overlap[key] == plain[key], key
+    assert overlap["steps"] >= plain["steps"]
 
 
 def test_retraction_takes_the_fewest_outputs_first(
