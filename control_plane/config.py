@@ -129,6 +129,15 @@ class ControlConfig:
     record_max_bytes: int = DEFAULT_RECORD_MAX_BYTES
     limits: Limits = field(default_factory=Limits)
     security: Security = field(default_factory=Security)
+    # Client-facing processes (gRPC servers sharing the client port; see control_plane/frontend.py).
+    frontends: int = 1
+    # Output tokens per client message (SGLang's --stream-interval): the first token goes at once,
+    # then a message per this many tokens, and the rest at the finish.
+    stream_interval: int = 1
+    # Two plans in flight per worker (SGLang's overlap scheduling, SCHEDULER.md §8).
+    overlap: bool = True
+    # Concurrent Generate calls one frontend serves; past it, RESOURCE_EXHAUSTED.
+    max_concurrent_streams: int = 65536
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -168,8 +177,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--metrics-port", type=int, default=0, help="serve Prometheus /metrics on this port (0: off)")
     add("--record", type=Path, default=None, metavar="DIR", help="record every scheduler call per worker")
     add("--record-max-bytes", type=int, default=DEFAULT_RECORD_MAX_BYTES, help="rotate recording files")
+    _add_process_arguments(parser)
     _add_limit_arguments(parser)
     _add_security_arguments(parser)
+
+
+def _add_process_arguments(parser: argparse.ArgumentParser) -> None:
+    add, d = parser.add_argument, ControlConfig(Path("."))
+    add(
+        "--frontends",
+        type=int,
+        default=d.frontends,
+        help="client-facing processes sharing the client port (validation, tokenizing, streaming)",
+    )
+    add(
+        "--stream-interval",
+        type=int,
+        default=d.stream_interval,
+        help="output tokens per client message after the first (larger: fewer, bigger messages)",
+    )
+    add(
+        "--disable-overlap-schedule",
+        action="store_true",
+        help="one plan in flight per worker instead of two (planning no longer overlaps the forward)",
+    )
+    add(
+        "--max-concurrent-streams",
+        type=int,
+        default=d.max_concurrent_streams,
+        help="Generate calls one frontend serves at once; more get RESOURCE_EXHAUSTED",
+    )
 
 
 def _add_limit_arguments(parser: argparse.ArgumentParser) -> None:
@@ -370,4 +407,15 @@ def control_config_from_args(ns: argparse.Namespace, model_dir: Path) -> Control
         record_max_bytes=getattr(ns, "record_max_bytes", DEFAULT_RECORD_MAX_BYTES),
         limits=limits_from_args(ns),
         security=security_from_args(ns, ns.host),
+        frontends=_at_least_one(ns, "frontends"),
+        stream_interval=_at_least_one(ns, "stream_interval"),
+        overlap=not ns.disable_overlap_schedule,
+        max_concurrent_streams=_at_least_one(ns, "max_concurrent_streams"),
     )
+
+
+def _at_least_one(ns: argparse.Namespace, name: str) -> int:
+    value = int(getattr(ns, name))
+    if value < 1:
+        raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    return value

@@ -1,10 +1,14 @@
 """One step loop per worker: plan, send, receive, apply, publish.
 
-The engine owns a Scheduler (pure) and a WorkerChannel (the wire). Arrivals and aborts are queued
-in an inbox and applied at the top of each iteration, so the scheduler sees them at a well-defined
-step (what the recorder stamps). The rest of its work lives beside it, one concern a file:
-streams.py (publishing to clients: detokenization, stop strings), failover.py (lost workers and
-faults of our own), timeouts.py, step_log.py (log lines and metrics), worker_checks.py.
+The engine owns a Scheduler (pure) and a WorkerChannel (the wire). With overlap (the default,
+SCHEDULER.md §8) two plans are in flight: the plan for step N+1 is on its way while the worker runs
+step N, so the worker starts N+1 the moment N ends. Every turn sends the next plan before it
+publishes the previous step's tokens, so publishing never delays the accelerator.
+
+Arrivals, aborts and stop-string finishes wait in an inbox applied at the top of each turn, so the
+scheduler sees them at a well-defined step (what the recorder stamps). The rest lives beside it:
+publishing.py (to the frontends through a Publisher), failover.py (lost workers, faults of our own),
+timeouts.py, step_log.py (log lines and metrics), worker_checks.py.
 """
 
 from __future__ import annotations
@@ -13,7 +17,9 @@ import asyncio
 import contextlib
 import dataclasses
 import time
+from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 import structlog
@@ -22,14 +28,15 @@ from control_plane import metrics
 from control_plane.cache.invariants import InvariantError, PoolCheck, check_pool_invariants
 from control_plane.config import ControlConfig
 from control_plane.failover import Failover, WorkerGone
+from control_plane.inbox import AbortItem, Arrival, Item, LiveSample, Orphan, StopItem, Verdict, link_of
+from control_plane.publishing import Publisher
 from control_plane.record.recorder import close_recording, make_scheduler
 from control_plane.request import AbortCode, FinishReason, RequestParams
 from control_plane.scheduler.plan import StepPlan, StepResult, WorkerLimits
 from control_plane.scheduler.scheduler import QueueFull, RequestRejected
+from control_plane.scheduler.state import StepStats
 from control_plane.step_log import StepLog
-from control_plane.streams import AbortItem, Arrival, Event, Orphan, RequestStream, Submission
 from control_plane.timeouts import Timeouts
-from control_plane.tokenizer import TextStream, Tokenizer
 from control_plane.worker_checks import WorkerFault, check_result
 
 log = structlog.get_logger("stepwise.engine")
@@ -40,31 +47,44 @@ SEED_SPACE = 1 << 64
 
 
 class WorkerChannel(Protocol):
-    async def step(self, plan: StepPlan) -> StepResult: ...
+    async def send(self, plan: StepPlan) -> None: ...
+
+    async def receive(self) -> StepResult: ...
 
     async def close(self, reason: str) -> None: ...
 
 
+@dataclass(frozen=True, slots=True)
+class InFlight:
+    """A plan sent and not yet answered, with what its result will be checked against."""
+
+    plan: StepPlan
+    stats: StepStats
+    # (live sequences, slots in their tables) the worker must report after this plan.
+    books: tuple[int, int]
+    # Planned by a scheduler since replaced (after a fault of ours): its result is read and dropped.
+    stale: bool = False
+
+
 class Engine(Failover):
-    """Drives one worker. All scheduler calls happen inside `run`, one at a time."""
+    """Drives one worker. All scheduler calls happen inside `run` (and `submit`'s registration),
+    one at a time, on the core's event loop."""
 
     def __init__(
-        self,
-        config: ControlConfig,
-        limits: WorkerLimits,
-        tokenizer: Tokenizer,
-        channel: WorkerChannel,
+        self, config: ControlConfig, limits: WorkerLimits, channel: WorkerChannel, publisher: Publisher
     ) -> None:
         self.config = config
         self.limits = limits
-        self.tokenizer = tokenizer
         self.channel = channel
+        self.publisher = publisher
         # A RecordingScheduler under --record DIR: every call below is also written down.
         self.scheduler = make_scheduler(config, limits)
-        self.streams: dict[str, RequestStream] = {}
-        # Generate call id -> its samples' request ids.
+        self.depth = 2 if config.overlap else 1
+        self._inflight: deque[InFlight] = deque()
+        # Live samples by request id (rid, or rid/i of an n > 1 call), and calls by their id.
+        self.samples: dict[str, LiveSample] = {}
         self._groups: dict[str, list[str]] = {}
-        self._inbox: list[Arrival | AbortItem | Orphan] = []
+        self._inbox: list[Item] = []
         # Called when the worker is lost: returns the engine that takes over its requests, if any.
         self.successor: Callable[[Engine], Engine | None] | None = None
         self._wake = asyncio.Event()
@@ -83,70 +103,67 @@ class Engine(Failover):
         self.kv_mismatches = 0
         self.reported_kv = (0, 0)
         self.steps = 0
+        # The worker's idle gap before each of its recent steps (GetServerInfo shows percentiles).
+        self.waits: deque[float] = deque(maxlen=1000)
         self.step_log = StepLog(self.worker, config.decode_log_interval, self.log)
         self.timeouts = Timeouts(config.waiting_timeout_s, config.running_timeout_s, self._first_forward)
 
-    # --- called from request handlers -----------------------------------------------------------
+    # --- called by the hub ---------------------------------------------------------------------------
 
-    def submit(
-        self, rid: str, input_ids: list[int], params: RequestParams, n: int = 1, owner: str = ""
-    ) -> Submission:
-        """Queue an arrival of n samples (request ids `rid` when n == 1, else `rid/0` ... `rid/n-1`,
-        grouped so they are never partially retracted). `accepted` resolves, or raises QueueFull /
-        RequestRejected / ValueError, once the scheduler has seen it."""
-        rids = [rid] if n == 1 else [f"{rid}/{i}" for i in range(n)]
-        if any(r in self.streams for r in [rid, *rids]) or rid in self._groups:
-            raise ValueError(f"request_id {rid!r} is already in use")
-        events: asyncio.Queue[Event] = asyncio.Queue()
-        submission = Submission(rid, rids, events, asyncio.get_running_loop().create_future())
-        streams = [
-            RequestStream(
-                r,
-                rid,
-                i,
-                len(input_ids),
-                TextStream(self.tokenizer, input_ids, params.stop, min_new_tokens=params.min_new_tokens),
-                events,
-                owner=owner,
-            )
-            for i, r in enumerate(rids)
-        ]
-        for stream in streams:
-            self.streams[stream.rid] = stream
-        self._groups[rid] = rids
-        self._inbox.append(
-            Arrival(submission, streams, input_ids, [_sample_params(params, i, n, rid) for i in range(n)])
-        )
+    def submit(self, arrival: Arrival) -> None:
+        """Queue a Generate call's samples; the publisher gets the verdict once the scheduler has seen
+        it (accepted, or refused with the reason)."""
+        for sample in arrival.samples:
+            self.samples[sample.rid] = sample
+        first = arrival.samples[0]
+        self._groups[first.call] = [s.rid for s in arrival.samples]
+        self._inbox.append(arrival)
         self._wake.set()
-        return submission
 
     def abort(self, rid: str, message: str, code: AbortCode = AbortCode.CANCELLED) -> bool:
         """Abort a Generate call (all its samples) or one sample by its own id."""
-        rids = self._groups.get(rid, [rid] if rid in self.streams else [])
-        live = [r for r in rids if r in self.streams]
+        rids = self._groups.get(rid, [rid] if rid in self.samples else [])
+        live = [r for r in rids if r in self.samples]
         for r in live:
             self._inbox.append(AbortItem(r, FinishReason.abort(message, code)))
         self._wake.set()
         return bool(live)
 
-    def _first_forward(self, rid: str) -> float | None:
-        stream = self.streams.get(rid)
-        return stream.admitted if stream is not None else None
+    def stop_sample(self, uid: int, reason: FinishReason) -> bool:
+        """A frontend ended this sample on a stop string (one step late: tokens since are dropped)."""
+        rid = next((r for r, s in self.samples.items() if s.uid == uid), None)
+        if rid is None:
+            return False
+        self._inbox.append(StopItem(rid, reason))
+        self._wake.set()
+        return True
+
+    def abort_link(self, link_id: int, message: str) -> int:
+        """A frontend died: abort every sample it submitted. Returns how many."""
+        rids = [r for r, s in self.samples.items() if link_of(s.uid) == link_id]
+        for rid in rids:
+            self._inbox.append(AbortItem(rid, FinishReason.abort(message, AbortCode.CANCELLED)))
+        self._wake.set()
+        return len(rids)
 
     def knows(self, rid: str) -> bool:
-        return rid in self._groups or rid in self.streams
+        return rid in self._groups or rid in self.samples
 
     def owner_of(self, rid: str) -> str | None:
         """Who submitted the live Generate call (or sample) `rid`; None when it is not live here."""
         rids = self._groups.get(rid, [rid])
-        stream = next((self.streams[r] for r in rids if r in self.streams), None)
-        return stream.owner if stream is not None else None
+        sample = next((self.samples[r] for r in rids if r in self.samples), None)
+        return sample.owner if sample is not None else None
 
     def load(self) -> tuple[int, int]:
         """(queued, running) for routing and server info."""
         sched = self.scheduler
-        arriving = sum(len(m.streams) for m in self._inbox if isinstance(m, Arrival))
+        arriving = sum(len(m.samples) for m in self._inbox if isinstance(m, Arrival))
         return len(sched.waiting) + arriving, len(sched.running)
+
+    def _first_forward(self, rid: str) -> float | None:
+        sample = self.samples.get(rid)
+        return sample.admitted if sample is not None else None
 
     def _wake_up(self) -> None:
         self._wake.set()
@@ -197,14 +214,61 @@ class Engine(Failover):
         self._drain_inbox()
         if self.timeouts.enabled:
             self.timeouts.check(self.scheduler, time.monotonic())
-        plan = self.scheduler.next_plan()
-        if self.timeouts.enabled:
-            self.timeouts.note_waiting(self.scheduler, time.monotonic())
-        self._publish()
-        if plan is None:
+        await self._fill_pipeline()
+        self._publish()  # after the next plan went out: publishing never delays the worker
+        if self._inflight:
+            await self._receive()
+        else:
             await self._idle()
+
+    async def _fill_pipeline(self) -> None:
+        """Plan and send until `depth` plans are in flight or there is nothing to do."""
+        while len(self._inflight) < self.depth:
+            plan = self.scheduler.next_plan()
+            if self.timeouts.enabled:
+                self.timeouts.note_waiting(self.scheduler, time.monotonic())
+            if plan is None:
+                return
+            stats = self.scheduler.last_stats
+            assert stats is not None
+            self._note_admissions(plan)
+            if self._reset_worker:
+                plan, self._reset_worker = dataclasses.replace(plan, reset=True), False
+            self._inflight.append(InFlight(plan, stats, self.scheduler.books()))
+            await self.channel.send(plan)
+
+    async def _receive(self) -> None:
+        flight = self._inflight[0]
+        result = await self._await_result()
+        self._inflight.popleft()
+        plan = flight.plan
+        if result.error:
+            raise WorkerGone(f"worker failed step {plan.step_id}: {result.error}")
+        if flight.stale:
             return
-        await self._step(plan)
+        check_result(plan, result, self.limits.vocab_size)
+        self._faults_in_a_row, self._pool_dirty = 0, True
+        self._check_books(plan.step_id, flight.books, result)
+        self.scheduler.apply_result(result)
+        self.steps += 1
+        self.waits.append(result.wait_s)
+        metrics.WORKER_WAIT.labels(self.worker).observe(result.wait_s)
+        if self.config.scheduler.strict_invariants:
+            self._check_invariants()
+        self.step_log.record(plan, flight.stats, self.scheduler)
+
+    async def _await_result(self) -> StepResult:
+        """The oldest plan's result, no later than the in-flight plans' deadline (a hung worker)."""
+        tokens = sum(len(f.plan.extends.token_ids) + len(f.plan.decodes) for f in self._inflight)
+        deadline = self.config.limits.step_deadline_s(tokens)
+        step = self._inflight[0].plan.step_id
+        try:
+            return await asyncio.wait_for(self.channel.receive(), deadline)
+        except TimeoutError:
+            raise WorkerFault(f"no result for step {step} within {deadline:.1f} s") from None
+
+    def _forget_in_flight(self) -> None:
+        self._inflight = deque(dataclasses.replace(f, stale=True) for f in self._inflight)
 
     async def _idle(self) -> None:
         if self.scheduler.is_idle:
@@ -213,39 +277,11 @@ class Engine(Failover):
         self._wake.clear()
         if self._inbox or self._stopping:
             return
-        timeout = self.timeouts.poll_s() if self.streams else None
+        timeout = self.timeouts.poll_s() if self.samples else None
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._wake.wait(), timeout)
 
-    async def _step(self, plan: StepPlan) -> None:
-        sched = self.scheduler
-        stats = sched.last_stats
-        assert stats is not None
-        self._note_admissions(plan)
-        expected = (sched.live_handles(), sched.live_seq_slots() + len(plan.decodes))
-        if self._reset_worker:
-            plan, self._reset_worker = dataclasses.replace(plan, reset=True), False
-        result = await self._exchange(plan)
-        if result.error:
-            raise WorkerGone(f"worker failed step {plan.step_id}: {result.error}")
-        check_result(plan, result, self.limits.vocab_size)
-        self._faults_in_a_row, self._pool_dirty = 0, True
-        self._check_books(plan.step_id, expected, result)
-        sched.apply_result(result)
-        self._publish()
-        self.steps += 1
-        if self.config.scheduler.strict_invariants:
-            self._check_invariants()
-        self.step_log.record(plan, stats, self.scheduler)
-
-    async def _exchange(self, plan: StepPlan) -> StepResult:
-        """Send a plan and wait for its result, no longer than the plan's deadline (a hung worker)."""
-        tokens = len(plan.extends.token_ids) + len(plan.decodes)
-        deadline = self.config.limits.step_deadline_s(tokens)
-        try:
-            return await asyncio.wait_for(self.channel.step(plan), deadline)
-        except TimeoutError:
-            raise WorkerFault(f"no result for step {plan.step_id} within {deadline:.1f} s") from None
+    # --- the inbox -----------------------------------------------------------------------------------
 
     def _drain_inbox(self) -> None:
         inbox, self._inbox = self._inbox, []
@@ -254,50 +290,47 @@ class Engine(Failover):
                 self._admit(item)
             elif isinstance(item, Orphan):
                 self._admit_orphan(item)
+            elif isinstance(item, StopItem):
+                self._stop(item)
             elif not self.scheduler.abort(item.rid, item.reason):
-                self._fail_stream(item.rid, item.reason)
+                self._fail_sample(item.rid, item.reason)
 
     def _admit(self, arrival: Arrival) -> None:
         """Add every sample of a call, or none: a refusal withdraws the samples already queued."""
-        submission = arrival.submission
         added: list[str] = []
+        n = len(arrival.samples)
         try:
-            for stream, params in zip(arrival.streams, arrival.params, strict=True):
-                self.scheduler.add_request(stream.rid, arrival.input_ids, params)
-                added.append(stream.rid)
+            for i, sample in enumerate(arrival.samples):
+                params = _sample_params(arrival.params, i, n, sample.call)
+                self.scheduler.add_request(sample.rid, arrival.input_ids, params, uid=sample.uid)
+                added.append(sample.rid)
         except Exception as exc:
-            if not isinstance(exc, (QueueFull, RequestRejected, ValueError)):
-                self.log.exception("admission failed", rid=submission.rid)
-            self._withdraw(submission, added, str(exc))
-            if not submission.accepted.done():
-                submission.accepted.set_exception(exc)
+            verdict = _verdict(exc)
+            if verdict is Verdict.INTERNAL:
+                self.log.exception("admission failed", rid=arrival.samples[0].call)
+            for rid in added:
+                self.scheduler.abort(rid, FinishReason.abort(str(exc)))
+            self._forget(arrival.samples)
+            self.publisher.verdict(arrival.samples[0].uid, verdict, str(exc))
             return
-        if submission.accepted.done():  # the client gave up before we got to it
-            self._withdraw(submission, added, "cancelled by the client")
-            return
-        submission.accepted.set_result(None)
+        self.publisher.verdict(arrival.samples[0].uid, Verdict.ACCEPTED)
 
-    def _withdraw(self, submission: Submission, added: list[str], message: str) -> None:
-        for rid in added:
-            self.scheduler.abort(rid, FinishReason.abort(message))
-        self._forget(submission)  # their updates now find no stream and are dropped
+    def _stop(self, item: StopItem) -> None:
+        """A stop string: finish and cache a running request; a queued one (retracted meanwhile) is
+        aborted with the same reason. Its frontend has ended the stream already."""
+        if not self.scheduler.finish(item.rid, item.reason):
+            self.scheduler.abort(item.rid, item.reason)
 
     def _release_waiting_arrivals(self) -> None:
         """Arrivals the scheduler never saw: their calls are let through to read the abort."""
         inbox, self._inbox = self._inbox, []
         for item in inbox:
-            if isinstance(item, Arrival) and not item.submission.accepted.done():
-                item.submission.accepted.set_result(None)
+            if isinstance(item, Arrival):
+                self.publisher.verdict(item.samples[0].uid, Verdict.ACCEPTED)
             elif isinstance(item, Orphan):
-                self.streams.setdefault(item.stream.rid, item.stream)
+                self.samples.setdefault(item.sample.rid, item.sample)
 
-    # --- a lost worker's requests continue elsewhere (DESIGN.md, "The worker protocol") ----------------
-
-    # --- a fault of our own: start this worker over (STYLE: faults are contained where they arise) ---
-
-    # --- publishing -------------------------------------------------------------------------------
-
-    # --- timeouts, books, invariants, logs ------------------------------------------------------------
+    # --- timeouts, books, invariants ------------------------------------------------------------------
 
     def _check_books(self, step_id: int, expected: tuple[int, int], result: StepResult) -> None:
         reported = (result.kv.live_seqs, result.kv.seq_slots)
@@ -345,6 +378,16 @@ class Engine(Failover):
             self.log.error("kv pool invariant violated", error=str(exc))
             if self.config.scheduler.strict_invariants:
                 raise
+
+
+def _verdict(exc: Exception) -> Verdict:
+    if isinstance(exc, QueueFull):
+        return Verdict.QUEUE_FULL
+    if isinstance(exc, RequestRejected):
+        return Verdict.REJECTED
+    if isinstance(exc, ValueError):
+        return Verdict.DUPLICATE
+    return Verdict.INTERNAL
 
 
 def _sample_params(params: RequestParams, index: int, n: int, group: str) -> RequestParams:

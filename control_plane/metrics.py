@@ -1,13 +1,17 @@
 """Prometheus metrics, named like SGLang's (SCHEDULER.md §10.5) with the `stepwise:` prefix.
 
-One set per control-plane process, labelled by worker. Served over HTTP by `--metrics-port`.
+Labelled by worker. The core sets the scheduler's figures; its frontends observe what clients see
+(time to first token, inter-token latency, end-to-end latency). With `--metrics-port`, every process
+of a control plane writes to one directory (prometheus_client's multiprocess mode, set up by
+`stepwise control`) and the core serves the sum over HTTP.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, multiprocess, start_http_server
 
 REGISTRY = CollectorRegistry()
 _W = ("worker",)
@@ -16,7 +20,8 @@ _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 
 
 
 def _gauge(name: str, doc: str) -> Gauge:
-    return Gauge(f"stepwise:{name}", doc, _W, registry=REGISTRY)
+    # Only the core sets gauges: in multiprocess mode the served value is its latest.
+    return Gauge(f"stepwise:{name}", doc, _W, registry=REGISTRY, multiprocess_mode="mostrecent")
 
 
 def _counter(name: str, doc: str) -> Counter:
@@ -50,8 +55,13 @@ REQUESTS_FINISHED = Counter(
 )
 QUEUE_TIME = _histogram("queue_time_seconds", "Arrival to first admission", _LATENCY_BUCKETS)
 TTFT = _histogram("time_to_first_token_seconds", "Arrival to first output token", _LATENCY_BUCKETS)
-ITL = _histogram("inter_token_latency_seconds", "Time between output chunks of a request", _ITL_BUCKETS)
+ITL = _histogram(
+    "inter_token_latency_seconds", "Time between a request's client messages, per token", _ITL_BUCKETS
+)
 E2E_LATENCY = _histogram("e2e_request_latency_seconds", "Arrival to finish", _LATENCY_BUCKETS)
+WORKER_WAIT = _histogram(
+    "worker_wait_seconds", "Time a worker waited for its next plan after finishing a step", _ITL_BUCKETS
+)
 
 
 def register_worker(worker: str) -> None:
@@ -71,8 +81,14 @@ def register_worker(worker: str) -> None:
 
 def serve(port: int, host: str) -> None:
     """Expose /metrics over HTTP on a background thread (port 0: not served)."""
-    if port:
-        start_http_server(port, addr=host, registry=REGISTRY)
+    if not port:
+        return
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        merged = CollectorRegistry()
+        multiprocess.MultiProcessCollector(merged)  # type: ignore[no-untyped-call]
+        start_http_server(port, addr=host, registry=merged)
+        return
+    start_http_server(port, addr=host, registry=REGISTRY)
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+
+import numpy as np
 
 from control_plane.config import ControlConfig
 from control_plane.engine import Engine
@@ -82,6 +84,7 @@ class Router:
     def _worker_info(engine: Engine) -> gen_pb.WorkerInfo:
         queued, running = engine.load()
         sched = engine.scheduler
+        books = sched.books()
         return gen_pb.WorkerInfo(
             worker_id=engine.limits.worker_id,
             device=engine.limits.device,
@@ -91,11 +94,18 @@ class Router:
             running=running,
             queued=queued,
             kv_used_tokens=sched.kv.used_tokens(),
-            book_live_seqs=sched.live_handles(),
-            book_seq_slots=sched.live_seq_slots(),
+            book_live_seqs=books[0],
+            book_seq_slots=books[1],
             reported_live_seqs=engine.reported_kv[0],
             reported_seq_slots=engine.reported_kv[1],
             kv_mismatches=engine.kv_mismatches,
+            wait_p50_s=_percentile(engine.waits, 50),
+            wait_p99_s=_percentile(engine.waits, 99),
             steps=engine.steps,
             retractions=sched.num_retracted_total,
         )
+
+
+def _percentile(values: Iterable[float], q: float) -> float:
+    window = list(values)
+    return float(np.percentile(window, q)) if window else 0.0

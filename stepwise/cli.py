@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import signal
 import sys
-from collections.abc import Callable, Sequence
+import tempfile
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -94,20 +96,45 @@ def cmd_control(argv: Sequence[str]) -> int:
         config = control_config_from_args(ns, model_dir)
     except ValueError as exc:
         raise RoutineError(str(exc)) from exc
-    return asyncio.run(_serve_control(config, ns.ready_file))
+    with _metrics_dir(config.metrics_port):
+        return asyncio.run(_serve_control(config, ns.ready_file, ns.log_level))
 
 
-async def _serve_control(config: ControlConfig, ready_file: Path | None) -> int:
+@contextlib.contextmanager
+def _metrics_dir(port: int) -> Iterator[None]:
+    """With --metrics-port, the core and its frontends keep their metrics in files of one directory
+    (prometheus_client's multiprocess mode) and the core serves their sum. The variable must be set
+    before prometheus_client is first imported, in this process and so in the frontends it spawns."""
+    if not port:
+        yield
+        return
+    with tempfile.TemporaryDirectory(prefix="stepwise-metrics-") as directory:
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = directory
+        try:
+            yield
+        finally:
+            os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
+
+
+async def _serve_control(config: ControlConfig, ready_file: Path | None, log_level: str) -> int:
     from control_plane.server import ControlPlane
+    from control_plane.supervisor import FrontendStartError
 
-    plane = ControlPlane(config)
+    plane = ControlPlane(config, log_level)
     try:
         await plane.start()
-    except OSError as exc:  # a busy or unbindable port: ControlPlane.start() names the address
+    except (OSError, FrontendStartError) as exc:  # a busy or unbindable port, a frontend that died
+        await plane.stop(grace=0)
         raise RoutineError(f"cannot start: {exc}") from exc
     if ready_file is not None:
+        ready = {
+            "port": plane.port,
+            "worker_port": plane.worker_port,
+            "pid": os.getpid(),
+            "frontend_pids": plane.frontends.pids(),
+        }
         tmp = ready_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"port": plane.port, "worker_port": plane.worker_port}))
+        tmp.write_text(json.dumps(ready))
         tmp.rename(ready_file)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

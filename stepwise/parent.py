@@ -20,9 +20,13 @@ def die_with_parent() -> None:
     parent whose gRPC threads are running, and gRPC's fork handlers can abort the child.
     """
     parent = os.environ.get(PARENT_ENV)
-    if not parent:
-        return
+    if parent:
+        die_with_parent_pid(int(parent))
+
+
+def die_with_parent_pid(parent: int) -> None:
+    """SIGTERM this process when its parent (whose pid the caller read before) dies."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    if os.getppid() != int(parent):  # the parent died before the prctl took effect
+    if os.getppid() != parent:  # the parent died before the prctl took effect
         sys.exit(1)

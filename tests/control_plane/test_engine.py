@@ -1,40 +1,24 @@
-"""The engine's step loop in process: a fake worker behind the channel, SGLang's log lines out."""
+"""The engine's step loop in process: a fake worker behind the channel, a hub that records what is
+published, SGLang's log lines out."""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-from pathlib import Path
 
 import pytest
 import structlog
 
 from control_plane import engine as engine_module
 from control_plane import failover as failover_module
-from control_plane.config import ControlConfig
-from control_plane.engine import Engine
-from control_plane.request import RequestParams, SamplerSpec
-from control_plane.scheduler.plan import StepPlan, StepResult, WorkerLimits
-from control_plane.streams import Chunk, Done
+from control_plane.inbox import UID_LINK_SHIFT, Verdict
+from control_plane.request import FinishReason, RequestParams, SamplerSpec
+from control_plane.scheduler.plan import StepPlan, StepResult
 from control_plane.tokenizer import Tokenizer
 from stepwise.embedded import resolve_model
-from tests.control_plane.factories import make_config
-from tests.control_plane.fake_worker import FakeWorker
+from tests.control_plane.fake_core import FakeChannel, FakeHub, finished, make_engine, submit
 
 pytestmark = pytest.mark.timeout(60)
-
-
-class FakeChannel:
-    def __init__(self, worker: FakeWorker) -> None:
-        self.worker = worker
-        self.closed = ""
-
-    async def step(self, plan: StepPlan) -> StepResult:
-        await asyncio.sleep(0)
-        return self.worker.run(plan)
-
-    async def close(self, reason: str) -> None:
-        self.closed = reason
 
 
 @pytest.fixture(scope="module")
@@ -42,18 +26,15 @@ def tokenizer() -> Tokenizer:
     return Tokenizer.from_dir(resolve_model("embedded"))
 
 
-def _engine(tokenizer: Tokenizer, capacity: int = 4096, **scheduler: object) -> tuple[Engine, FakeChannel]:
-    config = ControlConfig(model_dir=Path("."), scheduler=make_config(**scheduler), decode_log_interval=1)
-    limits = WorkerLimits("w-test", capacity, 1, 2048, tokenizer.vocab_size, tokenizer.eos_token_ids)
-    channel = FakeChannel(FakeWorker(capacity, vocab=tokenizer.vocab_size))
-    return Engine(config, limits, tokenizer, channel), channel
+def _engine(tokenizer: Tokenizer, **kw: object) -> tuple[engine_module.Engine, FakeChannel, FakeHub]:
+    return make_engine(tokenizer.vocab_size, tokenizer.eos_token_ids, **kw)  # type: ignore[arg-type]
 
 
-async def _drain(events: asyncio.Queue, n: int = 1) -> list[Chunk | Done]:
-    out: list[Chunk | Done] = []
-    while sum(isinstance(e, Done) for e in out) < n:
-        out.append(await events.get())
-    return out
+async def _released(channel: FakeChannel, timeout: float = 5.0) -> None:
+    """The worker forgets finished sequences in the plan after their finish: wait for it."""
+    async with asyncio.timeout(timeout):
+        while channel.worker.seqs:
+            await asyncio.sleep(0.001)
 
 
 def _params(max_new: int, **kw: object) -> RequestParams:
@@ -61,17 +42,19 @@ def _params(max_new: int, **kw: object) -> RequestParams:
 
 
 async def test_streams_tokens_and_logs_sglang_lines(tokenizer: Tokenizer) -> None:
-    engine, channel = _engine(tokenizer)
+    engine, channel, hub = _engine(tokenizer)
     task = asyncio.create_task(engine.run())
     with structlog.testing.capture_logs() as logs:
-        subs = [engine.submit(f"r{i}", tokenizer.encode("Once upon a time"), _params(5)) for i in range(3)]
-        events = [await _drain(s.events) for s in subs]
+        uids = [
+            submit(engine, f"r{i}", tokenizer.encode("Once upon a time"), _params(5))[0] for i in range(3)
+        ]
+        streams = await finished(hub, uids)
     engine.stop()
     await task
-    for stream in events:
-        done = stream[-1]
-        assert isinstance(done, Done) and done.completion_tokens == 5 and done.reason.kind.value == "length"
-        assert sum(len(e.token_ids) for e in stream if isinstance(e, Chunk)) == 5
+    for uid, stream in zip(uids, streams, strict=True):
+        assert hub.verdicts[uid] == (Verdict.ACCEPTED, "")
+        assert stream.admitted and len(stream.tokens) == 5
+        assert stream.finished is not None and stream.finished.kind.value == "length"
     lines = [entry["event"] for entry in logs]
     prefill = next(line for line in lines if line.startswith("Prefill batch"))
     assert prefill.startswith("Prefill batch, #new-seq: 3, #new-token: ")
@@ -96,53 +79,93 @@ async def test_streams_tokens_and_logs_sglang_lines(tokenizer: Tokenizer) -> Non
     assert channel.closed  # the worker is told to shut down when the loop stops
 
 
-async def test_stop_string_ends_the_request_and_frees_it_next_plan(tokenizer: Tokenizer) -> None:
-    engine, channel = _engine(tokenizer)
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
+async def test_the_next_plan_goes_out_before_the_last_step_is_published(
+    tokenizer: Tokenizer, overlap: bool
+) -> None:
+    """Two plans in flight with overlap (one without), and every publish happens after the plan that
+    follows the published step was sent: publishing never delays the worker."""
+    log: list[tuple[str, int]] = []
+    engine, channel, hub = _engine(tokenizer, overlap=overlap, log=log)
     task = asyncio.create_task(engine.run())
-    prompt = tokenizer.encode("The king")
-    free = await _drain(engine.submit("free", prompt, _params(12)).events)
-    text = "".join(e.text for e in free if isinstance(e, Chunk))
-    stop = text[4:6]
-    assert stop
-    stopped = await _drain(engine.submit("stopped", prompt, _params(12, stop=(stop,))).events)
+    await finished(hub, submit(engine, "r", [5, 6, 7], _params(12)))
     engine.stop()
     await task
-    got = "".join(e.text for e in stopped if isinstance(e, Chunk))
-    done = stopped[-1]
-    assert isinstance(done, Done) and done.reason.kind.value == "stop" and stop in done.reason.message
-    assert got == text[: text.index(stop)]
-    assert not channel.worker.seqs  # released in the plan after the stop
+    assert channel.max_in_flight == (2 if overlap else 1)
+    received = 0
+    for i, (kind, value) in enumerate(log):
+        if kind == "receive":
+            received = value
+        elif kind == "publish" and received < len([e for e in log if e[0] == "send"]):
+            sent_before = [v for k, v in log[:i] if k == "send"]
+            assert max(sent_before) > received, f"step {received} published before the next plan was sent"
+
+
+async def test_a_frontend_stop_finishes_the_request_and_frees_it_next_plan(tokenizer: Tokenizer) -> None:
+    engine, channel, hub = _engine(tokenizer)
+    task = asyncio.create_task(engine.run())
+    (uid,) = submit(engine, "stopped", [5, 6, 7], _params(500))
+    while len(hub.stream(uid).tokens) < 4:
+        await asyncio.sleep(0.001)
+    assert engine.stop_sample(uid, FinishReason.stop("stop string 'x'"))
+    (stream,) = await finished(hub, [uid])
+    assert stream.finished is not None and stream.finished.message == "stop string 'x'"
+    assert len(stream.tokens) < 500
+    await _released(channel)  # in a plan after the stop
+    engine.stop()
+    await task
+    # Finished, not aborted: its prompt and output went into the prefix cache.
+    assert engine.scheduler.kv.evictable_size() >= 3
 
 
 async def test_parallel_samples_finish_as_one_call(tokenizer: Tokenizer) -> None:
-    engine, _ = _engine(tokenizer)
+    engine, _, hub = _engine(tokenizer)
     task = asyncio.create_task(engine.run())
-    sub = engine.submit("call", tokenizer.encode("Hello"), _params(4), n=3)
-    events = await _drain(sub.events, n=3)
+    uids = submit(engine, "call", tokenizer.encode("Hello"), _params(4), n=3)
+    assert engine.knows("call") and engine.knows("call/2")
+    streams = await finished(hub, uids)
     engine.stop()
     await task
-    assert sub.rids == ["call/0", "call/1", "call/2"]
-    assert sorted(e.index for e in events if isinstance(e, Done)) == [0, 1, 2]
+    assert [len(s.tokens) for s in streams] == [4, 4, 4]
+    assert hub.verdicts == {uids[0]: (Verdict.ACCEPTED, "")}  # one verdict for the call
     assert not engine.knows("call")
 
 
-def _tokens(events: list[Chunk | Done]) -> list[int]:
-    return [t for e in events if isinstance(e, Chunk) for t in e.token_ids]
+async def test_a_dead_frontends_requests_are_aborted_and_no_others(tokenizer: Tokenizer) -> None:
+    engine, channel, hub = _engine(tokenizer)
+    task = asyncio.create_task(engine.run())
+    doomed = [submit(engine, f"d{i}", [5, 6, 7], _params(500), link=4)[0] for i in range(2)]
+    kept = submit(engine, "k", [5, 6, 7], _params(20), link=5)
+    while not all(hub.stream(u).tokens for u in doomed):
+        await asyncio.sleep(0.001)
+    assert engine.abort_link(4, "its frontend went away") == 2
+    streams = await finished(hub, [*doomed, *kept])
+    assert all(s.finished is not None and s.finished.kind.value == "abort" for s in streams[:2])
+    assert streams[2].finished is not None and len(streams[2].tokens) == 20
+    await _released(channel)
+    engine.stop()
+    await task
+    assert all(uid >> UID_LINK_SHIFT == 4 for uid in doomed)
+
+
+def _tokens(hub: FakeHub, uids: list[int]) -> list[list[int]]:
+    return [hub.stream(uid).tokens for uid in uids]
 
 
 async def test_a_fault_of_ours_restarts_the_scheduler_and_requests_continue(tokenizer: Tokenizer) -> None:
-    """One exception out of next_plan mid-stream: the loop survives, the worker is told to forget
-    everything, and every stream still gets exactly the tokens a fault-free run gives."""
+    """One exception out of next_plan mid-stream, with plans in flight: the loop survives, the worker
+    is told to forget everything, and every stream still gets exactly the tokens a fault-free run
+    gives."""
     prompts = [tokenizer.encode(p) for p in ("Once upon a time", "The king said", "We")]
-    clean, _ = _engine(tokenizer)
+    clean, _, clean_hub = _engine(tokenizer)
     task = asyncio.create_task(clean.run())
-    want = [
-        _tokens(await _drain(clean.submit(f"r{i}", p, _params(12)).events)) for i, p in enumerate(prompts)
-    ]
+    uids = [submit(clean, f"r{i}", p, _params(12))[0] for i, p in enumerate(prompts)]
+    await finished(clean_hub, uids)
+    want = _tokens(clean_hub, uids)
     clean.stop()
     await task
 
-    engine, channel = _engine(tokenizer)
+    engine, channel, hub = _engine(tokenizer)
     faults = {"left": 1}
     next_plan = engine.scheduler.next_plan
 
@@ -155,23 +178,24 @@ async def test_a_fault_of_ours_restarts_the_scheduler_and_requests_continue(toke
     engine.scheduler.next_plan = flaky  # type: ignore[method-assign]
     task = asyncio.create_task(engine.run())
     with structlog.testing.capture_logs() as logs:
-        subs = [engine.submit(f"r{i}", p, _params(12)) for i, p in enumerate(prompts)]
-        got = [await _drain(s.events) for s in subs]
+        uids = [submit(engine, f"r{i}", p, _params(12))[0] for i, p in enumerate(prompts)]
+        streams = await finished(hub, uids)
     assert faults["left"] == 0 and engine.scheduler.next_plan is not flaky  # a fresh scheduler
-    assert [_tokens(events) for events in got] == want
-    assert all(isinstance(e[-1], Done) and e[-1].reason.kind.value == "length" for e in got)
+    assert _tokens(hub, uids) == want
+    assert all(s.finished is not None and s.finished.kind.value == "length" for s in streams)
     fault = next(entry for entry in logs if "step loop fault" in entry["event"])
     assert fault["log_level"] == "error" and isinstance(fault["exc_info"], RuntimeError)
     # The engine goes on serving, and the worker holds exactly what the books say.
-    after = await _drain(engine.submit("after", prompts[0], _params(3)).events)
-    assert isinstance(after[-1], Done) and after[-1].completion_tokens == 3
+    (after,) = await finished(hub, submit(engine, "after", prompts[0], _params(3)))
+    assert len(after.tokens) == 3
+    await _released(channel)
     engine.stop()
     await task
-    assert not channel.worker.seqs
+    assert engine.kv_mismatches == 0
 
 
 async def test_a_request_that_keeps_faulting_ends_with_an_abort(tokenizer: Tokenizer) -> None:
-    engine, _ = _engine(tokenizer)
+    engine, _, hub = _engine(tokenizer)
     broken = {"on": True}
 
     def apply_fails(result: StepResult) -> None:
@@ -189,14 +213,14 @@ async def test_a_request_that_keeps_faulting_ends_with_an_abort(tokenizer: Token
     failover_module.make_scheduler = make_broken  # type: ignore[assignment]
     try:
         task = asyncio.create_task(engine.run())
-        events = await asyncio.wait_for(_drain(engine.submit("doomed", [5, 6, 7], _params(5)).events), 10)
-        done = events[-1]
-        assert isinstance(done, Done) and done.reason.kind.value == "abort"
-        assert "internal error" in done.reason.message
+        (doomed,) = await finished(hub, submit(engine, "doomed", [5, 6, 7], _params(5)))
+        assert doomed.finished is not None and doomed.finished.kind.value == "abort"
+        assert "internal error" in doomed.finished.message
         broken["on"] = False
         engine.scheduler = make(engine.config, engine.limits)
-        after = await asyncio.wait_for(_drain(engine.submit("fine", [5, 6, 7], _params(3)).events), 10)
-        assert isinstance(after[-1], Done) and after[-1].completion_tokens == 3
+        engine._forget_in_flight()
+        (fine,) = await finished(hub, submit(engine, "fine", [5, 6, 7], _params(3)))
+        assert len(fine.tokens) == 3
         engine.stop()
         await task
     finally:
@@ -204,27 +228,40 @@ async def test_a_request_that_keeps_faulting_ends_with_an_abort(tokenizer: Token
 
 
 async def test_arrivals_left_in_the_inbox_when_the_engine_stops_are_answered(tokenizer: Tokenizer) -> None:
-    engine, _ = _engine(tokenizer)
-    sub = engine.submit("late", [5, 6, 7], _params(3))
+    engine, _, hub = _engine(tokenizer)
+    (uid,) = submit(engine, "late", [5, 6, 7], _params(3))
     engine.stop()
     await engine.run()
-    await asyncio.wait_for(sub.accepted, 1)
-    done = await asyncio.wait_for(sub.events.get(), 1)
-    assert isinstance(done, Done) and done.reason.kind.value == "abort"
+    assert hub.verdicts[uid][0] is Verdict.ACCEPTED
+    (stream,) = await finished(hub, [uid], timeout=1)
+    assert stream.finished is not None and stream.finished.kind.value == "abort"
 
 
 async def test_an_arrival_whose_client_left_is_withdrawn(tokenizer: Tokenizer) -> None:
-    engine, channel = _engine(tokenizer)
-    sub = engine.submit("gone", [5, 6, 7], _params(50))
-    sub.accepted.cancel()  # the Generate call was cancelled while waiting to be accepted
+    engine, channel, hub = _engine(tokenizer)
+    (gone,) = submit(engine, "gone", [5, 6, 7], _params(50))
+    assert engine.abort("gone", "cancelled by the client")  # before the loop saw the arrival
     task = asyncio.create_task(engine.run())
-    await asyncio.sleep(0.05)
+    (stream,) = await finished(hub, [gone])
+    assert stream.finished is not None and stream.finished.kind.value == "abort" and not stream.tokens
     assert not engine.knows("gone") and not engine.scheduler.requests
-    kept = await _drain(engine.submit("kept", [5, 6, 7], _params(2)).events)
-    assert isinstance(kept[-1], Done) and kept[-1].completion_tokens == 2
+    (kept,) = await finished(hub, submit(engine, "kept", [5, 6, 7], _params(2)))
+    assert len(kept.tokens) == 2
+    await _released(channel)
     engine.stop()
     await task
-    assert not channel.worker.seqs
+
+
+async def test_a_refused_arrival_gets_its_verdict_and_nothing_else(tokenizer: Tokenizer) -> None:
+    engine, _, hub = _engine(tokenizer, max_queued_requests=1)
+    first = submit(engine, "one", [5, 6, 7], _params(50))
+    refused = submit(engine, "two", [5, 6, 7], _params(50), n=2)
+    engine._drain_inbox()  # both reach the scheduler in one turn: the queue holds one
+    assert hub.verdicts[first[0]][0] is Verdict.ACCEPTED
+    verdict, message = hub.verdicts[refused[0]]
+    assert verdict is Verdict.QUEUE_FULL and "queue is full" in message
+    assert not engine.knows("two") and refused[0] not in hub.streams
+    assert set(engine.scheduler.requests) == {"one"}
 
 
 def test_largest_seed_wraps_for_parallel_samples() -> None:
@@ -253,10 +290,10 @@ async def test_the_idle_pool_check_runs_in_slices_and_yields_between_them(
             ticks["n"] += 1
             await asyncio.sleep(0)
 
-    engine, _ = _engine(tokenizer)
+    engine, _, hub = _engine(tokenizer)
     task = asyncio.create_task(engine.run())
     tick = asyncio.create_task(ticker())
-    await _drain(engine.submit("r", tokenizer.encode("Once upon a time"), _params(6)).events)
+    await finished(hub, submit(engine, "r", tokenizer.encode("Once upon a time"), _params(6)))
     while engine._pool_dirty:
         await asyncio.sleep(0.01)
     engine.stop()

@@ -10,36 +10,17 @@ overwritten on every re-queue, `_add_request_to_queue`).
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 
 import pytest
 
-from control_plane.config import ControlConfig
 from control_plane.engine import Engine
 from control_plane.request import RequestParams, SamplerSpec
-from control_plane.scheduler.plan import StepPlan, StepResult, WorkerLimits
-from control_plane.streams import Done
 from control_plane.timeouts import RUNNING_TIMEOUT, WAITING_TIMEOUT
 from control_plane.tokenizer import Tokenizer
 from stepwise.embedded import resolve_model
-from tests.control_plane.factories import make_config
-from tests.control_plane.fake_worker import FakeWorker
+from tests.control_plane.fake_core import FakeHub, finished, make_engine, submit
 
 pytestmark = pytest.mark.timeout(60)
-
-
-class SlowChannel:
-    """A fake worker whose every step takes `step_s` of wall time."""
-
-    def __init__(self, worker: FakeWorker, step_s: float) -> None:
-        self.worker, self.step_s = worker, step_s
-
-    async def step(self, plan: StepPlan) -> StepResult:
-        await asyncio.sleep(self.step_s)
-        return self.worker.run(plan)
-
-    async def close(self, reason: str) -> None:
-        pass
 
 
 @pytest.fixture(scope="module")
@@ -48,50 +29,47 @@ def tokenizer() -> Tokenizer:
 
 
 def _engine(
-    tokenizer: Tokenizer, capacity: int, step_s: float = 0.02, test_retract: bool = False, **timeouts: float
-) -> Engine:
-    scheduler = make_config(test_retract=test_retract)
-    config = ControlConfig(model_dir=Path("."), scheduler=scheduler, **timeouts)  # type: ignore[arg-type]
-    limits = WorkerLimits("w-timeouts", capacity, 1, 2048, tokenizer.vocab_size, tokenizer.eos_token_ids)
-    worker = FakeWorker(capacity, vocab=tokenizer.vocab_size)
-    return Engine(config, limits, tokenizer, SlowChannel(worker, step_s))
+    tokenizer: Tokenizer, step_s: float = 0.02, test_retract: bool = False, **timeouts: float
+) -> tuple[Engine, FakeHub]:
+    engine, _, hub = make_engine(
+        tokenizer.vocab_size, step_s=step_s, test_retract=test_retract, control=dict(timeouts)
+    )
+    return engine, hub
 
 
 def _params(max_new: int) -> RequestParams:
     return RequestParams(max_new_tokens=max_new, sampler=SamplerSpec(temperature=0.0), ignore_eos=True)
 
 
-async def _done(events: asyncio.Queue) -> Done:
-    while not isinstance(event := await events.get(), Done):
-        pass
-    return event
-
-
-async def test_the_waiting_timeout_counts_from_the_latest_reentry(tokenizer: Tokenizer) -> None:
+@pytest.mark.parametrize("overlap", [True, False])
+async def test_the_waiting_timeout_counts_from_the_latest_reentry(
+    tokenizer: Tokenizer, overlap: bool
+) -> None:
     """Steps take 150 ms and TEST_RETRACT retracts one of two running requests every third forward.
     The retracted one is back in the waiting queue for the whole step that follows (150 ms > the
     100 ms waiting timeout), so it times out though it was admitted before. Before, the waiting
     timeout applied only to requests never admitted, and both ran to their length."""
-    engine = _engine(tokenizer, 4096, step_s=0.15, waiting_timeout_s=0.1, test_retract=True)
+    engine, hub = _engine(tokenizer, step_s=0.15, waiting_timeout_s=0.1, test_retract=True)
+    engine.depth = 2 if overlap else 1
     task = asyncio.create_task(engine.run())
-    subs = [engine.submit(f"r{i}", [5 + i, 6, 7, 8, 9], _params(12)) for i in range(2)]
-    done = await asyncio.wait_for(asyncio.gather(*(_done(s.events) for s in subs)), 30)
+    uids = [submit(engine, f"r{i}", [5 + i, 6, 7, 8, 9], _params(12))[0] for i in range(2)]
+    streams = await finished(hub, uids, timeout=30)
     engine.stop()
     await task
-    reasons = sorted((d.reason.kind.value, d.reason.message) for d in done)
+    reasons = sorted((s.finished.kind.value, s.finished.message) for s in streams if s.finished)
     assert reasons == [("abort", WAITING_TIMEOUT), ("length", "max_new_tokens")]
-    timed_out = next(d for d in done if d.reason.message == WAITING_TIMEOUT)
-    assert timed_out.completion_tokens > 0, "it had run before it was retracted"
+    timed_out = next(s for s in streams if s.finished and s.finished.message == WAITING_TIMEOUT)
+    assert timed_out.tokens, "it had run before it was retracted"
 
 
 async def test_the_running_timeout_finishes_and_caches_the_request(tokenizer: Tokenizer) -> None:
-    engine = _engine(tokenizer, 4096, running_timeout_s=0.2)
+    engine, hub = _engine(tokenizer, running_timeout_s=0.2)
     task = asyncio.create_task(engine.run())
-    sub = engine.submit("slow", [5, 6, 7, 8, 9], _params(500))
-    done = await asyncio.wait_for(_done(sub.events), 30)
+    (stream,) = await finished(hub, submit(engine, "slow", [5, 6, 7, 8, 9], _params(500)), timeout=30)
     engine.stop()
     await task
-    assert (done.reason.kind.value, done.reason.message) == ("abort", RUNNING_TIMEOUT)
-    assert 0 < done.completion_tokens < 500
+    assert stream.finished is not None
+    assert (stream.finished.kind.value, stream.finished.message) == ("abort", RUNNING_TIMEOUT)
+    assert 0 < len(stream.tokens) < 500
     # A deferred finish caches prompt and output in the tree; an abort would have freed the output.
-    assert engine.scheduler.kv.evictable_size() >= 5 + done.completion_tokens - 1
+    assert engine.scheduler.kv.evictable_size() >= 5 + len(stream.tokens) - 1

@@ -107,6 +107,8 @@ class ControlProcess:
         self.procs: list[subprocess.Popen[bytes]] = []
         self.address = ""
         self.worker_address = ""
+        # What the control plane wrote to its ready file (ports, its pid, its frontends' pids).
+        self.ready: dict[str, object] = {}
 
     def spawn(self, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
         proc = subprocess.Popen(
@@ -123,9 +125,9 @@ class ControlProcess:
             assert control.poll() is None, f"control plane exited with {control.returncode}"
             assert time.monotonic() < deadline, "control plane did not start"
             await asyncio.sleep(0.05)
-        ports = json.loads(ready.read_text())
-        self.address = f"127.0.0.1:{ports['port']}"
-        self.worker_address = f"127.0.0.1:{ports['worker_port']}"
+        self.ready = json.loads(ready.read_text())
+        self.address = f"127.0.0.1:{self.ready['port']}"
+        self.worker_address = f"127.0.0.1:{self.ready['worker_port']}"
         return self
 
     @property

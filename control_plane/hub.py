@@ -1,0 +1,279 @@
+"""The core's end of every frontend link: arrivals, aborts and stops in; verdicts, token batches and
+finishes out, one CoreMessage per link per event-loop turn.
+
+Engines publish here as they apply results (`Publisher`); what one loop turn produced for a
+frontend, across every engine, leaves as one message. A frontend whose link breaks has died: every
+request it submitted is aborted and its KV freed in the next plan.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import grpc
+import numpy as np
+import structlog
+
+from control_plane import codec
+from control_plane.config import ControlConfig
+from control_plane.inbox import UID_LINK_SHIFT, Arrival, LiveSample, Verdict, link_of
+from control_plane.link import FrameReader, FrameWriter, LinkClosed, TurnFlush
+from control_plane.request import AbortCode, FinishReason, RequestParams
+from protos.stepwise.v1 import frontend_pb2 as fe_pb
+from protos.stepwise.v1 import generation_pb2 as gen_pb
+
+if TYPE_CHECKING:
+    from control_plane.router import Router
+
+log = structlog.get_logger("stepwise.hub")
+
+FRONTEND_GONE = "its frontend went away"
+_STATUS = {
+    Verdict.ACCEPTED: grpc.StatusCode.OK,
+    Verdict.QUEUE_FULL: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Verdict.REJECTED: grpc.StatusCode.UNAVAILABLE,
+    Verdict.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+    Verdict.DUPLICATE: grpc.StatusCode.ALREADY_EXISTS,
+    Verdict.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
+    Verdict.INTERNAL: grpc.StatusCode.INTERNAL,
+}
+
+
+@dataclass(slots=True)
+class _Outbox:
+    """What one frontend is owed at the end of this loop turn."""
+
+    message: fe_pb.CoreMessage = field(default_factory=fe_pb.CoreMessage)
+    uids: list[np.ndarray] = field(default_factory=list)
+    tokens: list[np.ndarray] = field(default_factory=list)
+
+    def take(self) -> fe_pb.CoreMessage:
+        message = self.message
+        if self.uids:
+            message.token_uids = np.concatenate(self.uids).astype("<u8", copy=False).tobytes()
+            message.token_ids = np.concatenate(self.tokens).astype("<i4", copy=False).tobytes()
+        self.message, self.uids, self.tokens = fe_pb.CoreMessage(), [], []
+        return message
+
+
+class _Link:
+    """One connected frontend."""
+
+    def __init__(self, link_id: int, index: int, writer: FrameWriter) -> None:
+        self.link_id = link_id
+        self.index = index
+        self.writer = writer
+        self.outbox = _Outbox()
+        self.flush = TurnFlush(self._send)
+
+    def outgoing(self) -> _Outbox:
+        self.flush.request()
+        return self.outbox
+
+    def _send(self) -> None:
+        message = self.outbox.take()
+        if self.writer.closed:
+            return
+        try:
+            self.writer.write(message)
+        except LinkClosed as exc:
+            log.error("cannot write to a frontend", frontend=self.index, error=str(exc))
+
+
+class FrontendHub:
+    """Accepts frontend links on a Unix socket and routes between them and the engines."""
+
+    def __init__(
+        self, config: ControlConfig, router: Router, server_info: Callable[[], gen_pb.ServerInfo]
+    ) -> None:
+        self.config = config
+        self.router = router
+        self.server_info = server_info
+        self.links: dict[int, _Link] = {}
+        self._link_ids = itertools.count(1)
+        self._server: asyncio.AbstractServer | None = None
+        # Called with the frontend index and pid when a frontend connects (the supervisor waits).
+        self.connected: asyncio.Queue[tuple[int, int]] = asyncio.Queue()
+
+    async def start(self, path: str) -> None:
+        self._server = await asyncio.start_unix_server(self._serve, path)
+
+    async def stop(self) -> None:
+        for link in self.links.values():
+            link.writer.close()
+        if self._server is not None:
+            self._server.close()
+            with contextlib.suppress(Exception):
+                await self._server.wait_closed()
+
+    # --- the Publisher the engines call ---------------------------------------------------------
+
+    def verdict(self, uid: int, verdict: Verdict, message: str = "") -> None:
+        link = self.links.get(link_of(uid))
+        if link is not None:
+            link.outgoing().message.verdicts.add(uid=uid, code=_STATUS[verdict].value[0], message=message)
+
+    def admitted(self, uid: int, cached_tokens: int, at: float, worker: str) -> None:
+        link = self.links.get(link_of(uid))
+        if link is not None:
+            link.outgoing().message.admissions.add(
+                uid=uid, cached_tokens=cached_tokens, admitted=at, worker=worker
+            )
+
+    def tokens(self, uids: np.ndarray, token_ids: np.ndarray) -> None:
+        """A step's tokens (uid i produced token i), split by the frontend that owns each uid."""
+        if not len(uids):
+            return
+        owners = uids >> np.uint64(UID_LINK_SHIFT)
+        first = int(owners[0])
+        if len(self.links) == 1 or bool((owners == first).all()):
+            self._tokens_to(first, uids, token_ids)
+            return
+        for link_id in np.unique(owners).tolist():
+            mask = owners == link_id
+            self._tokens_to(int(link_id), uids[mask], token_ids[mask])
+
+    def _tokens_to(self, link_id: int, uids: np.ndarray, token_ids: np.ndarray) -> None:
+        link = self.links.get(link_id)
+        if link is not None:
+            outbox = link.outgoing()
+            outbox.uids.append(uids)
+            outbox.tokens.append(token_ids)
+
+    def finished(self, uid: int, reason: FinishReason, cached_tokens: int) -> None:
+        link = self.links.get(link_of(uid))
+        if link is not None:
+            link.outgoing().message.finished.add(
+                uid=uid,
+                kind=reason.kind.value,
+                message=reason.message,
+                code=reason.code.value if reason.code is not None else "",
+                cached_tokens=cached_tokens,
+            )
+
+    def broadcast_state(self) -> None:
+        state = self._state()
+        for link in self.links.values():
+            link.outgoing().message.state.CopyFrom(state)
+
+    def _state(self) -> fe_pb.CoreState:
+        limits = [e.limits for e in self.router.engines.values()]
+        return fe_pb.CoreState(
+            workers=len(limits),
+            max_context=min((lim.max_context for lim in limits), default=0),
+            vocab_size=min((lim.vocab_size for lim in limits), default=0),
+        )
+
+    # --- links -------------------------------------------------------------------------------------
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        frames = FrameReader(reader, fe_pb.FrontendMessage)
+        out = FrameWriter(writer)
+        try:
+            hello = await frames.read()
+        except LinkClosed:
+            out.close()
+            return
+        link = _Link(next(self._link_ids), hello.hello.index, out)
+        self.links[link.link_id] = link
+        out.write(fe_pb.CoreMessage(welcome=fe_pb.CoreWelcome(link_id=link.link_id), state=self._state()))
+        self.connected.put_nowait((hello.hello.index, hello.hello.pid))
+        log.info("frontend connected", frontend=link.index, pid=hello.hello.pid, link=link.link_id)
+        try:
+            while True:
+                self._apply(link, await frames.read())
+        except LinkClosed as exc:
+            log.info("frontend link closed", frontend=link.index, reason=str(exc))
+        finally:
+            del self.links[link.link_id]
+            out.close()
+            self._abandoned(link)
+
+    def _abandoned(self, link: _Link) -> None:
+        """The frontend died: its clients are gone with it, so their requests are aborted."""
+        aborted = sum(e.abort_link(link.link_id, FRONTEND_GONE) for e in self.router.engines.values())
+        if aborted:
+            log.warning("frontend lost: its requests are aborted", frontend=link.index, aborted=aborted)
+
+    def _apply(self, link: _Link, msg: fe_pb.FrontendMessage) -> None:
+        for arrival in msg.arrivals:
+            self._arrive(link, arrival)
+        for abort in msg.aborts:
+            self._abort(link, abort)
+        for stop in msg.stops:
+            self._stop(stop)
+        for query in msg.queries:
+            reply = link.outgoing().message.replies.add(query_id=query.query_id)
+            reply.server_info.CopyFrom(self.server_info())
+
+    def _arrive(self, link: _Link, msg: fe_pb.Arrival) -> None:
+        uids = list(msg.uids)
+        if not uids or any(link_of(uid) != link.link_id for uid in uids):
+            log.error("frontend sent an arrival with foreign uids", frontend=link.index)
+            return
+        refusal = self._refusal(msg)
+        if refusal is not None:
+            self.verdict(uids[0], *refusal)
+            return
+        engine = self.router.pick(msg.routing_key)
+        if engine is None:
+            self.verdict(uids[0], Verdict.UNAVAILABLE, "no worker is attached to the control plane")
+            return
+        ids = np.frombuffer(msg.input_ids, dtype="<i4")
+        error = engine.scheduler.input_length_error(len(ids))
+        if error and not self.config.scheduler.allow_auto_truncate:
+            self.verdict(uids[0], Verdict.INVALID, f"{msg.prompt_field or 'prompt'}: {error}")
+            return
+        try:
+            params = _params(msg, self.config)
+        except codec.InvalidArgument as exc:
+            self.verdict(uids[0], Verdict.INVALID, str(exc))
+            return
+        rids = [msg.request_id] if len(uids) == 1 else [f"{msg.request_id}/{i}" for i in range(len(uids))]
+        samples = tuple(
+            LiveSample(rid, uid, msg.request_id, msg.owner, msg.arrived)
+            for rid, uid in zip(rids, uids, strict=True)
+        )
+        engine.submit(Arrival(samples, ids.tolist(), params))
+
+    def _refusal(self, msg: fe_pb.Arrival) -> tuple[Verdict, str] | None:
+        if self.router.find(msg.request_id) is not None:
+            return Verdict.DUPLICATE, f"request_id: {msg.request_id!r} is in use"
+        return None
+
+    def _abort(self, link: _Link, msg: fe_pb.LinkAbort) -> None:
+        code = AbortCode.CANCELLED
+        engine = self.router.find(msg.request_id)
+        found = False
+        # Someone else's request is reported as not found: its id tells the caller nothing.
+        if engine is not None and engine.owner_of(msg.request_id) == msg.owner:
+            found = engine.abort(msg.request_id, msg.message or "aborted", code)
+        if not msg.cancelled:
+            reply = link.outgoing().message.replies.add(query_id=msg.query_id)
+            reply.abort.found = found
+
+    def _stop(self, msg: fe_pb.LinkStop) -> None:
+        reason = FinishReason.stop(f"stop string {msg.stop!r}")
+        for engine in self.router.engines.values():
+            if engine.stop_sample(msg.uid, reason):
+                return
+
+
+def _params(msg: fe_pb.Arrival, config: ControlConfig) -> RequestParams:
+    """The arrival's parameters (the frontend checked them; the core converts them again)."""
+    params = codec.sampling_from_proto(msg.sampling, config.limits)
+    return RequestParams(
+        max_new_tokens=params.max_new_tokens,
+        min_new_tokens=params.min_new_tokens,
+        stop=params.stop,
+        stop_token_ids=params.stop_token_ids,
+        ignore_eos=params.ignore_eos,
+        sampler=params.sampler,
+        priority=msg.priority if msg.has_priority else None,
+        routing_key=msg.routing_key,
+    )

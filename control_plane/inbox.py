@@ -1,0 +1,89 @@
+"""What reaches an engine between steps (arrivals, aborts, stop-string finishes, a lost worker's
+orphans), and the core's record of each live sample.
+
+The engine applies its inbox at the top of every loop turn, so the scheduler sees each item at a
+well-defined step: the one the recorder stamps.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from control_plane.request import FinishReason, RequestParams
+
+# A uid (a frontend's stream key) carries the frontend's link id above these bits (frontend.proto).
+UID_LINK_SHIFT = 40
+
+
+def link_of(uid: int) -> int:
+    """The frontend link a uid belongs to."""
+    return uid >> UID_LINK_SHIFT
+
+
+class Verdict(enum.Enum):
+    """The core's answer to an arrival (the frontend maps it to a gRPC status)."""
+
+    ACCEPTED = "accepted"
+    QUEUE_FULL = "queue_full"  # RESOURCE_EXHAUSTED
+    REJECTED = "rejected"  # UNAVAILABLE: the server refuses (SGLang's 503), the input is fine
+    UNAVAILABLE = "unavailable"  # no worker could take it
+    DUPLICATE = "duplicate"  # ALREADY_EXISTS: the request id is live
+    INVALID = "invalid"  # INVALID_ARGUMENT: e.g. longer than the worker's context
+    INTERNAL = "internal"
+
+
+@dataclass(slots=True, eq=False)
+class LiveSample:
+    """One sample of a Generate call as the core knows it: whom to tell, and when it arrived."""
+
+    rid: str
+    # The frontend's stream key (its link id in the top bits).
+    uid: int
+    # The Generate call's request id (== rid when n == 1).
+    call: str
+    # Who may abort it: an API key's id, or the client's connection.
+    owner: str
+    # CLOCK_MONOTONIC seconds (the frontend's stamp).
+    arrived: float
+    admitted: float | None = None
+    # Faults of our own this sample lived through (see failover.py).
+    faults: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Arrival:
+    """A Generate call: its samples (rid, or rid/i for n > 1) are queued together or not at all."""
+
+    samples: tuple[LiveSample, ...]
+    input_ids: list[int]
+    params: RequestParams
+
+
+@dataclass(frozen=True, slots=True)
+class AbortItem:
+    rid: str
+    reason: FinishReason
+
+
+@dataclass(frozen=True, slots=True)
+class StopItem:
+    """A frontend ended the sample on a stop string: finish it and cache its KV."""
+
+    rid: str
+    reason: FinishReason
+
+
+@dataclass(frozen=True, slots=True)
+class Orphan:
+    """A live sample of a lost worker (or of a scheduler restarted after a fault), to continue from
+    where it stopped."""
+
+    sample: LiveSample
+    # The prompt plus every token already streamed: the next token continues the generation.
+    input_ids: list[int]
+    # The client's parameters with max_new_tokens reduced by what was generated.
+    params: RequestParams
+
+
+Item = Arrival | AbortItem | StopItem | Orphan

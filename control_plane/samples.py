@@ -1,0 +1,133 @@
+"""A frontend's side of a request: the Generate call's events, and each sample's text stream.
+
+The core streams token ids; here they become text (incremental detokenization), stop strings are
+matched, and client messages are cut: the first token at once, then one message per
+`--stream-interval` tokens, then the rest with the finish. A sample with stop strings is matched
+token by token as its ids arrive (a stop ends the stream at once and tells the core); one without
+is detokenized only when a message is due, a batch of ids at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from control_plane.request import FinishReason
+from control_plane.tokenizer import TextStream
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    index: int
+    token_ids: tuple[int, ...]
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class Done:
+    index: int
+    reason: FinishReason
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    queue_s: float
+    ttft_s: float
+    total_s: float
+
+
+Event = Chunk | Done
+
+
+@dataclass(slots=True, eq=False)
+class Call:
+    """One Generate call: its samples and the queue their events reach the handler on."""
+
+    rid: str
+    owner: str
+    arrived: float
+    events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
+    samples: list[Sample] = field(default_factory=list)
+    # Resolves with the core's verdict: (grpc status code value, message); 0 is accepted.
+    verdict: asyncio.Future[tuple[int, str]] | None = None
+
+    @property
+    def live(self) -> bool:
+        return any(not s.done for s in self.samples)
+
+
+@dataclass(slots=True, eq=False)
+class Sample:
+    """One sample's stream: ids in, text out, stop strings, message cutting, usage and timings."""
+
+    uid: int
+    call: Call
+    index: int
+    prompt_len: int
+    text: TextStream
+    has_stops: bool
+    # Ids received but not yet in a client message (and, without stop strings, not yet detokenized).
+    pending: list[int] = field(default_factory=list)
+    # Text of pending ids already detokenized (samples with stop strings).
+    pending_text: str = ""
+    admitted: float | None = None
+    first_token: float | None = None
+    last_message: float = 0.0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    worker: str = ""
+    done: bool = False
+
+    def receive(self, token: int) -> str | None:
+        """Take one output id; returns the stop string it completed, if any (the sample is then done
+        apart from its Done event, which `finish` sends)."""
+        self.completion_tokens += 1
+        self.pending.append(token)
+        if not self.has_stops:
+            return None
+        delta = self.text.push((token,))
+        self.pending_text += delta.text
+        return delta.stop
+
+    def message_due(self, interval: int) -> bool:
+        return bool(self.pending) and (self.first_token is None or len(self.pending) >= interval)
+
+    def flush(self) -> Chunk | None:
+        """The pending ids and their text as one chunk (None when there is nothing to send)."""
+        if not self.pending and not self.pending_text:
+            return None
+        tokens, self.pending = tuple(self.pending), []
+        text = self.pending_text if self.has_stops else self.text.push(tokens).text
+        self.pending_text = ""
+        now = time.monotonic()
+        if self.first_token is None:
+            self.first_token = now
+        self.last_message = now
+        return Chunk(self.index, tokens, text)
+
+    def finish(self, reason: FinishReason) -> list[Event]:
+        """The last chunk (pending ids and held-back text; none after a stop string) and Done."""
+        events: list[Event] = []
+        chunk = self.flush()
+        tail = self.text.finish()
+        if chunk is not None or tail:
+            base = chunk or Chunk(self.index, (), "")
+            events.append(Chunk(self.index, base.token_ids, base.text + tail))
+        now = time.monotonic()
+        arrived = self.call.arrived
+        admitted = self.admitted if self.admitted is not None else now
+        first = self.first_token if self.first_token is not None else now
+        events.append(
+            Done(
+                index=self.index,
+                reason=reason,
+                prompt_tokens=self.prompt_len,
+                cached_tokens=self.cached_tokens,
+                completion_tokens=self.completion_tokens,
+                queue_s=max(admitted - arrived, 0.0),
+                ttft_s=max(first - arrived, 0.0),
+                total_s=now - arrived,
+            )
+        )
+        self.done = True
+        return events

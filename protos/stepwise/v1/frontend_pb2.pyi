@@ -1,0 +1,166 @@
+from protos.stepwise.v1 import generation_pb2 as _generation_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class FrontendMessage(_message.Message):
+    __slots__ = ("hello", "arrivals", "aborts", "stops", "queries")
+    HELLO_FIELD_NUMBER: _ClassVar[int]
+    ARRIVALS_FIELD_NUMBER: _ClassVar[int]
+    ABORTS_FIELD_NUMBER: _ClassVar[int]
+    STOPS_FIELD_NUMBER: _ClassVar[int]
+    QUERIES_FIELD_NUMBER: _ClassVar[int]
+    hello: FrontendHello
+    arrivals: _containers.RepeatedCompositeFieldContainer[Arrival]
+    aborts: _containers.RepeatedCompositeFieldContainer[LinkAbort]
+    stops: _containers.RepeatedCompositeFieldContainer[LinkStop]
+    queries: _containers.RepeatedCompositeFieldContainer[Query]
+    def __init__(self, hello: _Optional[_Union[FrontendHello, _Mapping]] = ..., arrivals: _Optional[_Iterable[_Union[Arrival, _Mapping]]] = ..., aborts: _Optional[_Iterable[_Union[LinkAbort, _Mapping]]] = ..., stops: _Optional[_Iterable[_Union[LinkStop, _Mapping]]] = ..., queries: _Optional[_Iterable[_Union[Query, _Mapping]]] = ...) -> None: ...
+
+class FrontendHello(_message.Message):
+    __slots__ = ("index", "pid")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    pid: int
+    def __init__(self, index: _Optional[int] = ..., pid: _Optional[int] = ...) -> None: ...
+
+class Arrival(_message.Message):
+    __slots__ = ("request_id", "uids", "input_ids", "sampling", "routing_key", "has_priority", "priority", "owner", "arrived", "prompt_field")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    UIDS_FIELD_NUMBER: _ClassVar[int]
+    INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    ROUTING_KEY_FIELD_NUMBER: _ClassVar[int]
+    HAS_PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    ARRIVED_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    uids: _containers.RepeatedScalarFieldContainer[int]
+    input_ids: bytes
+    sampling: _generation_pb2.SamplingParams
+    routing_key: str
+    has_priority: bool
+    priority: int
+    owner: str
+    arrived: float
+    prompt_field: str
+    def __init__(self, request_id: _Optional[str] = ..., uids: _Optional[_Iterable[int]] = ..., input_ids: _Optional[bytes] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., routing_key: _Optional[str] = ..., has_priority: _Optional[bool] = ..., priority: _Optional[int] = ..., owner: _Optional[str] = ..., arrived: _Optional[float] = ..., prompt_field: _Optional[str] = ...) -> None: ...
+
+class LinkAbort(_message.Message):
+    __slots__ = ("request_id", "owner", "message", "cancelled", "query_id")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    CANCELLED_FIELD_NUMBER: _ClassVar[int]
+    QUERY_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    owner: str
+    message: str
+    cancelled: bool
+    query_id: int
+    def __init__(self, request_id: _Optional[str] = ..., owner: _Optional[str] = ..., message: _Optional[str] = ..., cancelled: _Optional[bool] = ..., query_id: _Optional[int] = ...) -> None: ...
+
+class LinkStop(_message.Message):
+    __slots__ = ("uid", "stop")
+    UID_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    uid: int
+    stop: str
+    def __init__(self, uid: _Optional[int] = ..., stop: _Optional[str] = ...) -> None: ...
+
+class Query(_message.Message):
+    __slots__ = ("query_id", "server_info")
+    QUERY_ID_FIELD_NUMBER: _ClassVar[int]
+    SERVER_INFO_FIELD_NUMBER: _ClassVar[int]
+    query_id: int
+    server_info: _generation_pb2.GetServerInfoRequest
+    def __init__(self, query_id: _Optional[int] = ..., server_info: _Optional[_Union[_generation_pb2.GetServerInfoRequest, _Mapping]] = ...) -> None: ...
+
+class CoreMessage(_message.Message):
+    __slots__ = ("welcome", "verdicts", "admissions", "token_uids", "token_ids", "finished", "replies", "state")
+    WELCOME_FIELD_NUMBER: _ClassVar[int]
+    VERDICTS_FIELD_NUMBER: _ClassVar[int]
+    ADMISSIONS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_UIDS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    REPLIES_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    welcome: CoreWelcome
+    verdicts: _containers.RepeatedCompositeFieldContainer[Verdict]
+    admissions: _containers.RepeatedCompositeFieldContainer[Admission]
+    token_uids: bytes
+    token_ids: bytes
+    finished: _containers.RepeatedCompositeFieldContainer[LinkFinished]
+    replies: _containers.RepeatedCompositeFieldContainer[Reply]
+    state: CoreState
+    def __init__(self, welcome: _Optional[_Union[CoreWelcome, _Mapping]] = ..., verdicts: _Optional[_Iterable[_Union[Verdict, _Mapping]]] = ..., admissions: _Optional[_Iterable[_Union[Admission, _Mapping]]] = ..., token_uids: _Optional[bytes] = ..., token_ids: _Optional[bytes] = ..., finished: _Optional[_Iterable[_Union[LinkFinished, _Mapping]]] = ..., replies: _Optional[_Iterable[_Union[Reply, _Mapping]]] = ..., state: _Optional[_Union[CoreState, _Mapping]] = ...) -> None: ...
+
+class CoreWelcome(_message.Message):
+    __slots__ = ("link_id",)
+    LINK_ID_FIELD_NUMBER: _ClassVar[int]
+    link_id: int
+    def __init__(self, link_id: _Optional[int] = ...) -> None: ...
+
+class Verdict(_message.Message):
+    __slots__ = ("uid", "code", "message")
+    UID_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    uid: int
+    code: int
+    message: str
+    def __init__(self, uid: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class Admission(_message.Message):
+    __slots__ = ("uid", "cached_tokens", "admitted", "worker")
+    UID_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ADMITTED_FIELD_NUMBER: _ClassVar[int]
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    uid: int
+    cached_tokens: int
+    admitted: float
+    worker: str
+    def __init__(self, uid: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., admitted: _Optional[float] = ..., worker: _Optional[str] = ...) -> None: ...
+
+class LinkFinished(_message.Message):
+    __slots__ = ("uid", "kind", "message", "code", "cached_tokens")
+    UID_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    uid: int
+    kind: str
+    message: str
+    code: str
+    cached_tokens: int
+    def __init__(self, uid: _Optional[int] = ..., kind: _Optional[str] = ..., message: _Optional[str] = ..., code: _Optional[str] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+
+class Reply(_message.Message):
+    __slots__ = ("query_id", "server_info", "abort")
+    QUERY_ID_FIELD_NUMBER: _ClassVar[int]
+    SERVER_INFO_FIELD_NUMBER: _ClassVar[int]
+    ABORT_FIELD_NUMBER: _ClassVar[int]
+    query_id: int
+    server_info: _generation_pb2.ServerInfo
+    abort: _generation_pb2.AbortResponse
+    def __init__(self, query_id: _Optional[int] = ..., server_info: _Optional[_Union[_generation_pb2.ServerInfo, _Mapping]] = ..., abort: _Optional[_Union[_generation_pb2.AbortResponse, _Mapping]] = ...) -> None: ...
+
+class CoreState(_message.Message):
+    __slots__ = ("workers", "max_context", "vocab_size")
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    workers: int
+    max_context: int
+    vocab_size: int
+    def __init__(self, workers: _Optional[int] = ..., max_context: _Optional[int] = ..., vocab_size: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,134 @@
+"""Stand-ins around an Engine in process: a worker channel over FakeWorker and a hub that records
+what the engine publishes, per uid, in order."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from control_plane.config import ControlConfig
+from control_plane.engine import Engine
+from control_plane.inbox import UID_LINK_SHIFT, Arrival, LiveSample, Verdict
+from control_plane.request import FinishReason, RequestParams
+from control_plane.scheduler.plan import StepPlan, StepResult, WorkerLimits
+from tests.control_plane.factories import make_config
+from tests.control_plane.fake_worker import FakeWorker
+
+
+class FakeChannel:
+    """Plans run on a FakeWorker in order; `log` says when each was sent and received."""
+
+    def __init__(
+        self, worker: FakeWorker, step_s: float = 0.0, log: list[tuple[str, int]] | None = None
+    ) -> None:
+        self.worker = worker
+        self.step_s = step_s
+        self.sent: deque[StepPlan] = deque()
+        self.closed = ""
+        self.log = log if log is not None else []
+        self.max_in_flight = 0
+
+    async def send(self, plan: StepPlan) -> None:
+        self.sent.append(plan)
+        self.max_in_flight = max(self.max_in_flight, len(self.sent))
+        self.log.append(("send", plan.step_id))
+
+    async def receive(self) -> StepResult:
+        await asyncio.sleep(self.step_s)
+        plan = self.sent.popleft()
+        self.log.append(("receive", plan.step_id))
+        return self.worker.run(plan)
+
+    async def close(self, reason: str) -> None:
+        self.closed = reason
+
+
+@dataclass(slots=True)
+class Stream:
+    """What the hub received for one uid."""
+
+    tokens: list[int] = field(default_factory=list)
+    finished: FinishReason | None = None
+    cached_tokens: int = 0
+    admitted: bool = False
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class FakeHub:
+    """A Publisher that keeps everything, by uid."""
+
+    def __init__(self, log: list[tuple[str, int]] | None = None) -> None:
+        self.streams: dict[int, Stream] = {}
+        self.verdicts: dict[int, tuple[Verdict, str]] = {}
+        self.log = log if log is not None else []
+
+    def stream(self, uid: int) -> Stream:
+        return self.streams.setdefault(uid, Stream())
+
+    def verdict(self, uid: int, verdict: Verdict, message: str = "") -> None:
+        self.verdicts[uid] = (verdict, message)
+
+    def admitted(self, uid: int, cached_tokens: int, at: float, worker: str) -> None:
+        self.stream(uid).admitted = True
+
+    def tokens(self, uids: np.ndarray, token_ids: np.ndarray) -> None:
+        self.log.append(("publish", len(uids)))
+        for uid, token in zip(uids.tolist(), token_ids.tolist(), strict=True):
+            stream = self.stream(uid)
+            assert stream.finished is None, f"a token for uid {uid} after its finish"
+            stream.tokens.append(token)
+
+    def finished(self, uid: int, reason: FinishReason, cached_tokens: int) -> None:
+        stream = self.stream(uid)
+        assert stream.finished is None, f"uid {uid} finished twice"
+        stream.finished, stream.cached_tokens = reason, cached_tokens
+        stream.done.set()
+
+
+_uids = itertools.count(1)
+
+
+def submit(
+    engine: Engine, rid: str, ids: list[int], params: RequestParams, n: int = 1, link: int = 1
+) -> list[int]:
+    """Submit a call of n samples as the hub would; returns their uids."""
+    uids = [(link << UID_LINK_SHIFT) | next(_uids) for _ in range(n)]
+    rids = [rid] if n == 1 else [f"{rid}/{i}" for i in range(n)]
+    samples = tuple(LiveSample(r, u, rid, "owner", 0.0) for r, u in zip(rids, uids, strict=True))
+    engine.submit(Arrival(samples, list(ids), params))
+    return uids
+
+
+async def finished(hub: FakeHub, uids: list[int], timeout: float = 10.0) -> list[Stream]:
+    for uid in uids:
+        await asyncio.wait_for(hub.stream(uid).done.wait(), timeout)
+    return [hub.stream(uid) for uid in uids]
+
+
+def make_engine(
+    vocab: int,
+    eos: frozenset[int] = frozenset(),
+    capacity: int = 4096,
+    overlap: bool = True,
+    step_s: float = 0.0,
+    log: list[tuple[str, int]] | None = None,
+    control: dict[str, object] | None = None,
+    **scheduler: object,
+) -> tuple[Engine, FakeChannel, FakeHub]:
+    """An engine over a FakeWorker; `control` sets ControlConfig fields, the rest the scheduler's."""
+    config = ControlConfig(
+        model_dir=Path("."),
+        scheduler=make_config(**scheduler),
+        decode_log_interval=1,
+        overlap=overlap,
+        **(control or {}),  # type: ignore[arg-type]
+    )
+    limits = WorkerLimits("w-test", capacity, 1, 2048, vocab, eos)
+    channel = FakeChannel(FakeWorker(capacity, vocab=vocab), step_s, log)
+    hub = FakeHub(channel.log)
+    return Engine(config, limits, channel, hub), channel, hub

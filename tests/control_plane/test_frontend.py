@@ -1,0 +1,138 @@
+"""A frontend's side of a request, in process: core messages in, client events out.
+
+The core's messages are built by hand here; the real link is exercised end to end in tests/e2e.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from control_plane import codec
+from control_plane.config import ControlConfig
+from control_plane.frontend import UID_LINK_SHIFT, Frontend
+from control_plane.samples import Call, Chunk, Done
+from control_plane.tokenizer import Tokenizer
+from protos.stepwise.v1 import frontend_pb2 as fe_pb
+from protos.stepwise.v1 import generation_pb2 as gen_pb
+from stepwise.embedded import resolve_model
+
+pytestmark = pytest.mark.timeout(30)
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return Tokenizer.from_dir(resolve_model("embedded"))
+
+
+def _frontend(tokenizer: Tokenizer, interval: int = 1) -> Frontend:
+    frontend = Frontend(ControlConfig(model_dir=Path("."), stream_interval=interval), tokenizer)
+    frontend.link_id = 7
+    frontend.apply(fe_pb.CoreMessage(state=fe_pb.CoreState(workers=1, max_context=2048, vocab_size=500)))
+    return frontend
+
+
+def _open(frontend: Frontend, tokenizer: Tokenizer, **sampling: object) -> Call:
+    request = gen_pb.GenerateRequest(text="Once upon a time", sampling=gen_pb.SamplingParams(**sampling))
+    inp = codec.generate_input_from_proto(request)
+    call = frontend.open_call(inp, request.sampling, "r1", tokenizer.encode(inp.text or ""), "owner")
+    frontend.apply(fe_pb.CoreMessage(verdicts=[fe_pb.Verdict(uid=call.samples[0].uid, code=0)]))
+    return call
+
+
+def _tokens(uid: int, ids: list[int]) -> fe_pb.CoreMessage:
+    return fe_pb.CoreMessage(
+        token_uids=np.full(len(ids), uid, dtype="<u8").tobytes(),
+        token_ids=np.asarray(ids, dtype="<i4").tobytes(),
+    )
+
+
+def _events(call: Call) -> list[Chunk | Done]:
+    out = []
+    while not call.events.empty():
+        out.append(call.events.get_nowait())
+    return out
+
+
+def _text_ids(tokenizer: Tokenizer, text: str) -> list[int]:
+    ids = tokenizer.encode(text)
+    return ids[1:] if ids and ids[0] == tokenizer.bos_token_id else ids
+
+
+async def test_uids_carry_the_link_id_and_the_arrival_names_every_sample(tokenizer: Tokenizer) -> None:
+    frontend = _frontend(tokenizer)
+    call = _open(frontend, tokenizer, n=3)
+    assert [s.uid >> UID_LINK_SHIFT for s in call.samples] == [7, 7, 7]
+    assert len({s.uid for s in call.samples}) == 3
+    (arrival,) = frontend._outbox.arrivals
+    assert list(arrival.uids) == [s.uid for s in call.samples]
+    assert arrival.sampling.n == 3
+    assert np.frombuffer(arrival.input_ids, dtype="<i4").tolist() == tokenizer.encode("Once upon a time")
+    assert arrival.prompt_field == "text"
+
+
+async def test_the_first_token_goes_at_once_then_one_message_per_interval(tokenizer: Tokenizer) -> None:
+    frontend = _frontend(tokenizer, interval=4)
+    call = _open(frontend, tokenizer)
+    uid = call.samples[0].uid
+    ids = _text_ids(tokenizer, " and the king said hello to the queen of the land")[:10]
+    sizes = []
+    for token in ids:
+        frontend.apply(_tokens(uid, [token]))
+        sizes += [len(e.token_ids) for e in _events(call) if isinstance(e, Chunk)]
+    assert sizes == [1, 4, 4]  # token 1 at once; then 2-5 and 6-9; the tenth waits
+    frontend.apply(fe_pb.CoreMessage(finished=[fe_pb.LinkFinished(uid=uid, kind="length", cached_tokens=3)]))
+    last = _events(call)
+    assert isinstance(last[0], Chunk) and last[0].token_ids == (ids[9],)
+    done = last[-1]
+    assert isinstance(done, Done) and done.completion_tokens == 10 and done.cached_tokens == 3
+    assert done.reason.kind.value == "length"
+    assert not frontend.samples
+
+
+async def test_a_stop_string_ends_the_stream_here_and_tells_the_core(tokenizer: Tokenizer) -> None:
+    frontend = _frontend(tokenizer, interval=8)
+    call = _open(frontend, tokenizer, stop=["king"])
+    uid = call.samples[0].uid
+    for token in _text_ids(tokenizer, " and the king said hello"):
+        frontend.apply(_tokens(uid, [token]))
+    events = _events(call)
+    text = "".join(e.text for e in events if isinstance(e, Chunk))
+    assert text == " and the "
+    done = events[-1]
+    assert isinstance(done, Done) and done.reason.kind.value == "stop" and "king" in done.reason.message
+    (stop,) = frontend._outbox.stops
+    assert stop.uid == uid and stop.stop == "king"
+    # The core finishes it one step late: what it produced meanwhile, and its finish, are dropped.
+    frontend.apply(_tokens(uid, [5, 6]))
+    frontend.apply(fe_pb.CoreMessage(finished=[fe_pb.LinkFinished(uid=uid, kind="stop")]))
+    assert _events(call) == []
+
+
+async def test_a_refused_call_gets_the_status_and_leaves_nothing_behind(tokenizer: Tokenizer) -> None:
+    frontend = _frontend(tokenizer)
+    request = gen_pb.GenerateRequest(text="hi", sampling=gen_pb.SamplingParams(n=2))
+    inp = codec.generate_input_from_proto(request)
+    call = frontend.open_call(inp, request.sampling, "r2", tokenizer.encode("hi"), "owner")
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+    message = fe_pb.CoreMessage(verdicts=[fe_pb.Verdict(uid=call.samples[0].uid, code=code, message="full")])
+    frontend.apply(message)
+    assert call.verdict is not None and call.verdict.result() == (code, "full")
+    assert not frontend.samples
+
+
+async def test_losing_the_core_ends_every_call_with_an_abort(tokenizer: Tokenizer) -> None:
+    frontend = _frontend(tokenizer)
+    running = _open(frontend, tokenizer)
+    request = gen_pb.GenerateRequest(text="hi")
+    waiting = frontend.open_call(
+        codec.generate_input_from_proto(request), request.sampling, "r3", tokenizer.encode("hi"), "o"
+    )
+    frontend._end_everything("the control plane's core went away; retry")
+    assert waiting.verdict is not None and waiting.verdict.result()[0] == grpc.StatusCode.UNAVAILABLE.value[0]
+    done = _events(running)[-1]
+    assert isinstance(done, Done) and done.reason.kind.value == "abort"
+    assert not frontend.samples

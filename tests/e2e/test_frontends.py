@@ -1,0 +1,220 @@
+"""The control plane as processes: a core that decides, frontends that stream, overlap scheduling.
+
+Greedy output must not depend on how the control plane is cut into processes or on how many plans
+are in flight: every configuration below equals transformers' own generate(). A frontend that dies
+takes only its own clients with it; the core frees their KV and the other frontends keep serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from clients.client import StepwiseClient, generate_request, sampling_params
+from control_plane.tokenizer import Tokenizer
+from protos.stepwise.v1 import generation_pb2_grpc as gen_grpc
+from tests.e2e.conftest import reference_greedy
+
+pytestmark = pytest.mark.timeout(300)
+
+PROMPTS = [
+    "Once upon a time",
+    "The king said",
+    "In the morning the old man walked slowly down to the river, and there he",
+    "She",
+    "It was a dark and stormy night; the rain fell in torrents, except at occasional intervals, when it",
+    "The little bird sang",
+]
+MAX_NEW = [24, 17, 31, 9, 40, 12]
+
+
+async def _greedy(address: str, prompts: list[list[int]], max_new: list[int]) -> list[list[int]]:
+    async with StepwiseClient(address) as client:
+        gens = await asyncio.gather(
+            *(
+                client.generate(ids, max_new_tokens=n, temperature=0.0)
+                for ids, n in zip(prompts, max_new, strict=True)
+            )
+        )
+    assert all(g.finish_reason in ("stop", "length") for g in gens), gens
+    return [g.token_ids for g in gens]
+
+
+async def _settled(address: str, timeout: float = 15.0) -> None:
+    """The books and every worker's report agree at zero: nothing leaked."""
+    async with StepwiseClient(address) as client:
+        deadline = time.monotonic() + timeout
+        while True:
+            info = await client.server_info()
+            states = [
+                (w.book_live_seqs, w.reported_live_seqs, w.book_seq_slots, w.running) for w in info.workers
+            ]
+            if all(s == (0, 0, 0, 0) for s in states):
+                assert all(w.kv_mismatches == 0 for w in info.workers)
+                return
+            assert time.monotonic() < deadline, f"books did not settle: {states}"
+            await asyncio.sleep(0.05)
+
+
+@pytest.mark.parametrize(
+    ("control", "retract"),
+    [
+        ([], False),
+        (["--disable-overlap-schedule"], False),
+        (["--frontends", "3", "--chunked-prefill-size", "16"], False),
+        (["--frontends", "3", "--chunked-prefill-size", "16"], True),
+        (["--frontends", "3", "--chunked-prefill-size", "16", "--disable-overlap-schedule"], True),
+    ],
+    ids=["overlap", "no-overlap", "3-frontends-chunk16", "3-frontends-retract", "no-overlap-retract"],
+)
+async def test_greedy_is_the_same_however_the_plane_is_cut(
+    start_stack, model_dir: Path, control: list[str], retract: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if retract:
+        monkeypatch.setenv("STEPWISE_TEST_RETRACT", "1")
+    stack = await start_stack([*control, "--stream-interval", "3"])
+    tok = Tokenizer.from_dir(model_dir)
+    prompts, eos = [tok.encode(p) for p in PROMPTS], set(tok.eos_token_ids)
+    got = await _greedy(stack.address, prompts, MAX_NEW)
+    for ids, n, tokens in zip(prompts, MAX_NEW, got, strict=True):
+        assert tokens == reference_greedy(model_dir, ids, n, eos), f"prompt of {len(ids)} tokens"
+    if retract:
+        async with StepwiseClient(stack.address) as client:
+            assert (await client.server_info()).workers[0].retractions > 0
+    await _settled(stack.address)
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
+async def test_max_new_tokens_streams_exactly_that_many(start_control, overlap: bool) -> None:
+    plane = await start_control(
+        *([] if overlap else ["--disable-overlap-schedule"]), "--stream-interval", "4"
+    )
+    plane.add_worker("sim-0")
+    await plane.wait_workers(1)
+    async with StepwiseClient(plane.address) as client:
+        for n in (1, 2, 3, 7, 64):
+            gen = await client.generate([11, 12, 13], max_new_tokens=n, ignore_eos=True, temperature=0.0)
+            assert (len(gen.token_ids), gen.completion_tokens, gen.finish_reason) == (n, n, "length")
+    await _settled(plane.address)
+
+
+async def test_a_killed_frontend_takes_only_its_clients(start_control) -> None:
+    plane = await start_control("--frontends", "3")
+    plane.add_worker("sim-0", "--sim-cost", "0.01,0,0")
+    await plane.wait_workers(1)
+    pids = plane.ready["frontend_pids"]
+    assert len(pids) == 3
+    sampling = sampling_params(max_new_tokens=100_000, ignore_eos=True, temperature=0.0)
+    # Separate connections (gRPC shares one between identical channels unless told not to).
+    options = [("grpc.use_local_subchannel_pool", 1)]
+    channels = [grpc.aio.insecure_channel(plane.address, options=options) for _ in range(12)]
+    try:
+        calls = [
+            gen_grpc.GenerationStub(ch).Generate(generate_request([5, 6, 7], sampling)) for ch in channels
+        ]
+        for call in calls:  # every stream is running
+            await call.read()
+        victim = pids[0]
+        os.kill(victim, signal.SIGKILL)
+        outcomes = await asyncio.gather(*(_outcome(call) for call in calls))
+        unavailable = [o for o in outcomes if o == grpc.StatusCode.UNAVAILABLE]
+        alive = [o for o in outcomes if o == "streaming"]
+        # The kernel spread 12 connections over 3 frontends: some went to the victim.
+        assert unavailable and alive and len(unavailable) + len(alive) == 12, outcomes
+        for call, outcome in zip(calls, outcomes, strict=True):
+            if outcome == "streaming":
+                call.cancel()
+    finally:
+        for ch in channels:
+            await ch.close()
+    # The core aborted the dead frontend's requests (and the others were cancelled): nothing leaks.
+    await _settled(plane.address)
+    async with StepwiseClient(plane.address) as client:  # new calls are served
+        gen = await client.generate([5, 6, 7], max_new_tokens=5, ignore_eos=True)
+        assert len(gen.token_ids) == 5
+
+
+async def _outcome(call: grpc.aio.UnaryStreamCall, window: float = 3.0) -> object:
+    """UNAVAILABLE (or another status) if the stream breaks within the window, else "streaming"."""
+    deadline = time.monotonic() + window
+    try:
+        while time.monotonic() < deadline:
+            await asyncio.wait_for(call.read(), timeout=window)
+    except grpc.aio.AioRpcError as exc:
+        return exc.code()
+    except TimeoutError:
+        return "stalled"
+    return "streaming"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+async def test_five_thousand_concurrent_streams_queue_or_are_refused_never_cancelled(start_control) -> None:
+    bound = 1000
+    plane = await start_control("--max-queued-requests", str(bound), "--max-running-requests", "64")
+    plane.add_worker("sim-0", "--sim-cost", "0.02,0,0", "--kv-tokens", "1048576")
+    await plane.wait_workers(1)
+    sampling = sampling_params(max_new_tokens=8, ignore_eos=True, temperature=0.0)
+    options = [("grpc.use_local_subchannel_pool", 1)]
+    channels = [grpc.aio.insecure_channel(plane.address, options=options) for _ in range(10)]
+    try:
+        stubs = [gen_grpc.GenerationStub(ch) for ch in channels]
+
+        async def one(i: int) -> object:
+            try:
+                tokens = 0
+                async for response in stubs[i % len(stubs)].Generate(generate_request([7, 8, 9], sampling)):
+                    if response.WhichOneof("event") == "chunk":
+                        tokens += len(response.chunk.token_ids)
+                    elif response.finished.reason:
+                        return ("finished", tokens)
+                return ("no finish", tokens)
+            except grpc.aio.AioRpcError as exc:
+                return exc.code()
+
+        outcomes = await asyncio.gather(*(one(i) for i in range(5000)))
+    finally:
+        for ch in channels:
+            await ch.close()
+    finished = [o for o in outcomes if isinstance(o, tuple) and o[0] == "finished"]
+    refused = [o for o in outcomes if o == grpc.StatusCode.RESOURCE_EXHAUSTED]
+    others = [o for o in outcomes if o not in finished and o not in refused]
+    assert not others, f"{len(others)} streams ended otherwise, e.g. {others[:3]}"
+    assert all(tokens == 8 for _, tokens in finished)
+    # The queue filled (arrivals outpace a 64-wide batch of 20 ms steps): past the bound, refusals;
+    # at least the queue's worth and what ran meanwhile was served.
+    assert refused and len(finished) >= bound, (len(finished), len(refused))
+    await _settled(plane.address, timeout=60)
+
+
+@pytest.mark.slow
+async def test_a_session_with_overlap_and_two_frontends_replays_identically(
+    start_stack, model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    from stepwise import replay
+    from tests.record.test_e2e_record import _wait_for_idle_flush
+
+    monkeypatch.setenv("STEPWISE_TEST_RETRACT", "1")
+    rec_dir = tmp_path / "rec"
+    stack = await start_stack(["--record", str(rec_dir), "--frontends", "2", "--chunked-prefill-size", "16"])
+    async with StepwiseClient(stack.address) as client:
+        free = await client.generate("The king said", max_new_tokens=20, temperature=0.0)
+        stop = free.text[3:6]
+        gens = await asyncio.gather(
+            *(client.generate(p, max_new_tokens=12 + 3 * i, temperature=0.0) for i, p in enumerate(PROMPTS)),
+            client.generate("The king said", max_new_tokens=20, temperature=0.0, stop=[stop]),
+        )
+    assert gens[-1].finish_reason == "stop" and gens[-1].text == free.text[: free.text.index(stop)]
+    path = await _wait_for_idle_flush(rec_dir)
+    stack.stop()
+    capsys.readouterr()
+    assert replay.main(["scheduler", str(path)]) == 0
+    assert replay.main(["worker", str(path), "--model", str(model_dir)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("identical:") and out[1].startswith("identical:"), out
