@@ -87,7 +87,7 @@ class Stack:
         ns = self.ns
         ready = Path(self.tmp.name) / "ready.json"
         flags = ["--port", "0", "--worker-port", "0", "--log-level", "warning"]
-        flags += ["--max-running-requests", str(ns.running), "--chunked-prefill-size", "-1"]
+        flags += ["--chunked-prefill-size", "-1"]
         optional = {
             "--stream-interval": str(ns.stream_interval),
             "--frontends": str(ns.frontends),

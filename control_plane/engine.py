@@ -105,6 +105,8 @@ class Engine(Failover):
         self.steps = 0
         # The worker's idle gap before each of its recent steps (GetServerInfo shows percentiles).
         self.waits: deque[float] = deque(maxlen=1000)
+        self.wait_total_s = 0.0
+        self.step_total_s = 0.0
         self.step_log = StepLog(self.worker, config.decode_log_interval, self.log)
         self.timeouts = Timeouts(config.waiting_timeout_s, config.running_timeout_s, self._first_forward)
 
@@ -252,7 +254,9 @@ class Engine(Failover):
         self.scheduler.apply_result(result)
         self.steps += 1
         self.waits.append(result.wait_s)
-        metrics.WORKER_WAIT.labels(self.worker).observe(result.wait_s)
+        self.wait_total_s += result.wait_s
+        self.step_total_s += result.forward_s
+        self.step_log.metrics.worker_wait.observe(result.wait_s)
         if self.config.scheduler.strict_invariants:
             self._check_invariants()
         self.step_log.record(plan, flight.stats, self.scheduler)
@@ -263,7 +267,8 @@ class Engine(Failover):
         deadline = self.config.limits.step_deadline_s(tokens)
         step = self._inflight[0].plan.step_id
         try:
-            return await asyncio.wait_for(self.channel.receive(), deadline)
+            async with asyncio.timeout(deadline):  # no task per step, unlike wait_for
+                return await self.channel.receive()
         except TimeoutError:
             raise WorkerFault(f"no result for step {step} within {deadline:.1f} s") from None
 

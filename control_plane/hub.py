@@ -33,6 +33,9 @@ if TYPE_CHECKING:
 log = structlog.get_logger("stepwise.hub")
 
 FRONTEND_GONE = "its frontend went away"
+# A frontend gets at most one message per this interval: steps of several workers that end close
+# together leave as one message (one write, one wake-up of the frontend) for at most this much delay.
+FLUSH_INTERVAL_S = 0.002
 _STATUS = {
     Verdict.ACCEPTED: grpc.StatusCode.OK,
     Verdict.QUEUE_FULL: grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -69,7 +72,7 @@ class _Link:
         self.index = index
         self.writer = writer
         self.outbox = _Outbox()
-        self.flush = TurnFlush(self._send)
+        self.flush = TurnFlush(self._send, FLUSH_INTERVAL_S)
 
     def outgoing(self) -> _Outbox:
         self.flush.request()

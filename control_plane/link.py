@@ -78,17 +78,28 @@ class FrameWriter:
 
 
 class TurnFlush:
-    """Calls `flush` once at the end of the current event-loop turn, however often it is asked to."""
+    """Calls `flush` once at the end of the current event-loop turn, however often it is asked to;
+    with `min_interval_s`, also no sooner than that after the previous flush (what accrues meanwhile
+    leaves together)."""
 
-    def __init__(self, flush: Callable[[], None]) -> None:
+    def __init__(self, flush: Callable[[], None], min_interval_s: float = 0.0) -> None:
         self._flush = flush
+        self._min_interval_s = min_interval_s
         self._scheduled = False
+        self._last = float("-inf")
 
     def request(self) -> None:
-        if not self._scheduled:
-            self._scheduled = True
-            asyncio.get_running_loop().call_soon(self._run)
+        if self._scheduled:
+            return
+        self._scheduled = True
+        loop = asyncio.get_running_loop()
+        wait = self._last + self._min_interval_s - loop.time()
+        if wait > 0:
+            loop.call_later(wait, self._run)
+        else:
+            loop.call_soon(self._run)
 
     def _run(self) -> None:
         self._scheduled = False
+        self._last = asyncio.get_running_loop().time()
         self._flush()

@@ -101,13 +101,32 @@ class PoolFigures:
     new_token_ratio: float
 
 
-def record_pool(worker: str, f: PoolFigures) -> None:
-    used = f.capacity - (f.available + f.evictable)
-    NUM_RUNNING_REQS.labels(worker).set(f.running)
-    NUM_QUEUE_REQS.labels(worker).set(f.queued)
-    NUM_USED_TOKENS.labels(worker).set(used)
-    TOKEN_USAGE.labels(worker).set(used / f.capacity if f.capacity else 0.0)
-    KV_AVAILABLE.labels(worker).set(f.available)
-    KV_EVICTABLE.labels(worker).set(f.evictable)
-    KV_USED.labels(worker).set(used)
-    NEW_TOKEN_RATIO.labels(worker).set(f.new_token_ratio)
+class WorkerMetrics:
+    """One worker's series, looked up once: a step sets a dozen figures, and a label lookup costs
+    about as much as the observation itself (STYLE: the hot path is per step)."""
+
+    def __init__(self, worker: str) -> None:
+        self.running = NUM_RUNNING_REQS.labels(worker)
+        self.queued = NUM_QUEUE_REQS.labels(worker)
+        self.used = NUM_USED_TOKENS.labels(worker)
+        self.usage = TOKEN_USAGE.labels(worker)
+        self.available = KV_AVAILABLE.labels(worker)
+        self.evictable = KV_EVICTABLE.labels(worker)
+        self.kv_used = KV_USED.labels(worker)
+        self.ratio = NEW_TOKEN_RATIO.labels(worker)
+        self.hit_rate = CACHE_HIT_RATE.labels(worker)
+        self.retracted_now = NUM_RETRACTED_REQS.labels(worker)
+        self.generation_tokens = GENERATION_TOKENS.labels(worker)
+        self.worker_wait = WORKER_WAIT.labels(worker)
+        self.queue_time = QUEUE_TIME.labels(worker)
+
+    def record_pool(self, f: PoolFigures) -> None:
+        used = f.capacity - (f.available + f.evictable)
+        self.running.set(f.running)
+        self.queued.set(f.queued)
+        self.used.set(used)
+        self.usage.set(used / f.capacity if f.capacity else 0.0)
+        self.available.set(f.available)
+        self.evictable.set(f.evictable)
+        self.kv_used.set(used)
+        self.ratio.set(f.new_token_ratio)

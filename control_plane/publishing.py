@@ -15,6 +15,7 @@ from control_plane.inbox import LiveSample, Verdict
 from control_plane.request import FinishReason
 from control_plane.scheduler.plan import StepPlan
 from control_plane.scheduler.scheduler import Scheduler
+from control_plane.step_log import StepLog
 
 INTERNAL_ERROR = "internal error in the control plane (logged); the request could not be continued"
 
@@ -40,6 +41,7 @@ class Publishing:
     _groups: dict[str, list[str]]
     worker: str
     log: Any
+    step_log: StepLog
 
     def _note_admissions(self, plan: StepPlan) -> None:
         """A sample's first admission: its queue time, and its cached prompt tokens for usage."""
@@ -52,14 +54,14 @@ class Publishing:
             req = self.scheduler.requests.get(seq.request_id)
             cached = req.cached_tokens if req is not None else 0
             self.publisher.admitted(sample.uid, cached, now, self.worker)
-            metrics.QUEUE_TIME.labels(self.worker).observe(max(now - sample.arrived, 0.0))
+            self.step_log.metrics.queue_time.observe(max(now - sample.arrived, 0.0))
 
     def _publish(self) -> None:
         updates = self.scheduler.take_updates()
         tokens = updates.tokens
         if len(tokens.uids):
             self.publisher.tokens(tokens.uids, tokens.token_ids)
-            metrics.GENERATION_TOKENS.labels(self.worker).inc(len(tokens.uids))
+            self.step_log.metrics.generation_tokens.inc(len(tokens.uids))
         for finished in updates.finished:
             sample = self.samples.get(finished.rid)
             if sample is not None:

@@ -101,6 +101,8 @@ class Router:
             kv_mismatches=engine.kv_mismatches,
             wait_p50_s=_percentile(engine.waits, 50),
             wait_p99_s=_percentile(engine.waits, 99),
+            wait_total_s=engine.wait_total_s,
+            step_total_s=engine.step_total_s,
             steps=engine.steps,
             retractions=sched.num_retracted_total,
         )

@@ -26,6 +26,11 @@ def oom_abort_line(rid: str) -> str:
     return f"retract_decode: aborted last request {rid} due to OOM"
 
 
+# The pool's gauges (running, queued, KV usage, ratio) are set at most this often: a scrape every
+# few seconds sees them as fresh, and setting eight gauges per step costs as much as a step's books.
+POOL_GAUGES_S = 0.05
+
+
 class StepLog:
     """Per-worker counters between log lines; `record` is called once per completed step."""
 
@@ -33,26 +38,34 @@ class StepLog:
         self, worker: str, decode_log_interval: int, log: structlog.typing.FilteringBoundLogger
     ) -> None:
         self.worker = worker
+        self.metrics = metrics.WorkerMetrics(worker)
         self.decode_log_interval = decode_log_interval
         self.log = log
         self._decode_batches = 0
         self._decode_tokens_since_log = 0
         self._last_decode_log = time.monotonic()
         self._last_prefill_log = time.monotonic()
+        self._last_pool_gauges = float("-inf")
+        # The last values set on two per-step gauges (a set costs as much as a small step's books).
+        self._hit_rate = -1.0
+        self._retracted_now = -1
 
     def record(self, plan: StepPlan, stats: StepStats, sched: Scheduler) -> None:
-        """Metrics every step; SGLang's prefill line per prefill, decode line every N decodes."""
-        metrics.record_pool(
-            self.worker,
-            metrics.PoolFigures(
-                running=len(sched.running),
-                queued=len(sched.waiting),
-                available=sched.kv.available_size(),
-                evictable=sched.kv.evictable_size(),
-                capacity=sched.capacity,
-                new_token_ratio=sched.ratio.current,
-            ),
-        )
+        """Counters every step, the pool's gauges every POOL_GAUGES_S; SGLang's prefill line per
+        prefill, decode line every N decodes."""
+        now = time.monotonic()
+        if now - self._last_pool_gauges >= POOL_GAUGES_S:
+            self._last_pool_gauges = now
+            self.metrics.record_pool(
+                metrics.PoolFigures(
+                    running=len(sched.running),
+                    queued=len(sched.waiting),
+                    available=sched.kv.available_size(),
+                    evictable=sched.kv.evictable_size(),
+                    capacity=sched.capacity,
+                    new_token_ratio=sched.ratio.current,
+                ),
+            )
         self._observe_retraction(stats)
         if stats.retracted:
             self.log.warning(retraction_line(stats), step=plan.step_id)
@@ -61,12 +74,19 @@ class StepLog:
         if plan.kind is not StepKind.DECODE:
             self._log_prefill(plan, stats, sched)
         elif len(plan.decodes):
-            metrics.CACHE_HIT_RATE.labels(self.worker).set(0.0)  # as SGLang's decode stats do
+            self._set_hit_rate(0.0)  # as SGLang's decode stats do
             self._log_decode(plan, sched)
+
+    def _set_hit_rate(self, rate: float) -> None:
+        if rate != self._hit_rate:
+            self._hit_rate = rate
+            self.metrics.hit_rate.set(rate)
 
     def _observe_retraction(self, stats: StepStats) -> None:
         # The gauge is this step's figure: back to 0 on a step without retraction (§10.5).
-        metrics.NUM_RETRACTED_REQS.labels(self.worker).set(len(stats.retracted))
+        if len(stats.retracted) != self._retracted_now:
+            self._retracted_now = len(stats.retracted)
+            self.metrics.retracted_now.set(self._retracted_now)
         if not stats.retracted:
             return
         metrics.RETRACTED_REQUESTS.labels(self.worker).inc(len(stats.retracted))
@@ -79,7 +99,7 @@ class StepLog:
         self._last_prefill_log = now
         metrics.PROMPT_TOKENS.labels(self.worker).inc(stats.new_tokens)
         metrics.CACHED_TOKENS.labels(self.worker).inc(stats.cached_tokens)
-        metrics.CACHE_HIT_RATE.labels(self.worker).set(stats.cache_hit_rate)
+        self._set_hit_rate(stats.cache_hit_rate)
         usage = sched.kv.used_tokens() / sched.capacity
         self.log.info(
             f"Prefill batch, #new-seq: {stats.new_seqs}, #new-token: {stats.new_tokens}, "

@@ -146,7 +146,8 @@ class _SimTable:
 
 @dataclass(slots=True)
 class SimExecutor:
-    """Executes plans without a model. `sleep=True` makes each step take its modelled time."""
+    """Executes plans without a model. `sleep=True` makes each step take its modelled time, its own
+    bookkeeping included (so a step's length is the model's, as a device's forward would be)."""
 
     capacity: int
     vocab_size: int
@@ -163,6 +164,7 @@ class SimExecutor:
             return StepResult(plan.step_id, np.zeros(0, np.int64), self.kv_report(), error=f"sim: {exc!r}")
 
     def _execute(self, plan: StepPlan) -> StepResult:
+        started = time.perf_counter()
         self._apply_deltas(plan)
         ext, dec = plan.extends, plan.decodes
         ext_rows = self._extend_rows(plan)
@@ -173,7 +175,7 @@ class SimExecutor:
         context = int(self.table.length[ext_rows].sum() + self.table.length[dec_rows].sum())
         seconds = self.cost.step_seconds(int(ext.lens.sum()) + len(dec_rows), context)
         if self.sleep:
-            time.sleep(seconds)
+            time.sleep(max(seconds - (time.perf_counter() - started), 0.0))
         return StepResult(plan.step_id, tokens, self.kv_report(), forward_s=seconds)
 
     def _extend_rows(self, plan: StepPlan) -> np.ndarray:

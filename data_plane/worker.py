@@ -254,22 +254,54 @@ async def _read_plans(call: grpc.aio.StreamStreamCall, decoder: codec.PlanDecode
 
 
 async def _run_plans(worker: LoadedWorker, call: grpc.aio.StreamStreamCall, inbox: _Inbox) -> int:
-    """Execute the queued plans in order and answer each; the exit code once a Shutdown comes."""
+    """Execute the queued plans in order and answer each; the exit code once a Shutdown comes.
+
+    A result is written by a task of its own while the next plan already executes: the device never
+    waits for the network (SGLang copies results back on a stream of their own for the same reason).
+    """
+    outbox: asyncio.Queue[StepResult | None] = asyncio.Queue()
+    writer = asyncio.create_task(_write_results(call, outbox))
     finished: float | None = None  # when the previous step ended
-    while True:
-        item = await inbox.get()
-        if isinstance(item, Exception):
-            raise item
-        if isinstance(item, Shutdown):
-            log.info("shutdown", reason=item.reason)
-            await call.done_writing()
-            return EXIT_OK
-        wait_s = 0.0 if finished is None else max(0.0, item.at - finished)
-        result = await asyncio.to_thread(worker.executor.execute, item.plan)
-        finished = time.perf_counter()
-        if result.error:
-            log.error("step_error", step_id=result.step_id, error=result.error)
-        await _write(call, dataclasses.replace(result, wait_s=wait_s))
+    try:
+        while True:
+            item = await _next(inbox, writer)
+            if isinstance(item, Exception):
+                raise item
+            if isinstance(item, Shutdown):
+                log.info("shutdown", reason=item.reason)
+                outbox.put_nowait(None)
+                await writer
+                await call.done_writing()
+                return EXIT_OK
+            wait_s = 0.0 if finished is None else max(0.0, item.at - finished)
+            result = await asyncio.to_thread(worker.executor.execute, item.plan)
+            finished = time.perf_counter()
+            if result.error:
+                log.error("step_error", step_id=result.step_id, error=result.error)
+            outbox.put_nowait(dataclasses.replace(result, wait_s=wait_s))
+    finally:
+        writer.cancel()
+        with contextlib.suppress(asyncio.CancelledError, StreamBroken, grpc.aio.AioRpcError):
+            await writer
+
+
+async def _next(inbox: _Inbox, writer: asyncio.Task[None]) -> _Arrived | Shutdown | Exception:
+    """The next queued item; a failed result writer ends the session as a broken stream would."""
+    if writer.done():
+        writer.result()  # raises what ended it
+    getter = asyncio.ensure_future(inbox.get())
+    await asyncio.wait({getter, writer}, return_when=asyncio.FIRST_COMPLETED)
+    if not getter.done():
+        getter.cancel()
+        writer.result()
+        raise StreamBroken("the result writer stopped")
+    return getter.result()
+
+
+async def _write_results(call: grpc.aio.StreamStreamCall, outbox: asyncio.Queue[StepResult | None]) -> None:
+    """Write results in order until told to stop (None)."""
+    while (result := await outbox.get()) is not None:
+        await _write(call, result)
 
 
 async def _write(call: grpc.aio.StreamStreamCall, result: StepResult) -> None:

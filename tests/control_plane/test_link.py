@@ -72,6 +72,18 @@ async def test_turn_flush_runs_once_per_loop_turn() -> None:
     assert calls == [1, 1]
 
 
+async def test_turn_flush_keeps_its_minimum_interval() -> None:
+    loop = asyncio.get_running_loop()
+    times: list[float] = []
+    flush = TurnFlush(lambda: times.append(loop.time()), min_interval_s=0.02)
+    flush.request()
+    await asyncio.sleep(0)
+    flush.request()  # soon after the first flush: held back until 20 ms have passed
+    flush.request()
+    await asyncio.sleep(0.05)
+    assert len(times) == 2 and times[1] - times[0] >= 0.019
+
+
 def test_the_guard_keeps_the_port_from_another_control_plane() -> None:
     guard = PortGuard("127.0.0.1", 0)
     frontends: list[socket.socket] = []
