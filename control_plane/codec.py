@@ -6,6 +6,7 @@ input with messages that name the offending field.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -417,6 +418,14 @@ def sampling_from_proto(msg: gen_pb.SamplingParams, limits: Limits | None = None
     )
 
 
+def request_params_from_proto(
+    sampling: gen_pb.SamplingParams, priority: int | None, routing_key: str, limits: Limits | None = None
+) -> RequestParams:
+    """A request's parameters: its checked sampling parameters, priority and routing key."""
+    params = sampling_from_proto(sampling, limits)
+    return dataclasses.replace(params, priority=priority, routing_key=routing_key)
+
+
 def generate_input_from_proto(msg: gen_pb.GenerateRequest, limits: Limits | None = None) -> GenerateInput:
     """Validate a Generate call (all but what needs the tokenizer or a worker); InvalidArgument."""
     limits = limits or Limits()
@@ -439,18 +448,8 @@ def generate_input_from_proto(msg: gen_pb.GenerateRequest, limits: Limits | None
             name,
             f"{len(value)} characters; at most {limits.max_id_chars} are allowed",
         )
-    params = sampling_from_proto(msg.sampling, limits)
     priority = msg.priority if msg.HasField("priority") else None
-    params = RequestParams(
-        max_new_tokens=params.max_new_tokens,
-        min_new_tokens=params.min_new_tokens,
-        stop=params.stop,
-        stop_token_ids=params.stop_token_ids,
-        ignore_eos=params.ignore_eos,
-        sampler=params.sampler,
-        priority=priority,
-        routing_key=msg.routing_key,
-    )
+    params = request_params_from_proto(msg.sampling, priority, msg.routing_key, limits)
     n = msg.sampling.n if msg.sampling.HasField("n") else 1
     return GenerateInput(request_id=msg.request_id, text=text, input_ids=ids, params=params, n=n)
 

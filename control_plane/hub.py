@@ -269,14 +269,5 @@ class FrontendHub:
 
 def _params(msg: fe_pb.Arrival, config: ControlConfig) -> RequestParams:
     """The arrival's parameters (the frontend checked them; the core converts them again)."""
-    params = codec.sampling_from_proto(msg.sampling, config.limits)
-    return RequestParams(
-        max_new_tokens=params.max_new_tokens,
-        min_new_tokens=params.min_new_tokens,
-        stop=params.stop,
-        stop_token_ids=params.stop_token_ids,
-        ignore_eos=params.ignore_eos,
-        sampler=params.sampler,
-        priority=msg.priority if msg.has_priority else None,
-        routing_key=msg.routing_key,
-    )
+    priority = msg.priority if msg.has_priority else None
+    return codec.request_params_from_proto(msg.sampling, priority, msg.routing_key, config.limits)

@@ -20,18 +20,13 @@ from clients.client import StepwiseClient, generate_request, sampling_params
 from control_plane.tokenizer import Tokenizer
 from protos.stepwise.v1 import generation_pb2_grpc as gen_grpc
 from tests.e2e.conftest import reference_greedy
+from tests.e2e.test_generate import MAX_NEW as ALL_MAX_NEW
+from tests.e2e.test_generate import PROMPTS as ALL_PROMPTS
 
 pytestmark = pytest.mark.timeout(300)
 
-PROMPTS = [
-    "Once upon a time",
-    "The king said",
-    "In the morning the old man walked slowly down to the river, and there he",
-    "She",
-    "It was a dark and stormy night; the rain fell in torrents, except at occasional intervals, when it",
-    "The little bird sang",
-]
-MAX_NEW = [24, 17, 31, 9, 40, 12]
+# Six of the end-to-end prompts: short and long, so batches mix prefill lengths.
+PROMPTS, MAX_NEW = ALL_PROMPTS[:6], ALL_MAX_NEW[:6]
 
 
 async def _greedy(address: str, prompts: list[list[int]], max_new: list[int]) -> list[list[int]]:
