@@ -129,7 +129,7 @@ class ControlConfig:
     record_max_bytes: int = DEFAULT_RECORD_MAX_BYTES
     limits: Limits = field(default_factory=Limits)
     security: Security = field(default_factory=Security)
-    # Client-facing processes (gRPC servers sharing the client port; see control_plane/frontend.py).
+    # Client-facing processes (gRPC servers sharing the client port; see control_plane/frontend_server.py).
     frontends: int = 1
     # Output tokens per client message (SGLang's --stream-interval): the first token goes at once,
     # then a message per this many tokens, and the rest at the finish.

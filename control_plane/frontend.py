@@ -1,116 +1,39 @@
-"""A frontend process: the client-facing half of `stepwise control` (SGLang's TokenizerManager and
-DetokenizerManager in one).
+"""A frontend's link to its core: the calls and samples it serves, and what the core says of them.
 
-`stepwise control --frontends K` runs K of these beside the core. Each serves the Generation API on
-the shared client port (SO_REUSEPORT among them only; see supervisor.py): it authenticates,
+`stepwise control --frontends K` runs K frontend processes beside the core (frontend_server.py).
+Each serves the Generation API on the shared client port (generation.py): it authenticates,
 validates, tokenizes, sends arrivals, aborts and stop-string finishes to the core, and turns the
 core's token batches into client messages (samples.py). It makes no scheduling decision: the core
 decides, and records what it saw when it saw it, so replays are unaffected by how many frontends
-there are.
+there are. Together they are SGLang's TokenizerManager and DetokenizerManager.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
-import hashlib
-import hmac
 import itertools
 import os
-import signal
-import sys
 import time
-import uuid
-from collections.abc import AsyncIterator, Callable
-from pathlib import Path
+from collections.abc import Callable
 
 import grpc
 import numpy as np
 import structlog
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from control_plane import codec, metrics
 from control_plane.config import ControlConfig
 from control_plane.inbox import UID_LINK_SHIFT
 from control_plane.link import FrameReader, FrameWriter, LinkClosed, TurnFlush
-from control_plane.listen import bind, server_credentials
 from control_plane.request import AbortCode, FinishKind, FinishReason
-from control_plane.samples import Call, Chunk, Event, Sample
+from control_plane.samples import Call, Chunk, Sample
 from control_plane.tokenizer import TextStream, Tokenizer
 from protos.stepwise.v1 import frontend_pb2 as fe_pb
 from protos.stepwise.v1 import generation_pb2 as gen_pb
-from protos.stepwise.v1 import generation_pb2_grpc as gen_grpc
 
 log = structlog.get_logger("stepwise.frontend")
 
-GENERATION_SERVICE = gen_pb.DESCRIPTOR.services_by_name["Generation"].full_name
-# Text prompts up to this size are tokenized on the event loop (tens of microseconds); longer ones
-# in a thread, so no client's prompt stalls the others' streams.
-INLINE_TOKENIZE_BYTES = 2048
-_STATUS = {code.value[0]: code for code in grpc.StatusCode}
 CORE_GONE = "the control plane's core went away; retry"
-
-
-def server_options(reuse_port: bool) -> list[tuple[str, int]]:
-    """Options for a client-facing gRPC server sized for many concurrent streams.
-
-    gRPC cancels calls that wait unrequested longer than `server_max_unrequested_time_in_server`
-    (30 s by default) and rejects calls beyond its pending-request limits (1000 soft, 3000 hard):
-    past ~2,000 concurrent streams clients saw CANCELLED. Calls wait instead, and beyond
-    --max-concurrent-streams they get RESOURCE_EXHAUSTED (grpc.aio's maximum_concurrent_rpcs).
-    """
-    return [
-        ("grpc.so_reuseport", int(reuse_port)),
-        ("grpc.server_max_unrequested_time_in_server", 3600),
-        ("grpc.server.max_pending_requests", 1 << 20),
-        ("grpc.server.max_pending_requests_hard_limit", 1 << 20),
-    ]
-
-
-# --- who is calling ------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Caller:
-    """Who is calling: an API key's id when keys are on, else the client's connection."""
-
-    owner: str
-    authenticated: bool
-
-
-class ApiKeys:
-    """Bearer tokens accepted from clients. A key is known by a short hash of it, never by itself."""
-
-    def __init__(self, keys: tuple[str, ...]) -> None:
-        self._digests = [hashlib.sha256(k.encode()).digest() for k in keys]
-
-    @property
-    def enabled(self) -> bool:
-        return bool(self._digests)
-
-    def identify(self, metadata: tuple[tuple[str, str | bytes], ...] | None) -> str | None:
-        """The caller's key id, or None when it sent no known key (compared in constant time)."""
-        token = _bearer(metadata)
-        if token is None:
-            return None
-        digest = hashlib.sha256(token.encode()).digest()
-        match = None
-        for known in self._digests:
-            if hmac.compare_digest(digest, known):
-                match = known
-        return None if match is None else "key:" + match.hex()[:12]
-
-
-def _bearer(metadata: tuple[tuple[str, str | bytes], ...] | None) -> str | None:
-    for key, value in metadata or ():
-        if key.lower() == "authorization" and isinstance(value, str) and value.startswith("Bearer "):
-            return value[len("Bearer ") :].strip()
-    return None
-
-
-# --- the link to the core ------------------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -367,263 +290,3 @@ def _arrival(
         arrived=call.arrived,
         prompt_field="text" if inp.text is not None else "input_ids",
     )
-
-
-# --- the Generation service ----------------------------------------------------------------------
-
-
-class GenerationService(gen_grpc.GenerationServicer):
-    """Generate, Abort and GetServerInfo for clients, served by one frontend."""
-
-    def __init__(self, frontend: Frontend) -> None:
-        self.frontend = frontend
-        self.config = frontend.config
-        self.tokenizer = frontend.tokenizer
-        self.keys = ApiKeys(self.config.security.api_keys)
-
-    async def _caller(self, context: grpc.aio.ServicerContext) -> Caller:
-        """Authenticate the call, or end it with UNAUTHENTICATED."""
-        if not self.keys.enabled:
-            return Caller(owner=context.peer(), authenticated=False)
-        owner = self.keys.identify(context.invocation_metadata())  # type: ignore[arg-type]
-        if owner is None:
-            await context.abort(
-                grpc.StatusCode.UNAUTHENTICATED, "missing or unknown API key (send authorization: Bearer KEY)"
-            )
-        assert owner is not None
-        return Caller(owner=owner, authenticated=True)
-
-    async def Generate(
-        self, request: gen_pb.GenerateRequest | codec.Unparsable, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[gen_pb.GenerateResponse]:
-        caller = await self._caller(context)
-        call = await self._accept(request, context, caller)
-        remaining = len(call.samples)
-        try:
-            while remaining:
-                events = [await call.events.get()]
-                while not call.events.empty():
-                    events.append(call.events.get_nowait())
-                for response in coalesce(call.rid, events):
-                    yield response
-                    remaining -= response.WhichOneof("event") == "finished"
-        finally:
-            if remaining:
-                self.frontend.cancel(call, "cancelled by the client")
-
-    async def _accept(
-        self,
-        request: gen_pb.GenerateRequest | codec.Unparsable,
-        context: grpc.aio.ServicerContext,
-        caller: Caller,
-    ) -> Call:
-        invalid = grpc.StatusCode.INVALID_ARGUMENT
-        if isinstance(request, codec.Unparsable):
-            await context.abort(invalid, request.reason)
-        assert not isinstance(request, codec.Unparsable)
-        try:
-            inp = codec.generate_input_from_proto(request, self.config.limits)
-        except codec.InvalidArgument as exc:
-            await context.abort(invalid, str(exc))
-        state = self.frontend.state
-        if not state.workers:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "no worker is attached to the control plane")
-        try:
-            ids = await self._prompt_ids(inp, state)
-        except codec.InvalidArgument as exc:
-            await context.abort(invalid, str(exc))
-        rid = inp.request_id or uuid.uuid4().hex
-        call = self.frontend.open_call(inp, request.sampling, rid, ids, caller.owner)
-        assert call.verdict is not None
-        try:
-            code, message = await call.verdict
-        except asyncio.CancelledError:
-            self.frontend.cancel(call, "cancelled by the client")
-            raise
-        if code != grpc.StatusCode.OK.value[0]:
-            await context.abort(_STATUS.get(code, grpc.StatusCode.INTERNAL), message)
-        return call
-
-    async def _prompt_ids(self, inp: codec.GenerateInput, state: CoreState) -> list[int]:
-        """The prompt's token ids, checked. Text is measured before it is tokenized, and long text is
-        tokenized off the event loop: its cost grows with its length."""
-        if inp.text is not None:
-            size = self._check_text_fits(inp.text, state)
-            if size <= INLINE_TOKENIZE_BYTES:
-                ids = self.tokenizer.encode(inp.text)
-            else:
-                ids = await asyncio.to_thread(self.tokenizer.encode, inp.text)
-            field_name = "text"
-        else:
-            ids, field_name = list(inp.input_ids or ()), "input_ids"
-        if not ids:
-            raise codec.InvalidArgument(f"{field_name}: prompt must not be empty")
-        codec.check_token_ids(ids, state.vocab_size or self.tokenizer.vocab_size)
-        return ids
-
-    def _check_text_fits(self, text: str, state: CoreState) -> int:
-        size = len(text.encode("utf-8", "surrogatepass"))
-        if self.config.scheduler.allow_auto_truncate or not state.max_context:
-            return size
-        if size > state.max_context * self.tokenizer.max_token_bytes:
-            raise codec.InvalidArgument(
-                f"text: a prompt of {size} bytes is more than the model's context of "
-                f"{state.max_context} tokens"
-            )
-        return size
-
-    async def Abort(
-        self, request: gen_pb.AbortRequest | codec.Unparsable, context: grpc.aio.ServicerContext
-    ) -> gen_pb.AbortResponse:
-        caller = await self._caller(context)
-        if isinstance(request, codec.Unparsable):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
-        assert not isinstance(request, codec.Unparsable)
-        try:
-            found = await self.frontend.abort(request.request_id, caller.owner)
-        except LinkClosed:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, CORE_GONE)
-        return gen_pb.AbortResponse(found=found)
-
-    async def GetServerInfo(
-        self, request: gen_pb.GetServerInfoRequest | codec.Unparsable, context: grpc.aio.ServicerContext
-    ) -> gen_pb.ServerInfo:
-        caller = await self._caller(context)
-        try:
-            info = await self.frontend.server_info()
-        except LinkClosed:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, CORE_GONE)
-        if not caller.authenticated:
-            # No filesystem paths or weight fingerprints to callers we do not know.
-            info.model = Path(info.model).name
-            info.model_fingerprint = ""
-        return info
-
-
-def generation_handler(service: GenerationService) -> grpc.GenericRpcHandler:
-    """The Generation service, parsing requests leniently (see codec.lenient_parser)."""
-    methods = gen_pb.DESCRIPTOR.services_by_name["Generation"].methods_by_name
-    handlers = {}
-    for name, method in methods.items():
-        request_cls = getattr(gen_pb, method.input_type.name)
-        response_cls = getattr(gen_pb, method.output_type.name)
-        factory = (
-            grpc.unary_stream_rpc_method_handler
-            if method.server_streaming
-            else grpc.unary_unary_rpc_method_handler
-        )
-        handlers[name] = factory(
-            getattr(service, name),
-            request_deserializer=codec.lenient_parser(request_cls),
-            response_serializer=response_cls.SerializeToString,
-        )
-    return grpc.method_handlers_generic_handler(GENERATION_SERVICE, handlers)
-
-
-def coalesce(rid: str, events: list[Event]) -> list[gen_pb.GenerateResponse]:
-    """Merge consecutive chunks of a sample into one message (a slow reader gets fewer, larger ones)."""
-    out: list[gen_pb.GenerateResponse] = []
-    pending: Chunk | None = None
-    for event in events:
-        if isinstance(event, Chunk):
-            if pending is not None and pending.index == event.index:
-                pending = Chunk(event.index, pending.token_ids + event.token_ids, pending.text + event.text)
-                continue
-            _flush_chunk(rid, pending, out)
-            pending = event
-            continue
-        _flush_chunk(rid, pending, out)
-        pending = None
-        out.append(
-            codec.finished_response(
-                rid,
-                event.index,
-                event.reason,
-                (event.prompt_tokens, event.cached_tokens, event.completion_tokens),
-                (event.queue_s, event.ttft_s, event.total_s),
-            )
-        )
-    _flush_chunk(rid, pending, out)
-    return out
-
-
-def _flush_chunk(rid: str, chunk: Chunk | None, out: list[gen_pb.GenerateResponse]) -> None:
-    if chunk is not None and (chunk.token_ids or chunk.text):
-        out.append(codec.chunk_response(rid, chunk.index, list(chunk.token_ids), chunk.text))
-
-
-# --- the process ---------------------------------------------------------------------------------
-
-
-class FrontendServer:
-    """One frontend: the link to the core and a gRPC server on the client port with health and
-    reflection. Health is SERVING while the core has a worker attached."""
-
-    def __init__(self, config: ControlConfig, index: int, reuse_port: bool = True) -> None:
-        self.config = config
-        self.frontend = Frontend(config, Tokenizer.from_dir(config.model_dir), index)
-        self.health = health.aio.HealthServicer()  # type: ignore[attr-defined]
-        self.server = grpc.aio.server(
-            options=server_options(reuse_port), maximum_concurrent_rpcs=config.max_concurrent_streams
-        )
-        self.port = 0
-
-    async def start(self, link_path: str, port: int) -> int:
-        """Listen on `port` (the core holds it until every frontend listens; see listen.py), then dial
-        the core. Until the core's state arrives, health says NOT_SERVING and calls are refused."""
-        self.server.add_generic_rpc_handlers((generation_handler(GenerationService(self.frontend)),))
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection(
-            (GENERATION_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server
-        )
-        client_creds, _ = server_credentials(self.config.security)
-        self.port = bind(self.server, self.config.host, port, client_creds, probe=False)
-        await self._set_health(False)
-        await self.server.start()
-        self.frontend.on_state.append(self._on_state)
-        await self.frontend.connect(link_path)
-        await self._set_health(self.frontend.state.workers > 0)
-        return self.port
-
-    def _on_state(self, state: CoreState) -> None:
-        asyncio.get_running_loop().create_task(self._set_health(state.workers > 0))
-
-    async def _set_health(self, serving: bool) -> None:
-        status = (
-            health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-        )
-        for name in ("", GENERATION_SERVICE):
-            await self.health.set(name, status)
-
-    async def stop(self, grace: float = 2.0) -> None:
-        await self._set_health(False)
-        await self.server.stop(grace)
-
-
-async def serve(config: ControlConfig, index: int, link_path: str, port: int) -> int:
-    """Run one frontend until SIGTERM/SIGINT or until the core goes away."""
-    server = FrontendServer(config, index)
-    await server.start(link_path, port)
-    log.info("frontend listening", index=index, port=server.port, pid=os.getpid())
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    waiters = [asyncio.create_task(stop.wait()), asyncio.create_task(server.frontend.closed.wait())]
-    await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
-    for waiter in waiters:
-        waiter.cancel()
-    await server.stop()
-    return 0 if stop.is_set() else 1
-
-
-def main(config: ControlConfig, index: int, link_path: str, port: int, log_level: str, parent: int) -> None:
-    """Process entry (started by the supervisor with multiprocessing's spawn; `parent` is the core)."""
-    from stepwise import logs
-    from stepwise.parent import die_with_parent_pid
-
-    die_with_parent_pid(parent)
-    logs.configure(log_level)
-    structlog.contextvars.bind_contextvars(frontend=index)
-    with contextlib.suppress(KeyboardInterrupt):
-        sys.exit(asyncio.run(serve(config, index, link_path, port)))

@@ -5,7 +5,7 @@ Clients reach the frontends on the client port; workers dial the core's worker p
 standard health checking and server reflection. Health is NOT_SERVING until a worker is attached and
 again whenever none is: a control plane without workers cannot serve.
 
-Trust: clients may be asked for a bearer token (`--api-key`) and served over TLS (frontend.py);
+Trust: clients may be asked for a bearer token (`--api-key`) and served over TLS (generation.py);
 workers may be required to present a certificate from `--worker-ca` (mutual TLS). Nothing a peer
 sends is believed before it is checked: requests in codec.py, hellos and results in worker_checks.py.
 """

@@ -74,10 +74,10 @@ class Frontends:
                 waiting.discard(index)
 
     def _spawn(self, index: int) -> None:
-        from control_plane import frontend
+        from control_plane import frontend_server
 
         process = self._context.Process(
-            target=frontend.main,
+            target=frontend_server.main,
             args=(self.config, index, self.link_path, self.port, self.log_level, os.getpid()),
             name=f"stepwise-frontend-{index}",
             daemon=True,

@@ -13,7 +13,8 @@ import pytest
 
 from control_plane import codec
 from control_plane.config import ControlConfig
-from control_plane.frontend import UID_LINK_SHIFT, Frontend
+from control_plane.frontend import Frontend
+from control_plane.inbox import UID_LINK_SHIFT
 from control_plane.samples import Call, Chunk, Done
 from control_plane.tokenizer import Tokenizer
 from protos.stepwise.v1 import frontend_pb2 as fe_pb

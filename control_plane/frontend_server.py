@@ -1,0 +1,113 @@
+"""A frontend process: its gRPC server on the shared client port (with health and reflection) and
+its link to the core, started by the supervisor, until SIGTERM or until the core goes away."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+
+import grpc
+import structlog
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from control_plane.config import ControlConfig
+from control_plane.frontend import CoreState, Frontend
+from control_plane.generation import GENERATION_SERVICE, GenerationService, generation_handler
+from control_plane.listen import bind, server_credentials
+from control_plane.tokenizer import Tokenizer
+
+log = structlog.get_logger("stepwise.frontend")
+
+
+def server_options(reuse_port: bool) -> list[tuple[str, int]]:
+    """Options for a client-facing gRPC server sized for many concurrent streams.
+
+    gRPC cancels calls that wait unrequested longer than `server_max_unrequested_time_in_server`
+    (30 s by default) and rejects calls beyond its pending-request limits (1000 soft, 3000 hard):
+    past ~2,000 concurrent streams clients saw CANCELLED. Calls wait instead, and beyond
+    --max-concurrent-streams they get RESOURCE_EXHAUSTED (grpc.aio's maximum_concurrent_rpcs).
+    """
+    return [
+        ("grpc.so_reuseport", int(reuse_port)),
+        ("grpc.server_max_unrequested_time_in_server", 3600),
+        ("grpc.server.max_pending_requests", 1 << 20),
+        ("grpc.server.max_pending_requests_hard_limit", 1 << 20),
+    ]
+
+
+class FrontendServer:
+    """One frontend: the link to the core and a gRPC server on the client port with health and
+    reflection. Health is SERVING while the core has a worker attached."""
+
+    def __init__(self, config: ControlConfig, index: int, reuse_port: bool = True) -> None:
+        self.config = config
+        self.frontend = Frontend(config, Tokenizer.from_dir(config.model_dir), index)
+        self.health = health.aio.HealthServicer()  # type: ignore[attr-defined]
+        self.server = grpc.aio.server(
+            options=server_options(reuse_port), maximum_concurrent_rpcs=config.max_concurrent_streams
+        )
+        self.port = 0
+
+    async def start(self, link_path: str, port: int) -> int:
+        """Listen on `port` (the core holds it until every frontend listens; see listen.py), then dial
+        the core. Until the core's state arrives, health says NOT_SERVING and calls are refused."""
+        self.server.add_generic_rpc_handlers((generation_handler(GenerationService(self.frontend)),))
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            (GENERATION_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server
+        )
+        client_creds, _ = server_credentials(self.config.security)
+        self.port = bind(self.server, self.config.host, port, client_creds, probe=False)
+        await self._set_health(False)
+        await self.server.start()
+        self.frontend.on_state.append(self._on_state)
+        await self.frontend.connect(link_path)
+        await self._set_health(self.frontend.state.workers > 0)
+        return self.port
+
+    def _on_state(self, state: CoreState) -> None:
+        asyncio.get_running_loop().create_task(self._set_health(state.workers > 0))
+
+    async def _set_health(self, serving: bool) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for name in ("", GENERATION_SERVICE):
+            await self.health.set(name, status)
+
+    async def stop(self, grace: float = 2.0) -> None:
+        await self._set_health(False)
+        await self.server.stop(grace)
+
+
+async def serve(config: ControlConfig, index: int, link_path: str, port: int) -> int:
+    """Run one frontend until SIGTERM/SIGINT or until the core goes away."""
+    server = FrontendServer(config, index)
+    await server.start(link_path, port)
+    log.info("frontend listening", index=index, port=server.port, pid=os.getpid())
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    waiters = [asyncio.create_task(stop.wait()), asyncio.create_task(server.frontend.closed.wait())]
+    await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+    for waiter in waiters:
+        waiter.cancel()
+    await server.stop()
+    return 0 if stop.is_set() else 1
+
+
+def main(config: ControlConfig, index: int, link_path: str, port: int, log_level: str, parent: int) -> None:
+    """Process entry (started by the supervisor with multiprocessing's spawn; `parent` is the core)."""
+    from stepwise import logs
+    from stepwise.parent import die_with_parent_pid
+
+    die_with_parent_pid(parent)
+    logs.configure(log_level)
+    structlog.contextvars.bind_contextvars(frontend=index)
+    with contextlib.suppress(KeyboardInterrupt):
+        sys.exit(asyncio.run(serve(config, index, link_path, port)))

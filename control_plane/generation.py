@@ -1,0 +1,248 @@
+"""The Generation service one frontend serves: Generate, Abort and GetServerInfo for clients, who
+is calling (API keys), and client messages cut from a call's events."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import hmac
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+
+from control_plane import codec
+from control_plane.frontend import CORE_GONE, CoreState, Frontend
+from control_plane.link import LinkClosed
+from control_plane.samples import Call, Chunk, Event
+from protos.stepwise.v1 import generation_pb2 as gen_pb
+from protos.stepwise.v1 import generation_pb2_grpc as gen_grpc
+
+GENERATION_SERVICE = gen_pb.DESCRIPTOR.services_by_name["Generation"].full_name
+# Text prompts up to this size are tokenized on the event loop (tens of microseconds); longer ones
+# in a thread, so no client's prompt stalls the others' streams.
+INLINE_TOKENIZE_BYTES = 2048
+_STATUS = {code.value[0]: code for code in grpc.StatusCode}
+
+
+# --- who is calling ------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Caller:
+    """Who is calling: an API key's id when keys are on, else the client's connection."""
+
+    owner: str
+    authenticated: bool
+
+
+class ApiKeys:
+    """Bearer tokens accepted from clients. A key is known by a short hash of it, never by itself."""
+
+    def __init__(self, keys: tuple[str, ...]) -> None:
+        self._digests = [hashlib.sha256(k.encode()).digest() for k in keys]
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._digests)
+
+    def identify(self, metadata: tuple[tuple[str, str | bytes], ...] | None) -> str | None:
+        """The caller's key id, or None when it sent no known key (compared in constant time)."""
+        token = _bearer(metadata)
+        if token is None:
+            return None
+        digest = hashlib.sha256(token.encode()).digest()
+        match = None
+        for known in self._digests:
+            if hmac.compare_digest(digest, known):
+                match = known
+        return None if match is None else "key:" + match.hex()[:12]
+
+
+def _bearer(metadata: tuple[tuple[str, str | bytes], ...] | None) -> str | None:
+    for key, value in metadata or ():
+        if key.lower() == "authorization" and isinstance(value, str) and value.startswith("Bearer "):
+            return value[len("Bearer ") :].strip()
+    return None
+
+
+class GenerationService(gen_grpc.GenerationServicer):
+    """Generate, Abort and GetServerInfo for clients, served by one frontend."""
+
+    def __init__(self, frontend: Frontend) -> None:
+        self.frontend = frontend
+        self.config = frontend.config
+        self.tokenizer = frontend.tokenizer
+        self.keys = ApiKeys(self.config.security.api_keys)
+
+    async def _caller(self, context: grpc.aio.ServicerContext) -> Caller:
+        """Authenticate the call, or end it with UNAUTHENTICATED."""
+        if not self.keys.enabled:
+            return Caller(owner=context.peer(), authenticated=False)
+        owner = self.keys.identify(context.invocation_metadata())  # type: ignore[arg-type]
+        if owner is None:
+            await context.abort(
+                grpc.StatusCode.UNAUTHENTICATED, "missing or unknown API key (send authorization: Bearer KEY)"
+            )
+        assert owner is not None
+        return Caller(owner=owner, authenticated=True)
+
+    async def Generate(
+        self, request: gen_pb.GenerateRequest | codec.Unparsable, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[gen_pb.GenerateResponse]:
+        caller = await self._caller(context)
+        call = await self._accept(request, context, caller)
+        remaining = len(call.samples)
+        try:
+            while remaining:
+                events = [await call.events.get()]
+                while not call.events.empty():
+                    events.append(call.events.get_nowait())
+                for response in coalesce(call.rid, events):
+                    yield response
+                    remaining -= response.WhichOneof("event") == "finished"
+        finally:
+            if remaining:
+                self.frontend.cancel(call, "cancelled by the client")
+
+    async def _accept(
+        self,
+        request: gen_pb.GenerateRequest | codec.Unparsable,
+        context: grpc.aio.ServicerContext,
+        caller: Caller,
+    ) -> Call:
+        invalid = grpc.StatusCode.INVALID_ARGUMENT
+        if isinstance(request, codec.Unparsable):
+            await context.abort(invalid, request.reason)
+        assert not isinstance(request, codec.Unparsable)
+        try:
+            inp = codec.generate_input_from_proto(request, self.config.limits)
+        except codec.InvalidArgument as exc:
+            await context.abort(invalid, str(exc))
+        state = self.frontend.state
+        if not state.workers:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "no worker is attached to the control plane")
+        try:
+            ids = await self._prompt_ids(inp, state)
+        except codec.InvalidArgument as exc:
+            await context.abort(invalid, str(exc))
+        rid = inp.request_id or uuid.uuid4().hex
+        call = self.frontend.open_call(inp, request.sampling, rid, ids, caller.owner)
+        assert call.verdict is not None
+        try:
+            code, message = await call.verdict
+        except asyncio.CancelledError:
+            self.frontend.cancel(call, "cancelled by the client")
+            raise
+        if code != grpc.StatusCode.OK.value[0]:
+            await context.abort(_STATUS.get(code, grpc.StatusCode.INTERNAL), message)
+        return call
+
+    async def _prompt_ids(self, inp: codec.GenerateInput, state: CoreState) -> list[int]:
+        """The prompt's token ids, checked. Text is measured before it is tokenized, and long text is
+        tokenized off the event loop: its cost grows with its length."""
+        if inp.text is not None:
+            size = self._check_text_fits(inp.text, state)
+            if size <= INLINE_TOKENIZE_BYTES:
+                ids = self.tokenizer.encode(inp.text)
+            else:
+                ids = await asyncio.to_thread(self.tokenizer.encode, inp.text)
+            field_name = "text"
+        else:
+            ids, field_name = list(inp.input_ids or ()), "input_ids"
+        if not ids:
+            raise codec.InvalidArgument(f"{field_name}: prompt must not be empty")
+        codec.check_token_ids(ids, state.vocab_size or self.tokenizer.vocab_size)
+        return ids
+
+    def _check_text_fits(self, text: str, state: CoreState) -> int:
+        size = len(text.encode("utf-8", "surrogatepass"))
+        if self.config.scheduler.allow_auto_truncate or not state.max_context:
+            return size
+        if size > state.max_context * self.tokenizer.max_token_bytes:
+            raise codec.InvalidArgument(
+                f"text: a prompt of {size} bytes is more than the model's context of "
+                f"{state.max_context} tokens"
+            )
+        return size
+
+    async def Abort(
+        self, request: gen_pb.AbortRequest | codec.Unparsable, context: grpc.aio.ServicerContext
+    ) -> gen_pb.AbortResponse:
+        caller = await self._caller(context)
+        if isinstance(request, codec.Unparsable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
+        assert not isinstance(request, codec.Unparsable)
+        try:
+            found = await self.frontend.abort(request.request_id, caller.owner)
+        except LinkClosed:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, CORE_GONE)
+        return gen_pb.AbortResponse(found=found)
+
+    async def GetServerInfo(
+        self, request: gen_pb.GetServerInfoRequest | codec.Unparsable, context: grpc.aio.ServicerContext
+    ) -> gen_pb.ServerInfo:
+        caller = await self._caller(context)
+        try:
+            info = await self.frontend.server_info()
+        except LinkClosed:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, CORE_GONE)
+        if not caller.authenticated:
+            # No filesystem paths or weight fingerprints to callers we do not know.
+            info.model = Path(info.model).name
+            info.model_fingerprint = ""
+        return info
+
+
+def generation_handler(service: GenerationService) -> grpc.GenericRpcHandler:
+    """The Generation service, parsing requests leniently (see codec.lenient_parser)."""
+    methods = gen_pb.DESCRIPTOR.services_by_name["Generation"].methods_by_name
+    handlers = {}
+    for name, method in methods.items():
+        request_cls = getattr(gen_pb, method.input_type.name)
+        response_cls = getattr(gen_pb, method.output_type.name)
+        factory = (
+            grpc.unary_stream_rpc_method_handler
+            if method.server_streaming
+            else grpc.unary_unary_rpc_method_handler
+        )
+        handlers[name] = factory(
+            getattr(service, name),
+            request_deserializer=codec.lenient_parser(request_cls),
+            response_serializer=response_cls.SerializeToString,
+        )
+    return grpc.method_handlers_generic_handler(GENERATION_SERVICE, handlers)
+
+
+def coalesce(rid: str, events: list[Event]) -> list[gen_pb.GenerateResponse]:
+    """Merge consecutive chunks of a sample into one message (a slow reader gets fewer, larger ones)."""
+    out: list[gen_pb.GenerateResponse] = []
+    pending: Chunk | None = None
+    for event in events:
+        if isinstance(event, Chunk):
+            if pending is not None and pending.index == event.index:
+                pending = Chunk(event.index, pending.token_ids + event.token_ids, pending.text + event.text)
+                continue
+            _flush_chunk(rid, pending, out)
+            pending = event
+            continue
+        _flush_chunk(rid, pending, out)
+        pending = None
+        out.append(
+            codec.finished_response(
+                rid,
+                event.index,
+                event.reason,
+                (event.prompt_tokens, event.cached_tokens, event.completion_tokens),
+                (event.queue_s, event.ttft_s, event.total_s),
+            )
+        )
+    _flush_chunk(rid, pending, out)
+    return out
+
+
+def _flush_chunk(rid: str, chunk: Chunk | None, out: list[gen_pb.GenerateResponse]) -> None:
+    if chunk is not None and (chunk.token_ids or chunk.text):
+        out.append(codec.chunk_response(rid, chunk.index, list(chunk.token_ids), chunk.text))
