@@ -64,11 +64,6 @@ class StreamChannel:
         except codec.ProtocolError as exc:
             raise WorkerFault(str(exc)) from None
 
-    async def step(self, plan: StepPlan) -> StepResult:
-        """One plan in flight at a time: send it and wait for its result."""
-        await self.send(plan)
-        return await self.receive()
-
     async def close(self, reason: str) -> None:
         await self.context.write(codec.shutdown(reason))
 

@@ -434,5 +434,6 @@ async def test_a_bad_reply_is_a_worker_fault_and_a_broken_stream_a_lost_worker(
     reply: object, error: type[Exception], message: str
 ) -> None:
     link = StreamChannel(_Stream([reply]))  # type: ignore[arg-type]
+    await link.send(_decode_plan(1, [1, 2], [10, 20]))
     with pytest.raises(error, match=message):
-        await link.step(_decode_plan(1, [1, 2], [10, 20]))
+        await link.receive()
