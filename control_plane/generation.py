@@ -121,9 +121,9 @@ class GenerationService(gen_grpc.GenerationServicer):
             inp = codec.generate_input_from_proto(request, self.config.limits)
         except codec.InvalidArgument as exc:
             await context.abort(invalid, str(exc))
+        # Whether a worker can take it is the core's to say (its verdict): the state this frontend
+        # last heard may lag an attach by a message.
         state = self.frontend.state
-        if not state.workers:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "no worker is attached to the control plane")
         try:
             ids = await self._prompt_ids(inp, state)
         except codec.InvalidArgument as exc:

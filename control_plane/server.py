@@ -73,7 +73,13 @@ class WorkerLinkService(wk_grpc.WorkerLinkServicer):
             return
         engine = Engine(self.config, limits, StreamChannel(context), self.hub)
         engine.successor = self.router.successor
-        await context.write(codec.welcome(True))
+        # Attached before the welcome: a call that follows the welcome at once finds the worker.
+        self.router.attach(engine)
+        try:
+            await context.write(codec.welcome(True))
+        except BaseException:
+            self.router.detach(engine)
+            raise
         log.info(
             "worker attached",
             worker=limits.worker_id,
@@ -87,7 +93,6 @@ class WorkerLinkService(wk_grpc.WorkerLinkServicer):
             max_prefill_tokens=self.config.scheduler.max_prefill_tokens,
             overlap=self.config.overlap,
         )
-        self.router.attach(engine)
         try:
             await engine.run()
         finally:
