@@ -39,6 +39,11 @@ class WorkerLinkStub:
                 request_serializer=protos_dot_stepwise_dot_v1_dot_worker__pb2.WorkerMessage.SerializeToString,
                 response_deserializer=protos_dot_stepwise_dot_v1_dot_worker__pb2.ControlMessage.FromString,
                 _registered_method=True)
+        self.Census = channel.unary_unary(
+                '/stepwise.v1.WorkerLink/Census',
+                request_serializer=protos_dot_stepwise_dot_v1_dot_worker__pb2.CensusRequest.SerializeToString,
+                response_deserializer=protos_dot_stepwise_dot_v1_dot_worker__pb2.CensusReply.FromString,
+                _registered_method=True)
 
 
 class WorkerLinkServicer:
@@ -50,6 +55,16 @@ class WorkerLinkServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Census(self, request, context):
+        """How many workers this control plane holds and how busy it is. A worker
+        asks every control plane it can find before it attaches (it attaches to
+        the one with the fewest workers, ties by load); control planes ask their
+        peers to decide whether to hand a worker over.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerLinkServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -57,6 +72,11 @@ def add_WorkerLinkServicer_to_server(servicer, server):
                     servicer.Connect,
                     request_deserializer=protos_dot_stepwise_dot_v1_dot_worker__pb2.WorkerMessage.FromString,
                     response_serializer=protos_dot_stepwise_dot_v1_dot_worker__pb2.ControlMessage.SerializeToString,
+            ),
+            'Census': grpc.unary_unary_rpc_method_handler(
+                    servicer.Census,
+                    request_deserializer=protos_dot_stepwise_dot_v1_dot_worker__pb2.CensusRequest.FromString,
+                    response_serializer=protos_dot_stepwise_dot_v1_dot_worker__pb2.CensusReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -86,6 +106,33 @@ class WorkerLink:
             '/stepwise.v1.WorkerLink/Connect',
             protos_dot_stepwise_dot_v1_dot_worker__pb2.WorkerMessage.SerializeToString,
             protos_dot_stepwise_dot_v1_dot_worker__pb2.ControlMessage.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Census(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stepwise.v1.WorkerLink/Census',
+            protos_dot_stepwise_dot_v1_dot_worker__pb2.CensusRequest.SerializeToString,
+            protos_dot_stepwise_dot_v1_dot_worker__pb2.CensusReply.FromString,
             options,
             channel_credentials,
             insecure,
