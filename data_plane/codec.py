@@ -13,12 +13,15 @@ from __future__ import annotations
 import numpy as np
 
 from data_plane.messages import (
+    Census,
     ControlEvent,
     DecodeBatch,
+    Drain,
     ExtendBatch,
     Hello,
     KvReport,
     KvTransfer,
+    Move,
     NewSequence,
     SamplerParams,
     Shutdown,
@@ -46,11 +49,14 @@ class PlanDecoder:
         """Decode one ControlMessage; ValueError if it carries nothing or a plan that cannot be read."""
         kind = msg.WhichOneof("msg")
         if kind == "welcome":
-            return Welcome(accepted=msg.welcome.accepted, reason=msg.welcome.reason)
+            w = msg.welcome
+            return Welcome(accepted=w.accepted, reason=w.reason, retryable=w.retryable)
         if kind == "plan":
             return self.plan(msg.plan)
         if kind == "shutdown":
             return Shutdown(reason=msg.shutdown.reason)
+        if kind == "move":
+            return Move(reason=msg.move.reason)
         raise ValueError("empty ControlMessage")
 
     def plan(self, p: worker_pb2.StepPlan) -> StepPlan:
@@ -236,6 +242,10 @@ def hello_from_proto(h: worker_pb2.Hello) -> Hello:
     )
 
 
+def drain_to_proto(d: Drain) -> worker_pb2.WorkerMessage:
+    return worker_pb2.WorkerMessage(drain=worker_pb2.Drain(reason=d.reason))
+
+
 def result_to_proto(r: StepResult) -> worker_pb2.WorkerMessage:
     return worker_pb2.WorkerMessage(
         result=worker_pb2.StepResult(
@@ -279,4 +289,34 @@ def result_from_proto(r: worker_pb2.StepResult) -> StepResult:
         ),
         error=r.error,
         wait_s=r.wait_s,
+    )
+
+
+# ---- census ------------------------------------------------------------------------------------
+
+
+def census_request() -> worker_pb2.CensusRequest:
+    return worker_pb2.CensusRequest()
+
+
+def census_from_proto(c: worker_pb2.CensusReply) -> Census:
+    return Census(
+        control_plane_id=c.control_plane_id,
+        workers=c.workers,
+        queued=c.queued,
+        running=c.running,
+        accepting=c.accepting,
+        model_fingerprint=c.model_fingerprint,
+    )
+
+
+def census_to_proto(c: Census) -> worker_pb2.CensusReply:
+    """The inverse of census_from_proto (used by tests and fake control planes)."""
+    return worker_pb2.CensusReply(
+        control_plane_id=c.control_plane_id,
+        workers=c.workers,
+        queued=c.queued,
+        running=c.running,
+        accepting=c.accepting,
+        model_fingerprint=c.model_fingerprint,
     )

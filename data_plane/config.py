@@ -8,6 +8,8 @@ import pathlib
 import socket
 from dataclasses import dataclass
 
+from data_plane.targets import parse_control
+
 DEFAULT_CONTROL = "127.0.0.1:50052"
 # On CPU the pool is allocated (and zero-filled) up front, so keep the default modest.
 DEFAULT_CPU_KV_BYTES = 256 * 1024 * 1024
@@ -20,6 +22,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 class WorkerConfig:
     """What one worker process runs with; nothing writes to it after start-up."""
 
+    # HOST:PORT, A:P,B:P or dns:///NAME:PORT (data_plane/targets.py); checked by config_from_args.
     control: str = DEFAULT_CONTROL
     # A checkpoint directory, already resolved by the caller ("embedded" is the CLI's business).
     model: pathlib.Path = pathlib.Path(".")
@@ -33,7 +36,16 @@ class WorkerConfig:
     worker_id: str = ""
     # Tokens the host (offload) pool may hold; 0 disables offload/restore.
     host_pool_tokens: int = 0
+    # Bounds the first search only: once attached, the worker searches again forever when it loses
+    # its control plane, waiting up to reconnect_max_backoff_s between searches.
     connect_timeout_s: float = 60.0
+    reconnect_max_backoff_s: float = 5.0
+    # After SIGTERM: how long the control plane may take to send Shutdown (the worker waits this
+    # plus a grace period, then exits anyway).
+    drain_timeout_s: float = 30.0
+    # The gRPC health service (data_plane/health.py); port 0: none.
+    health_port: int = 0
+    health_host: str = "0.0.0.0"
     # "model" runs the checkpoint; "sim" is the cost-model simulator (data_plane/sim.py).
     backend: str = "model"
     # Sim backend step time a + b·new_tokens + c·context, in seconds.
@@ -52,7 +64,12 @@ def default_worker_id() -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the worker's flags to `parser` (the `stepwise worker` subcommand calls this)."""
-    parser.add_argument("--control", default=DEFAULT_CONTROL, help="control plane worker address HOST:PORT")
+    parser.add_argument(
+        "--control",
+        default=DEFAULT_CONTROL,
+        help="control plane worker port(s): HOST:PORT, a list A:P,B:P, or dns:///NAME:PORT; every name "
+        "stands for all its addresses, and the worker attaches to the control plane with the fewest workers",
+    )
     parser.add_argument("--model", required=True, type=pathlib.Path, help="checkpoint directory")
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
     parser.add_argument(
@@ -68,8 +85,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--host-pool-tokens", type=int, default=0, help="host offload pool in tokens (0: none)"
     )
     parser.add_argument(
-        "--connect-timeout", type=float, default=60.0, help="seconds to keep dialing the control plane"
+        "--connect-timeout",
+        type=float,
+        default=60.0,
+        help="seconds to look for a first control plane before giving up (exit 3); once attached, the "
+        "worker looks again forever when it loses one",
     )
+    parser.add_argument(
+        "--reconnect-max-backoff",
+        type=float,
+        default=5.0,
+        help="longest wait in seconds between searches for a control plane (the wait doubles from 0.1 s)",
+    )
+    parser.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="after SIGTERM, seconds to keep running plans until the control plane sends Shutdown "
+        "(plus 10 s of grace; then the worker exits anyway)",
+    )
+    parser.add_argument(
+        "--health-port",
+        type=int,
+        default=0,
+        help="gRPC health service port (0: none): '' is SERVING once the model is loaded, "
+        "'stepwise.v1.WorkerLink' while attached to a control plane and not draining",
+    )
+    parser.add_argument("--health-host", default="0.0.0.0", help="address the health service listens on")
     parser.add_argument(
         "--backend", choices=("model", "sim"), default="model", help="sim: a simulator without a model"
     )
@@ -97,6 +139,7 @@ def config_from_args(ns: argparse.Namespace) -> WorkerConfig:
         if value is not None and value <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
     _check_tls(ns)
+    _check_link(ns)
     return WorkerConfig(
         control=ns.control,
         model=pathlib.Path(ns.model),
@@ -108,6 +151,10 @@ def config_from_args(ns: argparse.Namespace) -> WorkerConfig:
         worker_id=ns.worker_id or default_worker_id(),
         host_pool_tokens=max(0, ns.host_pool_tokens),
         connect_timeout_s=ns.connect_timeout,
+        reconnect_max_backoff_s=ns.reconnect_max_backoff,
+        drain_timeout_s=ns.drain_timeout,
+        health_port=ns.health_port,
+        health_host=ns.health_host,
         backend=ns.backend,
         sim_cost=ns.sim_cost,
         tls_ca=ns.tls_ca,
@@ -115,6 +162,16 @@ def config_from_args(ns: argparse.Namespace) -> WorkerConfig:
         tls_key=ns.tls_key,
         tls_server_name=ns.tls_server_name,
     )
+
+
+def _check_link(ns: argparse.Namespace) -> None:
+    parse_control(ns.control)  # ValueError naming --control
+    if ns.drain_timeout < 0:
+        raise ValueError(f"--drain-timeout must be >= 0, got {ns.drain_timeout}")
+    if ns.reconnect_max_backoff <= 0:
+        raise ValueError(f"--reconnect-max-backoff must be > 0, got {ns.reconnect_max_backoff}")
+    if not 0 <= ns.health_port <= 65535:
+        raise ValueError(f"--health-port must be in 0..65535, got {ns.health_port}")
 
 
 def _check_tls(ns: argparse.Namespace) -> None:

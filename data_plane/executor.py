@@ -79,6 +79,11 @@ class Executor:
             return torch.zeros(0, self.model.config.vocab_size)
         return self.model.forward(prepared.batch, self.pool)
 
+    def reset(self) -> None:
+        """Forget every sequence and host copy (a plan's `reset`, and every new session)."""
+        self._release(np.array(self.table.handles(), dtype=np.uint64))
+        self.host.clear()
+
     def kv_report(self) -> KvReport:
         return KvReport(
             live_seqs=self.table.live_seqs - len(self.host),
@@ -94,8 +99,7 @@ class Executor:
         """Apply every delta in protocol order; None when the plan has no forward work."""
         self._check_slots(plan)
         if plan.reset:
-            self._release(np.array(self.table.handles(), dtype=np.uint64))
-            self.host.clear()
+            self.reset()
         self._release(plan.release_handles)
         for remap in plan.remaps:
             self.table.remap(remap.handle, remap.start, remap.slots)

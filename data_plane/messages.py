@@ -160,6 +160,9 @@ class Hello:
 class Welcome:
     accepted: bool
     reason: str = ""
+    # A refusal that may pass later, here or at another control plane (it drains, or still holds
+    # a session under this worker id); other refusals are final.
+    retryable: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,4 +170,34 @@ class Shutdown:
     reason: str = ""
 
 
-ControlEvent = Welcome | StepPlan | Shutdown
+@dataclass(frozen=True, slots=True)
+class Move:
+    """Detach and attach to another control plane (this one has more than its share, or drains)."""
+
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Drain:
+    """Worker -> control plane: the worker is stopping; it runs plans until a Shutdown comes."""
+
+    reason: str = ""
+
+
+ControlEvent = Welcome | StepPlan | Shutdown | Move
+
+
+@dataclass(frozen=True, slots=True)
+class Census:
+    """A control plane's answer to "how many workers do you hold, and how busy are they?"."""
+
+    # Random per control-plane process.
+    control_plane_id: str = ""
+    # Workers attached and not draining or moving away.
+    workers: int = 0
+    queued: int = 0
+    running: int = 0
+    # False while the control plane drains: no worker should attach to it.
+    accepting: bool = True
+    # The attached workers' model fingerprint; empty when none is attached.
+    model_fingerprint: str = ""

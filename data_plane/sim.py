@@ -189,9 +189,13 @@ class SimExecutor:
             raise ValueError(f"extend of {ext.handles[i]} starts at {ext.starts[i]}, sequence has {have}")
         return rows
 
+    def reset(self) -> None:
+        """Forget every sequence (a plan's `reset`, and every new session)."""
+        self.table = _SimTable()
+
     def _apply_deltas(self, plan: StepPlan) -> None:
         if plan.reset:
-            self.table = _SimTable()
+            self.reset()
         for handle in plan.release_handles.tolist():
             self.table.remove(handle)
         for t in plan.offloads:

@@ -1,95 +1,76 @@
-"""The worker process: load the model, dial the control plane, run plans until told to stop.
+"""The worker process: load the model, find a control plane, run its plans; find another when it
+goes away; drain on SIGTERM.
 
-Loop, as the design reads: dial (with backoff) -> Hello -> Welcome -> for each StepPlan:
-execute, answer with a StepResult carrying the same step_id -> Shutdown ends it.
+    search (data_plane/dialer.py) -> session (data_plane/session.py) -> search again ...
 
-The session is a pipeline: a reader task reads and decodes plans into a bounded queue as they
-arrive, while the executor loop runs the plans in order (in a thread: the forward releases the
-GIL) and writes their results in order. With two plans in flight the next one is decoded and
-waiting when a step ends, so the worker starts it at once; each result says how long the worker
-waited for its plan (`wait_s`).
+A search asks every control plane of `--control` for its census and attaches to the one with the
+fewest workers. A session ends with Shutdown (exit), Move (search again at once, preferring another
+control plane), a refusal (final: exit; retryable: search again), or a broken stream (search again
+after a backoff: capped, doubling, jittered, restarted by every welcomed session). Only the first
+search is bounded, by --connect-timeout.
 
-Exit codes: 0 on Shutdown, SIGTERM or SIGINT; 1 when the stream breaks; 2 when the control plane
-refuses the worker; 3 when the control plane cannot be reached within --connect-timeout; 4 when
-the model cannot be loaded.
+SIGTERM or SIGINT while attached drains: the worker sends Drain, turns readiness NOT_SERVING, runs
+plans until the control plane sends Shutdown (or Move), then exits; after --drain-timeout + 10 s
+without either it exits anyway. A second signal, or a signal while not attached, exits at once.
+
+Exit codes:
+  0  stopped: Shutdown, a finished (or timed-out) drain, a signal while not attached;
+  2  the control plane refused the worker for good, or --health-port cannot be had;
+  3  no control plane took the worker within --connect-timeout;
+  4  the model cannot be loaded.
+A broken stream does not end the process: the worker searches again.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import contextlib
-import dataclasses
 import json
 import signal
 import sys
+import threading
 import time
+from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, TypeVar
 
-import grpc
 import structlog
 import torch
 
-from data_plane import codec
 from data_plane.config import CUDA_KV_MEMORY_FRACTION, DEFAULT_CPU_KV_BYTES, WorkerConfig
 from data_plane.config import add_arguments as add_arguments
 from data_plane.config import config_from_args as config_from_args
+from data_plane.dialer import Candidate, Dialer, Retry
 from data_plane.executor import Executor
+from data_plane.health import WorkerHealth
 from data_plane.kv_pool import KvPool, capacity_tokens
-from data_plane.messages import Hello, Shutdown, StepPlan, StepResult, Welcome
+from data_plane.link import Link
+from data_plane.messages import Hello
 from data_plane.models.llama import LlamaModel
 from data_plane.models.loader import ModelLoadError, model_fingerprint
+from data_plane.session import Ending, SessionEnd, StepExecutor, run_session
 from data_plane.sim import CostModel, SimExecutor
-from protos.stepwise.v1 import worker_pb2_grpc
 
 EXIT_OK = 0
-EXIT_STREAM_BROKEN = 1
 EXIT_REFUSED = 2
 EXIT_CONNECT_FAILED = 3
 EXIT_BAD_MODEL = 4
 
-# A control plane keeps a few plans in flight at most; past this many waiting, the reader stops
-# reading (gRPC's flow control then holds the control plane back) rather than queue without bound.
-MAX_QUEUED_PLANS = 8
-
-_CHANNEL_OPTIONS = [
-    # Keep redialing quickly while the control plane starts, instead of grpc's default backoff to 120 s.
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 2000),
-    ("grpc.max_receive_message_length", 256 * 1024 * 1024),
-    ("grpc.max_send_message_length", 256 * 1024 * 1024),
-]
+# After --drain-timeout the control plane still needs a moment to send Shutdown.
+DRAIN_GRACE_S = 10.0
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 log = structlog.get_logger("data_plane.worker")
 
-
-class StepExecutor(Protocol):
-    def execute(self, plan: StepPlan) -> StepResult: ...
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
 class LoadedWorker:
     executor: StepExecutor
     hello: Hello
-
-
-class StreamBroken(Exception):
-    """The control plane went away or broke the protocol."""
-
-
-@dataclass(frozen=True, slots=True)
-class _Arrived:
-    """A decoded plan, and when it was ready (time.perf_counter())."""
-
-    plan: StepPlan
-    at: float
-
-
-# What the reader hands the executor loop, in stream order: plans, then a Shutdown or the error
-# that ended reading.
-_Inbox = asyncio.Queue[_Arrived | Shutdown | Exception]
 
 
 # ---- start-up ----------------------------------------------------------------------------------
@@ -192,184 +173,114 @@ def _kv_budget_bytes(config: WorkerConfig, device: torch.device) -> int:
     return DEFAULT_CPU_KV_BYTES
 
 
-# ---- the link ----------------------------------------------------------------------------------
+# ---- control planes --------------------------------------------------------------------------
 
 
-async def _dial(config: WorkerConfig) -> grpc.aio.Channel:
-    """A ready channel to the control plane; TimeoutError after connect_timeout_s."""
-    channel = _channel(config)
-    try:
-        await asyncio.wait_for(channel.channel_ready(), timeout=config.connect_timeout_s)
-    except BaseException:
-        await channel.close(grace=None)
-        raise
-    return channel
+async def serve(worker: LoadedWorker, config: WorkerConfig, link: Link | None = None) -> int:
+    """Search, attach, run the session, and again, until a session ends the process; the exit code.
 
-
-async def _read(call: grpc.aio.StreamStreamCall, decoder: codec.PlanDecoder) -> Welcome | StepPlan | Shutdown:
-    msg = await call.read()
-    if msg is grpc.aio.EOF:  # type: ignore[attr-defined]
-        raise StreamBroken("control plane closed the stream")
-    try:
-        return decoder.control(msg)  # type: ignore[arg-type]
-    except ValueError as exc:
-        raise StreamBroken(f"control plane sent a message the worker cannot read: {exc}") from None
-
-
-async def _session(worker: LoadedWorker, channel: grpc.aio.Channel) -> int:
-    """Hello, Welcome, then plans until Shutdown. Returns the exit code."""
-    call = worker_pb2_grpc.WorkerLinkStub(channel).Connect()
-    await call.write(codec.hello_to_proto(worker.hello))
-    decoder = codec.PlanDecoder()
-    welcome = await _read(call, decoder)
-    if not isinstance(welcome, Welcome):
-        raise StreamBroken(f"expected Welcome, got {type(welcome).__name__}")
-    if not welcome.accepted:
-        log.error("refused", reason=welcome.reason)
-        return EXIT_REFUSED
-    log.info("welcomed")
-    inbox: _Inbox = asyncio.Queue(maxsize=MAX_QUEUED_PLANS)
-    reader = asyncio.create_task(_read_plans(call, decoder, inbox))
-    try:
-        return await _run_plans(worker, call, inbox)
-    finally:
-        reader.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await reader
-
-
-async def _read_plans(call: grpc.aio.StreamStreamCall, decoder: codec.PlanDecoder, inbox: _Inbox) -> None:
-    """Read and decode every message as it arrives, while the executor loop runs earlier plans.
-    Ends at a Shutdown or at the first error, which is queued after the plans read before it."""
-    try:
-        while True:
-            event = await _read(call, decoder)
-            if isinstance(event, StepPlan):
-                await inbox.put(_Arrived(event, time.perf_counter()))
-            elif isinstance(event, Shutdown):
-                await inbox.put(event)
-                return
-    except Exception as exc:
-        await inbox.put(exc)
-
-
-async def _run_plans(worker: LoadedWorker, call: grpc.aio.StreamStreamCall, inbox: _Inbox) -> int:
-    """Execute the queued plans in order and answer each; the exit code once a Shutdown comes.
-
-    A result is written by a task of its own while the next plan already executes: the device never
-    waits for the network (SGLang copies results back on a stream of their own for the same reason).
+    A draining worker (see `Link.drain`) exits when its session ends, however it ends.
     """
-    outbox: asyncio.Queue[StepResult | None] = asyncio.Queue()
-    writer = asyncio.create_task(_write_results(call, outbox))
-    finished: float | None = None  # when the previous step ended
+    link = link or Link()
+    dialer = Dialer(config, worker.hello.model_fingerprint)
+    retry = Retry(config.reconnect_max_backoff_s, deadline=time.monotonic() + config.connect_timeout_s)
+    avoid: Candidate | None = None
+    while True:
+        candidate = await dialer.search(avoid)
+        end = await _attach(worker, dialer, candidate, link) if candidate else None
+        ending = end.ending if end else None
+        if link.draining.is_set():
+            return EXIT_OK
+        if ending in _EXITS:
+            return _EXITS[ending]
+        if end and end.welcomed:
+            retry.welcomed()
+        avoid = candidate if ending in (Ending.MOVED, Ending.RETRY) else None
+        if ending is Ending.MOVED:
+            await retry.jitter()
+        elif not await retry.wait():
+            log.error("connect_failed", control=config.control, timeout_s=config.connect_timeout_s)
+            return EXIT_CONNECT_FAILED
+
+
+_EXITS = {Ending.SHUTDOWN: EXIT_OK, Ending.REFUSED: EXIT_REFUSED}
+
+
+async def _attach(worker: LoadedWorker, dialer: Dialer, candidate: Candidate, link: Link) -> SessionEnd:
+    address = candidate.address.target
+    with structlog.contextvars.bound_contextvars(control_plane=address):
+        async with dialer.channel(candidate.address) as channel:
+            end = await run_session(worker.executor, worker.hello, channel, link)
+        if end.ending is Ending.LOST:
+            log.warning("control_plane_lost", welcomed=end.welcomed, error=end.reason)
+        elif end.ending is Ending.REFUSED:
+            log.error("refused", reason=end.reason)
+        elif end.ending is Ending.RETRY:
+            log.info("refused_for_now", reason=end.reason)
+    return end
+
+
+# ---- signals -----------------------------------------------------------------------------------
+
+
+async def serve_until_signal(
+    worker: LoadedWorker, config: WorkerConfig, signals: asyncio.Queue[str], link: Link | None = None
+) -> int:
+    """`serve`, stopped by the signals queued in `signals` (see `stop_signals`): the first drains
+    an attached worker, a second one, or one while not attached, ends it at once (exit 0)."""
+    link = link or Link()
+    task = asyncio.create_task(serve(worker, config, link))
     try:
-        while True:
-            item = await _next(inbox, writer)
-            if isinstance(item, Exception):
-                raise item
-            if isinstance(item, Shutdown):
-                log.info("shutdown", reason=item.reason)
-                outbox.put_nowait(None)
-                await writer
-                await call.done_writing()
-                return EXIT_OK
-            wait_s = 0.0 if finished is None else max(0.0, item.at - finished)
-            result = await asyncio.to_thread(worker.executor.execute, item.plan)
-            finished = time.perf_counter()
-            if result.error:
-                log.error("step_error", step_id=result.step_id, error=result.error)
-            outbox.put_nowait(dataclasses.replace(result, wait_s=wait_s))
-    finally:
-        writer.cancel()
-        with contextlib.suppress(asyncio.CancelledError, StreamBroken, grpc.aio.AioRpcError):
-            await writer
-
-
-async def _next(inbox: _Inbox, writer: asyncio.Task[None]) -> _Arrived | Shutdown | Exception:
-    """The next queued item; a failed result writer ends the session as a broken stream would."""
-    if writer.done():
-        writer.result()  # raises what ended it
-    getter = asyncio.ensure_future(inbox.get())
-    await asyncio.wait({getter, writer}, return_when=asyncio.FIRST_COMPLETED)
-    if not getter.done():
-        getter.cancel()
-        writer.result()
-        raise StreamBroken("the result writer stopped")
-    return getter.result()
-
-
-async def _write_results(call: grpc.aio.StreamStreamCall, outbox: asyncio.Queue[StepResult | None]) -> None:
-    """Write results in order until told to stop (None)."""
-    while (result := await outbox.get()) is not None:
-        await _write(call, result)
-
-
-async def _write(call: grpc.aio.StreamStreamCall, result: StepResult) -> None:
-    try:
-        await call.write(codec.result_to_proto(result))
-    except asyncio.InvalidStateError:  # the call ended while the step ran
-        raise StreamBroken("control plane closed the stream") from None
-
-
-async def serve(worker: LoadedWorker, config: WorkerConfig) -> int:
-    """Dial, run the session, and map every way it can end to an exit code."""
-    try:
-        channel = await _dial(config)
-    except TimeoutError:
-        log.error("connect_failed", control=config.control, timeout_s=config.connect_timeout_s)
-        return EXIT_CONNECT_FAILED
-    log.info("connected", control=config.control)
-    try:
-        return await _session(worker, channel)
-    except (grpc.aio.AioRpcError, StreamBroken) as exc:
-        log.error("stream_broken", error=_describe(exc))
-        return EXIT_STREAM_BROKEN
-    finally:
-        await channel.close(grace=None)
-
-
-def _channel(config: WorkerConfig) -> grpc.aio.Channel:
-    """Plaintext, or TLS verifying the control plane against --tls-ca, with this worker's own
-    certificate when --tls-cert/--tls-key are given (mutual TLS)."""
-    if config.tls_ca is None:
-        return grpc.aio.insecure_channel(config.control, options=_CHANNEL_OPTIONS)
-    creds = grpc.ssl_channel_credentials(
-        root_certificates=config.tls_ca.read_bytes(),
-        private_key=config.tls_key.read_bytes() if config.tls_key else None,
-        certificate_chain=config.tls_cert.read_bytes() if config.tls_cert else None,
-    )
-    options: list[tuple[str, int | str]] = list(_CHANNEL_OPTIONS)
-    if config.tls_server_name:
-        options.append(("grpc.ssl_target_name_override", config.tls_server_name))
-    return grpc.aio.secure_channel(config.control, creds, options=options)
-
-
-def _describe(exc: Exception) -> str:
-    if isinstance(exc, grpc.aio.AioRpcError):
-        return f"{exc.code().name}: {exc.details()}"
-    return str(exc)
-
-
-async def serve_until_signal(worker: LoadedWorker, config: WorkerConfig) -> int:
-    """`serve`, but SIGTERM/SIGINT cancel it and exit 0 (Kubernetes stops pods with SIGTERM)."""
-    loop = asyncio.get_running_loop()
-    task = asyncio.create_task(serve(worker, config))
-    signalled = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, signalled.set)
-    waiter = asyncio.create_task(signalled.wait())
-    try:
-        await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
-        if task.done():
+        name = await _race(task, signals.get())
+        if name is None:
             return task.result()
-        log.info("signalled")
+        if not link.attached:
+            log.info("signalled", signal=name)
+            return EXIT_OK
+        log.info("draining", signal=name, drain_timeout_s=config.drain_timeout_s)
+        await link.drain(name)
+        name = await _race(task, signals.get(), timeout=config.drain_timeout_s + DRAIN_GRACE_S)
+        if name is None:
+            return task.result()
+        if name == _TIMED_OUT:
+            log.warning("drain_timed_out", waited_s=config.drain_timeout_s + DRAIN_GRACE_S)
+        else:
+            log.info("signalled_again", signal=name)
+        return EXIT_OK
+    finally:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
-        return EXIT_OK
+
+
+_TIMED_OUT = "timed out"
+
+
+async def _race(
+    task: asyncio.Future[Any], waiter: Coroutine[Any, Any, str], timeout: float | None = None
+) -> str | None:
+    """None once `task` is done; else what `waiter` returned first, or _TIMED_OUT."""
+    other = asyncio.ensure_future(waiter)
+    try:
+        done, _ = await asyncio.wait({task, other}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        waiter.cancel()
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        other.cancel()
+    if task in done:
+        return None
+    return other.result() if other in done else _TIMED_OUT
+
+
+@contextlib.contextmanager
+def stop_signals() -> Iterator[asyncio.Queue[str]]:
+    """SIGTERM and SIGINT, by name, queued as they arrive (instead of their default actions)."""
+    loop = asyncio.get_running_loop()
+    received: asyncio.Queue[str] = asyncio.Queue()
+    for sig in STOP_SIGNALS:
+        loop.add_signal_handler(sig, received.put_nowait, sig.name)
+    try:
+        yield received
+    finally:
+        for sig in STOP_SIGNALS:
             loop.remove_signal_handler(sig)
 
 
@@ -377,15 +288,40 @@ async def serve_until_signal(worker: LoadedWorker, config: WorkerConfig) -> int:
 
 
 def run(config: WorkerConfig) -> int:
-    """Blocking entry point for `stepwise worker`: load, connect, serve; returns the exit code.
+    """Blocking entry point for `stepwise worker`: health, load, serve; returns the exit code.
 
     Logging is the caller's to configure; if nobody did, JSON/console defaults are set here.
     """
     if not structlog.is_configured():
         configure_logging()
     structlog.contextvars.bind_contextvars(worker_id=config.worker_id)
+    return asyncio.run(_run(config))
+
+
+async def _run(config: WorkerConfig) -> int:
+    health = WorkerHealth()
+    with stop_signals() as signals:
+        try:
+            if config.health_port:
+                await health.start(config.health_host, config.health_port)
+                log.info("health_listening", host=config.health_host, port=health.port)
+        except OSError as exc:
+            log.error("health_port_failed", error=str(exc))
+            return EXIT_REFUSED
+        try:
+            return await _load_and_serve(config, health, signals)
+        finally:
+            await health.stop()
+
+
+async def _load_and_serve(config: WorkerConfig, health: WorkerHealth, signals: asyncio.Queue[str]) -> int:
+    loading = asyncio.ensure_future(_in_daemon_thread(lambda: load_worker(config)))
+    name = await _race(loading, signals.get())
+    if name is not None:
+        log.info("signalled", signal=name, loading=True)
+        return EXIT_OK
     try:
-        worker = load_worker(config)
+        worker = loading.result()
     except (ModelLoadError, ValueError) as exc:
         log.error("model_load_failed", model=str(config.model), error=str(exc))
         return EXIT_BAD_MODEL
@@ -398,12 +334,32 @@ def run(config: WorkerConfig) -> int:
         device=hello.device,
         dtype=hello.dtype,
     )
-    return asyncio.run(serve_until_signal(worker, config))
+    await health.set_loaded()
+    return await serve_until_signal(worker, config, signals, Link(health))
+
+
+async def _in_daemon_thread(fn: Callable[[], T]) -> T:
+    """fn() in a daemon thread. asyncio.run() waits for its default executor's threads when it ends,
+    and a model load can take minutes: a signal during one should not wait for it."""
+    done: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+    def target() -> None:
+        try:
+            done.set_result(fn())
+        except BaseException as exc:
+            done.set_exception(exc)
+
+    threading.Thread(target=target, name="load-model", daemon=True).start()
+    return await asyncio.wrap_future(done)
 
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m data_plane.worker --model DIR [...]` (the same flags as `stepwise worker`)."""
-    parser = argparse.ArgumentParser(prog="python -m data_plane.worker", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m data_plane.worker",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_arguments(parser)
     return run(config_from_args(parser.parse_args(argv)))
 

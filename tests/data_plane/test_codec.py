@@ -15,9 +15,12 @@ from hypothesis import strategies as st
 from data_plane import codec
 from data_plane.config import add_arguments, config_from_args
 from data_plane.messages import (
+    Census,
+    Drain,
     Hello,
     KvReport,
     KvTransfer,
+    Move,
     SamplerParams,
     Shutdown,
     StepResult,
@@ -95,6 +98,20 @@ def test_hello_and_control_events_round_trip() -> None:
     assert codec.control_from_proto(_wire(bye)) == Shutdown("done")
     with pytest.raises(ValueError):
         codec.control_from_proto(worker_pb2.ControlMessage())
+
+
+def test_move_drain_census_and_a_retryable_refusal_round_trip() -> None:
+    busy = worker_pb2.ControlMessage(
+        welcome=worker_pb2.Welcome(accepted=False, reason="draining", retryable=True)
+    )
+    assert codec.control_from_proto(_wire(busy)) == Welcome(False, "draining", retryable=True)
+    move = worker_pb2.ControlMessage(move=worker_pb2.Move(reason="rebalance"))
+    assert codec.control_from_proto(_wire(move)) == Move("rebalance")
+    drain = _wire(codec.drain_to_proto(Drain("SIGTERM")))
+    assert (drain.WhichOneof("msg"), drain.drain.reason) == ("drain", "SIGTERM")
+    census = Census("cp-1", workers=3, queued=7, running=2**40, accepting=False, model_fingerprint="ab" * 32)
+    assert codec.census_from_proto(_wire(codec.census_to_proto(census))) == census
+    assert codec.census_from_proto(worker_pb2.CensusReply()) == Census(accepting=False)
 
 
 def test_flags_build_a_frozen_config() -> None:

@@ -8,14 +8,14 @@ import pathlib
 
 import pytest
 
-from data_plane import codec, worker
-from data_plane.messages import Shutdown, StepPlan
+from data_plane import codec
+from data_plane.messages import Move, Shutdown, StepPlan
+from data_plane.session import MAX_QUEUED_PLANS, _Inbox, _read_plans
 from protos.stepwise.v1 import worker_pb2
 from tests.data_plane.factories import Extend, SlotAllocator, make_plan, new_seq
-from tests.data_plane.test_worker_process import (
+from tests.data_plane.fake_control import (
     PROMPT,
     SHUTDOWN,
-    Replies,
     Session,
     exit_code,
     fake_control,
@@ -37,38 +37,38 @@ def three_plans() -> list[StepPlan]:
     return plans
 
 
-async def send_back_to_back(session: Session, replies: Replies):  # type: ignore[no-untyped-def]
+async def send_back_to_back(session: Session):  # type: ignore[no-untyped-def]
     """Two plans in flight, as an overlapping control plane keeps them: the next plan is sent as soon
     as a result comes back, so one is always queued behind the one executing."""
     yield welcome()
     plans = three_plans()
     yield plan_message(plans[0])
     yield plan_message(plans[1])
-    session.results.append((await anext(replies)).result)
+    await session.next_result()
     yield plan_message(plans[2])
     for _ in range(2):
-        session.results.append((await anext(replies)).result)
+        await session.next_result()
     yield SHUTDOWN
 
 
-async def send_after_a_pause(session: Session, replies: Replies):  # type: ignore[no-untyped-def]
+async def send_after_a_pause(session: Session):  # type: ignore[no-untyped-def]
     """One plan at a time, the next only STEP_S after the last result: the worker sits idle."""
     yield welcome()
     for plan in three_plans():
         yield plan_message(plan)
-        session.results.append((await anext(replies)).result)
+        await session.next_result()
         await asyncio.sleep(STEP_S)
     yield SHUTDOWN
 
 
 async def test_the_next_plan_is_ready_when_a_step_ends(model_dir: pathlib.Path) -> None:
     async with (
-        fake_control(send_back_to_back) as (control, port),
-        worker_process(model_dir, port, *SIM) as proc,
+        fake_control(send_back_to_back) as control,
+        worker_process(model_dir, control.port, *SIM) as proc,
     ):
         code, stderr = await exit_code(proc)
     assert code == 0, stderr
-    results = control.session.results
+    results = control.sessions[0].results
     assert [r.step_id for r in results] == [100, 101, 102]
     assert all(len(codec.result_from_proto(r).token_ids) == 1 for r in results)
     assert results[0].wait_s == 0.0  # the first plan of a session has no step before it
@@ -78,12 +78,12 @@ async def test_the_next_plan_is_ready_when_a_step_ends(model_dir: pathlib.Path) 
 
 async def test_wait_s_is_the_idle_gap_before_a_plan(model_dir: pathlib.Path) -> None:
     async with (
-        fake_control(send_after_a_pause) as (control, port),
-        worker_process(model_dir, port, *SIM) as proc,
+        fake_control(send_after_a_pause) as control,
+        worker_process(model_dir, control.port, *SIM) as proc,
     ):
         code, stderr = await exit_code(proc)
     assert code == 0, stderr
-    waits = [r.wait_s for r in control.session.results]
+    waits = [r.wait_s for r in control.sessions[0].results]
     assert waits[0] == 0.0
     assert all(STEP_S * 0.8 < w < STEP_S * 5 for w in waits[1:]), waits
 
@@ -101,18 +101,18 @@ class _EndlessPlans:
 
 async def test_the_reader_stops_reading_when_the_queue_is_full() -> None:
     call = _EndlessPlans()
-    inbox: worker._Inbox = asyncio.Queue(maxsize=worker.MAX_QUEUED_PLANS)
-    reader = asyncio.create_task(worker._read_plans(call, codec.PlanDecoder(), inbox))  # type: ignore[arg-type]
+    inbox: _Inbox = asyncio.Queue(maxsize=MAX_QUEUED_PLANS)
+    reader = asyncio.create_task(_read_plans(call, codec.PlanDecoder(), inbox))  # type: ignore[arg-type]
     try:
         for _ in range(50):
             await asyncio.sleep(0)
         # Eight queued and one more read, waiting for room: the stream is not read any further.
-        assert (inbox.qsize(), call.reads) == (worker.MAX_QUEUED_PLANS, worker.MAX_QUEUED_PLANS + 1)
+        assert (inbox.qsize(), call.reads) == (MAX_QUEUED_PLANS, MAX_QUEUED_PLANS + 1)
         first = await inbox.get()
-        assert not isinstance(first, Shutdown | Exception) and first.plan.step_id == 1
+        assert not isinstance(first, Shutdown | Move | Exception) and first.plan.step_id == 1
         for _ in range(50):
             await asyncio.sleep(0)
-        assert call.reads == worker.MAX_QUEUED_PLANS + 2
+        assert call.reads == MAX_QUEUED_PLANS + 2
     finally:
         reader.cancel()
         with pytest.raises(asyncio.CancelledError):

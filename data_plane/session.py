@@ -1,0 +1,234 @@
+"""One session with a control plane: Hello -> Welcome -> for each StepPlan: execute, answer with a
+StepResult carrying the same step_id, until the control plane sends Shutdown or Move, or the stream
+breaks.
+
+The session is a pipeline: a reader task reads and decodes plans into a bounded queue as they
+arrive, while the executor loop runs the plans in order (in a thread: the forward releases the
+GIL) and a writer task writes their results in order. With two plans in flight the next one is
+decoded and waiting when a step ends, so the worker starts it at once; each result says how long
+the worker waited for its plan (`wait_s`).
+
+What the executor holds (sequences, KV, host copies) and the decode set the plans diff against
+belong to the session: a new session starts with both empty, as the control plane's first plan
+to it assumes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import enum
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+import grpc
+import structlog
+
+from data_plane import codec
+from data_plane.link import Link
+from data_plane.messages import Drain, Hello, Move, Shutdown, StepPlan, StepResult, Welcome
+from protos.stepwise.v1 import worker_pb2_grpc
+
+# A control plane keeps a few plans in flight at most; past this many waiting, the reader stops
+# reading (gRPC's flow control then holds the control plane back) rather than queue without bound.
+MAX_QUEUED_PLANS = 8
+# After a Move, how long the worker waits for the control plane to end the stream it half-closed.
+CLOSE_GRACE_S = 1.0
+
+log = structlog.get_logger("data_plane.session")
+
+
+class StepExecutor(Protocol):
+    def execute(self, plan: StepPlan) -> StepResult: ...
+
+    def reset(self) -> None: ...
+
+
+class StreamBroken(Exception):
+    """The control plane went away or broke the protocol."""
+
+
+class Ending(enum.Enum):
+    SHUTDOWN = "shutdown"  # the control plane told the worker to stop
+    MOVED = "moved"  # ... to attach to another control plane
+    REFUSED = "refused"  # it refused the worker for good (model, protocol, page size)
+    RETRY = "retry"  # it refused the worker for now (draining, or an old session not yet over)
+    LOST = "lost"  # the stream broke, ended, or carried something the worker cannot read
+
+
+@dataclass(frozen=True, slots=True)
+class SessionEnd:
+    ending: Ending
+    # Whether the control plane welcomed the worker before the end.
+    welcomed: bool
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class _Arrived:
+    """A decoded plan, and when it was ready (time.perf_counter())."""
+
+    plan: StepPlan
+    at: float
+
+
+# What the reader hands the executor loop, in stream order: plans, then a Shutdown or Move, or the
+# error that ended reading.
+_Inbox = asyncio.Queue[_Arrived | Shutdown | Move | Exception]
+# What the writer writes, in order, until None.
+_Outbox = asyncio.Queue[StepResult | Drain | None]
+
+
+async def run_session(
+    executor: StepExecutor, hello: Hello, channel: grpc.aio.Channel, link: Link
+) -> SessionEnd:
+    """Run one session on `channel`; every way it can end is a SessionEnd (none raises)."""
+    executor.reset()
+    call = worker_pb2_grpc.WorkerLinkStub(channel).Connect()
+    welcomed = False
+    try:
+        await call.write(codec.hello_to_proto(hello))
+        decoder = codec.PlanDecoder()
+        welcome = await _read(call, decoder)
+        if not isinstance(welcome, Welcome):
+            raise StreamBroken(f"expected Welcome, got {type(welcome).__name__}")
+        if not welcome.accepted:
+            return SessionEnd(Ending.RETRY if welcome.retryable else Ending.REFUSED, False, welcome.reason)
+        welcomed = True
+        log.info("welcomed")
+        async with link.attachment():
+            return await _serve(executor, call, decoder, link)
+    except (grpc.aio.AioRpcError, StreamBroken, asyncio.InvalidStateError) as exc:
+        # InvalidStateError: a write to a call that already ended
+        return SessionEnd(Ending.LOST, welcomed, _describe(exc) or "control plane closed the stream")
+
+
+async def _serve(
+    executor: StepExecutor, call: grpc.aio.StreamStreamCall, decoder: codec.PlanDecoder, link: Link
+) -> SessionEnd:
+    inbox: _Inbox = asyncio.Queue(maxsize=MAX_QUEUED_PLANS)
+    reader = asyncio.create_task(_read_plans(call, decoder, inbox))
+    try:
+        return await _run_plans(executor, call, inbox, link)
+    finally:
+        reader.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await reader
+
+
+async def _read(
+    call: grpc.aio.StreamStreamCall, decoder: codec.PlanDecoder
+) -> Welcome | StepPlan | Shutdown | Move:
+    msg = await call.read()
+    if msg is grpc.aio.EOF:  # type: ignore[attr-defined]
+        raise StreamBroken("control plane closed the stream")
+    try:
+        return decoder.control(msg)  # type: ignore[arg-type]
+    except ValueError as exc:
+        raise StreamBroken(f"control plane sent a message the worker cannot read: {exc}") from None
+
+
+async def _read_plans(call: grpc.aio.StreamStreamCall, decoder: codec.PlanDecoder, inbox: _Inbox) -> None:
+    """Read and decode every message as it arrives, while the executor loop runs earlier plans.
+    Ends at a Shutdown or Move or at the first error, queued after the plans read before it."""
+    try:
+        while True:
+            event = await _read(call, decoder)
+            if isinstance(event, StepPlan):
+                await inbox.put(_Arrived(event, time.perf_counter()))
+            elif isinstance(event, Shutdown | Move):
+                await inbox.put(event)
+                return
+    except Exception as exc:
+        await inbox.put(exc)
+
+
+async def _run_plans(
+    executor: StepExecutor, call: grpc.aio.StreamStreamCall, inbox: _Inbox, link: Link
+) -> SessionEnd:
+    """Execute the queued plans in order and answer each, until a Shutdown or Move comes.
+
+    A result is written by a task of its own while the next plan already executes: the device never
+    waits for the network (SGLang copies results back on a stream of their own for the same reason).
+    A drain (the worker is stopping) goes out through the same writer, after the results before it.
+    """
+    outbox: _Outbox = asyncio.Queue()
+    writer = asyncio.create_task(_write_messages(call, outbox))
+    drainer = asyncio.create_task(_send_drain(link, outbox))
+    finished: float | None = None  # when the previous step ended
+    try:
+        while True:
+            item = await _next(inbox, writer)
+            if isinstance(item, Exception):
+                raise item
+            if isinstance(item, Shutdown | Move):
+                return await _leave(call, outbox, writer, item)
+            wait_s = 0.0 if finished is None else max(0.0, item.at - finished)
+            result = await asyncio.to_thread(executor.execute, item.plan)
+            finished = time.perf_counter()
+            if result.error:
+                log.error("step_error", step_id=result.step_id, error=result.error)
+            outbox.put_nowait(dataclasses.replace(result, wait_s=wait_s))
+    finally:
+        for task in (drainer, writer):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, StreamBroken, grpc.aio.AioRpcError):
+                await task
+
+
+async def _leave(
+    call: grpc.aio.StreamStreamCall, outbox: _Outbox, writer: asyncio.Task[None], told: Shutdown | Move
+) -> SessionEnd:
+    """Write the results not yet written, half-close the stream, and for a Move give the control
+    plane a moment to end it too (a clean end, not a cancelled call). The session ends as told even
+    when the stream breaks meanwhile: nothing is live on the worker by then."""
+    moved = isinstance(told, Move)
+    log.info("moved" if moved else "shutdown", reason=told.reason)
+    outbox.put_nowait(None)
+    try:
+        await writer
+        await call.done_writing()
+        if moved:
+            await asyncio.wait_for(call.code(), CLOSE_GRACE_S)
+    except (StreamBroken, grpc.aio.AioRpcError, asyncio.InvalidStateError, TimeoutError) as exc:
+        log.info("stream_ended_while_leaving", error=_describe(exc) or type(exc).__name__)
+    return SessionEnd(Ending.MOVED if moved else Ending.SHUTDOWN, True, told.reason)
+
+
+async def _next(inbox: _Inbox, writer: asyncio.Task[None]) -> _Arrived | Shutdown | Move | Exception:
+    """The next queued item; a failed result writer ends the session as a broken stream would."""
+    if writer.done():
+        writer.result()  # raises what ended it
+    getter = asyncio.ensure_future(inbox.get())
+    await asyncio.wait({getter, writer}, return_when=asyncio.FIRST_COMPLETED)
+    if not getter.done():
+        getter.cancel()
+        writer.result()
+        raise StreamBroken("the result writer stopped")
+    return getter.result()
+
+
+async def _send_drain(link: Link, outbox: _Outbox) -> None:
+    await link.draining.wait()
+    log.info("drain_sent", reason=link.drain_reason)
+    outbox.put_nowait(Drain(link.drain_reason))
+
+
+async def _write_messages(call: grpc.aio.StreamStreamCall, outbox: _Outbox) -> None:
+    """Write results (and a drain) in order until told to stop (None)."""
+    while (message := await outbox.get()) is not None:
+        proto = (
+            codec.drain_to_proto(message) if isinstance(message, Drain) else codec.result_to_proto(message)
+        )
+        try:
+            await call.write(proto)
+        except asyncio.InvalidStateError:  # the call ended while the step ran
+            raise StreamBroken("control plane closed the stream") from None
+
+
+def _describe(exc: Exception) -> str:
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return f"{exc.code().name}: {exc.details()}"
+    return str(exc)

@@ -1,0 +1,72 @@
+"""The worker's flags for finding, balancing over and leaving control planes."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from data_plane import worker
+from data_plane.config import add_arguments, config_from_args
+
+NEW_FLAGS = ("--control", "--reconnect-max-backoff", "--drain-timeout", "--health-port", "--health-host")
+
+
+def parse(*argv: str):  # type: ignore[no-untyped-def]
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return config_from_args(parser.parse_args(["--model", "/m", *argv]))
+
+
+def test_defaults() -> None:
+    config = parse()
+    assert (config.control, config.drain_timeout_s, config.reconnect_max_backoff_s) == (
+        "127.0.0.1:50052",
+        30.0,
+        5.0,
+    )
+    assert (config.health_port, config.health_host) == (0, "0.0.0.0")
+
+
+def test_the_flags_reach_the_config() -> None:
+    config = parse(
+        "--control",
+        "dns:///cp.svc:50052",
+        "--drain-timeout",
+        "0",
+        "--reconnect-max-backoff",
+        "0.5",
+        "--health-port",
+        "8081",
+        "--health-host",
+        "127.0.0.1",
+    )
+    assert config.control == "dns:///cp.svc:50052"
+    assert (config.drain_timeout_s, config.reconnect_max_backoff_s) == (0.0, 0.5)
+    assert (config.health_port, config.health_host) == (8081, "127.0.0.1")
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (("--control", ""), "--control"),
+        (("--control", "a:1,b"), "--control"),
+        (("--drain-timeout", "-1"), "--drain-timeout"),
+        (("--reconnect-max-backoff", "0"), "--reconnect-max-backoff"),
+        (("--health-port", "65536"), "--health-port"),
+        (("--health-port", "-1"), "--health-port"),
+    ],
+)
+def test_values_that_cannot_work_are_refused_naming_the_flag(argv: tuple[str, ...], flag: str) -> None:
+    with pytest.raises(ValueError, match=flag):
+        parse(*argv)
+
+
+def test_help_describes_every_new_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        worker.main(["--help"])
+    assert exited.value.code == 0
+    text = capsys.readouterr().out
+    for flag in NEW_FLAGS:
+        assert flag in text
+    assert "dns:///NAME:PORT" in text and "Exit codes" in text

@@ -1,0 +1,173 @@
+"""The search for a control plane: least-workers choice, the backoff, and searches against fake
+control planes answering Census (plaintext and TLS)."""
+
+from __future__ import annotations
+
+import contextlib
+import pathlib
+import random
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+
+from data_plane.config import WorkerConfig
+from data_plane.dialer import BACKOFF_BASE_S, Candidate, Dialer, Retry, backoff_delays, choose
+from data_plane.messages import Census
+from data_plane.targets import Address
+from tests.certs import make_ca, make_cert
+from tests.data_plane.fake_control import FakeControl, fake_control, free_port
+
+MODEL = "fingerprint-of-our-model"
+
+
+def candidate(
+    last_octet: int, workers: int, queued: int = 0, running: int = 0, accepting: bool = True, **census: str
+) -> Candidate:
+    address = Address(f"10.0.0.{last_octet}", 50052, "cp.svc")
+    return Candidate(
+        address, Census(workers=workers, queued=queued, running=running, accepting=accepting, **census)
+    )
+
+
+def chosen_octet(*candidates: Candidate, avoid: Candidate | None = None) -> int | None:
+    chosen = choose(candidates, MODEL, avoid)
+    return None if chosen is None else int(chosen.address.ip.rsplit(".", 1)[1])
+
+
+# ---- the choice --------------------------------------------------------------------------------
+
+
+def test_the_fewest_workers_win() -> None:
+    assert chosen_octet(candidate(1, 2), candidate(2, 0), candidate(3, 1)) == 2
+
+
+def test_ties_go_to_the_least_loaded_then_the_lowest_address() -> None:
+    assert chosen_octet(candidate(1, 1, queued=5), candidate(2, 1, queued=1, running=3), candidate(3, 2)) == 2
+    assert (
+        chosen_octet(
+            candidate(3, 1, running=2), candidate(1, 1, queued=2), candidate(2, 1, queued=1, running=1)
+        )
+        == 1
+    )
+
+
+def test_those_not_accepting_or_serving_another_model_are_skipped() -> None:
+    draining = candidate(1, 0, accepting=False)
+    other_model = candidate(2, 0, model_fingerprint="another model")
+    ours = candidate(3, 4, model_fingerprint=MODEL)
+    assert chosen_octet(draining, other_model, ours) == 3
+    assert chosen_octet(draining, other_model) is None
+    assert chosen_octet() is None
+
+
+def test_the_control_plane_to_avoid_is_skipped_only_while_another_fits() -> None:
+    mover, other = candidate(1, 0), candidate(2, 5)
+    assert chosen_octet(mover, other, avoid=mover) == 2
+    assert chosen_octet(mover, candidate(2, 0, accepting=False), avoid=mover) == 1
+
+
+def test_one_control_plane_on_two_addresses_is_avoided_on_both() -> None:
+    """127.0.0.1 and ::1 may be one control plane: the id, not the address, says which it is."""
+    left = candidate(1, 0, control_plane_id="cp-a")
+    same_elsewhere, other = candidate(2, 0, control_plane_id="cp-a"), candidate(3, 3, control_plane_id="cp-b")
+    assert chosen_octet(same_elsewhere, other, avoid=left) == 3
+
+
+# ---- the backoff -------------------------------------------------------------------------------
+
+
+def test_delays_double_with_equal_jitter_up_to_the_cap() -> None:
+    delays = backoff_delays(0.1, 5.0, random.Random(7))
+    got = [next(delays) for _ in range(12)]
+    steps = [min(0.1 * 2**i, 5.0) for i in range(12)]
+    assert all(step / 2 <= d <= step for d, step in zip(got, steps, strict=True)), got
+    assert max(got) <= 5.0 and min(got[8:]) >= 2.5  # capped, and never below half the cap
+    assert len(set(got)) == len(got)  # jittered
+    again = backoff_delays(0.1, 5.0, random.Random(7))
+    assert [next(again) for _ in range(12)] == got  # the seed decides
+
+
+def test_a_cap_below_the_base_caps_the_first_delay_too() -> None:
+    delays = backoff_delays(0.1, 0.04, random.Random(1))
+    assert all(0.02 <= next(delays) <= 0.04 for _ in range(5))
+
+
+async def test_retry_gives_up_at_the_deadline_until_first_welcomed() -> None:
+    retry = Retry(cap_s=0.05, deadline=time.monotonic() + 0.15, rng=random.Random(3))
+    started = time.monotonic()
+    waits = 0
+    while await retry.wait():
+        waits += 1
+    assert 0.15 <= time.monotonic() - started < 0.5
+    assert waits == retry.attempt >= 3
+    retry.welcomed()  # once attached, no deadline: the searches go on
+    assert retry.deadline is None and retry.attempt == 0
+    assert await retry.wait()
+
+
+async def test_retry_after_welcome_starts_from_the_base_delay() -> None:
+    retry = Retry(cap_s=10.0, deadline=None, rng=random.Random(3))
+    for _ in range(4):
+        next(retry._delays)
+    retry.welcomed()
+    started = time.monotonic()
+    assert await retry.wait()
+    assert time.monotonic() - started < BACKOFF_BASE_S * 3
+
+
+# ---- searching fake control planes --------------------------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def control_planes(*censuses: Census | None) -> AsyncIterator[list[FakeControl]]:
+    async with contextlib.AsyncExitStack() as stack:
+        yield [await stack.enter_async_context(fake_control(census=c)) for c in censuses]
+
+
+def dialer(control: str, **tls: object) -> Dialer:
+    return Dialer(WorkerConfig(control=control, **tls), MODEL)  # type: ignore[arg-type]
+
+
+async def test_the_search_attaches_to_the_fewest_workers_and_skips_the_unreachable() -> None:
+    async with control_planes(Census(workers=2), Census(workers=0), Census(workers=1)) as planes:
+        control = ",".join([f"127.0.0.1:{free_port()}", *(p.address for p in planes)])
+        found = await dialer(control).search()
+    assert found is not None and found.address.target == planes[1].address
+
+
+async def test_the_search_skips_a_control_plane_that_is_not_accepting() -> None:
+    async with control_planes(Census(workers=0, accepting=False), Census(workers=3)) as planes:
+        found = await dialer(",".join(p.address for p in planes)).search()
+    assert found is not None and found.address.target == planes[1].address
+
+
+async def test_a_control_plane_without_census_counts_as_empty() -> None:
+    async with control_planes(Census(workers=1), None) as planes:
+        found = await dialer(",".join(p.address for p in planes)).search()
+    assert found is not None and found.address.target == planes[1].address
+
+
+async def test_nothing_reachable_is_no_choice() -> None:
+    assert await dialer(f"127.0.0.1:{free_port()}").search() is None
+
+
+async def test_with_tls_the_address_is_dialled_and_the_name_verified(tmp_path: pathlib.Path) -> None:
+    """The certificate names only "localhost": the census over 127.0.0.1 passes because the
+    worker verifies the name it was given, and fails when told to verify another name."""
+    ca = make_ca(tmp_path)
+    cert = make_cert(ca, tmp_path, "control", ip=None, dns=("localhost",))
+    creds = grpc.ssl_server_credentials([cert.key_and_chain()])
+    async with fake_control(census=Census(workers=0), server_credentials=creds) as plane:
+        found = await dialer(f"localhost:{plane.port}", tls_ca=ca.cert).search()
+        assert found is not None
+        assert (found.address.target, found.address.host) == (plane.address, "localhost")
+        wrong_name = dialer(f"localhost:{plane.port}", tls_ca=ca.cert, tls_server_name="elsewhere")
+        assert await wrong_name.search() is None
+
+
+async def test_a_control_plane_serving_another_model_is_skipped() -> None:
+    other = Census(workers=0, model_fingerprint="another model")
+    async with control_planes(other, Census(workers=9, model_fingerprint=MODEL)) as planes:
+        found = await dialer(",".join(p.address for p in planes)).search()
+    assert found is not None and found.address.target == planes[1].address

@@ -1,0 +1,156 @@
+"""A worker (the sim backend, in this process) over several sessions with fake control planes: it
+attaches to the least-loaded one, dials again when one goes away, leaves on Move, retries a
+retryable refusal, and starts every session with nothing from the last."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import pathlib
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+
+from data_plane.messages import Census
+from tests.data_plane.fake_control import (
+    MOVE,
+    SHUTDOWN,
+    FakeControl,
+    Session,
+    fake_control,
+    free_port,
+    hold,
+    plan_message,
+    run_plans_then,
+    served,
+    serving,
+    tokens,
+    two_step_plans,
+    welcome,
+    welcome_then,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@contextlib.asynccontextmanager
+async def control_planes(
+    *planes: contextlib.AbstractAsyncContextManager[FakeControl],
+) -> AsyncIterator[list[FakeControl]]:
+    async with contextlib.AsyncExitStack() as stack:
+        yield [await stack.enter_async_context(plane) for plane in planes]
+
+
+def control_of(*planes: FakeControl) -> str:
+    return ",".join(p.address for p in planes)
+
+
+async def test_the_worker_attaches_to_the_control_plane_with_the_fewest_workers(
+    model_dir: pathlib.Path,
+) -> None:
+    async with (
+        control_planes(
+            fake_control(census=Census(workers=2)),
+            fake_control(run_plans_then(SHUTDOWN), census=Census(workers=0)),
+            fake_control(census=Census(workers=1)),
+        ) as planes,
+        serving(model_dir, control_of(*planes)) as worker,
+    ):
+        assert await served(worker) == 0
+    assert [len(p.sessions) for p in planes] == [0, 1, 0]
+    assert [r.step_id for r in planes[1].sessions[0].results] == [100, 101]
+
+
+async def test_after_a_closed_stream_the_worker_attaches_again_and_starts_clean(
+    model_dir: pathlib.Path,
+) -> None:
+    """The second session reintroduces handle 1 and diffs its decode set against nothing: both work
+    only if the executor and the plan decoder start the session empty."""
+    async with (
+        fake_control(run_plans_then(None), run_plans_then(SHUTDOWN)) as plane,
+        serving(model_dir, plane.address) as worker,
+    ):
+        assert await served(worker) == 0
+    first, second = plane.sessions
+    assert not any(r.error for r in first.results + second.results)
+    assert [tokens(r) for r in second.results] == [tokens(r) for r in first.results]
+    assert second.results[-1].kv.live_seqs == 1
+
+
+async def test_a_restarted_control_plane_is_found_again_after_the_connect_timeout(
+    model_dir: pathlib.Path,
+) -> None:
+    """--connect-timeout bounds the first search only: once attached, the worker looks forever."""
+    port = free_port()
+    async with serving(model_dir, f"127.0.0.1:{port}", connect_timeout_s=0.5) as worker:
+        async with fake_control(hold(), port=port) as plane:
+            await plane.session(0)
+        await asyncio.sleep(1.5)  # gone for longer than --connect-timeout
+        assert not worker.done()
+        async with fake_control(run_plans_then(SHUTDOWN), port=port) as plane:
+            assert await served(worker) == 0
+    assert len(plane.sessions[0].results) == 2
+
+
+async def test_move_finishes_the_session_and_attaches_elsewhere(model_dir: pathlib.Path) -> None:
+    async def plan_then_move(session: Session):  # type: ignore[no-untyped-def]
+        yield welcome()
+        yield plan_message(two_step_plans()[0])
+        yield MOVE  # sent before the result came back: the worker still answers the plan
+        await asyncio.wait_for(session.half_closed.wait(), 10)
+
+    async with (
+        control_planes(
+            fake_control(plan_then_move, census=Census(workers=0)),
+            fake_control(run_plans_then(SHUTDOWN), census=Census(workers=3)),
+        ) as (a, b),
+        serving(model_dir, control_of(a, b)) as worker,
+    ):
+        assert await served(worker) == 0
+        [left] = a.sessions
+        assert [r.step_id for r in left.results] == [100]
+        assert left.half_closed.is_set()  # done_writing, not a cancelled call
+    # A still had the fewest workers, but it asked the worker to go.
+    assert len(a.sessions) == 1 and len(b.sessions) == 1
+    assert [r.step_id for r in b.sessions[0].results] == [100, 101]
+
+
+async def test_a_moved_worker_comes_back_when_no_other_control_plane_fits(model_dir: pathlib.Path) -> None:
+    async with (
+        control_planes(
+            fake_control(welcome_then(MOVE), run_plans_then(SHUTDOWN)),
+            fake_control(census=Census(workers=0, accepting=False)),
+        ) as (a, b),
+        serving(model_dir, control_of(a, b)) as worker,
+    ):
+        assert await served(worker) == 0
+    assert (len(a.sessions), len(b.sessions)) == (2, 0)
+
+
+async def test_a_retryable_refusal_is_retried(model_dir: pathlib.Path) -> None:
+    async def busy(session: Session):  # type: ignore[no-untyped-def]
+        yield welcome(accepted=False, reason="still holds test-worker", retryable=True)
+
+    async with (
+        fake_control(busy, busy, run_plans_then(SHUTDOWN)) as plane,
+        serving(model_dir, plane.address) as worker,
+    ):
+        assert await served(worker) == 0
+    assert [len(s.results) for s in plane.sessions] == [0, 0, 2]
+
+
+async def test_a_final_refusal_ends_the_worker_with_2(model_dir: pathlib.Path) -> None:
+    async def refuse(session: Session):  # type: ignore[no-untyped-def]
+        yield welcome(accepted=False, reason="page size 16 unsupported")
+
+    async with fake_control(refuse) as plane, serving(model_dir, plane.address) as worker:
+        assert await served(worker) == 2
+    assert len(plane.sessions) == 1
+
+
+async def test_no_control_plane_within_the_connect_timeout_is_exit_3(model_dir: pathlib.Path) -> None:
+    started = time.monotonic()
+    async with serving(model_dir, f"127.0.0.1:{free_port()}", connect_timeout_s=0.4) as worker:
+        assert await served(worker) == 3
+    assert 0.4 <= time.monotonic() - started < 3.0
