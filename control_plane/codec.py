@@ -82,12 +82,17 @@ def hello_from_limits(limits: WorkerLimits) -> wk_pb.Hello:
     )
 
 
-def welcome(accepted: bool, reason: str = "") -> wk_pb.ControlMessage:
-    return wk_pb.ControlMessage(welcome=wk_pb.Welcome(accepted=accepted, reason=reason))
+def welcome(accepted: bool, reason: str = "", retryable: bool = False) -> wk_pb.ControlMessage:
+    welcome = wk_pb.Welcome(accepted=accepted, reason=reason, retryable=retryable)
+    return wk_pb.ControlMessage(welcome=welcome)
 
 
 def shutdown(reason: str) -> wk_pb.ControlMessage:
     return wk_pb.ControlMessage(shutdown=wk_pb.Shutdown(reason=reason))
+
+
+def move(reason: str) -> wk_pb.ControlMessage:
+    return wk_pb.ControlMessage(move=wk_pb.Move(reason=reason))
 
 
 def sampler_to_proto(spec: SamplerSpec) -> wk_pb.SamplerParams:

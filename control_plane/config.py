@@ -110,6 +110,16 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class RoutingConfig:
+    """Which attached worker a request goes to (control_plane/router.py); SGLang gateway's defaults."""
+
+    # Longest cached prefix first (else least loaded); False: always the least loaded.
+    cache_aware: bool = True
+    balance_abs_threshold: int = 64
+    balance_rel_threshold: float = 1.5
+
+
+@dataclass(frozen=True, slots=True)
 class ControlConfig:
     """The control-plane process: ports, model directory, logging, and the scheduler."""
 
@@ -138,6 +148,15 @@ class ControlConfig:
     overlap: bool = True
     # Concurrent Generate calls one frontend serves; past it, RESOURCE_EXHAUSTED.
     max_concurrent_streams: int = 65536
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
+    # Seconds a draining worker's running requests (and, on SIGTERM, this control plane's streams)
+    # may take to finish before they are handed over (or aborted).
+    drain_timeout_s: float = 30.0
+    # The worker ports of every control plane, this one included (`A:P,B:P` or `dns:///NAME:PORT`);
+    # empty: no rebalancing among peers.
+    peers: str = ""
+    # Seconds between two looks at the peers' census (jittered by ±20%).
+    rebalance_interval_s: float = 2.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -178,6 +197,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--record", type=Path, default=None, metavar="DIR", help="record every scheduler call per worker")
     add("--record-max-bytes", type=int, default=DEFAULT_RECORD_MAX_BYTES, help="rotate recording files")
     _add_process_arguments(parser)
+    _add_peer_arguments(parser)
+    _add_routing_arguments(parser)
     _add_limit_arguments(parser)
     _add_security_arguments(parser)
 
@@ -206,6 +227,93 @@ def _add_process_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=d.max_concurrent_streams,
         help="Generate calls one frontend serves at once; more get RESOURCE_EXHAUSTED",
+    )
+
+
+def _add_peer_arguments(parser: argparse.ArgumentParser) -> None:
+    add, d = parser.add_argument, ControlConfig(Path("."))
+    add(
+        "--drain-timeout",
+        type=float,
+        default=d.drain_timeout_s,
+        help="seconds a draining worker's running requests may take before they continue on another "
+        "worker; on SIGTERM, seconds this control plane's streams may take before they are aborted",
+    )
+    add(
+        "--peers",
+        default=d.peers,
+        metavar="TARGET",
+        help="the worker ports of all control planes, this one included (HOST:PORT, a comma list, or "
+        "dns:///NAME:PORT; a name stands for all its addresses): one holding more than one worker "
+        "above the emptiest peer asks its newest worker to move. Empty: off. With --worker-ca the "
+        "peers are asked over mutual TLS with --tls-cert/--tls-key: one CA signs every control plane's "
+        "certificate, which must allow both server and client authentication",
+    )
+    add(
+        "--rebalance-interval",
+        type=float,
+        default=d.rebalance_interval_s,
+        help="seconds between two looks at the peers (jittered by 20%%)",
+    )
+
+
+def _drain_timeout(ns: argparse.Namespace) -> float:
+    if not 0 <= ns.drain_timeout < float("inf"):  # NaN fails too
+        raise ValueError(f"--drain-timeout must be >= 0, got {ns.drain_timeout}")
+    return float(ns.drain_timeout)
+
+
+def _peers(ns: argparse.Namespace) -> str:
+    from control_plane.target import parse_target
+
+    peers = str(ns.peers).strip()
+    if peers:
+        parse_target(peers, "--peers")  # a malformed target fails at start
+    return peers
+
+
+def _rebalance_interval(ns: argparse.Namespace) -> float:
+    if not 0 < ns.rebalance_interval < float("inf"):
+        raise ValueError(f"--rebalance-interval must be > 0, got {ns.rebalance_interval}")
+    return float(ns.rebalance_interval)
+
+
+ROUTING_POLICIES = ("cache-aware", "least-loaded")
+
+
+def _add_routing_arguments(parser: argparse.ArgumentParser) -> None:
+    add, d = parser.add_argument, RoutingConfig()
+    add(
+        "--routing-policy",
+        choices=ROUTING_POLICIES,
+        default="cache-aware",
+        help="cache-aware: the worker caching the longest prefix of the prompt unless the load is "
+        "imbalanced, else the least loaded; least-loaded: always the least loaded",
+    )
+    add(
+        "--balance-abs-threshold",
+        type=int,
+        default=d.balance_abs_threshold,
+        help="cache-aware routing turns to the least loaded worker when the busiest has this many "
+        "more requests (queued + running) than the idlest ...",
+    )
+    add(
+        "--balance-rel-threshold",
+        type=float,
+        default=d.balance_rel_threshold,
+        help="... and more than this many times its load",
+    )
+
+
+def routing_from_args(ns: argparse.Namespace) -> RoutingConfig:
+    if ns.balance_abs_threshold < 0:
+        raise ValueError("--balance-abs-threshold must be >= 0")
+    if ns.balance_rel_threshold < 1.0:
+        raise ValueError("--balance-rel-threshold must be >= 1")
+    return RoutingConfig(
+        cache_aware=ns.routing_policy == "cache-aware",
+        balance_abs_threshold=ns.balance_abs_threshold,
+        balance_rel_threshold=ns.balance_rel_threshold,
     )
 
 
@@ -411,6 +519,10 @@ def control_config_from_args(ns: argparse.Namespace, model_dir: Path) -> Control
         stream_interval=_at_least_one(ns, "stream_interval"),
         overlap=not ns.disable_overlap_schedule,
         max_concurrent_streams=_at_least_one(ns, "max_concurrent_streams"),
+        routing=routing_from_args(ns),
+        drain_timeout_s=_drain_timeout(ns),
+        peers=_peers(ns),
+        rebalance_interval_s=_rebalance_interval(ns),
     )
 
 

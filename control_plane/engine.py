@@ -8,7 +8,8 @@ publishes the previous step's tokens, so publishing never delays the accelerator
 Arrivals, aborts and stop-string finishes wait in an inbox applied at the top of each turn, so the
 scheduler sees them at a well-defined step (what the recorder stamps). The rest lives beside it:
 publishing.py (to the frontends through a Publisher), failover.py (lost workers, faults of our own),
-timeouts.py, step_log.py (log lines and metrics), worker_checks.py.
+drain.py (a worker that drains or is asked to move), timeouts.py, step_log.py (log lines and
+metrics), worker_checks.py.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ import structlog
 from control_plane import metrics
 from control_plane.cache.invariants import InvariantError, PoolCheck, check_pool_invariants
 from control_plane.config import ControlConfig
-from control_plane.failover import Failover, WorkerGone
+from control_plane.drain import Draining, Leaving
+from control_plane.failover import WorkerGone
 from control_plane.inbox import AbortItem, Arrival, Item, LiveSample, Orphan, StopItem, Verdict, link_of
 from control_plane.publishing import Publisher
 from control_plane.record.recorder import close_recording, make_scheduler
@@ -53,6 +55,8 @@ class WorkerChannel(Protocol):
 
     async def close(self, reason: str) -> None: ...
 
+    async def move(self, reason: str) -> None: ...
+
 
 @dataclass(frozen=True, slots=True)
 class InFlight:
@@ -66,7 +70,7 @@ class InFlight:
     stale: bool = False
 
 
-class Engine(Failover):
+class Engine(Draining):
     """Drives one worker. All scheduler calls happen inside `run` (and `submit`'s registration),
     one at a time, on the core's event loop."""
 
@@ -89,6 +93,12 @@ class Engine(Failover):
         self.successor: Callable[[Engine], Engine | None] | None = None
         self._wake = asyncio.Event()
         self._stopping = False
+        # When the worker attached (the newest is the one asked to move), and its drain or move.
+        self.attached_at = time.monotonic()
+        self.leaving: Leaving | None = None
+        self.on_leaving: Callable[[Engine], None] | None = None
+        # The session ended because the worker left (drained or moved), not because it was lost.
+        self.departed = False
         # Why the worker was dropped for breaking the protocol (or hanging); None while it behaves.
         self.fault: str | None = None
         # The next plan tells the worker to forget everything (after _recover).
@@ -140,6 +150,14 @@ class Engine(Failover):
         self._wake.set()
         return True
 
+    def abort_everything(self, message: str) -> int:
+        """Abort every live sample (the control plane drained past its timeout). Returns how many."""
+        rids = list(self.samples)
+        for rid in rids:
+            self._inbox.append(AbortItem(rid, FinishReason.abort(message)))
+        self._wake.set()
+        return len(rids)
+
     def abort_link(self, link_id: int, message: str) -> int:
         """A frontend died: abort every sample it submitted. Returns how many."""
         rids = [r for r, s in self.samples.items() if link_of(s.uid) == link_id]
@@ -184,7 +202,7 @@ class Engine(Failover):
         scheduler (`_recover`) and the loop goes on serving.
         """
         try:
-            while not self._stopping:
+            while not self._stopping and not self.departed:
                 try:
                     await self._iteration()
                 except (WorkerGone, WorkerFault):
@@ -214,6 +232,9 @@ class Engine(Failover):
 
     async def _iteration(self) -> None:
         self._drain_inbox()
+        if self.leaving is not None and self._leave_turn():
+            await self._depart()
+            return
         if self.timeouts.enabled:
             self.timeouts.check(self.scheduler, time.monotonic())
         await self._fill_pipeline()
@@ -280,9 +301,12 @@ class Engine(Failover):
             self.scheduler.on_idle()
             await self._check_pool_while_idle()
         self._wake.clear()
-        if self._inbox or self._stopping:
+        if self._inbox or self._stopping or (self.leaving is not None and not self.leaving.begun):
             return
         timeout = self.timeouts.poll_s() if self.samples else None
+        leave_s = self._leave_wait_s()
+        if leave_s is not None:
+            timeout = leave_s if timeout is None else min(timeout, leave_s)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._wake.wait(), timeout)
 

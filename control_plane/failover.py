@@ -61,16 +61,18 @@ class Failover(Publishing):
             report("worker lost", error=error, continued=0, aborted=len(self.samples))
             self._abort_all(f"worker {self.worker} disconnected ({error}) and no other worker is attached")
             return
-        orphans = [
-            self._orphan(req, self.samples[req.rid])
-            for req in self.scheduler.live_requests()
-            if req.rid in self.samples
-        ]
+        continued = self._give_away(self.scheduler.live_requests(), target)
+        report("worker lost", error=error, continued=len(continued), on=target.worker)
+
+    def _give_away(self, reqs: list[Request], target: Engine) -> list[str]:
+        """Continue these requests on `target` from their last published token (publish first);
+        their samples leave this engine. Returns their ids (the scheduler here still holds them)."""
+        orphans = [self._orphan(req, self.samples[req.rid]) for req in reqs if req.rid in self.samples]
         for orphan in orphans:
             self.samples.pop(orphan.sample.rid)
             self._groups.pop(orphan.sample.call, None)
-        report("worker lost", error=error, continued=len(orphans), on=target.worker)
         target.adopt(orphans)
+        return [orphan.sample.rid for orphan in orphans]
 
     @staticmethod
     def _orphan(req: Request, sample: LiveSample) -> Orphan:
@@ -145,5 +147,5 @@ class Failover(Publishing):
                 orphan.sample.rid, orphan.input_ids, orphan.params, uid=orphan.sample.uid
             )
         except (QueueFull, RequestRejected, ValueError) as exc:
-            message = f"its worker was lost and {self.worker} could not take it over: {exc}"
+            message = f"its worker went away and {self.worker} could not take it over: {exc}"
             self._finish_sample(orphan.sample, FinishReason.abort(message))

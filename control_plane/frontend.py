@@ -34,6 +34,7 @@ from protos.stepwise.v1 import generation_pb2 as gen_pb
 log = structlog.get_logger("stepwise.frontend")
 
 CORE_GONE = "the control plane's core went away; retry"
+DRAINING = "the control plane is draining (shutting down); retry on another control plane"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -43,6 +44,13 @@ class CoreState:
     workers: int = 0
     max_context: int = 0
     vocab_size: int = 0
+    # The control plane drains: new calls are refused (UNAVAILABLE, retry on another one).
+    draining: bool = False
+
+    @property
+    def serving(self) -> bool:
+        """What the client port's health says: a worker can take new calls here."""
+        return self.workers > 0 and not self.draining
 
 
 class Frontend:
@@ -177,7 +185,8 @@ class Frontend:
 
     def apply(self, msg: fe_pb.CoreMessage) -> None:
         if msg.HasField("state"):
-            self.state = CoreState(msg.state.workers, msg.state.max_context, msg.state.vocab_size)
+            state = msg.state
+            self.state = CoreState(state.workers, state.max_context, state.vocab_size, state.draining)
             for callback in self.on_state:
                 callback(self.state)
         for verdict in msg.verdicts:

@@ -41,7 +41,7 @@ def server_options(reuse_port: bool) -> list[tuple[str, int]]:
 
 class FrontendServer:
     """One frontend: the link to the core and a gRPC server on the client port with health and
-    reflection. Health is SERVING while the core has a worker attached."""
+    reflection. Health is SERVING while the core has a worker attached and does not drain."""
 
     def __init__(self, config: ControlConfig, index: int, reuse_port: bool = True) -> None:
         self.config = config
@@ -66,11 +66,11 @@ class FrontendServer:
         await self.server.start()
         self.frontend.on_state.append(self._on_state)
         await self.frontend.connect(link_path)
-        await self._set_health(self.frontend.state.workers > 0)
+        await self._set_health(self.frontend.state.serving)
         return self.port
 
     def _on_state(self, state: CoreState) -> None:
-        asyncio.get_running_loop().create_task(self._set_health(state.workers > 0))
+        asyncio.get_running_loop().create_task(self._set_health(state.serving))
 
     async def _set_health(self, serving: bool) -> None:
         status = (

@@ -14,7 +14,7 @@ from pathlib import Path
 import grpc
 
 from control_plane import codec
-from control_plane.frontend import CORE_GONE, CoreState, Frontend
+from control_plane.frontend import CORE_GONE, DRAINING, CoreState, Frontend
 from control_plane.link import LinkClosed
 from control_plane.samples import Call, Chunk, Event
 from protos.stepwise.v1 import generation_pb2 as gen_pb
@@ -122,8 +122,10 @@ class GenerationService(gen_grpc.GenerationServicer):
         except codec.InvalidArgument as exc:
             await context.abort(invalid, str(exc))
         # Whether a worker can take it is the core's to say (its verdict): the state this frontend
-        # last heard may lag an attach by a message.
+        # last heard may lag an attach by a message. A drain is final, so it is refused here at once.
         state = self.frontend.state
+        if state.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, DRAINING)
         try:
             ids = await self._prompt_ids(inp, state)
         except codec.InvalidArgument as exc:

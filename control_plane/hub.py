@@ -21,6 +21,7 @@ import structlog
 
 from control_plane import codec
 from control_plane.config import ControlConfig
+from control_plane.frontend import DRAINING
 from control_plane.inbox import UID_LINK_SHIFT, Arrival, LiveSample, Verdict, link_of
 from control_plane.link import FrameReader, FrameWriter, LinkClosed, TurnFlush
 from control_plane.request import AbortCode, FinishReason, RequestParams
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
 log = structlog.get_logger("stepwise.hub")
 
 FRONTEND_GONE = "its frontend went away"
+NO_WORKER = "no worker can take requests (none is attached, or every one is leaving)"
 # A frontend gets at most one message per this interval: steps of several workers that end close
 # together leave as one message (one write, one wake-up of the frontend) for at most this much delay.
 FLUSH_INTERVAL_S = 0.002
@@ -97,6 +99,8 @@ class FrontendHub:
         self.config = config
         self.router = router
         self.server_info = server_info
+        # The control plane drains: arrivals are refused (UNAVAILABLE, retry elsewhere).
+        self.draining = False
         self.links: dict[int, _Link] = {}
         self._link_ids = itertools.count(1)
         self._server: asyncio.AbstractServer | None = None
@@ -167,9 +171,10 @@ class FrontendHub:
     def _state(self) -> fe_pb.CoreState:
         limits = [e.limits for e in self.router.engines.values()]
         return fe_pb.CoreState(
-            workers=len(limits),
+            workers=len(self.router.available()),
             max_context=min((lim.max_context for lim in limits), default=0),
             vocab_size=min((lim.vocab_size for lim in limits), default=0),
+            draining=self.draining,
         )
 
     # --- links -------------------------------------------------------------------------------------
@@ -223,11 +228,11 @@ class FrontendHub:
         if refusal is not None:
             self.verdict(uids[0], *refusal)
             return
-        engine = self.router.pick(msg.routing_key)
-        if engine is None:
-            self.verdict(uids[0], Verdict.UNAVAILABLE, "no worker is attached to the control plane")
-            return
         ids = np.frombuffer(msg.input_ids, dtype="<i4")
+        engine = self.router.pick(msg.routing_key, ids)
+        if engine is None:
+            self.verdict(uids[0], Verdict.UNAVAILABLE, NO_WORKER)
+            return
         error = engine.scheduler.input_length_error(len(ids))
         if error and not self.config.scheduler.allow_auto_truncate:
             self.verdict(uids[0], Verdict.INVALID, f"{msg.prompt_field or 'prompt'}: {error}")
@@ -245,6 +250,8 @@ class FrontendHub:
         engine.submit(Arrival(samples, ids.tolist(), params))
 
     def _refusal(self, msg: fe_pb.Arrival) -> tuple[Verdict, str] | None:
+        if self.draining:
+            return Verdict.UNAVAILABLE, DRAINING
         if self.router.find(msg.request_id) is not None:
             return Verdict.DUPLICATE, f"request_id: {msg.request_id!r} is in use"
         return None

@@ -53,6 +53,13 @@ KV_BOOK_MISMATCHES = _counter("kv_book_mismatch", "Steps where a worker's KV rep
 REQUESTS_FINISHED = Counter(
     "stepwise:requests_finished", "Finished requests by reason", ("worker", "reason"), registry=REGISTRY
 )
+ROUTING_DECISIONS = Counter(
+    "stepwise:routing_decisions",
+    "Requests routed, by how the worker was chosen: key (routing-key affinity), cache (longest cached "
+    "prefix), load (least loaded: no cache helped or cache-aware routing is off), balance (imbalanced)",
+    ("how",),
+    registry=REGISTRY,
+)
 QUEUE_TIME = _histogram("queue_time_seconds", "Arrival to first admission", _LATENCY_BUCKETS)
 TTFT = _histogram("time_to_first_token_seconds", "Arrival to first output token", _LATENCY_BUCKETS)
 ITL = _histogram(

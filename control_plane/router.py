@@ -1,24 +1,43 @@
-"""Which worker serves a request: the same worker for the same routing key, else the least loaded."""
+"""Which worker serves a request.
+
+The same worker for the same routing key; otherwise the worker whose prefix cache holds the longest
+part of the prompt, unless the load is imbalanced, and the least loaded when no cache helps. The
+control plane owns every attached worker's radix tree, so the match is exact (SGLang's gateway keeps
+an approximate tree of its own for this). Imbalance is SGLang gateway's rule and defaults: the
+busiest and the idlest worker differ by more than `balance_abs_threshold` requests AND the busiest
+has more than `balance_rel_threshold` times the idlest's load.
+"""
 
 from __future__ import annotations
 
 import zlib
+from collections import Counter
 from collections.abc import Callable, Iterable
 
 import numpy as np
 
-from control_plane.config import ControlConfig
+from control_plane import metrics
+from control_plane.cache.radix import as_token_bytes
+from control_plane.config import ControlConfig, RoutingConfig
 from control_plane.engine import Engine
 from control_plane.tokenizer import Tokenizer
 from protos.stepwise.v1 import generation_pb2 as gen_pb
 
 
 class Router:
-    def __init__(self, model_name: str, on_change: Callable[[int], None] | None = None) -> None:
+    def __init__(
+        self,
+        model_name: str,
+        on_change: Callable[[int], None] | None = None,
+        routing: RoutingConfig | None = None,
+    ) -> None:
         self.model_name = model_name
         self.engines: dict[str, Engine] = {}
         self.model_fingerprint = ""
         self._on_change = on_change
+        self.routing = routing or RoutingConfig()
+        # How each choice was made: "key", "cache", "load" (no cache helped) or "balance" (imbalanced).
+        self.decisions: Counter[str] = Counter()
 
     def has(self, worker_id: str) -> bool:
         return worker_id in self.engines
@@ -39,18 +58,51 @@ class Router:
         if self._on_change is not None:
             self._on_change(len(self.engines))
 
-    def pick(self, routing_key: str = "") -> Engine | None:
-        """A stable choice per routing key (hash over sorted worker ids); otherwise least loaded."""
-        if not self.engines:
-            return None
+    def _candidates(self) -> list[Engine]:
+        """The engines a new request may go to: not leaving (draining or moving away)."""
+        return self.available()
+
+    def available(self) -> list[Engine]:
+        """Attached engines that are not leaving, in order of attachment."""
+        return [e for e in self.engines.values() if e.leaving is None]
+
+    def pick(self, routing_key: str = "", input_ids: np.ndarray | None = None) -> Engine | None:
+        """The engine for a new request (None when no worker can take it); see the module docstring."""
+        engine, how = self._choose(routing_key, input_ids)
+        if engine is not None:
+            self.decisions[how] += 1
+            metrics.ROUTING_DECISIONS.labels(how).inc()
+        return engine
+
+    def _choose(self, routing_key: str, input_ids: np.ndarray | None) -> tuple[Engine | None, str]:
+        candidates = self._candidates()
+        if not candidates:
+            return None, ""
         if routing_key:
-            ids = sorted(self.engines)
-            return self.engines[ids[zlib.crc32(routing_key.encode()) % len(ids)]]
-        return min(self.engines.values(), key=lambda e: (sum(e.load()), e.limits.worker_id))
+            ordered = sorted(candidates, key=lambda e: e.limits.worker_id)
+            return ordered[zlib.crc32(routing_key.encode()) % len(ordered)], "key"
+        loads = [sum(e.load()) for e in candidates]
+        least = min(range(len(candidates)), key=lambda i: (loads[i], candidates[i].limits.worker_id))
+        if len(candidates) == 1 or not self.routing.cache_aware or input_ids is None or not len(input_ids):
+            return candidates[least], "load"
+        busiest, idlest = max(loads), loads[least]
+        if (
+            busiest - idlest > self.routing.balance_abs_threshold
+            and busiest > self.routing.balance_rel_threshold * idlest
+        ):
+            return candidates[least], "balance"
+        tokens = as_token_bytes(input_ids)
+        cached = [e.scheduler.kv.tree.cached_len(tokens) for e in candidates]
+        best = min(
+            range(len(candidates)), key=lambda i: (-cached[i], loads[i], candidates[i].limits.worker_id)
+        )
+        if cached[best] == 0:
+            return candidates[least], "load"
+        return candidates[best], "cache"
 
     def successor(self, lost: Engine) -> Engine | None:
-        """The least loaded other worker, to continue a lost worker's requests."""
-        others = [e for e in self.engines.values() if e is not lost]
+        """The least loaded other worker that is not leaving, to continue a lost worker's requests."""
+        others = [e for e in self.available() if e is not lost]
         return min(others, key=lambda e: (sum(e.load()), e.limits.worker_id), default=None)
 
     def find(self, rid: str) -> Engine | None:
@@ -105,6 +157,7 @@ class Router:
             step_total_s=engine.step_total_s,
             steps=engine.steps,
             retractions=sched.num_retracted_total,
+            leaving=engine.leaving is not None,
         )
 
 

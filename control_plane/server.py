@@ -2,8 +2,15 @@
 the hub its frontends link to, and the frontend processes themselves (DESIGN: "Processes and scale").
 
 Clients reach the frontends on the client port; workers dial the core's worker port. Both ports carry
-standard health checking and server reflection. Health is NOT_SERVING until a worker is attached and
-again whenever none is: a control plane without workers cannot serve.
+standard health checking and server reflection. Health ("" on either port) is NOT_SERVING until a
+worker is attached, again whenever none is (or every one is leaving), and while the control plane
+drains: then it cannot take new work. The worker port's "liveness" is SERVING from start to stop,
+workers or not, for liveness and startup probes.
+
+Many control planes may serve one fleet of workers: each answers Census on its worker port (how
+many workers it holds; census.py), and with `--peers` it compares itself with the others and asks
+a worker to move when it holds too many (rebalance.py). On SIGTERM it drains (`ControlPlane.drain`):
+no new work, running streams finish within `--drain-timeout`, every worker is told to move.
 
 Trust: clients may be asked for a bearer token (`--api-key`) and served over TLS (generation.py);
 workers may be required to present a certificate from `--worker-ca` (mutual TLS). Nothing a peer
@@ -13,8 +20,12 @@ sends is believed before it is checked: requests in codec.py, hellos and results
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import shutil
 import tempfile
+import time
+import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -22,11 +33,13 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from control_plane import codec, metrics
+from control_plane import census, codec, metrics
 from control_plane.config import ControlConfig
+from control_plane.drain import Departure
 from control_plane.engine import Engine
 from control_plane.hub import FrontendHub
 from control_plane.listen import bind, server_credentials
+from control_plane.rebalance import Rebalancer
 from control_plane.router import Router
 from control_plane.supervisor import Frontends
 from control_plane.tokenizer import Tokenizer
@@ -41,6 +54,15 @@ log = structlog.get_logger("stepwise.server")
 VERSION = "0.1.0"
 WORKER_SERVICE = wk_pb.DESCRIPTOR.services_by_name["WorkerLink"].full_name
 GENERATION_SERVICE = gen_pb.DESCRIPTOR.services_by_name["Generation"].full_name
+# The worker port's health name for liveness and startup probes: SERVING while the process runs.
+LIVENESS = "liveness"
+DRAINING_REFUSAL = "the control plane is draining; attach to another control plane"
+MOVE_ON_DRAIN = "the control plane is draining"
+# After the drain timeout, how long the aborted streams' finishes, and then the workers' moves,
+# may take before the control plane stops anyway.
+ABORT_GRACE_S = 2.0
+MOVE_GRACE_S = 5.0
+POLL_S = 0.02
 # SO_REUSEPORT off: a second control plane on the same port fails to start. Streams wait in the
 # server rather than being cancelled.
 WORKER_SERVER_OPTIONS = [
@@ -52,11 +74,17 @@ WORKER_SERVER_OPTIONS = [
 
 
 class WorkerLinkService(wk_grpc.WorkerLinkServicer):
-    def __init__(self, config: ControlConfig, tokenizer: Tokenizer, router: Router, hub: FrontendHub) -> None:
-        self.config = config
-        self.tokenizer = tokenizer
-        self.router = router
-        self.hub = hub
+    def __init__(self, plane: ControlPlane) -> None:
+        self.plane = plane
+        self.config = plane.config
+        self.tokenizer = plane.tokenizer
+        self.router = plane.router
+        self.hub = plane.hub
+
+    async def Census(
+        self, request: wk_pb.CensusRequest, context: grpc.aio.ServicerContext
+    ) -> wk_pb.CensusReply:
+        return census.to_proto(self.plane.census())
 
     async def Connect(self, request_iterator: object, context: grpc.aio.ServicerContext) -> None:
         first = await context.read()
@@ -71,8 +99,16 @@ class WorkerLinkService(wk_grpc.WorkerLinkServicer):
             log.error("worker refused", worker=limits.worker_id, reason=refusal)
             await context.write(codec.welcome(False, refusal))
             return
-        engine = Engine(self.config, limits, StreamChannel(context), self.hub)
+        retry = self._passing_refusal(first.hello)
+        if retry:
+            log.warning("worker refused for now", worker=limits.worker_id, reason=retry)
+            await context.write(codec.welcome(False, retry, retryable=True))
+            return
+        channel = StreamChannel(context)
+        engine = Engine(self.config, limits, channel, self.hub)
+        channel.on_drain = engine.worker_draining
         engine.successor = self.router.successor
+        engine.on_leaving = self.plane.worker_leaving
         # Attached before the welcome: a call that follows the welcome at once finds the worker.
         self.router.attach(engine)
         try:
@@ -80,6 +116,7 @@ class WorkerLinkService(wk_grpc.WorkerLinkServicer):
         except BaseException:
             self.router.detach(engine)
             raise
+        channel.start()
         log.info(
             "worker attached",
             worker=limits.worker_id,
@@ -106,8 +143,6 @@ class WorkerLinkService(wk_grpc.WorkerLinkServicer):
             return (
                 f"protocol_version {hello.protocol_version} is not supported (want {codec.PROTOCOL_VERSION})"
             )
-        if self.router.has(hello.worker_id):
-            return f"worker_id {hello.worker_id!r} is already attached"
         page = self.config.scheduler.page_size
         if page is not None and hello.page_size != page:
             return f"page_size {hello.page_size} differs from the control plane's --page-size {page}"
@@ -120,40 +155,64 @@ class WorkerLinkService(wk_grpc.WorkerLinkServicer):
             return "model_fingerprint differs from the workers already attached"
         return ""
 
+    def _passing_refusal(self, hello: wk_pb.Hello) -> str:
+        """A refusal that may pass later (Welcome.retryable): the worker may try again, here or at
+        another control plane."""
+        if self.plane.draining:
+            return DRAINING_REFUSAL
+        if self.router.has(hello.worker_id):
+            # Its previous session (a redial after a broken link) has not ended here yet.
+            return f"worker_id {hello.worker_id!r} is already attached"
+        return ""
+
 
 class ControlPlane:
-    """The core and its frontends; `start()` binds both ports, `stop()` ends everything."""
+    """The core and its frontends; `start()` binds both ports, `drain()` winds down as on SIGTERM,
+    `stop()` ends everything at once."""
 
     def __init__(self, config: ControlConfig, log_level: str = "info") -> None:
         self.config = config
         self.tokenizer = Tokenizer.from_dir(config.model_dir)
         self.health = health.aio.HealthServicer()  # type: ignore[attr-defined]
-        self.router = Router(model_name=str(config.model_dir), on_change=self._on_workers_changed)
+        self.router = Router(
+            model_name=str(config.model_dir), on_change=self._on_workers_changed, routing=config.routing
+        )
         self.hub = FrontendHub(config, self.router, self.server_info)
         self.worker_server = grpc.aio.server(options=WORKER_SERVER_OPTIONS)
         self._dir = tempfile.mkdtemp(prefix="stepwise-core-")
         self.frontends = Frontends(config, str(Path(self._dir) / "link.sock"), log_level)
         self.port = 0
         self.worker_port = 0
+        # Random per process: peers (and this control plane, in its own --peers) recognise it by it.
+        self.id = uuid.uuid4().hex
+        self.draining = False
+        self.rebalancer: Rebalancer | None = None
+        self._rebalancing: asyncio.Task[None] | None = None
 
     def server_info(self) -> gen_pb.ServerInfo:
         return self.router.server_info(self.config, self.tokenizer, VERSION)
 
+    def census(self) -> census.Census:
+        """What this control plane answers to Census: its workers (not leaving) and their load."""
+        return census.take(
+            self.id, self.router.engines.values(), not self.draining, self.router.model_fingerprint
+        )
+
     async def start(self) -> None:
         await self.hub.start(self.frontends.link_path)
-        wk_grpc.add_WorkerLinkServicer_to_server(
-            WorkerLinkService(self.config, self.tokenizer, self.router, self.hub), self.worker_server
-        )
+        wk_grpc.add_WorkerLinkServicer_to_server(WorkerLinkService(self), self.worker_server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.worker_server)
         reflection.enable_server_reflection(
             (WORKER_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), self.worker_server
         )
         _, worker_creds = server_credentials(self.config.security)
         self.worker_port = bind(self.worker_server, self.config.host, self.config.worker_port, worker_creds)
+        await self.health.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
         await self._set_health(False)
         await self.worker_server.start()
         self.port = await self.frontends.start(self.hub.connected)
         metrics.serve(self.config.metrics_port, self.config.host)
+        self._start_rebalancing()
         log.info(
             "control plane listening",
             port=self.port,
@@ -163,7 +222,16 @@ class ControlPlane:
             client_tls=self.config.security.client_tls,
             worker_mtls=self.config.security.worker_ca is not None,
             api_keys=len(self.config.security.api_keys),
+            control_plane_id=self.id,
+            peers=self.config.peers or None,
         )
+
+    def _start_rebalancing(self) -> None:
+        if not self.config.peers:
+            return
+        peers = census.PeerCensus(self.config.peers, self.config.security)
+        self.rebalancer = Rebalancer(self.config.rebalance_interval_s, peers, self.census, self.router)
+        self._rebalancing = asyncio.get_running_loop().create_task(self.rebalancer.run())
 
     async def _set_health(self, serving: bool) -> None:
         status = (
@@ -172,13 +240,58 @@ class ControlPlane:
         for name in ("", WORKER_SERVICE):
             await self.health.set(name, status)
 
+    def _serving(self) -> bool:
+        return not self.draining and bool(self.router.available())
+
     def _on_workers_changed(self, count: int) -> None:
         self.hub.broadcast_state()
-        asyncio.get_running_loop().create_task(self._set_health(count > 0))
+        asyncio.get_running_loop().create_task(self._set_health(self._serving()))
+
+    def worker_leaving(self, engine: Engine) -> None:
+        """An engine started to drain or move: it no longer counts as a worker that can serve."""
+        self._on_workers_changed(len(self.router.available()))
+
+    async def drain(self) -> None:
+        """Wind down as on SIGTERM. At once: health NOT_SERVING, new Generate calls and new workers
+        refused (both may retry elsewhere), Census accepting=false. Running streams may finish
+        within --drain-timeout; those still running then end with an abort that says so. Then
+        every worker is told to move, and the caller stops the control plane."""
+        if self.draining:
+            return
+        started = time.monotonic()
+        self.draining = self.hub.draining = True
+        await self._set_health(False)
+        self.hub.broadcast_state()
+        timeout = self.config.drain_timeout_s
+        log.info(
+            "control plane draining", workers=len(self.router.engines), live=self._live(), timeout_s=timeout
+        )
+        aborted = 0
+        if not await _until(lambda: self._live() == 0, timeout):
+            message = (
+                f"control plane drained: the request was still running after its --drain-timeout of "
+                f"{timeout:g} s; retry on another control plane"
+            )
+            aborted = sum(e.abort_everything(message) for e in self.router.engines.values())
+            await _until(lambda: self._live() == 0, ABORT_GRACE_S)
+        workers = list(self.router.engines.values())
+        for engine in workers:
+            engine.leave(Departure.MOVE, MOVE_ON_DRAIN)
+        await _until(lambda: not self.router.engines, MOVE_GRACE_S)
+        seconds = round(time.monotonic() - started, 3)
+        log.info("control plane drained", aborted=aborted, moved=len(workers), seconds=seconds)
+
+    def _live(self) -> int:
+        """Samples live on any worker (arrivals the schedulers have not seen yet included)."""
+        return sum(len(e.samples) for e in self.router.engines.values())
 
     async def stop(self, grace: float = 2.0) -> None:
         """Stop the engines (every live request ends with an abort its client reads), give the
         frontends a moment to stream those last messages, then stop them and the worker port."""
+        if self._rebalancing is not None:
+            self._rebalancing.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._rebalancing
         await self._set_health(False)
         self.router.stop_all()
         await asyncio.sleep(0.1)
@@ -186,3 +299,13 @@ class ControlPlane:
         await self.hub.stop()
         await self.worker_server.stop(grace)
         shutil.rmtree(self._dir, ignore_errors=True)
+
+
+async def _until(done: Callable[[], bool], timeout: float) -> bool:
+    """Wait until `done()` holds (looked at every POLL_S), at most `timeout` seconds: whether it does."""
+    deadline = time.monotonic() + timeout
+    while not done():
+        if time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(POLL_S)
+    return True

@@ -5,38 +5,101 @@ previous decode plan (the worker's PlanDecoder keeps the same state). Any number
 in flight: `send` writes one, `receive` reads the result of the oldest one still unanswered, and
 checks that it carries one token per sequence that plan sampled. A stream that broke is WorkerGone;
 a message that breaks the protocol is WorkerFault (the worker is dropped either way).
+
+A reader task reads the worker's messages as they come: results wait for `receive`, and a Drain
+(the worker got SIGTERM) goes to `on_drain` at once, between results or while no plan is in flight.
+The session ends with one Shutdown (`close`) or one Move (`move`), never both.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections import deque
+from collections.abc import Callable
 
 import grpc
+import structlog
 
 from control_plane import codec
 from control_plane.failover import WorkerGone
 from control_plane.scheduler.plan import StepPlan, StepResult
 from control_plane.worker_checks import WorkerFault
+from protos.stepwise.v1 import worker_pb2 as wk_pb
+
+log = structlog.get_logger("stepwise.worker_link")
 
 
 class StreamChannel:
     """A WorkerChannel over one worker's Connect stream."""
 
-    def __init__(self, context: grpc.aio.ServicerContext) -> None:
+    def __init__(
+        self, context: grpc.aio.ServicerContext, on_drain: Callable[[str], None] | None = None
+    ) -> None:
         self.context = context
         self.encoder = codec.PlanEncoder()
+        # Called with the worker's reason when it sends Drain (the engine starts leaving).
+        self.on_drain = on_drain
         # Tokens each sent plan's result must carry, oldest plan first.
         self._awaiting: deque[int] = deque()
+        # Plans sent whose results the reader has not read yet: a result beyond them is a fault (a
+        # worker cannot fill our memory with results nobody asked for).
+        self._unanswered = 0
+        # What the reader read, in order: results, then the error that ended reading, if any.
+        self._arrived: asyncio.Queue[wk_pb.StepResult | Exception] = asyncio.Queue()
+        self._reader: asyncio.Task[None] | None = None
+        self._ended = False
 
     @property
     def in_flight(self) -> int:
         """Plans sent whose results have not been received yet."""
         return len(self._awaiting)
 
+    def start(self) -> None:
+        """Read the worker's messages from now on (after the welcome went out)."""
+        if self._reader is None:
+            self._reader = asyncio.get_running_loop().create_task(self._read_all())
+
     async def send(self, plan: StepPlan) -> None:
         message = self.encoder.encode(plan)  # a failure here is ours, not the worker's
         self._awaiting.append(codec.sampled_count(plan))
+        self._unanswered += 1
+        await self._write(message)
+
+    async def receive(self) -> StepResult:
+        """The result of the oldest plan in flight (RuntimeError when none is)."""
+        if not self._awaiting:
+            raise RuntimeError("receive() with no plan in flight")
+        self.start()
+        sampled = self._awaiting.popleft()
+        arrived = await self._arrived.get()
+        if isinstance(arrived, Exception):
+            self._arrived.put_nowait(arrived)  # the stream stays ended for every later call
+            raise arrived
+        try:
+            return codec.result_from_proto(arrived, sampled)
+        except codec.ProtocolError as exc:
+            raise WorkerFault(str(exc)) from None
+
+    async def close(self, reason: str) -> None:
+        """End the session with Shutdown (once; later calls and a Move after it do nothing)."""
+        await self._end(codec.shutdown(reason))
+
+    async def move(self, reason: str) -> None:
+        """End the session with Move: the worker attaches to another control plane."""
+        await self._end(codec.move(reason))
+
+    async def _end(self, message: wk_pb.ControlMessage) -> None:
+        if self._ended:
+            return
+        self._ended = True
+        if self._reader is not None:
+            self._reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reader
+        await self._write(message)
+
+    async def _write(self, message: wk_pb.ControlMessage) -> None:
         try:
             await self.context.write(message)
         except asyncio.CancelledError:
@@ -44,28 +107,36 @@ class StreamChannel:
         except Exception as exc:
             raise _gone(exc) from exc
 
-    async def receive(self) -> StepResult:
-        """The result of the oldest plan in flight (RuntimeError when none is)."""
-        if not self._awaiting:
-            raise RuntimeError("receive() with no plan in flight")
-        sampled = self._awaiting.popleft()
+    async def _read_all(self) -> None:
         try:
-            msg = await self.context.read()
+            while True:
+                msg = await self.context.read()
+                if msg is grpc.aio.EOF or msg is None:  # type: ignore[attr-defined]
+                    raise WorkerGone("stream closed")
+                kind = msg.WhichOneof("msg")
+                if kind == "drain":
+                    self._drain(msg.drain.reason)
+                elif kind == "result":
+                    if not self._unanswered:
+                        raise WorkerFault(f"a result for step {msg.result.step_id}, but no plan is in flight")
+                    self._unanswered -= 1
+                    self._arrived.put_nowait(msg.result)
+                else:
+                    raise WorkerFault(f"expected a step result, got {kind or 'an empty message'}")
         except asyncio.CancelledError:
             raise
+        except (WorkerGone, WorkerFault) as exc:
+            self._arrived.put_nowait(exc)
         except Exception as exc:
-            raise _gone(exc) from exc
-        if msg is grpc.aio.EOF or msg is None:  # type: ignore[attr-defined]
-            raise WorkerGone("stream closed")
-        if msg.WhichOneof("msg") != "result":
-            raise WorkerFault(f"expected a step result, got {msg.WhichOneof('msg') or 'an empty message'}")
-        try:
-            return codec.result_from_proto(msg.result, sampled)
-        except codec.ProtocolError as exc:
-            raise WorkerFault(str(exc)) from None
+            self._arrived.put_nowait(_gone(exc))
 
-    async def close(self, reason: str) -> None:
-        await self.context.write(codec.shutdown(reason))
+    def _drain(self, reason: str) -> None:
+        if self.on_drain is None:
+            return
+        try:
+            self.on_drain(reason)
+        except Exception:  # ours: the session goes on, the drain is lost (logged)
+            log.exception("handling a worker's drain failed")
 
 
 def _gone(exc: Exception) -> WorkerGone:

@@ -71,11 +71,13 @@ def make_cert(
     ip: str | None = "127.0.0.1",
     dns: tuple[str, ...] = ("localhost",),
     client: bool = False,
+    server_and_client: bool = False,
 ) -> Issued:
     """A certificate for `name` signed by `ca`, written to DIRECTORY/NAME.crt and NAME.key.
 
     Subject alternative names: the IP `ip` (None: none) and the DNS names `dns`, plus `name` itself
-    for a client. Extended key usage: serverAuth, or clientAuth when `client` is true.
+    for a client. Extended key usage: serverAuth, or clientAuth when `client` is true, or both with
+    `server_and_client` (a control plane that also asks its peers over mutual TLS).
     """
     key = ec.generate_private_key(ec.SECP256R1())
     sans: list[x509.GeneralName] = [x509.DNSName(d) for d in dns]
@@ -83,12 +85,14 @@ def make_cert(
         sans.append(x509.DNSName(name))
     if ip is not None:
         sans.append(x509.IPAddress(ipaddress.ip_address(ip)))
-    usage = ExtendedKeyUsageOID.CLIENT_AUTH if client else ExtendedKeyUsageOID.SERVER_AUTH
+    usage = [ExtendedKeyUsageOID.CLIENT_AUTH] if client else [ExtendedKeyUsageOID.SERVER_AUTH]
+    if server_and_client:
+        usage = [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
     builder = (
         _builder(_name(name), ca.certificate.subject, key.public_key())
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(_key_usage(ca=False), critical=True)
-        .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+        .add_extension(x509.ExtendedKeyUsage(usage), critical=False)
         .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
         .add_extension(
             x509.AuthorityKeyIdentifier.from_issuer_public_key(ca.private_key.public_key()), critical=False

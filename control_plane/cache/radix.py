@@ -163,6 +163,34 @@ class RadixCache:
         self._on_touch(node)
         return MatchResult(_concat(values), node)
 
+    def cached_len(self, tokens: bytes, extra_key: Hashable = None) -> int:
+        """Tokens of the longest cached page-aligned prefix of `tokens` (as_token_bytes), touching
+        nothing: no split, no access time. The router asks every worker's tree this; only the chosen
+        worker's scheduler then matches for real, so routing leaves no trace a replay would miss."""
+        if self.disable:
+            return 0
+        step = self._page_bytes
+        end = len(tokens) - len(tokens) % step
+        node, at = self.root, 0
+        edge = self._edge(tokens, 0, extra_key) if end else None
+        while at < end:
+            child = node.children.get(edge)
+            if child is None:
+                break
+            child_key = child.key
+            size = len(child_key)
+            if at + size <= end and tokens.startswith(child_key, at):
+                matched = size
+            else:
+                matched = self._match_len(child_key, tokens, at, end)
+            at += matched
+            if matched < size:
+                break
+            node = child
+            if at < end:
+                edge = tokens[at : at + step]
+        return at // TOKEN_BYTES
+
     def insert(
         self,
         key: TokenIds,

@@ -30,6 +30,8 @@ class FakeChannel:
         self.step_s = step_s
         self.sent: deque[StepPlan] = deque()
         self.closed = ""
+        # The Move that ended the session (empty: none; `closed` is its Shutdown).
+        self.moved = ""
         self.log = log if log is not None else []
         self.max_in_flight = 0
 
@@ -45,7 +47,12 @@ class FakeChannel:
         return self.worker.run(plan)
 
     async def close(self, reason: str) -> None:
-        self.closed = reason
+        if not self.moved:  # the session ends once, as StreamChannel's does
+            self.closed = self.closed or reason
+
+    async def move(self, reason: str) -> None:
+        if not self.closed:
+            self.moved = self.moved or reason
 
 
 @dataclass(slots=True)
@@ -118,9 +125,12 @@ def make_engine(
     step_s: float = 0.0,
     log: list[tuple[str, int]] | None = None,
     control: dict[str, object] | None = None,
+    worker_id: str = "w-test",
+    hub: FakeHub | None = None,
     **scheduler: object,
 ) -> tuple[Engine, FakeChannel, FakeHub]:
-    """An engine over a FakeWorker; `control` sets ControlConfig fields, the rest the scheduler's."""
+    """An engine over a FakeWorker; `control` sets ControlConfig fields, the rest the scheduler's.
+    Engines that share a `hub` publish to one place (as a control plane's engines do)."""
     config = ControlConfig(
         model_dir=Path("."),
         scheduler=make_config(**scheduler),
@@ -128,7 +138,7 @@ def make_engine(
         overlap=overlap,
         **(control or {}),  # type: ignore[arg-type]
     )
-    limits = WorkerLimits("w-test", capacity, 1, 2048, vocab, eos)
+    limits = WorkerLimits(worker_id, capacity, 1, 2048, vocab, eos)
     channel = FakeChannel(FakeWorker(capacity, vocab=vocab), step_s, log)
-    hub = FakeHub(channel.log)
+    hub = hub if hub is not None else FakeHub(channel.log)
     return Engine(config, limits, channel, hub), channel, hub

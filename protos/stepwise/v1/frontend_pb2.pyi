@@ -156,11 +156,13 @@ class Reply(_message.Message):
     def __init__(self, query_id: _Optional[int] = ..., server_info: _Optional[_Union[_generation_pb2.ServerInfo, _Mapping]] = ..., abort: _Optional[_Union[_generation_pb2.AbortResponse, _Mapping]] = ...) -> None: ...
 
 class CoreState(_message.Message):
-    __slots__ = ("workers", "max_context", "vocab_size")
+    __slots__ = ("workers", "max_context", "vocab_size", "draining")
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     workers: int
     max_context: int
     vocab_size: int
-    def __init__(self, workers: _Optional[int] = ..., max_context: _Optional[int] = ..., vocab_size: _Optional[int] = ...) -> None: ...
+    draining: bool
+    def __init__(self, workers: _Optional[int] = ..., max_context: _Optional[int] = ..., vocab_size: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...

@@ -1,0 +1,138 @@
+"""The census: how many workers a control plane holds and how busy they are (WorkerLink.Census).
+
+A worker asks every control plane it can find before it attaches (it takes the one with the fewest
+workers); control planes ask their peers to decide whether to hand a worker over (rebalance.py).
+`take` counts this control plane; `PeerCensus` asks the peers. Workers that are leaving (draining
+or moving away) are not counted: they are about to be gone.
+
+With mutual TLS on the worker port (`--worker-ca`), a control plane asks its peers as a worker
+would: it presents its own `--tls-cert`/`--tls-key` and checks theirs against `--worker-ca`, so one
+CA must sign the workers' and every control plane's certificates, and a control plane's certificate
+must allow client authentication too (extended key usage serverAuth and clientAuth).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import grpc
+import structlog
+
+from control_plane.config import Security
+from control_plane.engine import Engine
+from control_plane.target import Address, Endpoint, parse_target, resolve
+from protos.stepwise.v1 import worker_pb2 as wk_pb
+from protos.stepwise.v1 import worker_pb2_grpc as wk_grpc
+
+log = structlog.get_logger("stepwise.census")
+
+# A peer that does not answer within this long is left out of this round.
+PEER_TIMEOUT_S = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class Census:
+    """One control plane's answer (the CensusReply's fields)."""
+
+    control_plane_id: str
+    # Attached and not leaving.
+    workers: int
+    queued: int
+    running: int
+    # False while the control plane drains: no worker should attach to it.
+    accepting: bool
+    # The attached workers' model fingerprint; empty when none is attached.
+    model_fingerprint: str = ""
+
+
+def take(control_plane_id: str, engines: Iterable[Engine], accepting: bool, fingerprint: str) -> Census:
+    """This control plane's census over its attached engines (those leaving are left out)."""
+    staying = [e for e in engines if e.leaving is None]
+    loads = [e.load() for e in staying]
+    return Census(
+        control_plane_id=control_plane_id,
+        workers=len(staying),
+        queued=sum(q for q, _ in loads),
+        running=sum(r for _, r in loads),
+        accepting=accepting,
+        model_fingerprint=fingerprint,
+    )
+
+
+def to_proto(census: Census) -> wk_pb.CensusReply:
+    return wk_pb.CensusReply(
+        control_plane_id=census.control_plane_id,
+        workers=census.workers,
+        queued=census.queued,
+        running=census.running,
+        accepting=census.accepting,
+        model_fingerprint=census.model_fingerprint,
+    )
+
+
+def from_proto(reply: wk_pb.CensusReply) -> Census:
+    return Census(
+        control_plane_id=reply.control_plane_id,
+        workers=max(int(reply.workers), 0),
+        queued=max(int(reply.queued), 0),
+        running=max(int(reply.running), 0),
+        accepting=reply.accepting,
+        model_fingerprint=reply.model_fingerprint,
+    )
+
+
+class PeerCensus:
+    """Asks every address of `--peers` for its census, concurrently; a peer that cannot be reached
+    or does not answer in time is left out. Channels are kept per address between rounds."""
+
+    def __init__(self, target: str, security: Security, timeout_s: float = PEER_TIMEOUT_S) -> None:
+        self.endpoints: list[Endpoint] = parse_target(target, "--peers")
+        self.security = security
+        self.timeout_s = timeout_s
+        self._channels: dict[Address, grpc.aio.Channel] = {}
+
+    async def poll(self) -> list[Census]:
+        """The census of every peer that answered (this control plane's own among them, if it is
+        in the target)."""
+        addresses = await resolve(self.endpoints)
+        await self._forget_except(set(addresses))
+        replies = await asyncio.gather(*(self._ask(a) for a in addresses))
+        return [reply for reply in replies if reply is not None]
+
+    async def _ask(self, address: Address) -> Census | None:
+        stub = wk_grpc.WorkerLinkStub(self._channel(address))
+        try:
+            reply = await stub.Census(wk_pb.CensusRequest(), timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            log.debug("peer did not answer", peer=address.grpc, status=exc.code().name)
+            return None
+        return from_proto(reply)
+
+    def _channel(self, address: Address) -> grpc.aio.Channel:
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = self._open(address)
+            self._channels[address] = channel
+        return channel
+
+    def _open(self, address: Address) -> grpc.aio.Channel:
+        security = self.security
+        if security.worker_ca is None or security.tls_cert is None or security.tls_key is None:
+            return grpc.aio.insecure_channel(address.grpc)
+        creds = grpc.ssl_channel_credentials(
+            root_certificates=security.worker_ca.read_bytes(),
+            private_key=security.tls_key.read_bytes(),
+            certificate_chain=security.tls_cert.read_bytes(),
+        )
+        # Dialled by address; the certificate names the host name the address was found under.
+        options = [("grpc.ssl_target_name_override", address.name)] if address.name else []
+        return grpc.aio.secure_channel(address.grpc, creds, options=options)
+
+    async def _forget_except(self, keep: set[Address]) -> None:
+        for address in [a for a in self._channels if a not in keep]:
+            await self._channels.pop(address).close(grace=None)
+
+    async def close(self) -> None:
+        await self._forget_except(set())

@@ -1,0 +1,144 @@
+"""The census (census.py) and the control plane's drain (ControlPlane.drain), in process: engines over
+fake workers attached to a ControlPlane that is built but not started (no ports, no frontends)."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from collections.abc import AsyncIterator
+
+import pytest
+from grpc_health.v1 import health_pb2
+
+from control_plane import census
+from control_plane.config import ControlConfig
+from control_plane.drain import Departure
+from control_plane.engine import Engine
+from control_plane.request import RequestParams, SamplerSpec
+from control_plane.server import MOVE_ON_DRAIN, WORKER_SERVICE, ControlPlane
+from protos.stepwise.v1 import worker_pb2 as wk_pb
+from stepwise.embedded import resolve_model
+from tests.control_plane.fake_core import FakeChannel, FakeHub, finished, make_engine, submit
+
+pytestmark = pytest.mark.timeout(60)
+
+VOCAB = 1000
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def _params(max_new: int) -> RequestParams:
+    return RequestParams(max_new_tokens=max_new, sampler=SamplerSpec(temperature=0.0), ignore_eos=True)
+
+
+class Plane:
+    """A ControlPlane with engines attached as its worker service attaches them; each engine's loop
+    runs, and the engine is detached when its session ends (as the Connect handler does)."""
+
+    def __init__(self, drain_timeout_s: float) -> None:
+        config = ControlConfig(resolve_model("embedded"), drain_timeout_s=drain_timeout_s)
+        self.plane = ControlPlane(config)
+        self.hub = FakeHub()
+        self.channels: dict[str, FakeChannel] = {}
+        self.tasks: list[asyncio.Task[None]] = []
+
+    def attach(self, worker: str, step_s: float = 0.002) -> Engine:
+        engine, channel, _ = make_engine(
+            VOCAB,
+            step_s=step_s,
+            control={"drain_timeout_s": self.plane.config.drain_timeout_s},
+            worker_id=worker,
+            hub=self.hub,
+        )
+        engine.successor = self.plane.router.successor
+        engine.on_leaving = self.plane.worker_leaving
+        self.plane.router.attach(engine)
+        self.channels[worker] = channel
+        self.tasks.append(asyncio.create_task(self._serve(engine)))
+        return engine
+
+    async def _serve(self, engine: Engine) -> None:
+        try:
+            await engine.run()
+        finally:
+            self.plane.router.detach(engine)
+
+    async def health(self, service: str) -> int:
+        request = health_pb2.HealthCheckRequest(service=service)
+        reply = await self.plane.health.Check(request, None)
+        return int(reply.status)
+
+    async def close(self) -> None:
+        self.plane.router.stop_all()
+        await asyncio.gather(*self.tasks)
+        shutil.rmtree(self.plane._dir, ignore_errors=True)
+
+
+@pytest.fixture
+async def plane_factory() -> AsyncIterator[object]:
+    planes: list[Plane] = []
+
+    def make(drain_timeout_s: float = 30.0) -> Plane:
+        plane = Plane(drain_timeout_s)
+        planes.append(plane)
+        return plane
+
+    try:
+        yield make
+    finally:
+        for plane in planes:
+            await plane.close()
+
+
+async def _until(condition: object, timeout: float = 10.0) -> None:
+    async with asyncio.timeout(timeout):
+        while not condition():  # type: ignore[operator]
+            await asyncio.sleep(0.001)
+
+
+async def test_census_counts_workers_and_load_and_leaves_out_a_leaving_worker(plane_factory) -> None:
+    p: Plane = plane_factory()
+    assert p.plane.census() == census.Census(p.plane.id, 0, 0, 0, accepting=True)
+    a, b = p.attach("a"), p.attach("b", step_s=0.01)
+    uids = [submit(b, f"r{i}", [5, 6, 7], _params(400))[0] for i in range(3)]
+    await _until(lambda: all(p.hub.stream(u).tokens for u in uids))
+    now = p.plane.census()
+    assert (now.workers, now.running, now.queued, now.accepting) == (2, 3, 0, True)
+    assert len(now.control_plane_id) == 32
+    b.leave(Departure.MOVE, "rebalancing")  # b and its load no longer count
+    now = p.plane.census()
+    assert (now.workers, now.running) == (1, 0)
+    # The wire form carries every field.
+    assert census.from_proto(census.to_proto(now)) == now
+    assert isinstance(census.to_proto(now), wk_pb.CensusReply)
+    assert a.leaving is None
+
+
+async def test_drain_refuses_new_work_lets_streams_finish_aborts_the_rest_and_moves_workers(
+    plane_factory,
+) -> None:
+    p: Plane = plane_factory(drain_timeout_s=0.5)
+    a, b = p.attach("a"), p.attach("b", step_s=0.005)
+    await _until(lambda: p.plane._serving())
+    (short,) = submit(a, "short", [5, 6, 7], _params(30))
+    (long,) = submit(b, "long", [5, 6, 7], _params(5000))
+    await _until(lambda: p.hub.stream(short).tokens and p.hub.stream(long).tokens)
+    drain = asyncio.create_task(p.plane.drain())
+    await _until(lambda: p.plane.draining)
+    assert not p.plane.census().accepting and p.plane.hub.draining
+    assert await p.health("") == NOT_SERVING and await p.health(WORKER_SERVICE) == NOT_SERVING
+    await asyncio.wait_for(drain, 10)
+    short_stream, long_stream = await finished(p.hub, [short, long], timeout=1)
+    assert (len(short_stream.tokens), short_stream.finished.kind.value) == (30, "length")  # type: ignore[union-attr]
+    assert long_stream.finished is not None and long_stream.finished.kind.value == "abort"
+    assert long_stream.finished.message.startswith("control plane drained")
+    assert "retry on another control plane" in long_stream.finished.message
+    assert {w: c.moved for w, c in p.channels.items()} == {"a": MOVE_ON_DRAIN, "b": MOVE_ON_DRAIN}
+    assert not p.plane.router.engines
+
+
+async def test_a_second_drain_is_a_no_op_and_workers_without_requests_move_at_once(plane_factory) -> None:
+    p: Plane = plane_factory(drain_timeout_s=30)
+    p.attach("a")
+    await asyncio.wait_for(p.plane.drain(), 5)  # nothing live: no wait for the timeout
+    await asyncio.wait_for(p.plane.drain(), 1)
+    assert p.channels["a"].moved == MOVE_ON_DRAIN

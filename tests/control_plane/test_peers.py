@@ -1,0 +1,122 @@
+"""`--peers` and the other drain flags: target syntax (control_plane/target.py), resolution to every
+address, the flags' validation (a ValueError naming the flag), and asking peers over mutual TLS."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import grpc
+import pytest
+
+from control_plane.census import PeerCensus
+from control_plane.config import Security, add_arguments, control_config_from_args
+from control_plane.target import Address, Endpoint, parse_target, resolve
+from protos.stepwise.v1 import worker_pb2 as wk_pb
+from protos.stepwise.v1 import worker_pb2_grpc as wk_grpc
+from tests.certs import make_ca, make_cert
+
+
+@pytest.mark.parametrize(
+    ("text", "want"),
+    [
+        ("10.0.0.1:50052", [Endpoint("10.0.0.1", 50052)]),
+        (" a:1, b.example:2 ", [Endpoint("a", 1), Endpoint("b.example", 2)]),
+        ("[::1]:7", [Endpoint("::1", 7)]),
+        ("dns:///control-headless:50052", [Endpoint("control-headless", 50052)]),
+        ("dns://8.8.8.8/control:50052", [Endpoint("control", 50052)]),
+    ],
+)
+def test_targets_parse(text: str, want: list[Endpoint]) -> None:
+    assert parse_target(text, "--peers") == want
+
+
+@pytest.mark.parametrize(
+    "text", ["", "host", "host:", ":5", "a:1,,b:2", "::1:5", "h:0", "h:70000", "dns:///x"]
+)
+def test_a_malformed_target_names_the_flag(text: str) -> None:
+    with pytest.raises(ValueError, match=r"^--peers: .* is not HOST:PORT"):
+        parse_target(text, "--peers")
+
+
+async def test_names_resolve_to_all_their_addresses_and_literals_to_themselves() -> None:
+    found = await resolve([Endpoint("localhost", 5), Endpoint("10.1.2.3", 6), Endpoint("10.1.2.3", 6)])
+    assert Address("10.1.2.3", 6) in found and len([a for a in found if a.ip == "10.1.2.3"]) == 1
+    local = [a for a in found if a.name == "localhost"]
+    assert local and all(a.port == 5 for a in local)
+    assert Address("127.0.0.1", 5, "localhost") in local
+    assert Address("::1", 9).grpc == "[::1]:9"
+
+
+async def test_a_name_that_does_not_resolve_contributes_nothing() -> None:
+    assert await resolve([Endpoint("no-such-host.invalid", 5)]) == []
+
+
+def _config(*flags: str):  # type: ignore[no-untyped-def]
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return control_config_from_args(parser.parse_args(list(flags)), Path("."))
+
+
+def test_drain_and_peer_flags() -> None:
+    config = _config()
+    assert (config.drain_timeout_s, config.peers, config.rebalance_interval_s) == (30.0, "", 2.0)
+    config = _config("--drain-timeout", "0", "--peers", "dns:///cp:50052", "--rebalance-interval", "0.5")
+    assert (config.drain_timeout_s, config.rebalance_interval_s) == (0.0, 0.5)
+    assert config.peers == "dns:///cp:50052"
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--drain-timeout", "-1"], "--drain-timeout must be >= 0"),
+        (["--drain-timeout", "nan"], "--drain-timeout must be >= 0"),
+        (["--rebalance-interval", "0"], "--rebalance-interval must be > 0"),
+        (["--peers", "nowhere"], "--peers: 'nowhere' is not HOST:PORT"),
+    ],
+)
+def test_bad_flag_values_name_the_flag(flags: list[str], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        _config(*flags)
+
+
+class _Answering(wk_grpc.WorkerLinkServicer):
+    async def Census(self, request: wk_pb.CensusRequest, context: object) -> wk_pb.CensusReply:
+        return wk_pb.CensusReply(control_plane_id="peer", workers=3, accepting=True)
+
+
+@pytest.mark.timeout(30)
+async def test_with_worker_mtls_peers_are_asked_with_this_control_planes_certificate(tmp_path: Path) -> None:
+    """One CA signs every control plane's certificate; each presents its own to the others' worker
+    ports (which require a client certificate) and checks theirs against --worker-ca."""
+    ca, stranger = make_ca(tmp_path), make_ca(tmp_path, "stranger-ca")
+    server_cert = make_cert(ca, tmp_path, "peer", server_and_client=True)
+    server = grpc.aio.server()
+    wk_grpc.add_WorkerLinkServicer_to_server(_Answering(), server)
+    creds = grpc.ssl_server_credentials(
+        [server_cert.key_and_chain()], root_certificates=ca.cert.read_bytes(), require_client_auth=True
+    )
+    port = server.add_secure_port("127.0.0.1:0", creds)
+    await server.start()
+    try:
+        mine = make_cert(ca, tmp_path, "me", server_and_client=True)
+        trusted = Security(tls_cert=mine.cert, tls_key=mine.key, worker_ca=ca.cert)
+        for target in (f"127.0.0.1:{port}", f"localhost:{port}"):  # by address, and by name
+            peers = PeerCensus(target, trusted)
+            try:
+                assert [(c.control_plane_id, c.workers) for c in await peers.poll()] == [("peer", 3)]
+            finally:
+                await peers.close()
+        # A certificate the peer's CA did not sign, or none at all: the peer is left out.
+        foreign = make_cert(stranger, tmp_path, "foreign", server_and_client=True)
+        for security in (
+            Security(tls_cert=foreign.cert, tls_key=foreign.key, worker_ca=ca.cert),
+            Security(),
+        ):
+            peers = PeerCensus(f"127.0.0.1:{port}", security)
+            try:
+                assert await peers.poll() == []
+            finally:
+                await peers.close()
+    finally:
+        await server.stop(None)
