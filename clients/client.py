@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ipaddress
+import json
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -107,23 +109,79 @@ class NotServingError(TimeoutError):
         self.address, self.waited_s, self.last = address, waited_s, last
 
 
+# Targets that name several control planes: calls are spread over them (gRPC's round_robin), and a
+# Generate refused with UNAVAILABLE before any response (a draining control plane, one without a
+# worker yet) is tried again on the next one. Such a call did nothing, so trying again is safe.
+_SPREAD_SERVICE_CONFIG = json.dumps(
+    {
+        "loadBalancingConfig": [{"round_robin": {}}],
+        "methodConfig": [
+            {
+                "name": [{"service": "stepwise.v1.Generation"}],
+                "retryPolicy": {
+                    "maxAttempts": 3,
+                    "initialBackoff": "0.05s",
+                    "maxBackoff": "0.5s",
+                    "backoffMultiplier": 2,
+                    "retryableStatusCodes": ["UNAVAILABLE"],
+                },
+            }
+        ],
+    }
+)
+
+
+def channel_target(address: str) -> tuple[str, list[tuple[str, Any]]]:
+    """The gRPC target and channel options for `address`.
+
+    `HOST:PORT` is one control plane. `dns:///NAME:PORT` (every address the name resolves to, e.g. a
+    headless Kubernetes Service), `ipv4:A:P,B:P` and a comma list of IP addresses `A:P,B:P` spread
+    calls over several. ValueError for a comma list naming a host: use `dns:///NAME:PORT` for that.
+    """
+    options: list[tuple[str, Any]] = [("grpc.service_config", _SPREAD_SERVICE_CONFIG)]
+    if address.startswith(("dns:", "ipv4:", "ipv6:")):
+        return address, options
+    if "," not in address:
+        return address, []
+    parts = [part.strip() for part in address.split(",") if part.strip()]
+    families = {_ip_family(part) for part in parts}
+    if families == {4}:
+        return "ipv4:" + ",".join(parts), options
+    if families == {6}:
+        return "ipv6:" + ",".join(parts), options
+    raise ValueError(
+        f"{address!r}: a comma list must name IP addresses of one family (HOST:PORT,...); "
+        "for a host name that resolves to several control planes use dns:///NAME:PORT"
+    )
+
+
+def _ip_family(hostport: str) -> int:
+    host = hostport.rsplit(":", 1)[0].strip("[]")
+    try:
+        return ipaddress.ip_address(host).version
+    except ValueError:
+        return 0
+
+
 def open_channel(
     address: str, *, api_key: str | None = None, tls_ca: str | Path | None = None
 ) -> grpc.aio.Channel:
-    """A channel to `address`: TLS checked against the CA in the PEM file `tls_ca`, else plaintext.
+    """A channel to `address` (see `channel_target`): TLS checked against the CA in the PEM file
+    `tls_ca`, else plaintext.
 
     On a TLS channel `api_key` rides along as call credentials (`authorization: Bearer KEY` on every
     call); on a plaintext one gRPC refuses call credentials, and the caller must send
     `bearer_metadata(api_key)` itself. OSError when `tls_ca` cannot be read.
     """
+    target, options = channel_target(address)
     if tls_ca is None:
-        return grpc.aio.insecure_channel(address)
+        return grpc.aio.insecure_channel(target, options=options)
     credentials = grpc.ssl_channel_credentials(root_certificates=Path(tls_ca).read_bytes())
     if api_key:
         credentials = grpc.composite_channel_credentials(
             credentials, grpc.access_token_call_credentials(api_key)
         )
-    return grpc.aio.secure_channel(address, credentials)
+    return grpc.aio.secure_channel(target, credentials, options=options)
 
 
 def bearer_metadata(api_key: str) -> tuple[tuple[str, str], ...]:
@@ -258,12 +316,27 @@ async def collect(stream: AsyncIterator[gen_pb.GenerateResponse]) -> Generation:
 
 def add_connection_arguments(parser: argparse.ArgumentParser) -> None:
     """Add --address, --api-key, --tls-ca and --wait: how a command reaches the control plane."""
-    parser.add_argument("--address", default="127.0.0.1:50051", help="control plane client address HOST:PORT")
+    parser.add_argument(
+        "--address",
+        type=client_address,
+        default="127.0.0.1:50051",
+        help="control plane client address HOST:PORT; dns:///NAME:PORT or A:P,B:P spread calls over "
+        "several control planes",
+    )
     parser.add_argument("--api-key", default=None, help="bearer token; also STEPWISE_API_KEY")
     add_tls_ca_argument(parser)
     parser.add_argument(
         "--wait", type=float, default=30.0, help="seconds to wait for a serving control plane"
     )
+
+
+def client_address(text: str) -> str:
+    """argparse type: an address `channel_target` accepts."""
+    try:
+        channel_target(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def add_tls_ca_argument(parser: argparse.ArgumentParser) -> None:

@@ -27,6 +27,7 @@ from stepwise import flags, logs
 
 if TYPE_CHECKING:
     from control_plane.config import ControlConfig
+    from control_plane.server import ControlPlane
 
 DEMO_PROMPT = "Once upon a time"
 LOG_LEVEL_HELP = "debug, info, warning or error"
@@ -136,13 +137,29 @@ async def _serve_control(config: ControlConfig, ready_file: Path | None, log_lev
         tmp = ready_file.with_suffix(".tmp")
         tmp.write_text(json.dumps(ready))
         tmp.rename(ready_file)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    await _until_stopped(plane)
     await plane.stop()
     return 0
+
+
+async def _until_stopped(plane: ControlPlane) -> None:
+    """Return when the control plane should stop: after a drain on SIGTERM (as Kubernetes stops a
+    pod), at once on SIGINT or on a second signal during the drain."""
+    signals: asyncio.Queue[signal.Signals] = asyncio.Queue()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, signals.put_nowait, sig)
+    if await signals.get() != signal.SIGTERM:
+        return
+    drain = asyncio.create_task(plane.drain())
+    again = asyncio.create_task(signals.get())
+    await asyncio.wait({drain, again}, return_when=asyncio.FIRST_COMPLETED)
+    again.cancel()
+    if not drain.done():
+        print("stepwise control: a second signal: stopping without waiting for the drain", file=sys.stderr)
+        drain.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await drain
 
 
 def cmd_worker(argv: Sequence[str]) -> int:
@@ -160,7 +177,16 @@ def cmd_worker(argv: Sequence[str]) -> int:
 
 def _up_parser() -> argparse.ArgumentParser:
     parser = _parser("stepwise up", COMMANDS["up"].summary + "; every other flag is passed on")
-    parser.add_argument("--workers", type=int, default=1, help="how many workers to start")
+    parser.add_argument(
+        "--workers", type=int, default=1, help="how many workers to start (each restarted if it exits)"
+    )
+    parser.add_argument(
+        "--control-planes",
+        type=int,
+        default=1,
+        help="how many control planes to start (each with its own ports; workers balance over them "
+        "and the client address lists them all)",
+    )
     parser.add_argument(
         "--gateway-port", type=int, default=None, help="also start the OpenAI gateway on this port (0: any)"
     )
@@ -185,10 +211,13 @@ def cmd_up(argv: Sequence[str]) -> int:
     # line and then `up`'s own complaint that the child exited.
     control.parse_args(to_control)
     worker.parse_args(to_worker)
+    if ns.workers < 0 or ns.control_planes < 1:
+        raise RoutineError("--workers must be >= 0 and --control-planes >= 1")
     gateway = None
     if ns.gateway_port is not None:
         gateway = gateway_args(to_control, ns.gateway_host, ns.gateway_port)
-    return asyncio.run(run_up(Stack(to_control, to_worker, ns.workers, gateway), ns.ready_file))
+    stack = Stack(to_control, to_worker, ns.workers, gateway, control_planes=ns.control_planes)
+    return asyncio.run(run_up(stack, ns.ready_file))
 
 
 def cmd_gateway(argv: Sequence[str]) -> int:

@@ -1,7 +1,10 @@
-"""`stepwise up`: a control plane and N workers as child processes, stopped together.
+"""`stepwise up`: control planes and N workers as child processes, supervised.
 
-Every flag given to `up` is passed on to the child that knows it (both when both do). Children
-die with the parent (PR_SET_PDEATHSIG), and Ctrl-C / SIGTERM stop them all: no orphans.
+Every flag given to `up` is passed on to the child that knows it (both when both do). A worker (or
+the gateway) that exits is started again with backoff, and its requests continue on the other
+workers meanwhile; a control plane's exit, Ctrl-C or SIGTERM stops them all. Children die with the
+parent (PR_SET_PDEATHSIG): no orphans. `--control-planes K` runs the many-control-plane shape of a
+Kubernetes deployment on one machine: the workers dial all K and balance over them.
 """
 
 from __future__ import annotations
@@ -12,11 +15,13 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from clients.client import StepwiseClient
@@ -63,8 +68,32 @@ def _is_number(token: str) -> bool:
     return True
 
 
+# A child that exits is started again after this delay, doubled per exit up to the cap; a child that
+# ran this long before it exited starts over from the first delay.
+RESTART_BACKOFF_S = 0.5
+RESTART_BACKOFF_CAP_S = 30.0
+RESTART_RESET_AFTER_S = 60.0
+
+
+@dataclass(slots=True)
+class Child:
+    """One child process of `up`, and when it may be restarted."""
+
+    name: str
+    args: list[str]
+    # A control plane: its exit stops the stack. Workers and the gateway are restarted.
+    critical: bool
+    proc: subprocess.Popen[bytes]
+    started: float
+    restarts: int = 0
+    backoff: float = RESTART_BACKOFF_S
+    # When an exited child is started again (None: running).
+    due: float | None = None
+
+
 class Stack:
-    """The child processes of one `up`."""
+    """The child processes of one `up`: `control_planes` control planes, `workers` workers that
+    balance over them, and optionally the OpenAI gateway."""
 
     def __init__(
         self,
@@ -72,59 +101,89 @@ class Stack:
         worker_args: list[str],
         workers: int,
         gateway_args: list[str] | None = None,
+        control_planes: int = 1,
     ) -> None:
         self.control_args = control_args
         self.worker_args = worker_args
         self.workers = workers
+        self.control_planes = control_planes
         # None: no gateway; else `stepwise gateway` flags (`--control` and `--ready-file` are added).
         self.gateway_args = gateway_args
-        self.procs: list[subprocess.Popen[bytes]] = []
+        self.children: list[Child] = []
+        # The client address: HOST:PORT, or a comma list of them with several control planes.
         self.address = ""
+        self.addresses: list[str] = []
         self.gateway_address = ""
         self._tmp = tempfile.TemporaryDirectory(prefix="stepwise-up-")
 
-    def _spawn(self, args: list[str]) -> subprocess.Popen[bytes]:
+    @property
+    def procs(self) -> list[subprocess.Popen[bytes]]:
+        """The current processes: control planes, then workers, then the gateway."""
+        return [child.proc for child in self.children]
+
+    def _spawn(self, name: str, args: list[str], critical: bool = False) -> Child:
+        child = Child(name, args, critical, self._popen(args), time.monotonic())
+        self.children.append(child)
+        return child
+
+    @staticmethod
+    def _popen(args: list[str]) -> subprocess.Popen[bytes]:
         env = {**os.environ, PARENT_ENV: str(os.getpid())}
-        proc = subprocess.Popen([sys.executable, "-m", "stepwise.cli", *args], env=env)
-        self.procs.append(proc)
-        return proc
+        return subprocess.Popen([sys.executable, "-m", "stepwise.cli", *args], env=env)
 
     async def start(self, timeout: float = 120.0) -> str:
-        ready = Path(self._tmp.name) / "ready.json"
-        control = self._spawn(["control", *self.control_args, "--ready-file", str(ready)])
         deadline = time.monotonic() + timeout
-        while not ready.exists():
-            if control.poll() is not None:
-                raise RuntimeError(f"control plane exited with code {control.returncode}")
-            if time.monotonic() > deadline:
-                raise TimeoutError("control plane did not start")
-            await asyncio.sleep(0.05)
-        ports = json.loads(ready.read_text())
+        ports = await self._start_control_planes(deadline)
+        worker_ports = ",".join(f"127.0.0.1:{p['worker_port']}" for p in ports)
         for i in range(self.workers):
-            self._spawn(
-                [
-                    "worker",
-                    *self.worker_args,
-                    "--control",
-                    f"127.0.0.1:{ports['worker_port']}",
-                    "--worker-id",
-                    f"worker-{i}",
-                ]
-            )
-        self.address = f"127.0.0.1:{ports['port']}"
+            args = ["worker", *self.worker_args, "--control", worker_ports, "--worker-id", f"worker-{i}"]
+            self._spawn(f"worker-{i}", args)
+        self.addresses = [f"127.0.0.1:{p['port']}" for p in ports]
+        self.address = ",".join(self.addresses)
         await self._wait_workers(deadline)
         if self.gateway_args is not None:
             await self._start_gateway(deadline)
         return self.address
 
+    async def _start_control_planes(self, deadline: float) -> list[dict[str, int]]:
+        """Start every control plane and wait for each one's ports. With several, each gets a port of
+        its own (consecutive from --port, or any free one for --port 0), a free worker port, and the
+        others' worker ports as its --peers, so they balance the workers between them."""
+        extra: list[list[str]] = [[] for _ in range(self.control_planes)]
+        if self.control_planes > 1:
+            base = int(_flag_value(self.control_args, "--port") or 50051)
+            clients = [base + i if base else 0 for i in range(self.control_planes)]
+            workers = free_ports(self.control_planes, avoid=set(clients))
+            peers = ",".join(f"127.0.0.1:{port}" for port in workers)
+            extra = [
+                ["--port", str(c), "--worker-port", str(w), "--peers", peers]
+                for c, w in zip(clients, workers, strict=True)
+            ]
+        readies = []
+        for i in range(self.control_planes):
+            ready = Path(self._tmp.name) / f"ready-{i}.json"
+            args = ["control", *self.control_args, *extra[i], "--ready-file", str(ready)]
+            self._spawn(f"control-{i}" if self.control_planes > 1 else "control", args, critical=True)
+            readies.append(ready)
+        ports = []
+        for child, ready in zip(self.children, readies, strict=True):
+            while not ready.exists():
+                if child.proc.poll() is not None:
+                    raise RuntimeError(f"control plane exited with code {child.proc.returncode}")
+                if time.monotonic() > deadline:
+                    raise TimeoutError("control plane did not start")
+                await asyncio.sleep(0.05)
+            ports.append(json.loads(ready.read_text()))
+        return ports
+
     async def _start_gateway(self, deadline: float) -> None:
-        """Start `stepwise gateway` in front of the control plane; wait until it accepts HTTP."""
+        """Start `stepwise gateway` in front of the control planes; wait until it accepts HTTP."""
         ready = Path(self._tmp.name) / "gateway.json"
         args = [*(self.gateway_args or []), "--control", self.address, "--ready-file", str(ready)]
-        gateway = self._spawn(["gateway", *args])
+        gateway = self._spawn("gateway", ["gateway", *args])
         while not ready.exists():
-            if gateway.poll() is not None:
-                raise RuntimeError(f"gateway exited with code {gateway.returncode}")
+            if gateway.proc.poll() is not None:
+                raise RuntimeError(f"gateway exited with code {gateway.proc.returncode}")
             if time.monotonic() > deadline:
                 raise TimeoutError("gateway did not start")
             await asyncio.sleep(0.05)
@@ -144,24 +203,77 @@ class Stack:
             return next(iter(read_api_keys(Path(key_file))), None)
         return os.environ.get("STEPWISE_API_KEY") or None
 
+    async def attached(self) -> list[int]:
+        """Workers attached to each control plane, in order."""
+        counts = []
+        for address in self.addresses:
+            async with StepwiseClient(address, api_key=self.api_key()) as client:
+                counts.append(len((await client.server_info()).workers))
+        return counts
+
     async def _wait_workers(self, deadline: float) -> None:
-        async with StepwiseClient(self.address, api_key=self.api_key()) as client:
-            await client.wait_ready(max(deadline - time.monotonic(), 1.0))
-            while len((await client.server_info()).workers) < self.workers:
-                self._check_alive()
-                if time.monotonic() > deadline:
-                    raise TimeoutError("workers did not attach")
-                await asyncio.sleep(0.1)
+        for address in self.addresses:
+            async with StepwiseClient(address, api_key=self.api_key()) as client:
+                await client.wait_ready(max(deadline - time.monotonic(), 1.0))
+        while sum(await self.attached()) < self.workers:
+            self._check_alive()
+            if time.monotonic() > deadline:
+                raise TimeoutError("workers did not attach")
+            await asyncio.sleep(0.1)
 
     def _check_alive(self) -> None:
         for proc in self.procs:
             if proc.poll() is not None:
                 raise RuntimeError(f"child {proc.pid} exited with code {proc.returncode}")
 
+    def supervise(self, now: float | None = None) -> str | None:
+        """Restart workers and the gateway that exited (with backoff); returns why the stack must stop
+        (a control plane exited), else None. Call it now and then."""
+        now = time.monotonic() if now is None else now
+        for child in self.children:
+            code = child.proc.poll()
+            if code is None:
+                continue
+            if child.critical:
+                return f"{child.name} exited with code {code}"
+            if child.due is None:
+                if now - child.started >= RESTART_RESET_AFTER_S:
+                    child.backoff = RESTART_BACKOFF_S
+                child.due = now + child.backoff
+                print(
+                    f"stepwise up: {child.name} exited with code {code}; restarting in {child.backoff:g} s",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                child.backoff = min(child.backoff * 2, RESTART_BACKOFF_CAP_S)
+            elif now >= child.due:
+                child.proc, child.started, child.due = self._popen(child.args), now, None
+                child.restarts += 1
+        return None
+
     def stop(self, timeout: float = 10.0) -> None:
-        """SIGTERM workers then the control plane; SIGKILL whatever is left after the timeout."""
+        """SIGTERM the gateway, the workers, then the control planes; SIGKILL whatever is left after
+        the timeout."""
         stop_processes(self.procs, timeout)
         self._tmp.cleanup()
+
+
+def free_ports(count: int, avoid: Collection[int] = ()) -> list[int]:
+    """`count` distinct TCP ports free on 127.0.0.1 right now (and not in `avoid`)."""
+    socks: list[socket.socket] = []
+    ports: list[int] = []
+    try:
+        while len(ports) < count:
+            sock = socket.socket()
+            socks.append(sock)
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+            if port not in avoid:
+                ports.append(port)
+    finally:
+        for sock in socks:
+            sock.close()
+    return ports
 
 
 def _flag_value(args: Sequence[str], flag: str) -> str | None:
@@ -210,25 +322,32 @@ def write_ready(path: Path, data: dict[str, object]) -> None:
 
 
 async def run_up(stack: Stack, ready_file: Path | None = None) -> int:
-    """Start, print the address, then wait for a signal or a child's exit; stop everything."""
+    """Start, print the address, then supervise until a signal or a control plane's exit."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     try:
-        address = await stack.start()
+        try:
+            address = await stack.start()
+        except (RuntimeError, TimeoutError) as exc:  # a child that died or never came up: one line
+            print(f"stepwise up: cannot start: {exc}", file=sys.stderr)
+            return 2
         gateway = f", OpenAI gateway http://{stack.gateway_address}/v1" if stack.gateway_address else ""
+        planes = f"{stack.control_planes} control planes, " if stack.control_planes > 1 else ""
         print(
-            f"stepwise is up: client address {address} ({stack.workers} worker(s){gateway}); Ctrl-C stops it",
+            f"stepwise is up: client address {address} ({planes}{stack.workers} worker(s){gateway}); "
+            "Ctrl-C stops it",
             flush=True,
         )
         if ready_file is not None:
             write_ready(ready_file, {"address": address, "gateway_address": stack.gateway_address})
         while not stop.is_set():
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), 0.5)
-            if any(p.poll() is not None for p in stack.procs):
-                print("stepwise up: a child process exited; stopping", file=sys.stderr)
+                await asyncio.wait_for(stop.wait(), 0.2)
+            why = stack.supervise()
+            if why is not None:
+                print(f"stepwise up: {why}; stopping", file=sys.stderr)
                 return 1
         return 0
     finally:

@@ -1,14 +1,15 @@
-"""StepwiseClient's bearer token and TLS, against an in-test fake control plane."""
+"""StepwiseClient's bearer token and TLS, against an in-test fake control plane, and its targets."""
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
 import grpc
 import pytest
 
-from clients.client import NotServingError, StepwiseClient
+from clients.client import NotServingError, StepwiseClient, channel_target
 from tests.certs import Issued, make_ca, make_cert
 from tests.cli.fake_server import CANNED_TEXT, FakeState, serve_fake
 
@@ -90,3 +91,19 @@ async def test_not_serving_is_a_timeout_naming_the_address() -> None:
     async with StepwiseClient("127.0.0.1:1") as client:
         with pytest.raises(TimeoutError, match=r"no control plane serving at 127\.0\.0\.1:1 \(waited 0\.5 s"):
             await client.wait_ready(0.5)
+
+
+def test_targets_that_name_several_control_planes_spread_calls():
+    assert channel_target("127.0.0.1:50051") == ("127.0.0.1:50051", [])
+    for address, target in [
+        ("dns:///stepwise.default.svc:50051", "dns:///stepwise.default.svc:50051"),
+        ("10.0.0.1:50051,10.0.0.2:50051", "ipv4:10.0.0.1:50051,10.0.0.2:50051"),
+        ("[::1]:1,[::2]:2", "ipv6:[::1]:1,[::2]:2"),
+    ]:
+        got, options = channel_target(address)
+        assert got == target
+        config = json.loads(dict(options)["grpc.service_config"])
+        assert config["loadBalancingConfig"] == [{"round_robin": {}}]
+        assert config["methodConfig"][0]["retryPolicy"]["retryableStatusCodes"] == ["UNAVAILABLE"]
+    with pytest.raises(ValueError, match="dns:///NAME:PORT"):
+        channel_target("a.example:1,b.example:2")
