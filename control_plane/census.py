@@ -22,9 +22,9 @@ import structlog
 
 from control_plane.config import Security
 from control_plane.engine import Engine
-from control_plane.target import Address, Endpoint, parse_target, resolve
 from protos.stepwise.v1 import worker_pb2 as wk_pb
 from protos.stepwise.v1 import worker_pb2_grpc as wk_grpc
+from protos.targets import Address, Endpoint, parse_targets, resolve
 
 log = structlog.get_logger("stepwise.census")
 
@@ -88,7 +88,7 @@ class PeerCensus:
     or does not answer in time is left out. Channels are kept per address between rounds."""
 
     def __init__(self, target: str, security: Security, timeout_s: float = PEER_TIMEOUT_S) -> None:
-        self.endpoints: list[Endpoint] = parse_target(target, "--peers")
+        self.endpoints: tuple[Endpoint, ...] = parse_targets(target, "--peers")
         self.security = security
         self.timeout_s = timeout_s
         self._channels: dict[Address, grpc.aio.Channel] = {}
@@ -106,7 +106,7 @@ class PeerCensus:
         try:
             reply = await stub.Census(wk_pb.CensusRequest(), timeout=self.timeout_s)
         except grpc.aio.AioRpcError as exc:
-            log.debug("peer did not answer", peer=address.grpc, status=exc.code().name)
+            log.debug("peer did not answer", peer=address.target, status=exc.code().name)
             return None
         return from_proto(reply)
 
@@ -120,15 +120,16 @@ class PeerCensus:
     def _open(self, address: Address) -> grpc.aio.Channel:
         security = self.security
         if security.worker_ca is None or security.tls_cert is None or security.tls_key is None:
-            return grpc.aio.insecure_channel(address.grpc)
+            return grpc.aio.insecure_channel(address.target)
         creds = grpc.ssl_channel_credentials(
             root_certificates=security.worker_ca.read_bytes(),
             private_key=security.tls_key.read_bytes(),
             certificate_chain=security.tls_cert.read_bytes(),
         )
         # Dialled by address; the certificate names the host name the address was found under.
-        options = [("grpc.ssl_target_name_override", address.name)] if address.name else []
-        return grpc.aio.secure_channel(address.grpc, creds, options=options)
+        name = address.tls_name
+        options = [("grpc.ssl_target_name_override", name)] if name else []
+        return grpc.aio.secure_channel(address.target, creds, options=options)
 
     async def _forget_except(self, keep: set[Address]) -> None:
         for address in [a for a in self._channels if a not in keep]:

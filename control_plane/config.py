@@ -264,11 +264,11 @@ def _drain_timeout(ns: argparse.Namespace) -> float:
 
 
 def _peers(ns: argparse.Namespace) -> str:
-    from control_plane.target import parse_target
+    from protos.targets import parse_targets
 
     peers = str(ns.peers).strip()
     if peers:
-        parse_target(peers, "--peers")  # a malformed target fails at start
+        parse_targets(peers, "--peers")  # a malformed target fails at start
     return peers
 
 

@@ -8,7 +8,7 @@ import pathlib
 import socket
 from dataclasses import dataclass
 
-from data_plane.targets import parse_control
+from protos.targets import parse_targets
 
 DEFAULT_CONTROL = "127.0.0.1:50052"
 # On CPU the pool is allocated (and zero-filled) up front, so keep the default modest.
@@ -22,7 +22,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 class WorkerConfig:
     """What one worker process runs with; nothing writes to it after start-up."""
 
-    # HOST:PORT, A:P,B:P or dns:///NAME:PORT (data_plane/targets.py); checked by config_from_args.
+    # HOST:PORT, A:P,B:P or dns:///NAME:PORT (protos/targets.py); checked by config_from_args.
     control: str = DEFAULT_CONTROL
     # A checkpoint directory, already resolved by the caller ("embedded" is the CLI's business).
     model: pathlib.Path = pathlib.Path(".")
@@ -165,7 +165,7 @@ def config_from_args(ns: argparse.Namespace) -> WorkerConfig:
 
 
 def _check_link(ns: argparse.Namespace) -> None:
-    parse_control(ns.control)  # ValueError naming --control
+    parse_targets(ns.control, "--control")  # ValueError naming --control
     if ns.drain_timeout < 0:
         raise ValueError(f"--drain-timeout must be >= 0, got {ns.drain_timeout}")
     if ns.reconnect_max_backoff <= 0:

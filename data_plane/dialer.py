@@ -1,6 +1,6 @@
 """Finding a control plane to attach to, and when to look again.
 
-A search resolves `--control` to every address (data_plane/targets.py), asks each one for its
+A search resolves `--control` to every address (protos/targets.py), asks each one for its
 `Census` at once, and picks the accepting control plane with the fewest workers: workers spread
 themselves over control planes as they start, without a coordinator. The worker dials the chosen
 ADDRESS, not the name (a name stands for every control plane behind a headless Service); with TLS
@@ -25,11 +25,10 @@ import structlog
 from data_plane import codec
 from data_plane.config import WorkerConfig
 from data_plane.messages import Census
-from data_plane.targets import Address, is_ip_literal, parse_control, resolve
 from protos.stepwise.v1 import worker_pb2_grpc
+from protos.targets import Address, parse_targets, resolve
 
 CENSUS_TIMEOUT_S = 1.0
-RESOLVE_TIMEOUT_S = 2.0
 BACKOFF_BASE_S = 0.1
 
 CHANNEL_OPTIONS: list[tuple[str, int | str]] = [
@@ -127,7 +126,7 @@ class Dialer:
     """Searches the control planes of `--control` and opens channels to them (TLS as configured)."""
 
     def __init__(self, config: WorkerConfig, fingerprint: str) -> None:
-        self._endpoints = parse_control(config.control)
+        self._endpoints = parse_targets(config.control, "--control")
         self._fingerprint = fingerprint
         self._tls_server_name = config.tls_server_name
         self._creds = None
@@ -140,7 +139,7 @@ class Dialer:
 
     async def search(self, avoid: Candidate | None = None) -> Candidate | None:
         """Ask every address for its census; the chosen control plane, or None when none fits."""
-        addresses = await resolve(self._endpoints, RESOLVE_TIMEOUT_S)
+        addresses = await resolve(self._endpoints)
         answers = await asyncio.gather(*(self._census(a) for a in addresses))
         candidates = [c for c in answers if c is not None]
         chosen = choose(candidates, self._fingerprint, avoid)
@@ -159,7 +158,7 @@ class Dialer:
         if self._creds is None:
             return grpc.aio.insecure_channel(address.target, options=CHANNEL_OPTIONS)
         options = list(CHANNEL_OPTIONS)
-        name = self._tls_server_name or ("" if is_ip_literal(address.host) else address.host)
+        name = self._tls_server_name or address.tls_name
         if name:
             options.append(("grpc.ssl_target_name_override", name))
         return grpc.aio.secure_channel(address.target, self._creds, options=options)

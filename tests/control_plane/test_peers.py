@@ -1,5 +1,5 @@
-"""`--peers` and the other drain flags: target syntax (control_plane/target.py), resolution to every
-address, the flags' validation (a ValueError naming the flag), and asking peers over mutual TLS."""
+"""`--peers` and the other drain flags: the flags' validation (a ValueError naming the flag), and
+asking peers over mutual TLS. The target syntax and its resolution: tests/test_targets.py."""
 
 from __future__ import annotations
 
@@ -11,45 +11,9 @@ import pytest
 
 from control_plane.census import PeerCensus
 from control_plane.config import Security, add_arguments, control_config_from_args
-from control_plane.target import Address, Endpoint, parse_target, resolve
 from protos.stepwise.v1 import worker_pb2 as wk_pb
 from protos.stepwise.v1 import worker_pb2_grpc as wk_grpc
 from tests.certs import make_ca, make_cert
-
-
-@pytest.mark.parametrize(
-    ("text", "want"),
-    [
-        ("10.0.0.1:50052", [Endpoint("10.0.0.1", 50052)]),
-        (" a:1, b.example:2 ", [Endpoint("a", 1), Endpoint("b.example", 2)]),
-        ("[::1]:7", [Endpoint("::1", 7)]),
-        ("dns:///control-headless:50052", [Endpoint("control-headless", 50052)]),
-        ("dns://8.8.8.8/control:50052", [Endpoint("control", 50052)]),
-    ],
-)
-def test_targets_parse(text: str, want: list[Endpoint]) -> None:
-    assert parse_target(text, "--peers") == want
-
-
-@pytest.mark.parametrize(
-    "text", ["", "host", "host:", ":5", "a:1,,b:2", "::1:5", "h:0", "h:70000", "dns:///x"]
-)
-def test_a_malformed_target_names_the_flag(text: str) -> None:
-    with pytest.raises(ValueError, match=r"^--peers: .* is not HOST:PORT"):
-        parse_target(text, "--peers")
-
-
-async def test_names_resolve_to_all_their_addresses_and_literals_to_themselves() -> None:
-    found = await resolve([Endpoint("localhost", 5), Endpoint("10.1.2.3", 6), Endpoint("10.1.2.3", 6)])
-    assert Address("10.1.2.3", 6) in found and len([a for a in found if a.ip == "10.1.2.3"]) == 1
-    local = [a for a in found if a.name == "localhost"]
-    assert local and all(a.port == 5 for a in local)
-    assert Address("127.0.0.1", 5, "localhost") in local
-    assert Address("::1", 9).grpc == "[::1]:9"
-
-
-async def test_a_name_that_does_not_resolve_contributes_nothing() -> None:
-    assert await resolve([Endpoint("no-such-host.invalid", 5)]) == []
 
 
 def _config(*flags: str):  # type: ignore[no-untyped-def]
