@@ -26,7 +26,7 @@ from control_plane.config import ControlConfig
 from control_plane.inbox import UID_LINK_SHIFT
 from control_plane.link import FrameReader, FrameWriter, LinkClosed, TurnFlush
 from control_plane.request import AbortCode, FinishKind, FinishReason
-from control_plane.samples import Call, Chunk, Sample
+from control_plane.samples import Call, Chunk, Lost, Sample
 from control_plane.tokenizer import TextStream, Tokenizer
 from protos.stepwise.v1 import frontend_pb2 as fe_pb
 from protos.stepwise.v1 import generation_pb2 as gen_pb
@@ -267,8 +267,8 @@ class Frontend:
         for call in {id(s.call): s.call for s in self.samples.values()}.values():
             if call.verdict is not None and not call.verdict.done():
                 call.verdict.set_result((grpc.StatusCode.UNAVAILABLE.value[0], message))
-        for sample in list(self.samples.values()):
-            self._end(sample, FinishReason.abort(message))
+            call.events.put_nowait(Lost(message))
+        self.samples.clear()
         for future in self._queries.values():
             if not future.done():
                 future.set_exception(LinkClosed(message))

@@ -8,7 +8,7 @@ import dataclasses
 import hashlib
 import hmac
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
 import grpc
@@ -16,7 +16,7 @@ import grpc
 from control_plane import codec
 from control_plane.frontend import CORE_GONE, DRAINING, CoreState, Frontend
 from control_plane.link import LinkClosed
-from control_plane.samples import Call, Chunk, Event
+from control_plane.samples import Call, Chunk, Done, Lost
 from protos.stepwise.v1 import generation_pb2 as gen_pb
 from protos.stepwise.v1 import generation_pb2_grpc as gen_grpc
 
@@ -100,9 +100,13 @@ class GenerationService(gen_grpc.GenerationServicer):
                 events = [await call.events.get()]
                 while not call.events.empty():
                     events.append(call.events.get_nowait())
-                for response in coalesce(call.rid, events):
+                lost = next((e for e in events if isinstance(e, Lost)), None)
+                for response in coalesce(call.rid, [e for e in events if not isinstance(e, Lost)]):
                     yield response
                     remaining -= response.WhichOneof("event") == "finished"
+                if lost is not None:
+                    remaining = 0
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, lost.message)
         finally:
             if remaining:
                 self.frontend.cancel(call, "cancelled by the client")
@@ -218,7 +222,7 @@ def generation_handler(service: GenerationService) -> grpc.GenericRpcHandler:
     return grpc.method_handlers_generic_handler(GENERATION_SERVICE, handlers)
 
 
-def coalesce(rid: str, events: list[Event]) -> list[gen_pb.GenerateResponse]:
+def coalesce(rid: str, events: Sequence[Chunk | Done]) -> list[gen_pb.GenerateResponse]:
     """Merge consecutive chunks of a sample into one message (a slow reader gets fewer, larger ones)."""
     out: list[gen_pb.GenerateResponse] = []
     pending: Chunk | None = None

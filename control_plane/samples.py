@@ -36,7 +36,15 @@ class Done:
     total_s: float
 
 
-Event = Chunk | Done
+@dataclass(frozen=True, slots=True)
+class Lost:
+    """The frontend lost its core: the call ends with gRPC status UNAVAILABLE (the control plane
+    failed as a whole; the client may retry elsewhere), whatever it had streamed."""
+
+    message: str
+
+
+Event = Chunk | Done | Lost
 
 
 @dataclass(slots=True, eq=False)
