@@ -252,8 +252,8 @@ class Stack:
         return None
 
     def stop(self, timeout: float = 10.0) -> None:
-        """SIGTERM the gateway, the workers, then the control planes; SIGKILL whatever is left after
-        the timeout."""
+        """SIGINT the gateway, the workers, then the control planes (stop now, no drain); SIGKILL
+        whatever is left after the timeout."""
         stop_processes(self.procs, timeout)
         self._tmp.cleanup()
 
@@ -297,14 +297,20 @@ def gateway_args(control_args: Sequence[str], host: str, port: int) -> list[str]
     return args
 
 
-def stop_processes(procs: Sequence[subprocess.Popen[bytes]], timeout: float = 10.0) -> None:
-    """SIGTERM the processes last to first (a stopped one is continued first, so it can hear it),
-    then SIGKILL whatever is left after `timeout` seconds."""
+def stop_processes(
+    procs: Sequence[subprocess.Popen[bytes]], timeout: float = 10.0, sig: signal.Signals = signal.SIGINT
+) -> None:
+    """Signal the processes last to first (a stopped one is continued first, so it can hear it),
+    then SIGKILL whatever is left after `timeout` seconds.
+
+    SIGINT by default: stop now. A control plane ends its streams with an abort rather than drain
+    them as on SIGTERM (which may take its --drain-timeout), and a worker whose control plane is
+    gone exits at once."""
     for proc in reversed(procs):
         if proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 proc.send_signal(signal.SIGCONT)
-                proc.send_signal(signal.SIGTERM)
+                proc.send_signal(sig)
     deadline = time.monotonic() + timeout
     for proc in procs:
         try:
