@@ -220,17 +220,23 @@ def cmd_up(argv: Sequence[str]) -> int:
     return asyncio.run(run_up(stack, ns.ready_file))
 
 
+def _gateway_parser() -> argparse.ArgumentParser:
+    from gateway import server
+
+    parser = _parser("stepwise gateway", COMMANDS["gateway"].summary)
+    server.add_arguments(parser)
+    parser.add_argument("--log-level", default="info", help=LOG_LEVEL_HELP)
+    flags.apply_env_defaults(parser)
+    return parser
+
+
 def cmd_gateway(argv: Sequence[str]) -> int:
     _quiet_grpc()
     from gateway import server
     from gateway.app import GatewayConfig
     from gateway.chat import load_template
 
-    parser = _parser("stepwise gateway", COMMANDS["gateway"].summary)
-    server.add_arguments(parser)
-    parser.add_argument("--log-level", default="info", help=LOG_LEVEL_HELP)
-    flags.apply_env_defaults(parser)
-    ns = parser.parse_args(argv)
+    ns = _gateway_parser().parse_args(argv)
     logs.configure(ns.log_level)
     model_dir = _resolve_model(ns.model)
     try:

@@ -165,30 +165,19 @@ class Stack:
             args = ["control", *self.control_args, *extra[i], "--ready-file", str(ready)]
             self._spawn(f"control-{i}" if self.control_planes > 1 else "control", args, critical=True)
             readies.append(ready)
-        ports = []
-        for child, ready in zip(self.children, readies, strict=True):
-            while not ready.exists():
-                if child.proc.poll() is not None:
-                    raise RuntimeError(f"control plane exited with code {child.proc.returncode}")
-                if time.monotonic() > deadline:
-                    raise TimeoutError("control plane did not start")
-                await asyncio.sleep(0.05)
-            ports.append(json.loads(ready.read_text()))
-        return ports
+        return [
+            await _read_ready(child, ready, deadline, "control plane")
+            for child, ready in zip(self.children, readies, strict=True)
+        ]
 
     async def _start_gateway(self, deadline: float) -> None:
         """Start `stepwise gateway` in front of the control planes; wait until it accepts HTTP."""
         ready = Path(self._tmp.name) / "gateway.json"
         args = [*(self.gateway_args or []), "--control", self.address, "--ready-file", str(ready)]
         gateway = self._spawn("gateway", ["gateway", *args])
-        while not ready.exists():
-            if gateway.proc.poll() is not None:
-                raise RuntimeError(f"gateway exited with code {gateway.proc.returncode}")
-            if time.monotonic() > deadline:
-                raise TimeoutError("gateway did not start")
-            await asyncio.sleep(0.05)
+        port = (await _read_ready(gateway, ready, deadline, "gateway"))["port"]
         host = _flag_value(self.gateway_args or [], "--host") or "127.0.0.1"
-        self.gateway_address = f"{host}:{json.loads(ready.read_text())['port']}"
+        self.gateway_address = f"{host}:{port}"
 
     def api_key(self) -> str | None:
         """The key `up` itself uses to ask the control plane about its workers (--api-key or the
@@ -256,6 +245,18 @@ class Stack:
         whatever is left after the timeout."""
         stop_processes(self.procs, timeout)
         self._tmp.cleanup()
+
+
+async def _read_ready(child: Child, ready: Path, deadline: float, what: str) -> dict[str, int]:
+    """What `child` wrote to its --ready-file once it is up; RuntimeError if it exits first,
+    TimeoutError past the deadline."""
+    while not ready.exists():
+        if child.proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with code {child.proc.returncode}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} did not start")
+        await asyncio.sleep(0.05)
+    return json.loads(ready.read_text())  # type: ignore[no-any-return]
 
 
 def free_ports(count: int, avoid: Collection[int] = ()) -> list[int]:

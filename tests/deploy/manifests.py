@@ -87,13 +87,7 @@ def command_parser(command: str) -> argparse.ArgumentParser:
     if command == "worker":
         return cli._worker_parser()
     if command == "gateway":
-        # As cmd_gateway builds it (cli.py has no function for this parser alone).
-        from gateway import server
-
-        parser = cli._parser("stepwise gateway", cli.COMMANDS["gateway"].summary)
-        server.add_arguments(parser)
-        parser.add_argument("--log-level", default="info", help=cli.LOG_LEVEL_HELP)
-        return parser
+        return cli._gateway_parser()
     raise ValueError(f"no parser for stepwise {command}")
 
 

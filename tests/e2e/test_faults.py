@@ -17,9 +17,12 @@ pytestmark = pytest.mark.timeout(300)
 MAX_NEW = 120
 
 
-async def _stream(client: StepwiseClient, ids: list[int], progress: list[int], i: int) -> Generation:
+async def _stream(
+    client: StepwiseClient, ids: list[int], progress: list[int], i: int, max_new: int = MAX_NEW
+) -> Generation:
+    """A greedy stream of `max_new` tokens (EOS ignored); `progress[i]` counts what arrived."""
     gen = Generation()
-    request = generate_request(ids, sampling_params(max_new_tokens=MAX_NEW, temperature=0.0, ignore_eos=True))
+    request = generate_request(ids, sampling_params(max_new_tokens=max_new, temperature=0.0, ignore_eos=True))
     async for response in client.stream(request):
         apply_response(gen, response)
         progress[i] = len(gen.token_ids)

@@ -45,7 +45,10 @@ FUZZ = settings(
 
 @pytest.fixture(scope="module")
 def plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlProcess]:
-    control = ControlProcess(["--max-queued-requests", "64"], tmp_path_factory.mktemp("fuzz"))
+    # Least-loaded routing: a tie in load goes to the rogue (see hellos()). Cache-aware routing would
+    # send every round's prompt to the real worker, which caches it, and the rogue would get no plan.
+    flags = ["--max-queued-requests", "64", "--routing-policy", "least-loaded"]
+    control = ControlProcess(flags, tmp_path_factory.mktemp("fuzz"))
     try:
         asyncio.run(control.start())
         control.add_worker("real")

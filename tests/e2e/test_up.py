@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from clients.client import Generation, StepwiseClient, apply_response, generate_request, sampling_params
+from clients.client import Generation, StepwiseClient
 from stepwise.up import stop_processes
+from tests.e2e.test_faults import _stream
 from tests.e2e.test_generate import _encode_all
 
 pytestmark = pytest.mark.timeout(300)
@@ -71,21 +72,12 @@ async def start_up(tmp_path: Path) -> AsyncIterator[object]:
         stop_processes(procs, timeout=20)
 
 
-async def _stream(client: StepwiseClient, ids: list[int], progress: list[int], i: int) -> Generation:
-    gen = Generation()
-    request = generate_request(ids, sampling_params(max_new_tokens=MAX_NEW, temperature=0.0, ignore_eos=True))
-    async for response in client.stream(request):
-        apply_response(gen, response)
-        progress[i] = len(gen.token_ids)
-    return gen
-
-
 async def _run(
     client: StepwiseClient, prompts: list[list[int]], on_progress: Callable[[], None] | None = None
 ) -> list[Generation]:
     """Stream every prompt at once; `on_progress` runs once every stream has 20 tokens."""
     progress = [0] * len(prompts)
-    tasks = [asyncio.create_task(_stream(client, ids, progress, i)) for i, ids in enumerate(prompts)]
+    tasks = [asyncio.create_task(_stream(client, ids, progress, i, MAX_NEW)) for i, ids in enumerate(prompts)]
     if on_progress is not None:
         while min(progress) < 20 and not all(t.done() for t in tasks):
             await asyncio.sleep(0.005)
