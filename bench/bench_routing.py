@@ -50,7 +50,7 @@ async def _round(policy: str, ns: argparse.Namespace) -> dict[str, float]:
             "prefix_hit_rate": report["prefix_hit_rate"],
             "request_throughput": report["request_throughput"],
             "total_throughput_tok_s": report["total_throughput_tok_s"],
-            "ttft_p50_ms": report["ttft_p50_ms"],
+            "ttft_p50_ms": report["ttft_median_ms"],
             "ttft_p99_ms": report["ttft_p99_ms"],
             "completed": report["completed"],
         }

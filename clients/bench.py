@@ -1,27 +1,35 @@
-"""`stepwise bench`: a load generator with serving metrics.
+"""`stepwise bench`: a load generator with serving metrics, after SGLang's `bench_serving`.
 
-Sends `--requests` generations at `--concurrency` in flight (or at `--rate` per second, Poisson),
-with prompt lengths drawn from a seeded generator, optionally sharing a prefix per group, and
-prints TTFT, TPOT, ITL, throughput and the prefix-cache hit rate, as text or one JSON object.
+Builds a seeded workload (`--dataset random | generated-shared-prefix | uniform`, clients/datasets.py),
+sends it with `--max-concurrency` requests in flight and/or Poisson arrivals at `--request-rate`,
+and reports TTFT, TPOT, ITL and end-to-end latency (mean, median, p99), request and token
+throughput, the concurrency reached, and the prefix-cache hit rate from the server's counters
+(clients/bench_report.py), as text or one JSON object; `--output-file` adds per-request records and
+the run's parameters, `--plot` draws latency CDFs and throughput over time (clients/bench_plot.py).
+
 Calls the control plane refuses (RESOURCE_EXHAUSTED when its queue is full, ...) are counted by
-status code under "refused"; the statistics cover the completed requests only.
+status code under "refused", never fatal; the statistics cover the completed requests only.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import math
 import random
-import statistics
 import sys
 import time
-from collections import Counter
-from dataclasses import dataclass, field
-from typing import TextIO, TypedDict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, TextIO
 
 import grpc
 
+from clients import bench_plot, datasets
+from clients.bench_report import Report, Sample, render, request_records, summarize
 from clients.client import (
     StepwiseClient,
     add_connection_arguments,
@@ -29,55 +37,71 @@ from clients.client import (
     generate_request,
     sampling_params,
 )
+from clients.datasets import BenchRequest
 from protos.stepwise.v1 import generation_pb2 as gen_pb
 
+__all__ = ["Report", "Sample", "add_arguments", "render", "run", "summarize", "workload"]
 
-class Report(TypedDict):
-    """What `stepwise bench` prints, in this order. Statistics cover the completed requests only."""
-
-    requests: int
-    completed: int
-    refused: dict[str, int]  # status code name -> calls that ended with it
-    duration_s: float
-    request_throughput: float
-    output_throughput_tok_s: float
-    total_throughput_tok_s: float
-    prefix_hit_rate: float
-    ttft_mean_ms: float
-    ttft_p50_ms: float
-    ttft_p99_ms: float
-    tpot_mean_ms: float
-    itl_p50_ms: float
-    itl_p99_ms: float
-    latency_p50_s: float
+DATASETS = ("uniform", "random", "generated-shared-prefix")
+SECRET_FLAGS = ("api_key",)  # never written to --output-file
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_connection_arguments(parser)
-    parser.add_argument("--requests", type=int, default=64, help="generations to send")
-    parser.add_argument("--concurrency", type=int, default=16, help="requests in flight (when --rate is 0)")
-    parser.add_argument(
-        "--rate", type=float, default=0.0, help="Poisson arrivals per second (0: closed loop)"
-    )
-    parser.add_argument("--prompt-len", default="32,256", help="min,max prompt tokens (uniform)")
-    parser.add_argument("--output-len", default="16,128", help="min,max new tokens (uniform)")
-    parser.add_argument("--shared-prefix", type=int, default=0, help="tokens shared by each group's prompts")
-    parser.add_argument("--groups", type=int, default=4, help="prefix groups (with --shared-prefix)")
-    parser.add_argument("--vocab", type=int, default=1000, help="token ids are drawn below this")
+    _add_load_arguments(parser)
+    _add_dataset_arguments(parser)
     parser.add_argument("--seed", type=int, default=0, help="seed of the prompts and arrival times")
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--output-file", type=Path, default=None, metavar="PATH",
+        help="write the report, per-request records and the run's parameters as JSON",
+    )  # fmt: skip
+    parser.add_argument(
+        "--plot", type=Path, default=None, metavar="PATH.png",
+        help="draw latency CDFs and throughput over time (needs the `plot` extra: matplotlib)",
+    )  # fmt: skip
 
 
-@dataclass(slots=True)
-class Sample:
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    output_tokens: int = 0
-    ttft: float = 0.0
-    latency: float = 0.0
-    itls: list[float] = field(default_factory=list)
-    ok: bool = False
-    refused: str = ""  # the status code's name when the call ended in a gRPC error
+def _add_load_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--num-prompts", "--requests", dest="requests", type=int, default=64,
+        help="generations to send (generated-shared-prefix sends groups x prompts per group)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--max-concurrency", "--concurrency", dest="concurrency", type=int, default=16,
+        help="requests in flight at most (0: no limit)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--request-rate", "--rate", dest="rate", type=float, default=math.inf,
+        help="Poisson arrivals per second (inf or 0: all at once)",
+    )  # fmt: skip
+
+
+def _add_dataset_arguments(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add("--dataset", choices=DATASETS, default="uniform", help="the workload (SGLang's names)")
+    add("--prompt-len", default="32,256", help="uniform: min,max prompt tokens")
+    add("--output-len", default="16,128", help="uniform: min,max new tokens")
+    add("--shared-prefix", type=int, default=0, help="uniform: tokens shared by each group's prompts")
+    add("--groups", type=int, default=4, help="uniform: prefix groups (with --shared-prefix)")
+    add("--random-input-len", type=int, default=256, help="random: prompt tokens at most")
+    add("--random-output-len", type=int, default=128, help="random: new tokens at most")
+    add("--random-range-ratio", type=float, default=1.0, help="random: lengths from ratio x len to len")
+    add("--gsp-num-groups", type=int, default=4, help="generated-shared-prefix: groups")
+    add("--gsp-prompts-per-group", type=int, default=8, help="generated-shared-prefix: prompts per group")
+    add("--gsp-system-prompt-len", type=int, default=256, help="generated-shared-prefix: prefix tokens")
+    add("--gsp-question-len", type=int, default=32, help="generated-shared-prefix: question tokens")
+    add("--gsp-output-len", type=int, default=64, help="generated-shared-prefix: new tokens")
+    add("--vocab", type=int, default=1000, help="token ids are drawn from [3, vocab)")
+
+
+def _complete(ns: argparse.Namespace) -> argparse.Namespace:
+    """`ns` with every flag this command knows: namespaces built by hand (benchmarks, tests) may
+    carry only the flags they change."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return argparse.Namespace(**{**vars(parser.parse_args([])), **vars(ns)})
 
 
 def _range(text: str) -> tuple[int, int]:
@@ -85,28 +109,94 @@ def _range(text: str) -> tuple[int, int]:
     return lo, max(lo, hi)
 
 
-def make_prompts(ns: argparse.Namespace) -> list[tuple[list[int], int]]:
-    """(prompt ids, max_new_tokens) per request; deterministic in --seed."""
-    rng = random.Random(ns.seed)
-    prefixes = [
-        [rng.randrange(3, ns.vocab) for _ in range(ns.shared_prefix)] for _ in range(max(ns.groups, 1))
+def workload(ns: argparse.Namespace) -> list[BenchRequest]:
+    """The requests `--dataset` and its flags describe; deterministic in --seed."""
+    if ns.dataset == "random":
+        return datasets.random_requests(
+            ns.requests, ns.random_input_len, ns.random_output_len, ns.random_range_ratio, ns.vocab, ns.seed
+        )
+    if ns.dataset == "generated-shared-prefix":
+        return datasets.shared_prefix_requests(
+            ns.gsp_num_groups, ns.gsp_prompts_per_group, ns.gsp_system_prompt_len,
+            ns.gsp_question_len, ns.gsp_output_len, ns.vocab, ns.seed,
+        )  # fmt: skip
+    requests = datasets.uniform_requests(
+        ns.requests, _range(ns.prompt_len), _range(ns.output_len), ns.vocab, ns.seed
+    )
+    return _with_shared_prefix(requests, ns.shared_prefix, ns.groups, ns.vocab, ns.seed)
+
+
+def _with_shared_prefix(
+    requests: list[BenchRequest], prefix_len: int, groups: int, vocab: int, seed: int
+) -> list[BenchRequest]:
+    """Request i gets group i % groups's random prefix of `prefix_len` tokens (none when 0)."""
+    if prefix_len <= 0:
+        return requests
+    groups = max(groups, 1)
+    prefixes = [r.prompt_ids for r in datasets.random_requests(groups, prefix_len, 1, 1.0, vocab, seed + 2)]
+    return [
+        replace(r, prompt_ids=prefixes[i % groups] + r.prompt_ids, group=i % groups)
+        for i, r in enumerate(requests)
     ]
-    plo, phi = _range(ns.prompt_len)
-    olo, ohi = _range(ns.output_len)
-    out = []
-    for i in range(ns.requests):
-        body = [rng.randrange(3, ns.vocab) for _ in range(rng.randint(plo, phi))]
-        out.append((prefixes[i % len(prefixes)] + body, rng.randint(olo, ohi)))
-    return out
 
 
-async def _one(client: StepwiseClient, ids: list[int], max_new: int) -> Sample:
+# --- sending ------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Load:
+    """What sending the workload gave: one sample per request, in workload order."""
+
+    samples: list[Sample]
+    elapsed: float  # first send to last completion
+    concurrency_max: int
+
+
+async def send(
+    client: StepwiseClient,
+    requests: list[BenchRequest],
+    concurrency: int,
+    rate: float,
+    seed: int,
+    on_done: Callable[[], None] = lambda: None,
+) -> Load:
+    """Send every request with at most `concurrency` in flight (0: no limit), arrivals Poisson at
+    `rate` per second (inf or 0: all at once); `on_done` after each request ends."""
+    gate = asyncio.Semaphore(concurrency if concurrency > 0 else max(len(requests), 1))
+    arrivals = random.Random(seed + 1)
+    paced = 0 < rate < math.inf
+    in_flight = peak = 0
+    started = time.perf_counter()
+
+    async def one(request: BenchRequest) -> Sample:
+        nonlocal in_flight, peak
+        async with gate:
+            in_flight += 1
+            peak = max(peak, in_flight)
+            try:
+                return await _one(client, request, started)
+            finally:
+                in_flight -= 1
+                on_done()
+
+    tasks = []
+    for i, request in enumerate(requests):
+        if paced and i:
+            await asyncio.sleep(arrivals.expovariate(rate))
+        tasks.append(asyncio.create_task(one(request)))
+    samples = await asyncio.gather(*tasks)
+    return Load(list(samples), time.perf_counter() - started, peak)
+
+
+async def _one(client: StepwiseClient, request: BenchRequest, started: float) -> Sample:
     """One generation's timings; a call that ends in a gRPC error comes back with `refused` set."""
-    sample = Sample(prompt_tokens=len(ids))
-    request = generate_request(ids, sampling_params(max_new_tokens=max_new, temperature=0.0, ignore_eos=True))
+    sample = Sample(prompt_tokens=len(request.prompt_ids), max_new_tokens=request.max_new_tokens)
+    params = sampling_params(max_new_tokens=request.max_new_tokens, temperature=0.0, ignore_eos=True)
+    call = generate_request(request.prompt_ids, params)
     start = time.perf_counter()
+    sample.start = start - started
     try:
-        await _stream(client, request, sample, start)
+        await _stream(client, call, sample, start)
     except grpc.aio.AioRpcError as exc:
         sample.refused = exc.code().name
     sample.latency = time.perf_counter() - start
@@ -124,81 +214,92 @@ async def _stream(
                 sample.ttft = now - start
             else:
                 sample.itls.append(now - last)
+            sample.chunk_tokens.append(len(response.chunk.token_ids))
             sample.output_tokens += len(response.chunk.token_ids)
             last = now
         elif response.WhichOneof("event") == "finished":
             sample.cached_tokens = response.finished.usage.cached_tokens
-            sample.ok = response.finished.reason != gen_pb.FINISH_REASON_ABORT
+            sample.aborted = response.finished.reason == gen_pb.FINISH_REASON_ABORT
+            sample.ok = not sample.aborted
+
+
+# --- the server's prefix-cache counters -----------------------------------------------------------
+
+
+async def server_totals(client: StepwiseClient) -> tuple[int, int] | None:
+    """(prompt tokens, cached tokens) the server's workers have admitted so far; None when it
+    cannot say. With several control planes behind the address, the one that answers counts."""
+    try:
+        info = await client.server_info()
+    except grpc.aio.AioRpcError:
+        return None
+    workers = info.workers
+    return sum(w.prompt_tokens_total for w in workers), sum(w.cached_tokens_total for w in workers)
+
+
+def server_hit_rate(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
+    """Cached over prompt tokens admitted between the two readings; None without both, or when
+    the server admitted no prompt tokens in between (a server that does not count them)."""
+    if before is None or after is None or after[0] <= before[0]:
+        return None
+    return (after[1] - before[1]) / (after[0] - before[0])
+
+
+# --- the command ----------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _progress(out: TextIO, total: int, enabled: bool) -> Iterator[Callable[[], None]]:
+    """A rich progress bar on `out` while the load runs (erased after); a no-op when disabled."""
+    if not enabled:
+        yield lambda: None
+        return
+    from rich.console import Console
+    from rich.progress import Progress
+
+    with Progress(console=Console(file=out), transient=True) as bar:
+        task = bar.add_task("requests", total=total)
+        yield lambda: bar.advance(task)
 
 
 async def run(ns: argparse.Namespace, out: TextIO = sys.stdout) -> Report:
-    """Send the load, print the report (text, or JSON with --json) to `out`, and return it."""
-    prompts = make_prompts(ns)
-    rng = random.Random(ns.seed + 1)
+    """Send the load, print the report (text, or JSON with --json) to `out`, write --output-file
+    and --plot, and return the report."""
+    ns = _complete(ns)
+    if ns.plot is not None and not bench_plot.available():
+        from stepwise.cli import RoutineError  # imported here: the CLI imports this module lazily
+
+        raise RoutineError(bench_plot.MISSING)
+    requests = workload(ns)
+    show_progress = not (ns.json or ns.quiet) and out.isatty()
     async with client_from_args(ns) as client:
         await client.wait_ready(ns.wait)
-        gate = asyncio.Semaphore(ns.concurrency if ns.rate <= 0 else len(prompts))
-
-        async def limited(ids: list[int], n: int) -> Sample:
-            async with gate:
-                return await _one(client, ids, n)
-
-        started = time.perf_counter()
-        tasks = []
-        for ids, n in prompts:
-            tasks.append(asyncio.create_task(limited(ids, n)))
-            if ns.rate > 0:
-                await asyncio.sleep(rng.expovariate(ns.rate))
-        samples = await asyncio.gather(*tasks)
-        elapsed = time.perf_counter() - started
-    report = summarize(samples, elapsed)
+        before = await server_totals(client)
+        with _progress(out, len(requests), show_progress) as advance:
+            load = await send(client, requests, ns.concurrency, ns.rate, ns.seed, advance)
+        after = await server_totals(client)
+    report = summarize(load.samples, load.elapsed, server_hit_rate(before, after), load.concurrency_max)
+    if ns.output_file is not None:
+        ns.output_file.write_text(json.dumps(output_document(ns, report, load.samples), indent=1) + "\n")
+    if ns.plot is not None:
+        bench_plot.plot(load.samples, ns.plot, title=f"stepwise bench, {ns.dataset}")
     out.write((json.dumps(report) if ns.json else render(report)) + "\n")
     return report
 
 
-def _pct(values: list[float], q: float) -> float:
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+def output_document(ns: argparse.Namespace, report: Report, samples: list[Sample]) -> dict[str, Any]:
+    """--output-file's JSON: the run's parameters, the report and one record per request."""
+    return {"parameters": parameters(ns), "report": report, "requests": request_records(samples)}
 
 
-def summarize(samples: list[Sample], elapsed: float) -> Report:
-    """The report: counts over all samples, statistics over the completed ones only."""
-    done = [s for s in samples if s.ok]
-    refused = Counter(s.refused for s in samples if s.refused)
-    ttft = [s.ttft for s in done]
-    tpot = [(s.latency - s.ttft) / (s.output_tokens - 1) for s in done if s.output_tokens > 1]
-    itl = [x for s in done for x in s.itls]
-    prompt = sum(s.prompt_tokens for s in done)
-    cached = sum(s.cached_tokens for s in done)
-    output = sum(s.output_tokens for s in done)
-    return {
-        "requests": len(samples),
-        "completed": len(done),
-        "refused": dict(sorted(refused.items())),
-        "duration_s": round(elapsed, 4),
-        "request_throughput": round(len(done) / elapsed, 3),
-        "output_throughput_tok_s": round(output / elapsed, 2),
-        "total_throughput_tok_s": round((prompt + output) / elapsed, 2),
-        "prefix_hit_rate": round(cached / prompt, 4) if prompt else 0.0,
-        "ttft_mean_ms": round(1000 * statistics.fmean(ttft), 2) if ttft else 0.0,
-        "ttft_p50_ms": round(1000 * _pct(ttft, 0.5), 2),
-        "ttft_p99_ms": round(1000 * _pct(ttft, 0.99), 2),
-        "tpot_mean_ms": round(1000 * statistics.fmean(tpot), 3) if tpot else 0.0,
-        "itl_p50_ms": round(1000 * _pct(itl, 0.5), 3),
-        "itl_p99_ms": round(1000 * _pct(itl, 0.99), 3),
-        "latency_p50_s": round(_pct([s.latency for s in done], 0.5), 4),
-    }
+def parameters(ns: argparse.Namespace) -> dict[str, Any]:
+    """The flags as strict JSON values (paths as text, inf as "inf"), secrets left out."""
+    return {k: _json_value(v) for k, v in sorted(vars(ns).items()) if k not in SECRET_FLAGS}
 
 
-def render(report: Report) -> str:
-    """One `key  value` line per entry; "refused" as `CODE count, ...` or `none`."""
-    width = max(len(k) for k in report)
-    return "\n".join(f"{k:<{width}}  {_render_value(v)}" for k, v in report.items())
-
-
-def _render_value(value: object) -> str:
-    if isinstance(value, dict):
-        return ", ".join(f"{code} {count}" for code, count in value.items()) or "none"
+def _json_value(value: object) -> object:
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
     return str(value)

@@ -158,6 +158,8 @@ class Router:
             steps=engine.steps,
             retractions=sched.num_retracted_total,
             leaving=engine.leaving is not None,
+            prompt_tokens_total=engine.step_log.prompt_tokens_total,
+            cached_tokens_total=engine.step_log.cached_tokens_total,
         )
 
 

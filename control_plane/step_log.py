@@ -49,6 +49,9 @@ class StepLog:
         # The last values set on two per-step gauges (a set costs as much as a small step's books).
         self._hit_rate = -1.0
         self._retracted_now = -1
+        # Since the worker attached (GetServerInfo): prompt tokens admitted, cached ones included.
+        self.prompt_tokens_total = 0
+        self.cached_tokens_total = 0
 
     def record(self, plan: StepPlan, stats: StepStats, sched: Scheduler) -> None:
         """Counters every step, the pool's gauges every POOL_GAUGES_S; SGLang's prefill line per
@@ -99,6 +102,8 @@ class StepLog:
         self._last_prefill_log = now
         metrics.PROMPT_TOKENS.labels(self.worker).inc(stats.new_tokens)
         metrics.CACHED_TOKENS.labels(self.worker).inc(stats.cached_tokens)
+        self.prompt_tokens_total += stats.new_tokens + stats.cached_tokens
+        self.cached_tokens_total += stats.cached_tokens
         self._set_hit_rate(stats.cache_hit_rate)
         usage = sched.kv.used_tokens() / sched.capacity
         self.log.info(
