@@ -284,6 +284,17 @@ def cmd_bench(argv: Sequence[str]) -> int:
     return 0 if report["completed"] == report["requests"] else 1
 
 
+def cmd_compare(argv: Sequence[str]) -> int:
+    _quiet_grpc()
+    from stepwise import compare
+
+    parser = _parser("stepwise compare", COMMANDS["compare"].summary)
+    compare.add_arguments(parser)
+    flags.apply_env_defaults(parser)
+    asyncio.run(compare.run(parser.parse_args(argv)))
+    return 0
+
+
 def cmd_demo(argv: Sequence[str]) -> int:
     """Start the stack on the embedded model, stream one generation, stop everything."""
     from clients import generate
@@ -352,6 +363,7 @@ COMMANDS = {
     "gateway": Command(cmd_gateway, "an OpenAI-compatible HTTP gateway in front of control planes"),
     "generate": Command(cmd_generate, "stream one generation to the terminal"),
     "bench": Command(cmd_bench, "load generator with serving metrics"),
+    "compare": Command(cmd_compare, "stepwise against static batching and transformers on one workload"),
     "demo": Command(cmd_demo, "start the stack on the embedded model, stream one generation, stop"),
     "replay": Command(cmd_replay, "replay a recording against a fresh worker or scheduler, or show it"),
     "simulate": Command(cmd_simulate, "the real scheduler on a request trace, on a simulated clock"),

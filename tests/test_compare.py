@@ -1,0 +1,313 @@
+"""`stepwise compare`: the ideal step count, the report, and one real run of every contender."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from clients.datasets import BenchRequest, uniform_requests
+from stepwise import baselines, cli, compare
+from stepwise.baselines import CONTENDER_NAMES, Measurement
+from stepwise.compare import ideal_steps
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load_perf_table():  # type: ignore[no-untyped-def]
+    """bench/perf_table.py as a module (bench/ is scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location("perf_table", ROOT / "bench" / "perf_table.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+perf_table = _load_perf_table()
+
+
+# --- the ideal step count --------------------------------------------------------------------------
+
+
+def test_ideal_steps_all_fit_is_one_prefill_then_the_longest_decode() -> None:
+    assert ideal_steps([3, 5, 2], cap=8) == 1 + (5 - 1)
+
+
+def test_ideal_steps_one_token_each_is_one_prefill_per_batch() -> None:
+    assert ideal_steps([1] * 10, cap=4) == 3
+
+
+def test_ideal_steps_cap_one_is_one_step_per_token() -> None:
+    assert ideal_steps([4, 1, 3], cap=1) == 8
+
+
+def test_ideal_steps_admits_as_soon_as_a_request_leaves() -> None:
+    # cap 2: prefill A,B | decode (A done) | prefill C | decode | decode (B, C done)
+    assert ideal_steps([2, 4, 3], cap=2) == 5
+
+
+def test_ideal_steps_of_nothing_is_zero() -> None:
+    assert ideal_steps([], cap=32) == 0
+
+
+def test_ideal_steps_never_below_the_longest_request_nor_above_one_at_a_time() -> None:
+    lens = [r.max_new_tokens for r in uniform_requests(64, (16, 128), (8, 256), seed=3)]
+    steps = ideal_steps(lens, cap=32)
+    assert max(lens) < steps < sum(lens)
+    assert ideal_steps(lens, cap=64) == max(lens)
+
+
+# --- pieces of the contenders ---------------------------------------------------------------------
+
+
+def test_batches_keep_order_and_cut_the_last_one_short() -> None:
+    requests = [BenchRequest([3], n) for n in range(1, 8)]
+    cut = [[r.max_new_tokens for r in batch] for batch in baselines.batches(requests, 3)]
+    assert cut == [[1, 2, 3], [4, 5, 6], [7]]
+
+
+def test_make_contenders_refuses_an_unknown_name() -> None:
+    with pytest.raises(ValueError, match="vllm"):
+        baselines.make_contenders(["stepwise", "vllm"], Path("."))
+
+
+def test_make_contenders_puts_each_variant_on_a_stack_of_its_own_after_the_named_ones() -> None:
+    variants = [("mixed", ("--enable-mixed-chunk",)), ("lpm", ("--schedule-policy", "lpm"))]
+    contenders = baselines.make_contenders(["stepwise", "static"], Path("."), variants)
+    assert [c.name for c in contenders] == ["stepwise", "static", "mixed", "lpm"]
+    servers = [c.server for c in contenders]  # type: ignore[attr-defined]
+    assert servers[0] is servers[1]  # the named Stack contenders share one Stack
+    assert len({id(server) for server in servers[1:]}) == 3
+    assert [s.control_flags for s in servers] == [[], [], ["--enable-mixed-chunk"], ["--schedule-policy", "lpm"]]
+    assert all(isinstance(c, baselines.StepwiseContender) for c in contenders[2:])
+
+
+def test_make_contenders_refuses_a_variant_named_like_a_contender() -> None:
+    with pytest.raises(ValueError, match="static"):
+        baselines.make_contenders(["stepwise"], Path("."), [("static", ())])
+
+
+@pytest.mark.timeout(30)
+def test_descendant_cpu_counts_a_busy_child() -> None:
+    busy = "import time\nend = time.process_time() + 0.3\nwhile time.process_time() < end: pass\n"
+    child = subprocess.Popen([sys.executable, "-c", busy + "time.sleep(30)"])
+    try:
+        deadline = time.monotonic() + 20
+        while baselines._process_cpu_s(child.pid) < 0.3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert child.pid in baselines._descendants(baselines.os.getpid())
+        assert baselines._process_cpu_s(child.pid) >= 0.3
+    finally:
+        child.kill()
+        child.wait()
+    assert baselines._process_cpu_s(child.pid) == 0.0  # gone: counts nothing
+
+
+# --- the report -------------------------------------------------------------------------------------
+
+
+def _ns(**overrides: object) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    compare.add_arguments(parser)
+    ns = parser.parse_args([])
+    for name, value in overrides.items():
+        setattr(ns, name, value)
+    return ns
+
+
+def test_summarize_takes_medians_and_ratios_to_stepwise() -> None:
+    requests = [BenchRequest([3, 4], 10), BenchRequest([5], 20)]
+    results = {
+        "stepwise": [Measurement(30, 1.0, 0.5, 7), Measurement(30, 3.0, 0.5, 9), Measurement(30, 2, 1, 8)],
+        "raw-forward": [Measurement(30, 0.5, 0.5), Measurement(30, 0.5, 0.25), Measurement(30, 1, 0.5)],
+    }
+    report = compare.summarize(results, requests, _ns(concurrency=2, rounds=3))
+    step, raw = report["contenders"]["stepwise"], report["contenders"]["raw-forward"]
+    assert (step["tok_s"], step["vs_stepwise"], step["tok_per_cpu_s"], step["steps"]) == (15.0, 1.0, 60.0, 8)
+    assert (raw["tok_s"], raw["vs_stepwise"], raw["tok_per_cpu_s"], raw["steps"]) == (60.0, 4.0, 60.0, None)
+    assert report["workload"]["useful_tokens"] == 30
+    assert report["ideal_steps"] == ideal_steps([10, 20], 2)
+    text = compare.render(report)
+    assert "4.00x" in text and f"ideal {report['ideal_steps']}" in text
+
+
+def test_variant_flags_parse_into_names_and_control_plane_flags() -> None:
+    ns = _parse(
+        ["--variant", "mixed-lpm=--enable-mixed-chunk --schedule-policy lpm", "--variant", "plain="]
+    )
+    assert ns.variants == [("mixed-lpm", ("--enable-mixed-chunk", "--schedule-policy", "lpm")), ("plain", ())]
+    assert ns.contenders == CONTENDER_NAMES  # variants add to the contenders, never replace them
+
+
+def test_no_variant_keeps_the_defaults() -> None:
+    ns = _parse([])
+    assert (ns.variants, ns.contenders) == ([], CONTENDER_NAMES)
+
+
+def test_variant_quoting_follows_the_shell() -> None:
+    ns = _parse(["--variant", "q=--schedule-policy 'lof' --random-seed=7"])
+    assert ns.variants == [("q", ("--schedule-policy", "lof", "--random-seed=7"))]
+
+
+def test_summarize_records_each_variants_flags() -> None:
+    requests = [BenchRequest([3], 4)]
+    results = {"stepwise": [Measurement(4, 1.0, 1.0, 4)], "mixed": [Measurement(4, 0.5, 1.0, 3)]}
+    ns = _ns(variants=[("mixed", ("--enable-mixed-chunk", "--schedule-policy", "lpm"))])
+    report = compare.summarize(results, requests, ns)
+    assert report["variants"] == {"mixed": "--enable-mixed-chunk --schedule-policy lpm"}
+    assert report["contenders"]["mixed"]["vs_stepwise"] == 2.0
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    compare.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_summarize_without_stepwise_has_no_ratio() -> None:
+    report = compare.summarize({"static": [Measurement(5, 1.0, 1.0, 3)]}, [BenchRequest([3], 5)], _ns())
+    assert report["contenders"]["static"]["vs_stepwise"] is None
+    assert "static" in compare.render(report)
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [
+        ("--contenders", "stepwise,vllm"),
+        ("--prompt-len", "9,3"),
+        ("--output-len", "x"),
+        ("--rounds", "0"),
+        ("--variant", "no-equals-sign"),
+        ("--variant", "=--enable-mixed-chunk"),
+        ("--variant", "static=--enable-mixed-chunk"),  # a contender's name
+        ("--variant", "x=--schedule-policy nope"),
+        ("--variant", "x=--no-such-flag"),
+        ("--variant", "x=--enable-mixed-chunk --chunked-prefill-size -1"),  # the control plane refuses
+        ("--variant", "x='unterminated"),
+    ],
+)
+def test_bad_flag_value_is_one_line_and_exit_2(
+    flag: str, value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["compare", flag, value])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("stepwise compare:") and flag in err
+
+
+def test_a_variant_named_twice_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["compare", "--variant", "a=--enable-mixed-chunk", "--variant", "a="])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "'a' given twice" in err
+
+
+# --- the README table ---------------------------------------------------------------------------------
+
+BEGIN, END = perf_table.BEGIN, perf_table.END
+
+
+def test_replace_block_swaps_only_what_lies_between_the_markers() -> None:
+    text = f"# T\n\nbefore\n{BEGIN}\nold table\nold line\n{END}\nafter\n"
+    assert perf_table.replace_block(text, "new\n") == f"# T\n\nbefore\n{BEGIN}\nnew\n{END}\nafter\n"
+
+
+def test_replace_block_twice_is_the_same_as_once() -> None:
+    text = f"a\n{BEGIN}{END}\nb"
+    once = perf_table.replace_block(text, "| x |")
+    assert once == f"a\n{BEGIN}\n| x |\n{END}\nb"
+    assert perf_table.replace_block(once, "| x |") == once
+
+
+@pytest.mark.parametrize(
+    "text", ["no markers", f"{BEGIN} only", f"{END} before {BEGIN}", f"{BEGIN}{END}{BEGIN}{END}"]
+)
+def test_replace_block_refuses_missing_or_misplaced_markers(text: str) -> None:
+    with pytest.raises(ValueError, match="perf-table"):
+        perf_table.replace_block(text, "x")
+
+
+def test_render_block_has_the_run_and_one_row_per_contender() -> None:
+    requests = [BenchRequest([3, 4], 10), BenchRequest([5], 20)]
+    results = {
+        "stepwise": [Measurement(30, 0.01, 0.02, 1234)],
+        "raw-forward": [Measurement(30, 0.005, 0.01)],
+    }
+    report = compare.summarize(results, requests, _ns(concurrency=2, rounds=1))
+    block = perf_table.render_block(report, "stepwise compare --json", "Some CPU, 2 logical cores", "2026-12-01")
+    lines = block.splitlines()
+    assert "2026-12-01" in lines[0] and "Some CPU, 2 logical cores" in lines[0]
+    assert "`stepwise compare --json`" in lines[0]
+    assert lines[2] == f"| contender | tokens/s | vs stepwise | tokens per CPU s | steps (ideal {ideal_steps([10, 20], 2)}) |"
+    assert lines[4:] == ["| stepwise | 3,000 | 1.00x | 1,500 | 1,234 |", "| raw-forward | 6,000 | 2.00x | 3,000 | - |"]
+
+
+def test_machine_names_the_cpu_cores_and_torch() -> None:
+    import torch
+
+    where = perf_table.machine()
+    assert where.endswith(f"torch {torch.__version__}") and "logical cores" in where
+
+
+# --- every contender, for real ----------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_every_contender_serves_a_small_workload() -> None:
+    args = ["--requests", "4", "--prompt-len", "4,16", "--output-len", "2,6", "--concurrency", "2"]
+    args += ["--rounds", "1", "--json"]
+    requests = uniform_requests(4, (4, 16), (2, 6))
+    wanted = sum(r.max_new_tokens for r in requests)
+    done = subprocess.run(
+        [sys.executable, "-m", "stepwise.cli", "compare", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=200,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert list(report["contenders"]) == list(CONTENDER_NAMES)
+    assert report["workload"]["useful_tokens"] == wanted
+    for name, row in report["contenders"].items():
+        assert row["tok_s"] > 0, name
+        assert row["tok_per_cpu_s"] > 0, name
+        assert [r["useful_tokens"] for r in row["rounds"]] == [wanted], name
+    assert report["contenders"]["stepwise"]["vs_stepwise"] == 1.0
+    assert report["contenders"]["stepwise"]["steps"] > 0
+    assert report["contenders"]["static"]["steps"] > 0
+    assert report["ideal_steps"] == ideal_steps([r.max_new_tokens for r in requests], 2)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_variant_runs_beside_stepwise_with_its_own_flags() -> None:
+    # Mixed chunks put the next prefill into a decode step: never more steps than without.
+    args = ["--requests", "4", "--prompt-len", "4,16", "--output-len", "2,6", "--concurrency", "2"]
+    args += ["--rounds", "1", "--contenders", "stepwise", "--variant", "mixed=--enable-mixed-chunk", "--json"]
+    done = subprocess.run(
+        [sys.executable, "-m", "stepwise.cli", "compare", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=100,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert list(report["contenders"]) == ["stepwise", "mixed"]
+    assert report["variants"] == {"mixed": "--enable-mixed-chunk"}
+    plain, mixed = report["contenders"]["stepwise"], report["contenders"]["mixed"]
+    assert plain["useful_tokens"] == mixed["useful_tokens"] == report["workload"]["useful_tokens"]
+    assert 0 < mixed["steps"] < plain["steps"]
+    assert mixed["tok_per_cpu_s"] > 0
