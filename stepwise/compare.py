@@ -139,8 +139,9 @@ def _control_flags_problem(flags: Sequence[str]) -> str | None:
     return None
 
 
-class _VariantAction(argparse.Action):
-    """Append one variant; a name given twice is an error."""
+class _VariantAction(argparse._AppendAction):
+    """Append one variant; a name given twice is an error. (An append action, so that
+    STEPWISE_VARIANT is read as one variant, as `stepwise.flags` does for repeatable options.)"""
 
     def __call__(
         self, parser: argparse.ArgumentParser, ns: argparse.Namespace, value: Any, option: str | None = None

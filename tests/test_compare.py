@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from clients.datasets import BenchRequest, uniform_requests
-from stepwise import baselines, cli, compare
+from stepwise import baselines, cli, compare, flags
 from stepwise.baselines import CONTENDER_NAMES, Measurement
 from stepwise.compare import ideal_steps
 
@@ -84,7 +84,7 @@ def test_make_contenders_puts_each_variant_on_a_stack_of_its_own_after_the_named
     servers = [c.server for c in contenders]  # type: ignore[attr-defined]
     assert servers[0] is servers[1]  # the named Stack contenders share one Stack
     assert len({id(server) for server in servers[1:]}) == 3
-    assert [s.control_flags for s in servers] == [[], [], ["--enable-mixed-chunk"], ["--schedule-policy", "lpm"]]
+    assert [s.control_flags for s in servers] == [[], [], *([*flags] for _, flags in variants)]
     assert all(isinstance(c, baselines.StepwiseContender) for c in contenders[2:])
 
 
@@ -138,9 +138,7 @@ def test_summarize_takes_medians_and_ratios_to_stepwise() -> None:
 
 
 def test_variant_flags_parse_into_names_and_control_plane_flags() -> None:
-    ns = _parse(
-        ["--variant", "mixed-lpm=--enable-mixed-chunk --schedule-policy lpm", "--variant", "plain="]
-    )
+    ns = _parse(["--variant", "mixed-lpm=--enable-mixed-chunk --schedule-policy lpm", "--variant", "plain="])
     assert ns.variants == [("mixed-lpm", ("--enable-mixed-chunk", "--schedule-policy", "lpm")), ("plain", ())]
     assert ns.contenders == CONTENDER_NAMES  # variants add to the contenders, never replace them
 
@@ -153,6 +151,13 @@ def test_no_variant_keeps_the_defaults() -> None:
 def test_variant_quoting_follows_the_shell() -> None:
     ns = _parse(["--variant", "q=--schedule-policy 'lof' --random-seed=7"])
     assert ns.variants == [("q", ("--schedule-policy", "lof", "--random-seed=7"))]
+
+
+def test_a_variant_from_the_environment_comes_before_those_on_the_command_line() -> None:
+    parser = argparse.ArgumentParser()
+    compare.add_arguments(parser)
+    flags.apply_env_defaults(parser, {"STEPWISE_VARIANT": "m=--enable-mixed-chunk"})
+    assert parser.parse_args(["--variant", "n="]).variants == [("m", ("--enable-mixed-chunk",)), ("n", ())]
 
 
 def test_summarize_records_each_variants_flags() -> None:
@@ -242,12 +247,42 @@ def test_render_block_has_the_run_and_one_row_per_contender() -> None:
         "raw-forward": [Measurement(30, 0.005, 0.01)],
     }
     report = compare.summarize(results, requests, _ns(concurrency=2, rounds=1))
-    block = perf_table.render_block(report, "stepwise compare --json", "Some CPU, 2 logical cores", "2026-12-01")
-    lines = block.splitlines()
-    assert "2026-12-01" in lines[0] and "Some CPU, 2 logical cores" in lines[0]
-    assert "`stepwise compare --json`" in lines[0]
-    assert lines[2] == f"| contender | tokens/s | vs stepwise | tokens per CPU s | steps (ideal {ideal_steps([10, 20], 2)}) |"
-    assert lines[4:] == ["| stepwise | 3,000 | 1.00x | 1,500 | 1,234 |", "| raw-forward | 6,000 | 2.00x | 3,000 | - |"]
+    where, command = "Some CPU, 2 logical cores", "stepwise compare --json"
+    block = perf_table.render_block(report, command, where, "2026-12-01")
+    about, table = block.split("\n\n")
+    assert all(len(line) <= perf_table.WIDTH for line in about.splitlines())
+    about = " ".join(about.splitlines())
+    assert "2026-12-01" in about and where in about and f"`{command}`" in about
+    lines = table.splitlines()
+    ideal = ideal_steps([10, 20], 2)
+    assert lines[0] == f"| contender | tokens/s | vs stepwise | tokens per CPU s | steps (ideal {ideal}) |"
+    assert lines[2:] == [
+        "| stepwise | 3,000 | 1.00x | 1,500 | 1,234 |",
+        "| raw-forward | 6,000 | 2.00x | 3,000 | - |",
+    ]
+
+
+def test_perf_table_dry_run_prints_and_a_real_run_rewrites_the_readme(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    report = compare.summarize({"stepwise": [Measurement(4, 1.0, 1.0, 4)]}, [BenchRequest([3], 4)], _ns())
+    asked: list[list[str]] = []
+
+    def measure(args: list[str]) -> dict[str, object]:
+        asked.append(args)
+        return report
+
+    monkeypatch.setattr(perf_table, "measure", measure)
+    readme = tmp_path / "README.md"
+    readme.write_text(f"top\n{BEGIN}\nold\n{END}\nbottom\n")
+    assert perf_table.main(["--dry-run", "--rounds", "2", "--readme", str(readme)]) == 0
+    assert "| stepwise | 4 | 1.00x | 4 | 4 |" in capsys.readouterr().out
+    assert "old" in readme.read_text()
+    assert perf_table.main(["--rounds", "2", "--readme", str(readme)]) == 0
+    text = readme.read_text()
+    assert "old" not in text and "| stepwise | 4 | 1.00x | 4 | 4 |" in text
+    assert text.startswith(f"top\n{BEGIN}\n") and text.endswith(f"{END}\nbottom\n")
+    assert asked == [["--rounds", "2", "--json"]] * 2
 
 
 def test_machine_names_the_cpu_cores_and_torch() -> None:
@@ -292,11 +327,13 @@ def test_every_contender_serves_a_small_workload() -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_variant_runs_beside_stepwise_with_its_own_flags() -> None:
-    # Mixed chunks put the next prefill into a decode step: never more steps than without.
-    args = ["--requests", "4", "--prompt-len", "4,16", "--output-len", "2,6", "--concurrency", "2"]
-    args += ["--rounds", "1", "--contenders", "stepwise", "--variant", "mixed=--enable-mixed-chunk", "--json"]
+    # One request running at a time gets at most one token per step, so at least one step per
+    # useful token; all 8 running at once need far fewer. The step counts show that the flags
+    # reached the variant's Stack and only its Stack.
+    args = ["--requests", "8", "--prompt-len", "4,16", "--output-len", "2,6", "--concurrency", "8"]
+    args += ["--rounds", "1", "--contenders", "stepwise", "--variant", "serial=--max-running-requests 1"]
     done = subprocess.run(
-        [sys.executable, "-m", "stepwise.cli", "compare", *args],
+        [sys.executable, "-m", "stepwise.cli", "compare", *args, "--json"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -305,9 +342,10 @@ def test_a_variant_runs_beside_stepwise_with_its_own_flags() -> None:
     )
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
-    assert list(report["contenders"]) == ["stepwise", "mixed"]
-    assert report["variants"] == {"mixed": "--enable-mixed-chunk"}
-    plain, mixed = report["contenders"]["stepwise"], report["contenders"]["mixed"]
-    assert plain["useful_tokens"] == mixed["useful_tokens"] == report["workload"]["useful_tokens"]
-    assert 0 < mixed["steps"] < plain["steps"]
-    assert mixed["tok_per_cpu_s"] > 0
+    assert list(report["contenders"]) == ["stepwise", "serial"]
+    assert report["variants"] == {"serial": "--max-running-requests 1"}
+    wanted = report["workload"]["useful_tokens"]
+    plain, serial = report["contenders"]["stepwise"], report["contenders"]["serial"]
+    assert plain["useful_tokens"] == serial["useful_tokens"] == wanted
+    assert 0 < plain["steps"] < wanted <= serial["steps"]
+    assert serial["tok_per_cpu_s"] > 0
