@@ -7,7 +7,8 @@ Ours drives the Executor with decode plans (built before timing: planning is the
 plane's cost, not the worker's), which includes input resolution, the forward and sampling.
 transformers runs `model(input_ids, past_key_values=cache)` with a DynamicCache on the same batch
 and picks the argmax. Both are greedy and do the same number of forwards. Output: tokens/s each
-and the ratio ours / transformers.
+(ours with and without the decode cache, see data_plane/decode_cache.py), the ratio
+ours / transformers, and the per-step milliseconds of all three.
 """
 
 from __future__ import annotations
@@ -76,10 +77,12 @@ def decode_plans(w: Workload) -> list[StepPlan]:
     ]
 
 
-def ours_tokens_per_s(model: LlamaModel, w: Workload, device: torch.device) -> float:
+def ours_tokens_per_s(
+    model: LlamaModel, w: Workload, device: torch.device, decode_cache: bool = True
+) -> float:
     """Decode tokens/s of the Executor after a prefill of the workload's prompts."""
     pool = KvPool(model.config, w.batch * w.max_len, model.dtype, device)
-    executor = Executor(model, pool)
+    executor = Executor(model, pool, decode_cache=decode_cache)
     plans = decode_plans(w)
     _check(executor.execute(prefill_plan(w)).error)
     _sync(device)
@@ -146,12 +149,18 @@ def main(argv: list[str] | None = None) -> None:
         f"model {model_dir.name} on {device} {args.dtype}, torch threads {torch.get_num_threads()}, ", end=""
     )
     print(f"prompt {args.prompt_len} tokens, {args.steps} decode steps, best of {args.repeats}")
-    print(f"{'batch':>5} {'ours tok/s':>12} {'transformers tok/s':>19} {'ours/transformers':>18}")
+    print(
+        f"{'batch':>5} {'ours tok/s':>12} {'no decode cache':>16} {'transformers tok/s':>19}"
+        f" {'ours/transformers':>18} {'step ms ours/no cache/transformers':>35}"
+    )
     for batch in args.batches:
         w = make_workload(batch, args.prompt_len, args.steps, ours.config.vocab_size)
         mine = max(ours_tokens_per_s(ours, w, device) for _ in range(args.repeats))
+        general = max(ours_tokens_per_s(ours, w, device, decode_cache=False) for _ in range(args.repeats))
         theirs = max(transformers_tokens_per_s(reference, w, device) for _ in range(args.repeats))
-        print(f"{batch:>5} {mine:>12.0f} {theirs:>19.0f} {mine / theirs:>18.2f}")
+        step_ms = "/".join(f"{1000 * batch / rate:.2f}" for rate in (mine, general, theirs))
+        rates = f"{mine:>12.0f} {general:>16.0f} {theirs:>19.0f}"
+        print(f"{batch:>5} {rates} {mine / theirs:>18.2f} {step_ms:>35}")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,10 @@ lists slots in position order, so "causal" is simply key index <= query position
 arrive (page size 1, 4, 16, scrambled) does not matter to the gather. Sliding-window layers
 (Mistral, some Qwen layers) use a second mask that also hides keys older than the window; the
 gather stays the same, so one group serves both kinds of layer.
+
+A pure decode group can instead be a DecodeGroup: its keys and values come from the DecodeCache
+(a contiguous per-layer copy of the decode set's K/V that grows by one position per step), and
+its mask is a length mask only, or none when every row has the same length.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from data_plane.decode_cache import DecodeView
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +43,15 @@ class AttentionGroup:
     mask: torch.Tensor
     # Like `mask`, and also -inf for keys at or before query position - window; None without a window.
     window_mask: torch.Tensor | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeGroup:
+    """One query per sequence over flat tokens [token_start, token_start+count), read from a DecodeView."""
+
+    token_start: int
+    token_count: int
+    view: DecodeView
 
 
 def build_group(
@@ -120,3 +135,33 @@ def paged_attention(
     out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
     flat = out.transpose(1, 2).reshape(group.batch * group.max_queries, num_heads * head_dim)
     return flat if unpadded else flat[group.pad_index]
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    group: DecodeGroup,
+    layer: int,
+    scale: float,
+    sliding: bool = False,
+) -> torch.Tensor:
+    """Like paged_attention for a decode group: [batch, num_heads * head_dim].
+
+    `k_pool`/`v_pool` are layer `layer`'s pool tensors and must already hold this step's K/V; the
+    view's block for that layer is brought up to date from them first.
+    """
+    view = group.view
+    view.update(layer, k_pool, v_pool)
+    keys, values = view.layer(layer)
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    rows = q
+    if view.query_rows is not None:  # entries sit in other block rows (reordered, or idle rows between)
+        rows = q.new_zeros(view.rows_used, num_heads, head_dim).index_copy_(0, view.query_rows, q)
+    # Query head h reads kv head h // group, so the heads of one kv head form a [group] query axis:
+    # plain (non-GQA) attention over [rows, kv_heads, group] queries, no key repeat, no copy.
+    queries = rows.view(view.rows_used, keys.shape[1], num_heads // keys.shape[1], head_dim)
+    mask = view.window_mask if sliding else view.mask
+    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale)
+    flat = out.reshape(view.rows_used, num_heads * head_dim)
+    return flat if view.query_rows is None else flat.index_select(0, view.query_rows)

@@ -36,6 +36,9 @@ class WorkerConfig:
     worker_id: str = ""
     # Tokens the host (offload) pool may hold; 0 disables offload/restore.
     host_pool_tokens: int = 0
+    # Decode steps read a contiguous per-layer copy of the decode set's K/V (data_plane/decode_cache.py)
+    # instead of gathering it from the pool; off: the general paged path (and no copy's memory).
+    decode_cache: bool = True
     # Bounds the first search only: once attached, the worker searches again forever when it loses
     # its control plane, waiting up to reconnect_max_backoff_s between searches.
     connect_timeout_s: float = 60.0
@@ -83,6 +86,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--worker-id", default="", help="default: hostname-pid")
     parser.add_argument(
         "--host-pool-tokens", type=int, default=0, help="host offload pool in tokens (0: none)"
+    )
+    parser.add_argument(
+        "--disable-decode-cache",
+        action="store_true",
+        help="decode through the general paged attention path, without the contiguous decode K/V copy",
     )
     parser.add_argument(
         "--connect-timeout",
@@ -150,6 +158,7 @@ def config_from_args(ns: argparse.Namespace) -> WorkerConfig:
         page_size=ns.page_size,
         worker_id=ns.worker_id or default_worker_id(),
         host_pool_tokens=max(0, ns.host_pool_tokens),
+        decode_cache=not ns.disable_decode_cache,
         connect_timeout_s=ns.connect_timeout,
         reconnect_max_backoff_s=ns.reconnect_max_backoff,
         drain_timeout_s=ns.drain_timeout,

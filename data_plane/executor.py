@@ -16,7 +16,8 @@ import numpy as np
 import structlog
 import torch
 
-from data_plane.attention import AttentionGroup, build_group
+from data_plane.attention import AttentionGroup, DecodeGroup, build_group
+from data_plane.decode_cache import DecodeCache
 from data_plane.kv_pool import HostCopy, KvPool
 from data_plane.messages import KvReport, KvTransfer, StepPlan, StepResult, TokenLogprobs
 from data_plane.models.llama import ForwardBatch, LlamaModel
@@ -38,7 +39,12 @@ class Executor:
     """Owns the model, the KV pool, the sequence table and the host pool of one worker."""
 
     def __init__(
-        self, model: LlamaModel, pool: KvPool, host_pool_tokens: int = 0, seed: int | None = None
+        self,
+        model: LlamaModel,
+        pool: KvPool,
+        host_pool_tokens: int = 0,
+        seed: int | None = None,
+        decode_cache: bool = True,
     ) -> None:
         self.model = model
         self.pool = pool
@@ -47,6 +53,13 @@ class Executor:
         self.host: dict[int, HostCopy] = {}
         self.rng = np.random.default_rng(seed)
         self.device = model.device
+        # Pure decode groups read a contiguous copy of their K/V instead of gathering from the pool.
+        cfg = model.config
+        self.decode_cache = (
+            DecodeCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, model.dtype, self.device)
+            if decode_cache
+            else None
+        )
 
     # ---- the step ----------------------------------------------------------------------------
 
@@ -56,8 +69,10 @@ class Executor:
         try:
             return self._execute(plan, started)
         except PlanError as exc:
+            self._invalidate_decode_cache()
             return self._error_result(plan, str(exc), started)
         except Exception as exc:
+            self._invalidate_decode_cache()
             log.exception("step_failed", step_id=plan.step_id)
             return self._error_result(plan, f"{type(exc).__name__}: {exc}", started)
 
@@ -79,10 +94,21 @@ class Executor:
             return torch.zeros(0, self.model.config.vocab_size)
         return self.model.forward(prepared.batch, self.pool)
 
+    def _forget_cached_kv(self, plan: StepPlan) -> None:
+        """Drop the decode cache's copy of every sequence whose KV or slots this plan changes."""
+        if self.decode_cache is not None:
+            self.decode_cache.forget(_kv_changing_handles(plan))
+
+    def _invalidate_decode_cache(self) -> None:
+        """After a failed step the cache may describe a block the forward never wrote."""
+        if self.decode_cache is not None:
+            self.decode_cache.invalidate()
+
     def reset(self) -> None:
         """Forget every sequence and host copy (a plan's `reset`, and every new session)."""
         self._release(np.array(self.table.handles(), dtype=np.uint64))
         self.host.clear()
+        self._invalidate_decode_cache()
 
     def kv_report(self) -> KvReport:
         return KvReport(
@@ -98,6 +124,7 @@ class Executor:
     def _apply(self, plan: StepPlan) -> PreparedStep | None:
         """Apply every delta in protocol order; None when the plan has no forward work."""
         self._check_slots(plan)
+        self._forget_cached_kv(plan)
         if plan.reset:
             self.reset()
         self._release(plan.release_handles)
@@ -173,7 +200,7 @@ class Executor:
             group
             for group in (
                 self._group(0, ext.lens, ext_rows),
-                self._group(num_ext_tokens, dec_ones, dec_rows),
+                self._decode_group(num_ext_tokens, dec.handles, dec.slots, dec_rows),
             )
             if group is not None
         )
@@ -236,6 +263,17 @@ class Executor:
             token_start, q_lens, kv_lens, slot_rows, self.device, self.model.dtype, self.model.sliding_window
         )
 
+    def _decode_group(
+        self, token_start: int, handles: np.ndarray, token_slots: np.ndarray, rows: np.ndarray
+    ) -> AttentionGroup | DecodeGroup | None:
+        if self.decode_cache is None or len(rows) == 0:
+            return self._group(token_start, np.ones(len(rows), dtype=np.int64), rows)
+        kv_lens = self.table.lengths[rows]
+        view = self.decode_cache.step(
+            handles, kv_lens, self.table.slots, rows, token_slots, self.model.sliding_window
+        )
+        return DecodeGroup(token_start=token_start, token_count=len(rows), view=view)
+
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64)).to(self.device)
 
@@ -276,4 +314,11 @@ class Executor:
     def _device_mem_used(self) -> int:
         if self.device.type == "cuda":
             return int(torch.cuda.memory_allocated(self.device))
-        return self.model.weight_bytes + self.pool.nbytes
+        cache_bytes = self.decode_cache.nbytes if self.decode_cache is not None else 0
+        return self.model.weight_bytes + self.pool.nbytes + cache_bytes
+
+
+def _kv_changing_handles(plan: StepPlan) -> list[int]:
+    """Sequences whose slot tables a plan's deltas replace, rewrite or end."""
+    moved = [r.handle for r in plan.remaps] + [t.handle for t in (*plan.offloads, *plan.restores)]
+    return [*plan.release_handles.tolist(), *moved]

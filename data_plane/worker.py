@@ -119,7 +119,9 @@ def load_worker(config: WorkerConfig) -> LoadedWorker:
         model.config, dtype, config.kv_tokens, _kv_budget_bytes(config, device), config.page_size
     )
     pool = KvPool(model.config, capacity, dtype, device)
-    executor = Executor(model, pool, host_pool_tokens=config.host_pool_tokens)
+    executor = Executor(
+        model, pool, host_pool_tokens=config.host_pool_tokens, decode_cache=config.decode_cache
+    )
     hello = Hello(
         worker_id=config.worker_id,
         model_fingerprint=model_fingerprint(config.model),
