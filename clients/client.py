@@ -17,6 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos.stepwise.v1 import generation_pb2 as gen_pb
 from protos.stepwise.v1 import generation_pb2_grpc as gen_grpc
+from protos.targets import parse_targets
 
 FINISH_NAMES = {
     gen_pb.FINISH_REASON_STOP: "stop",
@@ -143,20 +144,19 @@ def channel_target(address: str) -> tuple[str, list[tuple[str, Any]]]:
         return address, options
     if "," not in address:
         return address, []
-    parts = [part.strip() for part in address.split(",") if part.strip()]
-    families = {_ip_family(part) for part in parts}
+    endpoints = parse_targets(address, "--address")  # the rule --control and --peers follow
+    families = {_ip_family(e.host) for e in endpoints}
     if families == {4}:
-        return "ipv4:" + ",".join(parts), options
+        return "ipv4:" + ",".join(f"{e.host}:{e.port}" for e in endpoints), options
     if families == {6}:
-        return "ipv6:" + ",".join(parts), options
+        return "ipv6:" + ",".join(f"[{e.host}]:{e.port}" for e in endpoints), options
     raise ValueError(
         f"{address!r}: a comma list must name IP addresses of one family (HOST:PORT,...); "
         "for a host name that resolves to several control planes use dns:///NAME:PORT"
     )
 
 
-def _ip_family(hostport: str) -> int:
-    host = hostport.rsplit(":", 1)[0].strip("[]")
+def _ip_family(host: str) -> int:
     try:
         return ipaddress.ip_address(host).version
     except ValueError:

@@ -58,12 +58,9 @@ class Router:
         if self._on_change is not None:
             self._on_change(len(self.engines))
 
-    def _candidates(self) -> list[Engine]:
-        """The engines a new request may go to: not leaving (draining or moving away)."""
-        return self.available()
-
     def available(self) -> list[Engine]:
-        """Attached engines that are not leaving, in order of attachment."""
+        """Attached engines that are not leaving (draining or moving away), in order of attachment:
+        the ones a new request may go to."""
         return [e for e in self.engines.values() if e.leaving is None]
 
     def pick(self, routing_key: str = "", input_ids: np.ndarray | None = None) -> Engine | None:
@@ -75,7 +72,7 @@ class Router:
         return engine
 
     def _choose(self, routing_key: str, input_ids: np.ndarray | None) -> tuple[Engine | None, str]:
-        candidates = self._candidates()
+        candidates = self.available()
         if not candidates:
             return None, ""
         if routing_key:
