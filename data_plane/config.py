@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import pathlib
 import socket
@@ -90,7 +91,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--disable-decode-cache",
         action="store_true",
-        help="decode through the general paged attention path, without the contiguous decode K/V copy",
+        help="decode through the general paged attention path, without the contiguous decode K/V copy "
+        "(CPU only: on CUDA the copy is always off)",
     )
     parser.add_argument(
         "--connect-timeout",
@@ -175,10 +177,15 @@ def config_from_args(ns: argparse.Namespace) -> WorkerConfig:
 
 def _check_link(ns: argparse.Namespace) -> None:
     parse_targets(ns.control, "--control")  # ValueError naming --control
-    if ns.drain_timeout < 0:
-        raise ValueError(f"--drain-timeout must be >= 0, got {ns.drain_timeout}")
-    if ns.reconnect_max_backoff <= 0:
-        raise ValueError(f"--reconnect-max-backoff must be > 0, got {ns.reconnect_max_backoff}")
+    # `not 0 <= x < inf` also refuses NaN, which every comparison lets through.
+    if not 0 <= ns.drain_timeout < math.inf:
+        raise ValueError(f"--drain-timeout must be a number >= 0, got {ns.drain_timeout}")
+    for flag, value in (
+        ("--reconnect-max-backoff", ns.reconnect_max_backoff),
+        ("--connect-timeout", ns.connect_timeout),
+    ):
+        if not 0 < value < math.inf:
+            raise ValueError(f"{flag} must be a number > 0, got {value}")
     if not 0 <= ns.health_port <= 65535:
         raise ValueError(f"--health-port must be in 0..65535, got {ns.health_port}")
 

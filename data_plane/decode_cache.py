@@ -159,15 +159,13 @@ class DecodeCache:
         for handle in [h for h in self._row_of if h not in present]:
             self._row_len[self._row_of.pop(handle)] = 0
         free = iter(np.flatnonzero(self._row_len == 0).tolist())
-        taken = {row for row in self._row_of.values()}
         block_rows = np.empty(len(handles), dtype=np.int64)
         load = []
         for i, handle in enumerate(handles):
             row = self._row_of.get(handle)
             if row is None:
-                row = next(r for r in free if r not in taken)
+                row = next(free)  # rows of live handles have a length, so are never free
                 self._row_of[handle] = row
-                taken.add(row)
                 load.append(i)
             elif self._row_len[row] != kv_lens[i] - 1:
                 load.append(i)

@@ -119,9 +119,11 @@ def load_worker(config: WorkerConfig) -> LoadedWorker:
         model.config, dtype, config.kv_tokens, _kv_budget_bytes(config, device), config.page_size
     )
     pool = KvPool(model.config, capacity, dtype, device)
-    executor = Executor(
-        model, pool, host_pool_tokens=config.host_pool_tokens, decode_cache=config.decode_cache
-    )
+    # On CUDA the decode block is off: it is not counted in the KV budget (the pool takes most of
+    # free memory) and it never shrinks, so a long context at a large batch could run the device out
+    # of memory. It is the CPU path's speed-up until it has a budget of its own.
+    decode_cache = config.decode_cache and device.type == "cpu"
+    executor = Executor(model, pool, host_pool_tokens=config.host_pool_tokens, decode_cache=decode_cache)
     hello = Hello(
         worker_id=config.worker_id,
         model_fingerprint=model_fingerprint(config.model),
@@ -197,7 +199,10 @@ async def serve(worker: LoadedWorker, config: WorkerConfig, link: Link | None = 
             return _EXITS[ending]
         if end and end.welcomed:
             retry.welcomed()
-        avoid = candidate if ending in (Ending.MOVED, Ending.RETRY) else None
+        # Next time prefer another control plane than one that moved us, refused us for now, or
+        # never finished the handshake (it may answer censuses and nothing else).
+        failed_handshake = ending is Ending.LOST and end is not None and not end.welcomed
+        avoid = candidate if ending in (Ending.MOVED, Ending.RETRY) or failed_handshake else None
         if ending is Ending.MOVED:
             await retry.jitter()
         elif not await retry.wait():

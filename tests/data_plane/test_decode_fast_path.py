@@ -75,12 +75,13 @@ class Twin:
         self, extends: tuple[Extend, ...] = (), decodes: tuple[int, ...] = (), releases: tuple[int, ...] = ()
     ) -> None:
         """Run one plan on both executors; extends of unknown handles start new sequences."""
+        staying = self.live - set(releases)  # a released handle may come back in the same plan
         seqs = [
             new_seq(e.handle, prefix_slots=np.array(self.tables[e.handle][: e.start], dtype=np.int64))
             for e in extends
-            if e.handle not in self.live
+            if e.handle not in staying
         ]
-        self.live = (self.live - set(releases)) | {e.handle for e in extends}
+        self.live = staying | {e.handle for e in extends}
         self.step_id += 1
         plan = make_plan(self.step_id, extends, [self.decode(h) for h in decodes], seqs, releases=releases)
         fast, general = self._run(self.fast, plan), self._run(self.general, plan)
@@ -173,3 +174,33 @@ def test_worker_flag_turns_the_cache_off(our_model: LlamaModel) -> None:
     assert not config_from_args(parser.parse_args(["--model", "/m", "--disable-decode-cache"])).decode_cache
     pool = KvPool(our_model.config, 64, torch.float32, CPU)
     assert Executor(our_model, pool, decode_cache=False).decode_cache is None
+
+
+def test_a_reused_handle_never_reads_the_released_sequences_keys(our_model: LlamaModel) -> None:
+    """A released handle comes back, in the same plan, as a new sequence of the same length, and no
+    decode step runs in between: its next decode is one position past the old row, so only
+    forgetting the row on release keeps the old sequence's keys out of it."""
+    twin = Twin(our_model, page_size=1)
+    a, b = 1, 2
+    twin.step(extends=(twin.extend(a, 20), twin.extend(b, 7)))
+    for _ in range(2):
+        twin.step(decodes=(a, b))  # A's row now holds 22 positions
+    twin.step(extends=(twin.extend(a, 22),), releases=(a,))  # extend only: no decode sees the swap
+    for _ in range(2):
+        twin.step(decodes=(a, b))
+
+
+def test_after_a_reset_reused_handles_start_from_the_pool(our_model: LlamaModel) -> None:
+    """A new session (reset) reuses handles from 1 again, at lengths where a stale row would fit."""
+    twin = Twin(our_model, page_size=4)
+    a, b = 1, 2
+    twin.step(extends=(twin.extend(a, 12), twin.extend(b, 5)))
+    for _ in range(2):
+        twin.step(decodes=(a, b))
+    for executor in (twin.fast, twin.general):
+        executor.reset()
+    twin.live.clear()
+    twin.slots = SlotAllocator(CAPACITY, 4, seed=99)
+    twin.step(extends=(twin.extend(a, 14), twin.extend(b, 7)))
+    for _ in range(2):
+        twin.step(decodes=(a, b))
