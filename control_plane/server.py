@@ -68,6 +68,9 @@ POLL_S = 0.02
 WORKER_SERVER_OPTIONS = [
     ("grpc.so_reuseport", 0),
     ("grpc.server_max_unrequested_time_in_server", 3600),
+    # Workers ping every 20 s (data_plane/dialer.py), also while idle: accept that, never GOAWAY.
+    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.max_receive_message_length", 256 * 1024 * 1024),
     ("grpc.max_send_message_length", 256 * 1024 * 1024),
 ]

@@ -34,6 +34,10 @@ BACKOFF_BASE_S = 0.1
 CHANNEL_OPTIONS: list[tuple[str, int | str]] = [
     ("grpc.max_receive_message_length", 256 * 1024 * 1024),
     ("grpc.max_send_message_length", 256 * 1024 * 1024),
+    # A worker waiting for plans only reads: without pings it would never notice a control plane
+    # whose node vanished without closing the connection. Unanswered for 20 + 10 s: lost.
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
 ]
 
 log = structlog.get_logger(__name__)

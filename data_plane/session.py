@@ -77,6 +77,9 @@ class _Arrived:
 # What the reader hands the executor loop, in stream order: plans, then a Shutdown or Move, or the
 # error that ended reading.
 _Inbox = asyncio.Queue[_Arrived | Shutdown | Move | Exception]
+# A hello unanswered this long ends the attempt as a lost control plane (the worker searches again).
+WELCOME_TIMEOUT_S = 10.0
+
 # What the writer writes, in order, until None.
 _Outbox = asyncio.Queue[StepResult | Drain | None]
 
@@ -84,14 +87,16 @@ _Outbox = asyncio.Queue[StepResult | Drain | None]
 async def run_session(
     executor: StepExecutor, hello: Hello, channel: grpc.aio.Channel, link: Link
 ) -> SessionEnd:
-    """Run one session on `channel`; every way it can end is a SessionEnd (none raises)."""
+    """Run one session on `channel`; every way the control plane can end it (a closed or broken
+    stream, a refusal, no welcome, Shutdown, Move) is a SessionEnd."""
     executor.reset()
     call = worker_pb2_grpc.WorkerLinkStub(channel).Connect()
     welcomed = False
     try:
         await call.write(codec.hello_to_proto(hello))
         decoder = codec.PlanDecoder()
-        welcome = await _read(call, decoder)
+        # A control plane that answers the census but never the hello must not hold the worker.
+        welcome = await asyncio.wait_for(_read(call, decoder), WELCOME_TIMEOUT_S)
         if not isinstance(welcome, Welcome):
             raise StreamBroken(f"expected Welcome, got {type(welcome).__name__}")
         if not welcome.accepted:
@@ -100,6 +105,8 @@ async def run_session(
         log.info("welcomed")
         async with link.attachment():
             return await _serve(executor, call, decoder, link)
+    except TimeoutError:
+        return SessionEnd(Ending.LOST, False, f"no welcome within {WELCOME_TIMEOUT_S:g} s")
     except (grpc.aio.AioRpcError, StreamBroken, asyncio.InvalidStateError) as exc:
         # InvalidStateError: a write to a call that already ended
         return SessionEnd(Ending.LOST, welcomed, _describe(exc) or "control plane closed the stream")
@@ -141,6 +148,8 @@ async def _read_plans(call: grpc.aio.StreamStreamCall, decoder: codec.PlanDecode
             elif isinstance(event, Shutdown | Move):
                 await inbox.put(event)
                 return
+            else:
+                raise StreamBroken(f"control plane sent a {type(event).__name__} mid-session")
     except Exception as exc:
         await inbox.put(exc)
 

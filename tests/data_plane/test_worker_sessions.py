@@ -154,3 +154,23 @@ async def test_no_control_plane_within_the_connect_timeout_is_exit_3(model_dir: 
     async with serving(model_dir, f"127.0.0.1:{free_port()}", connect_timeout_s=0.4) as worker:
         assert await served(worker) == 3
     assert 0.4 <= time.monotonic() - started < 3.0
+
+
+async def test_a_control_plane_that_never_welcomes_is_left_for_another(
+    model_dir: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("data_plane.session.WELCOME_TIMEOUT_S", 0.3)
+
+    async def silent(session: Session):  # type: ignore[no-untyped-def]
+        await asyncio.sleep(30)  # answers the census, never the hello
+        yield welcome()
+
+    async with (
+        control_planes(
+            fake_control(silent, census=Census(workers=0)),
+            fake_control(run_plans_then(SHUTDOWN), census=Census(workers=3)),
+        ) as (a, b),
+        serving(model_dir, control_of(a, b)) as worker,
+    ):
+        assert await served(worker) == 0
+    assert len(a.sessions) >= 1 and [r.step_id for r in b.sessions[0].results] == [100, 101]
