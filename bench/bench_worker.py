@@ -99,7 +99,9 @@ def transformers_tokens_per_s(hf_model, w: Workload, device: torch.device) -> fl
     from transformers import DynamicCache
 
     cache = DynamicCache()
-    out = hf_model(input_ids=torch.from_numpy(w.prompts).to(device), cache=cache, use_cache=True)
+    # Only the last position's logits: all of them would be batch x prompt_len x vocab (GBs at 128k vocab).
+    prompts = torch.from_numpy(w.prompts).to(device)
+    out = hf_model(input_ids=prompts, cache=cache, use_cache=True, logits_to_keep=1)
     next_ids = out.logits[:, -1].argmax(-1, keepdim=True)
     _sync(device)
     started = time.perf_counter()
@@ -144,7 +146,8 @@ def main(argv: list[str] | None = None) -> None:
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     model_dir = resolve_model(args.model)
     ours = LlamaModel.from_dir(model_dir, device, dtype)
-    reference = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(device).eval()
+    reference = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
+    reference = reference.to(device).eval()  # type: ignore[arg-type]  # transformers' wrapped .to()
     print(
         f"model {model_dir.name} on {device} {args.dtype}, torch threads {torch.get_num_threads()}, ", end=""
     )

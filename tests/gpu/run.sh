@@ -1,5 +1,14 @@
 #!/usr/bin/env bash
-# Run the CUDA checks (tests/gpu, marker `gpu`) on a machine with an NVIDIA GPU.
+# Run the CUDA checks (tests/gpu, marker `gpu`) on a machine with an NVIDIA GPU, then the GPU report
+# (tests/gpu/gpu_report.py: greedy equality, decode tokens/s and HBM roofline on a random
+# Llama-3.2-1B-shaped checkpoint). The whole command is sized to finish well inside 10 minutes on one
+# GPU; keep it so when adding checks or report flags.
+#
+#   tests/gpu/run.sh [PYTEST ARGS]
+#   STEPWISE_GPU_REPORT_ARGS="--json /tmp/gpu-report.json --peak-gbps 3350" tests/gpu/run.sh
+#
+# Arguments go to pytest; the report's flags come from $STEPWISE_GPU_REPORT_ARGS (split on spaces).
+# The report runs even when pytest fails; the exit status is pytest's if non-zero, else the report's.
 #
 # Uses $PYTHON as it is, or the repo's .venv when it has the packages and sees CUDA; otherwise it
 # makes a fresh venv ($STEPWISE_GPU_VENV, default /tmp/stepwise-gpu-venv) with the packages below.
@@ -40,4 +49,15 @@ else
 fi
 
 # -p no:cacheprovider: the checkout may be read-only; PYTHONPATH: the tests import the repo's packages.
-PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}" "$python" -m pytest -m gpu tests/gpu -v -p no:cacheprovider "$@"
+export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}"
+pytest_status=0
+"$python" -m pytest -m gpu tests/gpu -v -p no:cacheprovider "$@" || pytest_status=$?
+
+read -r -a report_args <<<"${STEPWISE_GPU_REPORT_ARGS:-}"
+report_status=0
+"$python" tests/gpu/gpu_report.py "${report_args[@]}" || report_status=$?
+
+if ((pytest_status != 0)); then
+  exit "$pytest_status"
+fi
+exit "$report_status"

@@ -28,6 +28,7 @@ from data_plane.kv_pool import KvPool
 from data_plane.models.llama import LlamaModel
 from tests.data_plane.factories import Driver, Extend, SlotAllocator, make_plan, new_seq
 from tests.data_plane.families import BY_NAME, VOCAB, build_checkpoint, load_reference
+from tests.gpu.greedy import LOGITS_TOLERANCE, compare_greedy, reference_next_logits
 
 pytestmark = [
     pytest.mark.gpu,
@@ -35,7 +36,6 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
 ]
 
-LOGITS_TOLERANCE = 0.125
 NEW_TOKENS = 12
 FAMILIES = ("llama", "qwen3")
 
@@ -55,12 +55,6 @@ def load_pair(family: str, out: pathlib.Path, device: torch.device):  # type: ig
 
 def make_executor(model: LlamaModel, capacity: int = 1024) -> Executor:
     return Executor(model, KvPool(model.config, capacity, torch.bfloat16, model.device))
-
-
-def reference_next_logits(reference, tokens: list[int]) -> torch.Tensor:  # type: ignore[no-untyped-def]
-    with torch.no_grad():
-        ids = torch.tensor([tokens], device=reference.device)
-        return reference(input_ids=ids).logits[0, -1].float().cpu()
 
 
 def prompts(seed: int = 3) -> dict[int, list[int]]:
@@ -84,29 +78,12 @@ def batched_prefill_logits_diff(model: LlamaModel, reference) -> float:  # type:
 
 def greedy_mismatches(model: LlamaModel, reference) -> list[str]:  # type: ignore[no-untyped-def]
     """Handles whose greedy tokens differ from transformers' other than at a near-tie."""
-    batch = prompts()
     driver = Driver(make_executor(model), SlotAllocator(1024, 4, seed=2))
-    driver.prefill(batch)
-    for _ in range(NEW_TOKENS - 1):
-        driver.decode(list(batch))
-    problems = []
-    for handle, prompt in batch.items():
-        ours = driver.tokens[handle][len(prompt) :]
-        with torch.no_grad():
-            ids = torch.tensor([prompt], device=reference.device)
-            out = reference.generate(
-                ids, do_sample=False, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS
-            )
-        theirs = out[0, len(prompt) :].tolist()
-        if ours != theirs and not _near_tie(reference, prompt, ours, theirs):
-            problems.append(f"handle {handle}: ours {ours} transformers {theirs}")
-    return problems
-
-
-def _near_tie(reference, prompt: list[int], ours: list[int], theirs: list[int]) -> bool:  # type: ignore[no-untyped-def]
-    first = next(i for i, (a, b) in enumerate(zip(ours, theirs, strict=True)) if a != b)
-    logits = reference_next_logits(reference, prompt + theirs[:first])
-    return abs(logits[ours[first]].item() - logits[theirs[first]].item()) < LOGITS_TOLERANCE
+    return [
+        f"handle {c.handle}: ours {c.ours} transformers {c.theirs}"
+        for c in compare_greedy(driver, reference, prompts(), NEW_TOKENS)
+        if not c.ok
+    ]
 
 
 def test_bf16_logits_close_to_transformers_on_cuda(models) -> None:  # type: ignore[no-untyped-def]
