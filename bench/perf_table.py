@@ -70,6 +70,14 @@ def render_block(report: dict[str, Any], command: str, where: str, date: str) ->
         ratio = "-" if row["vs_stepwise"] is None else f"{row['vs_stepwise']:.2f}x"
         steps = "-" if row["steps"] is None else f"{row['steps']:,}"
         lines.append(f"| {name} | {row['tok_s']:,.0f} | {ratio} | {row['tok_per_cpu_s']:,.0f} | {steps} |")
+    raw = report["contenders"].get("raw-forward")
+    if raw and raw.get("forward_tok_s") and report.get("vs_raw_loop") is not None:
+        about_raw = (
+            f"raw-forward's batched decode loop computes {raw['forward_tok_s']:,.0f} tokens/s counting every "
+            f"row (the padding of its static batches included); stepwise's useful tokens/s are "
+            f"{report['vs_raw_loop']:.2f}x of that."
+        )
+        lines += ["", *textwrap.wrap(about_raw, WIDTH, break_long_words=False, break_on_hyphens=False)]
     return "\n".join(lines)
 
 

@@ -63,6 +63,9 @@ class Measurement:
     wall_s: float  # from the first request sent to the last one finished
     cpu_s: float  # user + system CPU of the processes (or this process) doing the work
     steps: int | None = None  # forward steps the worker ran (None: not counted)
+    # Tokens the forwards produced, padding rows of a static batch included (None: not counted):
+    # the raw loop's forward speed is these per second, its useful speed only `useful_tokens`.
+    forward_tokens: int | None = None
 
 
 class Contender(Protocol):
@@ -287,10 +290,15 @@ class _InProcessContender(_ModelContender):
         model = self.model.get()
         cpu, start = time.process_time(), time.perf_counter()
         useful = self._serve(model, requests, cap)
-        return Measurement(useful, time.perf_counter() - start, time.process_time() - cpu)
+        wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+        return Measurement(useful, wall, cpu, forward_tokens=self._forward_tokens(requests, cap))
 
     def _serve(self, model: Any, requests: Sequence[BenchRequest], cap: int) -> int:
         raise NotImplementedError
+
+    def _forward_tokens(self, requests: Sequence[BenchRequest], cap: int) -> int | None:
+        """Tokens the forwards produce, every row of a batch running to its longest request."""
+        return sum(len(b) * max(r.max_new_tokens for r in b) for b in batches(requests, cap))
 
 
 def _left_padded(batch: Sequence[BenchRequest]) -> tuple[Any, Any]:

@@ -222,8 +222,10 @@ def summarize(
     contenders = {}
     for name, runs in results.items():
         steps = [m.steps for m in runs if m.steps is not None]
+        forward = [m.forward_tokens / max(m.wall_s, 1e-9) for m in runs if m.forward_tokens is not None]
         contenders[name] = {
             "tok_s": round(rates[name], 1),
+            "forward_tok_s": round(statistics.median(forward), 1) if forward else None,
             "vs_stepwise": round(rates[name] / base, 3) if base else None,
             "tok_per_cpu_s": round(statistics.median(_rates(runs, "cpu_s")), 1),
             "useful_tokens": runs[0].useful_tokens,
@@ -243,7 +245,17 @@ def summarize(
         },
         "ideal_steps": ideal_steps([r.max_new_tokens for r in requests], ns.concurrency),
         "contenders": contenders,
+        "vs_raw_loop": _vs_raw_loop(contenders),
     }
+
+
+def _vs_raw_loop(contenders: dict[str, dict[str, Any]]) -> float | None:
+    """Stepwise's useful tokens/s over the raw loop's forward tokens/s (every row it computes, the
+    padding of its static batches included): how near serving comes to the bare batched forward."""
+    stepwise, raw = contenders.get("stepwise"), contenders.get("raw-forward")
+    if not stepwise or not raw or not raw["forward_tok_s"]:
+        return None
+    return round(stepwise["tok_s"] / raw["forward_tok_s"], 3)
 
 
 def _rates(runs: Sequence[Measurement], seconds: str) -> list[float]:
@@ -269,6 +281,12 @@ def render(report: dict[str, Any]) -> str:
             f"{name:<20} {row['tok_s']:>9.1f} {ratio:>12} {row['tok_per_cpu_s']:>10.1f} "
             f"{row['useful_tokens']:>7}  {steps}"
         )
+    raw = report["contenders"].get("raw-forward")
+    if raw and raw["forward_tok_s"]:
+        rate = raw["forward_tok_s"]
+        lines.append(f"raw-forward's batched loop computes {rate:.1f} tok/s, padding rows included")
+    if report["vs_raw_loop"] is not None:
+        lines.append(f"stepwise's useful tokens/s are {report['vs_raw_loop']:.2f}x of that")
     return "\n".join(lines)
 
 

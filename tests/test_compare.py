@@ -14,7 +14,7 @@ import pytest
 
 from clients.datasets import BenchRequest, uniform_requests
 from stepwise import baselines, cli, compare, flags
-from stepwise.baselines import CONTENDER_NAMES, Measurement
+from stepwise.baselines import CONTENDER_NAMES, Measurement, RawForwardContender, TransformersModel
 from stepwise.compare import ideal_steps
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -135,6 +135,25 @@ def test_summarize_takes_medians_and_ratios_to_stepwise() -> None:
     assert report["ideal_steps"] == ideal_steps([10, 20], 2)
     text = compare.render(report)
     assert "4.00x" in text and f"ideal {report['ideal_steps']}" in text
+
+
+def test_the_raw_loop_counts_every_row_it_computes_and_stepwise_is_measured_against_it() -> None:
+    # Batches of 2: [10, 20] runs 20 steps on both rows, [5] runs 5: 45 forward tokens, 35 useful.
+    requests = [BenchRequest([3, 4], 10), BenchRequest([5], 20), BenchRequest([6], 5)]
+    assert RawForwardContender(TransformersModel(ROOT))._forward_tokens(requests, 2) == 45
+    results = {
+        "stepwise": [Measurement(35, 1.0, 1.0, 30)],
+        "raw-forward": [Measurement(35, 0.5, 0.5, forward_tokens=45)],
+    }
+    report = compare.summarize(results, requests, _ns(concurrency=2, rounds=1))
+    assert report["contenders"]["raw-forward"]["forward_tok_s"] == 90.0
+    assert report["contenders"]["stepwise"]["forward_tok_s"] is None
+    assert report["vs_raw_loop"] == round(35 / 90, 3)
+    text = compare.render(report)
+    assert "computes 90.0 tok/s" in text and "0.39x of that" in text
+    block = perf_table.render_block(report, "stepwise compare --json", "Some CPU", "2026-12-01")
+    assert "0.39x of that" in " ".join(block.splitlines())
+    assert compare.summarize({"stepwise": results["stepwise"]}, requests, _ns())["vs_raw_loop"] is None
 
 
 def test_variant_flags_parse_into_names_and_control_plane_flags() -> None:
@@ -321,6 +340,9 @@ def test_every_contender_serves_a_small_workload() -> None:
     assert report["contenders"]["stepwise"]["vs_stepwise"] == 1.0
     assert report["contenders"]["stepwise"]["steps"] > 0
     assert report["contenders"]["static"]["steps"] > 0
+    raw = report["contenders"]["raw-forward"]
+    assert raw["forward_tok_s"] >= raw["tok_s"]
+    assert report["vs_raw_loop"] > 0
     assert report["ideal_steps"] == ideal_steps([r.max_new_tokens for r in requests], 2)
 
 
