@@ -26,6 +26,10 @@ from data_plane.state import NO_TOKEN, PlanError, SequenceTable
 
 log = structlog.get_logger(__name__)
 
+# A CPU step of at most this many tokens runs on the worker's event loop thread (data_plane/session.py):
+# tens of milliseconds at most on a small model, so the loop stays responsive.
+INLINE_MAX_TOKENS = 256
+
 
 @dataclass(frozen=True, slots=True)
 class PreparedStep:
@@ -86,6 +90,11 @@ class Executor:
         ones = np.ones(len(prepared.sample_rows), dtype=np.int64)
         self.table.extend_history(prepared.sample_rows, ones, output.token_ids)
         return self._result(plan.step_id, output.token_ids, output.logprobs, started)
+
+    def runs_inline(self, plan: StepPlan) -> bool:
+        """A CPU step of few tokens; CUDA steps wait for the device, so they never block the loop."""
+        tokens = len(plan.extends.token_ids) + len(plan.decodes.handles)
+        return self.device.type == "cpu" and tokens <= INLINE_MAX_TOKENS
 
     def forward_logits(self, plan: StepPlan) -> torch.Tensor:
         """Apply a plan and return its sampling rows' logits without sampling (for tests and replay)."""

@@ -157,6 +157,10 @@ class SimExecutor:
     sleep: bool = False
     table: _SimTable = field(default_factory=_SimTable, init=False)
 
+    def runs_inline(self, plan: StepPlan) -> bool:
+        """A step that only computes runs on the loop; one that sleeps its modelled time must not."""
+        return not self.sleep
+
     def execute(self, plan: StepPlan) -> StepResult:
         try:
             return self._execute(plan)
