@@ -24,6 +24,7 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
+from data_plane.backends import make_backend
 from data_plane.executor import Executor
 from data_plane.kv_pool import KvPool
 from data_plane.messages import DecodeBatch, ExtendBatch, NewSequence, SamplerParams, StepPlan
@@ -78,11 +79,12 @@ def decode_plans(w: Workload) -> list[StepPlan]:
 
 
 def ours_tokens_per_s(
-    model: LlamaModel, w: Workload, device: torch.device, decode_cache: bool = True
+    model: LlamaModel, w: Workload, device: torch.device, decode_cache: bool = True, backend: str = "sdpa"
 ) -> float:
-    """Decode tokens/s of the Executor after a prefill of the workload's prompts."""
+    """Decode tokens/s of the Executor (attention `backend`, data_plane/backends) after a prefill of
+    the workload's prompts."""
     pool = KvPool(model.config, w.batch * w.max_len, model.dtype, device)
-    executor = Executor(model, pool, decode_cache=decode_cache)
+    executor = Executor(model, pool, attention=make_backend(backend, model, decode_cache=decode_cache))
     plans = decode_plans(w)
     _check(executor.execute(prefill_plan(w)).error)
     _sync(device)

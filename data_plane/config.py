@@ -17,6 +17,8 @@ DEFAULT_CPU_KV_BYTES = 256 * 1024 * 1024
 # On CUDA, the share of free memory (after weights) the KV pool takes when no budget is given.
 CUDA_KV_MEMORY_FRACTION = 0.85
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# Attention backends (data_plane/backends); named here so that flag parsing needs no torch.
+BACKENDS = ("auto", "sdpa", "flashinfer")
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +42,8 @@ class WorkerConfig:
     # Decode steps read a contiguous per-layer copy of the decode set's K/V (data_plane/decode_cache.py)
     # instead of gathering it from the pool; off: the general paged path (and no copy's memory).
     decode_cache: bool = True
+    # data_plane/backends: auto (flashinfer on CUDA when installed, else sdpa), sdpa or flashinfer.
+    attention_backend: str = "auto"
     # Bounds the first search only: once attached, the worker searches again forever when it loses
     # its control plane, waiting up to reconnect_max_backoff_s between searches.
     connect_timeout_s: float = 60.0
@@ -93,6 +97,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="decode through the general paged attention path, without the contiguous decode K/V copy "
         "(CPU only: on CUDA the copy is always off)",
+    )
+    parser.add_argument(
+        "--attention-backend",
+        choices=BACKENDS,
+        default="auto",
+        help="attention kernels: sdpa (torch SDPA over gathered K/V; portable), flashinfer (FlashInfer's "
+        "paged kernels; CUDA, the 'flashinfer' extra); auto: flashinfer on CUDA when installed, else sdpa",
     )
     parser.add_argument(
         "--connect-timeout",
@@ -161,6 +172,7 @@ def config_from_args(ns: argparse.Namespace) -> WorkerConfig:
         worker_id=ns.worker_id or default_worker_id(),
         host_pool_tokens=max(0, ns.host_pool_tokens),
         decode_cache=not ns.disable_decode_cache,
+        attention_backend=ns.attention_backend,
         connect_timeout_s=ns.connect_timeout,
         reconnect_max_backoff_s=ns.reconnect_max_backoff,
         drain_timeout_s=ns.drain_timeout,

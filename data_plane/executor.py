@@ -16,8 +16,8 @@ import numpy as np
 import structlog
 import torch
 
-from data_plane.attention import AttentionGroup, DecodeGroup, build_group
-from data_plane.decode_cache import DecodeCache
+from data_plane.backends import AttentionBackend, StepLayout
+from data_plane.backends.sdpa import SdpaBackend
 from data_plane.kv_pool import HostCopy, KvPool
 from data_plane.messages import KvReport, KvTransfer, StepPlan, StepResult, TokenLogprobs
 from data_plane.models.llama import ForwardBatch, LlamaModel
@@ -49,7 +49,9 @@ class Executor:
         host_pool_tokens: int = 0,
         seed: int | None = None,
         decode_cache: bool = True,
+        attention: AttentionBackend | None = None,
     ) -> None:
+        """`attention` defaults to the SDPA backend, with the decode block unless `decode_cache` is off."""
         self.model = model
         self.pool = pool
         self.table = SequenceTable(model.config.max_position_embeddings)
@@ -57,13 +59,12 @@ class Executor:
         self.host: dict[int, HostCopy] = {}
         self.rng = np.random.default_rng(seed)
         self.device = model.device
-        # Pure decode groups read a contiguous copy of their K/V instead of gathering from the pool.
-        cfg = model.config
-        self.decode_cache = (
-            DecodeCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, model.dtype, self.device)
-            if decode_cache
-            else None
-        )
+        self.attention = attention or SdpaBackend(model, decode_cache=decode_cache)
+
+    @property
+    def decode_cache(self) -> object | None:
+        """The SDPA backend's decode block, when it has one."""
+        return getattr(self.attention, "decode_cache", None)
 
     # ---- the step ----------------------------------------------------------------------------
 
@@ -104,14 +105,12 @@ class Executor:
         return self.model.forward(prepared.batch, self.pool)
 
     def _forget_cached_kv(self, plan: StepPlan) -> None:
-        """Drop the decode cache's copy of every sequence whose KV or slots this plan changes."""
-        if self.decode_cache is not None:
-            self.decode_cache.forget(_kv_changing_handles(plan))
+        """Tell the backend of every sequence whose KV or slots this plan changes."""
+        self.attention.forget(_kv_changing_handles(plan))
 
     def _invalidate_decode_cache(self) -> None:
-        """After a failed step the cache may describe a block the forward never wrote."""
-        if self.decode_cache is not None:
-            self.decode_cache.invalidate()
+        """After a failed step what the backend keeps may describe K/V the forward never wrote."""
+        self.attention.invalidate()
 
     def reset(self) -> None:
         """Forget every sequence and host copy (a plan's `reset`, and every new session)."""
@@ -205,13 +204,13 @@ class Executor:
         dec_ones = np.ones(len(dec_rows), dtype=np.int64)
         dec_positions = self.table.append_slots(dec_rows, dec_ones, dec.slots)
         num_ext_tokens = len(ext.token_ids)
-        groups = tuple(
-            group
-            for group in (
-                self._group(0, ext.lens, ext_rows),
-                self._decode_group(num_ext_tokens, dec.handles, dec.slots, dec_rows),
-            )
-            if group is not None
+        layout = StepLayout(
+            ext_rows=ext_rows,
+            ext_q_lens=ext.lens.astype(np.int64),
+            dec_handles=dec.handles,
+            dec_rows=dec_rows,
+            lengths=self.table.lengths,
+            slots=self.table.slots,
         )
         sample_mask = ext.sample.astype(bool)
         sample_index = np.concatenate(
@@ -221,7 +220,7 @@ class Executor:
             token_ids=self._tensor(np.concatenate((ext.token_ids, self.table.last_token[dec_rows]))),
             positions=self._tensor(np.concatenate((ext_positions, dec_positions))),
             write_slots=self._tensor(np.concatenate((ext.slots, dec.slots))),
-            groups=groups,
+            attention=self.attention.plan(layout),
             sample_index=self._tensor(sample_index),
         )
         return PreparedStep(
@@ -263,26 +262,6 @@ class Executor:
                 if handle in self.host:
                     raise PlanError(f"handle {handle} is offloaded; restore it first")
 
-    def _group(self, token_start: int, q_lens: np.ndarray, rows: np.ndarray) -> AttentionGroup | None:
-        if len(rows) == 0:
-            return None
-        kv_lens = self.table.lengths[rows]
-        slot_rows = self.table.slots[rows, : int(kv_lens.max())]
-        return build_group(
-            token_start, q_lens, kv_lens, slot_rows, self.device, self.model.dtype, self.model.sliding_window
-        )
-
-    def _decode_group(
-        self, token_start: int, handles: np.ndarray, token_slots: np.ndarray, rows: np.ndarray
-    ) -> AttentionGroup | DecodeGroup | None:
-        if self.decode_cache is None or len(rows) == 0:
-            return self._group(token_start, np.ones(len(rows), dtype=np.int64), rows)
-        kv_lens = self.table.lengths[rows]
-        view = self.decode_cache.step(
-            handles, kv_lens, self.table.slots, rows, token_slots, self.model.sliding_window
-        )
-        return DecodeGroup(token_start=token_start, token_count=len(rows), view=view)
-
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64)).to(self.device)
 
@@ -323,8 +302,7 @@ class Executor:
     def _device_mem_used(self) -> int:
         if self.device.type == "cuda":
             return int(torch.cuda.memory_allocated(self.device))
-        cache_bytes = self.decode_cache.nbytes if self.decode_cache is not None else 0
-        return self.model.weight_bytes + self.pool.nbytes + cache_bytes
+        return self.model.weight_bytes + self.pool.nbytes + self.attention.nbytes
 
 
 def _kv_changing_handles(plan: StepPlan) -> list[int]:

@@ -39,6 +39,7 @@ from typing import Any, TypeVar
 import structlog
 import torch
 
+from data_plane.backends import BackendError, make_backend
 from data_plane.config import CUDA_KV_MEMORY_FRACTION, DEFAULT_CPU_KV_BYTES, WorkerConfig
 from data_plane.config import add_arguments as add_arguments
 from data_plane.config import config_from_args as config_from_args
@@ -123,7 +124,11 @@ def load_worker(config: WorkerConfig) -> LoadedWorker:
     # free memory) and it never shrinks, so a long context at a large batch could run the device out
     # of memory. It is the CPU path's speed-up until it has a budget of its own.
     decode_cache = config.decode_cache and device.type == "cpu"
-    executor = Executor(model, pool, host_pool_tokens=config.host_pool_tokens, decode_cache=decode_cache)
+    try:
+        attention = make_backend(config.attention_backend, model, decode_cache=decode_cache)
+    except BackendError as exc:
+        raise ModelLoadError(str(exc)) from exc
+    executor = Executor(model, pool, host_pool_tokens=config.host_pool_tokens, attention=attention)
     hello = Hello(
         worker_id=config.worker_id,
         model_fingerprint=model_fingerprint(config.model),

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from data_plane.attention import AttentionGroup, DecodeGroup, decode_attention, paged_attention
+from data_plane.backends import StepAttention
 from data_plane.kv_pool import KvPool
 from data_plane.models.loader import (
     ModelConfig,
@@ -37,8 +37,8 @@ class ForwardBatch:
     token_ids: torch.Tensor
     positions: torch.Tensor
     write_slots: torch.Tensor
-    # Cover [0, T) in order, each a contiguous run of flat tokens.
-    groups: tuple[AttentionGroup | DecodeGroup, ...]
+    # The step's attention, planned by the executor's backend (data_plane/backends).
+    attention: StepAttention
     # [S] flat indices of the tokens whose logits are needed (rows that sample).
     sample_index: torch.Tensor
 
@@ -155,30 +155,13 @@ class LlamaModel:
             q, k = rms_norm(q, w.q_norm, cfg.rms_norm_eps), rms_norm(k, w.k_norm, cfg.rms_norm_eps)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
-        pool.write(index, batch.write_slots, k, v.reshape(-1, cfg.num_kv_heads, cfg.head_dim))
-        attn = self._attention(index, q, pool.k[index], pool.v[index], batch.groups, w.sliding)
+        v = v.reshape(-1, cfg.num_kv_heads, cfg.head_dim)
+        pool.write(index, batch.write_slots, k, v)
+        attn = batch.attention.attend(index, q, k, v, pool, w.sliding)
         hidden = hidden + F.linear(attn, w.o, w.o_bias)
         x = rms_norm(hidden, w.post_norm, cfg.rms_norm_eps)
         gate, up = F.linear(x, w.gate_up, w.gate_up_bias).chunk(2, dim=-1)
         return hidden + F.linear(F.silu(gate) * up, w.down, w.down_bias)
-
-    def _attention(
-        self,
-        index: int,
-        q: torch.Tensor,
-        k_pool: torch.Tensor,
-        v_pool: torch.Tensor,
-        groups: tuple[AttentionGroup | DecodeGroup, ...],
-        sliding: bool,
-    ) -> torch.Tensor:
-        outputs = []
-        for g in groups:
-            group_q = q[g.token_start : g.token_start + g.token_count]
-            if isinstance(g, DecodeGroup):
-                outputs.append(decode_attention(group_q, k_pool, v_pool, g, index, self.scale, sliding))
-            else:
-                outputs.append(paged_attention(group_q, k_pool, v_pool, g, self.scale, sliding))
-        return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
 
 
 def _take(tensors: dict[str, torch.Tensor], name: str) -> torch.Tensor:

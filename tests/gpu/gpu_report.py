@@ -33,6 +33,8 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 
 from bench.bench_worker import make_workload, ours_tokens_per_s, transformers_tokens_per_s
+from data_plane.backends import make_backend
+from data_plane.config import BACKENDS
 from data_plane.executor import Executor
 from data_plane.kv_pool import KvPool, bytes_per_token
 from data_plane.models.llama import LlamaModel
@@ -114,6 +116,7 @@ class Report:
     torch_version: str
     transformers_version: str
     dtype: str
+    attention_backend: str
     shape: str
     config: dict[str, Any]
     parameters: int
@@ -153,6 +156,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup-steps", type=int, default=4, help="untimed decode steps first")
     parser.add_argument("--new-tokens", type=int, default=16, help="greedy tokens compared per prompt")
     parser.add_argument("--peak-gbps", type=float, default=None, help="HBM GB/s (default: by device)")
+    parser.add_argument(
+        "--attention-backend",
+        default="auto",
+        choices=BACKENDS,
+        help="the worker's attention backend (auto: flashinfer on CUDA when installed, else sdpa)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=pathlib.Path, default=None, help="also write the figures here")
     return parser.parse_args(argv)
@@ -204,9 +213,10 @@ def decode_cache_on(device: torch.device) -> bool:
     return device.type == "cpu"
 
 
-def make_executor(model: LlamaModel, capacity: int) -> Executor:
+def make_executor(model: LlamaModel, capacity: int, backend: str) -> Executor:
     pool = KvPool(model.config, capacity, model.dtype, model.device)
-    return Executor(model, pool, decode_cache=decode_cache_on(model.device))
+    attention = make_backend(backend, model, decode_cache=decode_cache_on(model.device))
+    return Executor(model, pool, attention=attention)
 
 
 def greedy_prompts(vocab: int, seed: int) -> dict[int, list[int]]:
@@ -214,9 +224,11 @@ def greedy_prompts(vocab: int, seed: int) -> dict[int, list[int]]:
     return {h: rng.integers(0, vocab, size=n).tolist() for h, n in enumerate(GREEDY_PROMPT_LENS, start=1)}
 
 
-def check_greedy(ours: LlamaModel, reference: Any, new_tokens: int, seed: int) -> list[GreedyComparison]:
+def check_greedy(
+    ours: LlamaModel, reference: Any, new_tokens: int, seed: int, backend: str
+) -> list[GreedyComparison]:
     """Every greedy prompt in one batch on scrambled pages of 16 slots, against generate()."""
-    driver = Driver(make_executor(ours, 1024), SlotAllocator(1024, 16, seed=seed))
+    driver = Driver(make_executor(ours, 1024, backend), SlotAllocator(1024, 16, seed=seed))
     return compare_greedy(driver, reference, greedy_prompts(ours.config.vocab_size, seed), new_tokens)
 
 
@@ -233,8 +245,9 @@ def measure_decode(
     decode_cache = decode_cache_on(device)
     warmup = make_workload(batch, args.prompt_len, args.warmup_steps, vocab, seed=args.seed)
     timed = make_workload(batch, args.prompt_len, args.steps, vocab, seed=args.seed)
-    ours_tokens_per_s(ours, warmup, device, decode_cache)
-    mine = ours_tokens_per_s(ours, timed, device, decode_cache)
+    backend = args.attention_backend
+    ours_tokens_per_s(ours, warmup, device, decode_cache, backend)
+    mine = ours_tokens_per_s(ours, timed, device, decode_cache, backend)
     transformers_tokens_per_s(reference, warmup, device)
     theirs = transformers_tokens_per_s(reference, timed, device)
     # Decode step i attends over prompt_len + i + 1 positions; the mean over the timed steps:
@@ -269,13 +282,15 @@ def run(args: argparse.Namespace) -> Report:
     # parameters() lists a tied tensor once: the embedding is read once per step, as lm_head.
     params = list(reference.parameters())
     weight_bytes = sum(p.numel() * p.element_size() for p in params)
-    greedy = check_greedy(ours, reference, args.new_tokens, args.seed)
+    backend = make_backend(args.attention_backend, ours).name
+    greedy = check_greedy(ours, reference, args.new_tokens, args.seed, backend)
     decode = [measure_decode(ours, reference, b, args, weight_bytes, peak_gbps) for b in args.batches]
     return Report(
         device=name,
         torch_version=torch.__version__,
         transformers_version=transformers.__version__,
         dtype=args.dtype,
+        attention_backend=backend,
         shape=args.shape,
         config=SHAPES[args.shape],
         parameters=sum(p.numel() for p in params),
@@ -313,6 +328,7 @@ def format_report(r: Report) -> str:
         f"device        {r.device}",
         f"torch         {r.torch_version}, transformers {r.transformers_version}",
         f"dtype         {r.dtype}",
+        f"attention     {r.attention_backend}",
         f"shape         {r.shape}: hidden {cfg['hidden_size']}, {cfg['num_hidden_layers']} layers, "
         f"{cfg['num_attention_heads']} heads, {cfg['num_key_value_heads']} kv heads, "
         f"intermediate {cfg['intermediate_size']}, vocab {cfg['vocab_size']}",

@@ -27,6 +27,7 @@ def test_report_has_every_figure_and_a_roofline_with_a_peak(
     figures = json.loads(out.read_text())
 
     assert figures["device"] == "cpu" and figures["dtype"] == "float32" and figures["shape"] == "tiny"
+    assert figures["attention_backend"] == "sdpa"  # auto on a CPU
     assert figures["peak_gbps"] == 100.0 and figures["peak_source"] == "--peak-gbps"
     assert figures["greedy_ok"] and len(figures["greedy"]) == len(gpu_report.GREEDY_PROMPT_LENS)
     # float32 on both sides: no near-tie excuse needed.
