@@ -42,7 +42,7 @@ class WorkerConfig:
     # Decode steps read a contiguous per-layer copy of the decode set's K/V (data_plane/decode_cache.py)
     # instead of gathering it from the pool; off: the general paged path (and no copy's memory).
     decode_cache: bool = True
-    # data_plane/backends: auto (flashinfer on CUDA when installed, else sdpa), sdpa or flashinfer.
+    # data_plane/backends: auto (flashinfer on CUDA in 16-bit when installed, else sdpa), sdpa or flashinfer.
     attention_backend: str = "auto"
     # Bounds the first search only: once attached, the worker searches again forever when it loses
     # its control plane, waiting up to reconnect_max_backoff_s between searches.
@@ -103,7 +103,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=BACKENDS,
         default="auto",
         help="attention kernels: sdpa (torch SDPA over gathered K/V; portable), flashinfer (FlashInfer's "
-        "paged kernels; CUDA, the 'flashinfer' extra); auto: flashinfer on CUDA when installed, else sdpa",
+        "paged kernels; CUDA, float16/bfloat16, the 'flashinfer' extra); auto: flashinfer where it can run "
+        "and is installed, else sdpa",
     )
     parser.add_argument(
         "--connect-timeout",

@@ -13,7 +13,8 @@ K/V into the pool. Two backends exist:
   the pool in place (a slot is a page of one token), no gather and no padding. Imported only when
   chosen, from the optional `flashinfer` extra.
 
-`auto` picks flashinfer on CUDA when it is installed, else sdpa.
+`auto` picks flashinfer on CUDA in float16/bfloat16 (FlashInfer's kernels) when it is installed,
+else sdpa.
 """
 
 from __future__ import annotations
@@ -84,16 +85,22 @@ class AttentionBackend(Protocol):
 
 def make_backend(name: str, model: LlamaModel, decode_cache: bool = True) -> AttentionBackend:
     """The backend `name` (one of BACKENDS) for `model`'s device; BackendError if it cannot run."""
+    import torch
+
     from data_plane.backends.sdpa import SdpaBackend
 
     if name not in BACKENDS:
         raise BackendError(f"unknown attention backend {name!r}; choose one of {', '.join(BACKENDS)}")
+    half = model.dtype in (torch.float16, torch.bfloat16)
     if name == "auto":
-        name = "flashinfer" if model.device.type == "cuda" and flashinfer_installed() else "sdpa"
+        on_cuda = model.device.type == "cuda" and half
+        name = "flashinfer" if on_cuda and flashinfer_installed() else "sdpa"
     if name == "sdpa":
         return SdpaBackend(model, decode_cache=decode_cache)
     if model.device.type != "cuda":
         raise BackendError(f"the flashinfer attention backend needs a CUDA device, not {model.device}")
+    if not half:
+        raise BackendError(f"the flashinfer attention backend runs float16 or bfloat16, not {model.dtype}")
     if not flashinfer_installed():
         raise BackendError(
             "the flashinfer attention backend needs FlashInfer (pip install 'stepwise[flashinfer]')"

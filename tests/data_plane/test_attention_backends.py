@@ -71,6 +71,22 @@ def test_auto_is_sdpa_on_cpu_and_flashinfer_is_refused_there(our_model: LlamaMod
         make_backend("xformers", our_model)
 
 
+@pytest.mark.usefixtures("with_fake_flashinfer")
+def test_flashinfer_is_auto_only_on_cuda_in_16_bit(
+    our_model: LlamaModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only the choice is asked (nothing runs on the pretended device)."""
+    import data_plane.backends.flashinfer as flashinfer_backend
+
+    monkeypatch.setattr(flashinfer_backend.FlashInferBackend, "__init__", lambda self, model: None)
+    monkeypatch.setattr(our_model, "device", torch.device("cuda"))
+    assert make_backend("auto", our_model).name == "sdpa"  # float32: FlashInfer has no such kernels
+    with pytest.raises(BackendError, match=r"float16 or bfloat16, not torch\.float32"):
+        make_backend("flashinfer", our_model)
+    monkeypatch.setattr(our_model, "dtype", torch.bfloat16)
+    assert make_backend("auto", our_model).name == "flashinfer"
+
+
 def test_a_worker_asked_for_flashinfer_on_cpu_fails_to_load_with_the_reason(model_dir: pathlib.Path) -> None:
     from data_plane.config import WorkerConfig
     from data_plane.worker import load_worker
