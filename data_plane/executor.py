@@ -61,11 +61,6 @@ class Executor:
         self.device = model.device
         self.attention = attention or SdpaBackend(model, decode_cache=decode_cache)
 
-    @property
-    def decode_cache(self) -> object | None:
-        """The SDPA backend's decode block, when it has one."""
-        return getattr(self.attention, "decode_cache", None)
-
     # ---- the step ----------------------------------------------------------------------------
 
     def execute(self, plan: StepPlan) -> StepResult:
@@ -74,10 +69,10 @@ class Executor:
         try:
             return self._execute(plan, started)
         except PlanError as exc:
-            self._invalidate_decode_cache()
+            self._invalidate_attention()
             return self._error_result(plan, str(exc), started)
         except Exception as exc:
-            self._invalidate_decode_cache()
+            self._invalidate_attention()
             log.exception("step_failed", step_id=plan.step_id)
             return self._error_result(plan, f"{type(exc).__name__}: {exc}", started)
 
@@ -108,7 +103,7 @@ class Executor:
         """Tell the backend of every sequence whose KV or slots this plan changes."""
         self.attention.forget(_kv_changing_handles(plan))
 
-    def _invalidate_decode_cache(self) -> None:
+    def _invalidate_attention(self) -> None:
         """After a failed step what the backend keeps may describe K/V the forward never wrote."""
         self.attention.invalidate()
 
@@ -116,7 +111,7 @@ class Executor:
         """Forget every sequence and host copy (a plan's `reset`, and every new session)."""
         self._release(np.array(self.table.handles(), dtype=np.uint64))
         self.host.clear()
-        self._invalidate_decode_cache()
+        self._invalidate_attention()
 
     def kv_report(self) -> KvReport:
         return KvReport(

@@ -296,7 +296,7 @@ class _InProcessContender(_ModelContender):
     def _serve(self, model: Any, requests: Sequence[BenchRequest], cap: int) -> int:
         raise NotImplementedError
 
-    def _forward_tokens(self, requests: Sequence[BenchRequest], cap: int) -> int | None:
+    def _forward_tokens(self, requests: Sequence[BenchRequest], cap: int) -> int:
         """Tokens the forwards produce, every row of a batch running to its longest request."""
         return sum(len(b) * max(r.max_new_tokens for r in b) for b in batches(requests, cap))
 

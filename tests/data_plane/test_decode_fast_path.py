@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 
+from data_plane.backends.sdpa import SdpaBackend
 from data_plane.config import add_arguments, config_from_args
 from data_plane.decode_cache import DecodeCache
 from data_plane.executor import Executor
@@ -173,7 +174,8 @@ def test_worker_flag_turns_the_cache_off(our_model: LlamaModel) -> None:
     assert config_from_args(parser.parse_args(["--model", "/m"])).decode_cache
     assert not config_from_args(parser.parse_args(["--model", "/m", "--disable-decode-cache"])).decode_cache
     pool = KvPool(our_model.config, 64, torch.float32, CPU)
-    assert Executor(our_model, pool, decode_cache=False).decode_cache is None
+    attention = Executor(our_model, pool, decode_cache=False).attention
+    assert isinstance(attention, SdpaBackend) and attention.decode_cache is None
 
 
 def test_a_reused_handle_never_reads_the_released_sequences_keys(our_model: LlamaModel) -> None:
