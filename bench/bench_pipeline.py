@@ -24,7 +24,7 @@ import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from control_plane import codec
+from control_plane import worker_codec
 from control_plane.request import SamplerSpec
 from control_plane.scheduler.plan import DecodeWork, ExtendWork, NewSeq, StepKind, StepPlan
 from protos.stepwise.v1 import worker_pb2 as wk_pb
@@ -78,8 +78,8 @@ class FakeControl(wk_grpc.WorkerLinkServicer):
     ) -> AsyncIterator[wk_pb.ControlMessage]:
         replies = aiter(request_iterator)
         await anext(replies)  # the hello
-        yield codec.welcome(True)
-        encoder = codec.PlanEncoder()
+        yield worker_codec.welcome(True)
+        encoder = worker_codec.PlanEncoder()
         yield encoder.encode(self.plans[0])
         self._note(await anext(replies))  # the prefill, alone
         pending = iter(self.plans[1:])
@@ -91,7 +91,7 @@ class FakeControl(wk_grpc.WorkerLinkServicer):
             yield encoder.encode(plan)
         for _ in range(self.in_flight):
             self._note(await anext(replies))
-        yield codec.shutdown("bench over")
+        yield worker_codec.shutdown("bench over")
         self.done.set()
 
     def _note(self, msg: wk_pb.WorkerMessage) -> None:

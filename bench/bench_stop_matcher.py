@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 import tracemalloc
 
-from control_plane.tokenizer import StopMatcher
+from control_plane.frontend.detokenize import StopMatcher
 
 
 def main() -> None:

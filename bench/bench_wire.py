@@ -104,7 +104,7 @@ class Figures:
 
 def measure_link(plans: list[StepPlan]) -> Figures:
     """Every plan through one link's codecs, in order; medians over the plans after the first."""
-    from control_plane import codec as control
+    from control_plane import worker_codec as control
     from data_plane import codec as data
     from data_plane.messages import StepResult as WorkerResult
     from protos.stepwise.v1 import worker_pb2 as wk_pb

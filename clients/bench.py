@@ -38,6 +38,7 @@ from clients.client import (
     sampling_params,
 )
 from clients.datasets import BenchRequest
+from clients.errors import RoutineError
 from protos.stepwise.v1 import generation_pb2 as gen_pb
 
 __all__ = ["Report", "Sample", "add_arguments", "render", "run", "summarize", "workload"]
@@ -267,8 +268,6 @@ async def run(ns: argparse.Namespace, out: TextIO = sys.stdout) -> Report:
     and --plot, and return the report."""
     ns = _complete(ns)
     if ns.plot is not None and not bench_plot.available():
-        from stepwise.cli import RoutineError  # imported here: the CLI imports this module lazily
-
         raise RoutineError(bench_plot.MISSING)
     requests = workload(ns)
     show_progress = not (ns.json or ns.quiet) and out.isatty()

@@ -1,6 +1,6 @@
 """The control plane's configuration: one frozen object built from flags at the entry point.
 
-Scheduler flags keep SGLang's names and meanings (SCHEDULER.md §9). Every flag can also be set
+Scheduler flags keep SGLang's names and meanings (docs/scheduler.md#defaults). Every flag can also be set
 through an environment variable `STEPWISE_<FLAG>` (the command line applies those as defaults), and
 SGLang's tuning knobs that are environment variables there (`SGLANG_INIT_NEW_TOKEN_RATIO`, ...) are
 read here under the `STEPWISE_` prefix.
@@ -88,7 +88,8 @@ class SchedulerConfig:
     disable_radix_cache: bool = False
     retraction_policy: str = "length"
     allow_auto_truncate: bool = False
-    # SGLang environment knobs (§5, §6, §3.1, §2.3, §1.5).
+    # SGLang environment knobs (docs/scheduler.md#new-token-ratio, #retraction, #prefill-adder-budgets,
+    # #in-batch-prefix-dedup, #intake).
     init_new_token_ratio: float = 0.7
     min_new_token_ratio_factor: float = 0.14
     new_token_ratio_decay_steps: int = 600
@@ -111,7 +112,7 @@ class SchedulerConfig:
 
 @dataclass(frozen=True, slots=True)
 class RoutingConfig:
-    """Which attached worker a request goes to (control_plane/router.py); SGLang gateway's defaults."""
+    """Which attached worker a request goes to (control_plane/core/router.py); SGLang gateway's defaults."""
 
     # Longest cached prefix first (else least loaded); False: always the least loaded.
     cache_aware: bool = True
@@ -139,12 +140,12 @@ class ControlConfig:
     record_max_bytes: int = DEFAULT_RECORD_MAX_BYTES
     limits: Limits = field(default_factory=Limits)
     security: Security = field(default_factory=Security)
-    # Client-facing processes (gRPC servers sharing the client port; see control_plane/frontend_server.py).
+    # Client-facing processes (gRPC servers sharing the client port; see control_plane/frontend/server.py).
     frontends: int = 1
     # Output tokens per client message (SGLang's --stream-interval): the first token goes at once,
     # then a message per this many tokens, and the rest at the finish.
     stream_interval: int = 1
-    # Two plans in flight per worker (SGLang's overlap scheduling, SCHEDULER.md §8).
+    # Two plans in flight per worker (SGLang's overlap scheduling, docs/scheduler.md#overlap).
     overlap: bool = True
     # Concurrent Generate calls one frontend serves; past it, RESOURCE_EXHAUSTED.
     max_concurrent_streams: int = 65536
@@ -367,7 +368,7 @@ def _add_security_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-# SGLang's environment-only knobs, read under our prefix (SCHEDULER.md §9).
+# SGLang's environment-only knobs, read under our prefix (docs/scheduler.md#defaults).
 _ENV_KNOBS: Mapping[str, tuple[str, type]] = {
     "STEPWISE_INIT_NEW_TOKEN_RATIO": ("init_new_token_ratio", float),
     "STEPWISE_MIN_NEW_TOKEN_RATIO_FACTOR": ("min_new_token_ratio_factor", float),

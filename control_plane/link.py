@@ -4,7 +4,7 @@ Measured against pyzmq (bench/bench_ipc.py): asyncio's own Unix streams cost abo
 message on both ends and half the round-trip latency of zmq.asyncio DEALER/ROUTER, and a broken
 connection is an immediate EOF, which is how the core learns that a frontend died (zmq hides peer
 loss). Each direction sends at most one message per event-loop turn: whatever a turn produced is
-merged into it by the sender's outbox (see frontend.py and hub.py), so the message rate is the step
+merged into it by the sender's outbox (frontend/core_link.py, core/hub.py), so the message rate is the step
 rate, not the token rate.
 """
 
@@ -23,6 +23,18 @@ MAX_FRAME_BYTES = 256 * 1024 * 1024
 # letting the sender's memory grow without bound.
 MAX_BUFFERED_BYTES = 512 * 1024 * 1024
 _HEADER = struct.Struct("<I")
+
+# A uid (a frontend's stream key) carries the frontend's link id above these bits (frontend.proto).
+UID_LINK_SHIFT = 40
+
+
+def link_of(uid: int) -> int:
+    """The frontend link a uid belongs to."""
+    return uid >> UID_LINK_SHIFT
+
+
+# What a client is told while its control plane drains (by the frontend itself, or by the core).
+DRAINING = "the control plane is draining (shutting down); retry on another control plane"
 
 M = TypeVar("M", bound=Message)
 

@@ -1,4 +1,4 @@
-"""Prometheus metrics, named like SGLang's (SCHEDULER.md §10.5) with the `stepwise:` prefix.
+"""Prometheus metrics, named like SGLang's (docs/scheduler.md#logs-and-metrics) with the `stepwise:` prefix.
 
 Labelled by worker. The core sets the scheduler's figures; its frontends observe what clients see
 (time to first token, inter-token latency, end-to-end latency). With `--metrics-port`, every process
@@ -110,7 +110,7 @@ class PoolFigures:
 
 class WorkerMetrics:
     """One worker's series, looked up once: a step sets a dozen figures, and a label lookup costs
-    about as much as the observation itself (STYLE: the hot path is per step)."""
+    about as much as the observation itself (the hot path is per step, not per token)."""
 
     def __init__(self, worker: str) -> None:
         self.running = NUM_RUNNING_REQS.labels(worker)

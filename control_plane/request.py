@@ -1,6 +1,6 @@
 """A request's life in the control plane: parameters (frozen) and scheduling state (mutable).
 
-Field names follow SGLang's `Req` (SCHEDULER.md §0.1) so that the scheduler code reads like the
+Field names follow SGLang's `Req` (docs/scheduler.md#data-model) so that the scheduler code reads like the
 specification: `origin_input_ids`, `output_ids`, `prefix_indices`, `last_node`,
 `cache_protected_len`, `kv_committed_len`, `extend_range`, `is_retracted`, ...
 """
@@ -75,7 +75,8 @@ class RequestParams:
     """What the client asked for; never changes after intake."""
 
     max_new_tokens: int | None = None
-    # Stop conditions (EOS, stop token ids, stop strings) are ignored until this many tokens (§1.5).
+    # Stop conditions (EOS, stop token ids, stop strings) are ignored until this many tokens
+    # (docs/scheduler.md#intake).
     min_new_tokens: int = 0
     stop: tuple[str, ...] = ()
     stop_token_ids: frozenset[int] = frozenset()
@@ -123,12 +124,12 @@ class Request:
     params: RequestParams
     # Order of arrival (a logical clock, never the wall clock: decisions must replay exactly).
     max_new_tokens: int = 0
-    # params.min_new_tokens lowered to max_new_tokens when larger (§1.5).
+    # params.min_new_tokens lowered to max_new_tokens when larger (docs/scheduler.md#intake).
     min_new_tokens: int = 0
     # The engine's key for this request's stream (unsigned 64-bit), carried into token output only:
     # never a scheduling input, not recorded.
     uid: int = 0
-    # Scheduling state (SCHEDULER.md §0.1).
+    # Scheduling state (docs/scheduler.md#data-model).
     handle: int = -1
     req_pool_idx: int = -1
     prefix_indices: np.ndarray = field(default_factory=lambda: EMPTY_SLOTS)
@@ -145,7 +146,7 @@ class Request:
     # Usage: prompt tokens served from the prefix cache at first admission.
     cached_tokens: int = 0
     # Effective priority: the client's, or the least important value when priority scheduling is
-    # on and none was given (SCHEDULER.md §1.5).
+    # on and none was given (docs/scheduler.md#intake).
     priority: int | None = None
     # Positions whose KV waits in the worker's host backup pool (under `handle`) since a retraction.
     host_backup_len: int = 0

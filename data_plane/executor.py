@@ -16,7 +16,7 @@ import numpy as np
 import structlog
 import torch
 
-from data_plane.backends import AttentionBackend, StepLayout
+from data_plane.backends.base import AttentionBackend, StepLayout
 from data_plane.backends.sdpa import SdpaBackend
 from data_plane.kv_pool import HostCopy, KvPool
 from data_plane.messages import KvReport, KvTransfer, StepPlan, StepResult, TokenLogprobs

@@ -39,7 +39,8 @@ from typing import Any, TypeVar
 import structlog
 import torch
 
-from data_plane.backends import BackendError, make_backend
+from data_plane.backends import make_backend
+from data_plane.backends.base import BackendError
 from data_plane.config import CUDA_KV_MEMORY_FRACTION, DEFAULT_CPU_KV_BYTES, WorkerConfig
 from data_plane.config import add_arguments as add_arguments
 from data_plane.config import config_from_args as config_from_args

@@ -23,11 +23,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from clients.errors import RoutineError
 from stepwise import flags, logs
 
 if TYPE_CHECKING:
     from control_plane.config import ControlConfig
-    from control_plane.server import ControlPlane
+    from control_plane.core.server import ControlPlane
 
 DEMO_PROMPT = "Once upon a time"
 LOG_LEVEL_HELP = "debug, info, warning or error"
@@ -43,10 +44,6 @@ REFUSED_CODES = frozenset(
         "ALREADY_EXISTS",
     }
 )
-
-
-class RoutineError(Exception):
-    """A failure the person running the command can fix from the message alone (main() prints it)."""
 
 
 def _parser(prog: str, description: str) -> flags.ArgumentParser:
@@ -118,10 +115,11 @@ def _metrics_dir(port: int) -> Iterator[None]:
 
 
 async def _serve_control(config: ControlConfig, ready_file: Path | None, log_level: str) -> int:
-    from control_plane.server import ControlPlane
-    from control_plane.supervisor import FrontendStartError
+    from control_plane.core.server import ControlPlane
+    from control_plane.core.supervisor import FrontendStartError
+    from stepwise import frontend
 
-    plane = ControlPlane(config, log_level)
+    plane = ControlPlane(config, log_level, frontend.main)
     try:
         await plane.start()
     except (OSError, FrontendStartError) as exc:  # a busy or unbindable port, a frontend that died

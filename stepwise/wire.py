@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from control_plane import codec as control_codec
+from control_plane import worker_codec as control_codec
 from control_plane.scheduler.plan import StepPlan, StepResult
 from data_plane import codec as data_codec
 from data_plane import messages

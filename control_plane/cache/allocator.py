@@ -1,4 +1,4 @@
-"""The control plane's KV slot allocator (SCHEDULER.md §7.7, adapted to the split).
+"""The control plane's KV slot allocator (docs/scheduler.md#allocation, adapted to the split).
 
 The worker owns a KV pool of `capacity` token slots with ids 0..capacity-1; the control plane decides
 which ids each sequence uses and sends them in the step plan. With `page_size` P > 1 the ids are grouped

@@ -1,4 +1,5 @@
-"""Eviction orders of the radix cache, by name (SCHEDULER.md §7.6; SGLang's `mem_cache/evict_policy.py`).
+"""Eviction orders of the radix cache, by name (docs/scheduler.md#locks-and-eviction; SGLang's
+`mem_cache/evict_policy.py`).
 
 Each policy maps a node to a tuple; the leaf with the smallest tuple is evicted first. Ties are broken by
 the order in which leaves entered the eviction heap, which is deterministic.

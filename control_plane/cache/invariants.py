@@ -1,4 +1,5 @@
-"""Integrity checks of the KV pool and the radix cache (SCHEDULER.md §0.1's pool invariant, and more).
+"""Integrity checks of the KV pool and the radix cache (docs/scheduler.md#data-model's pool invariant, and
+more).
 
 Run after every step in tests and whenever the scheduler is idle. Every check is read-only. The work is
 O(tree nodes + cached slots + pages handed out since the pool was cleared), never O(capacity): pages

@@ -1,4 +1,4 @@
-"""The radix prefix cache of the control plane (SCHEDULER.md §7).
+"""The radix prefix cache of the control plane (docs/scheduler.md#radix-cache).
 
 Token ids map to the KV slots that hold their KV on the worker. Nodes own whole pages: every key and
 value is page-aligned, and a node's value is a run of whole pages as handed out by `SlotAllocator`.
@@ -8,16 +8,18 @@ Mutation and locking contract:
   never free or allocate. A `MatchResult` is only safe to use until the next `evict`/`reset` unless its
   `last_node` is locked with `inc_lock_ref`.
 * `evict`, `reset`, `cache_finished_req` and `cache_unfinished_req` free slots through the allocator.
-  The last two are SGLang's per-request operations (§7.4, §7.5) on plain request state; they are the
-  only implementation: the scheduler's KvManager calls them with a request's fill ids and row.
+  The last two are SGLang's per-request operations (docs/scheduler.md#caching-requests) on plain
+  request state; they are the only implementation: the scheduler's KvManager calls them with a
+  request's fill ids and row.
 * Locked nodes (and all their ancestors) are never evicted. Each admitted request holds exactly one lock,
-  on its `last_node`, from admission until finish or retraction (§7.6, §12.4).
+  on its `last_node`, from admission until finish or retraction (docs/scheduler.md#locks-and-eviction,
+  #invariants).
 
 Eviction keeps the evictable leaves in a heap with lazy invalidation instead of scanning all leaves
-(§7.6 asks for an ordered structure): a node's heap entry is current while `node.heap_entry is entry`;
-an entry whose key has grown since it was pushed is re-pushed when popped, and a touch that lowers a
-key (mru/filo-style policies) pushes a fresh entry at once. So every current entry's key is ≤ the
-node's true key, which makes the first popped current entry with an up-to-date key the true minimum.
+(docs/scheduler.md#locks-and-eviction asks for an ordered structure): a node's heap entry is current while
+`node.heap_entry is entry`; an entry whose key has grown since it was pushed is re-pushed when popped, and a
+touch that lowers a key (mru/filo-style policies) pushes a fresh entry at once. So every current entry's key
+is ≤ the node's true key, which makes the first popped current entry with an up-to-date key the true minimum.
 Stale entries are dropped when popped, and the heap is rebuilt when they outnumber the live ones.
 """
 
@@ -73,10 +75,11 @@ def as_token_bytes(key: TokenIds) -> bytes:
 class RadixCache:
     """Radix tree from token ids to KV slots, with page size ≥ 1, locks and pluggable eviction.
 
-    `allocator` may be None for a simulated tree (§2.3's in-batch prefix dedup): then values default to
-    the token ids themselves and nothing is ever freed. `disable=True` is the `--disable-radix-cache`
-    behaviour: matches are empty, nothing is stored, evictable size is 0, and finishing a request frees
-    all of its slots (§7.1's ChunkCache).
+    `allocator` may be None for a simulated tree (docs/scheduler.md#in-batch-prefix-dedup's in-batch
+    prefix dedup): then values default to the token ids themselves and nothing is ever freed.
+    `disable=True` is the `--disable-radix-cache` behaviour: matches are empty, nothing is stored,
+    evictable size is 0, and finishing a request frees all of its slots (docs/scheduler.md#radix-cache's
+    ChunkCache).
     """
 
     def __init__(
@@ -99,7 +102,7 @@ class RadixCache:
 
     def _init_tree(self) -> None:
         self.root = TreeNode(b"", EMPTY_SLOTS, None, self._clock, priority=-sys.maxsize)
-        self.root.lock_ref = 1  # the root is never evicted (§7.1)
+        self.root.lock_ref = 1  # the root is never evicted (docs/scheduler.md#radix-cache)
         self._evictable_size = 0
         self._protected_size = 0
         self._heap: list[HeapEntry] = []
@@ -122,7 +125,8 @@ class RadixCache:
     # ---- lookup and insertion ------------------------------------------------------------------
 
     def match_prefix(self, key: TokenIds, extra_key: Hashable = None) -> MatchResult:
-        """Longest cached page-aligned prefix of `key` (§7.2). Mutates: splits a node where the match
+        """Longest cached page-aligned prefix of `key` (docs/scheduler.md#radix-cache). Mutates:
+        splits a node where the match
         ends inside it, and stamps the path's access time."""
         if self.disable:
             return MatchResult(EMPTY_SLOTS, self.root)
@@ -137,7 +141,7 @@ class RadixCache:
         values: list[np.ndarray] = []
         at = 0
         edge = self._edge(tokens, 0, extra_key) if end else None
-        # The hot loop of admission (PERF-NOTES: a few µs per 2k-token match): a node that matches
+        # The hot loop of admission (docs/performance.md: a few µs per 2k-token match): a node that matches
         # whole costs one dict lookup and one memcmp, with no copy of the query.
         while at < end:
             child = node.children.get(edge)
@@ -199,9 +203,10 @@ class RadixCache:
         chunked: bool = False,
         extra_key: Hashable = None,
     ) -> int:
-        """Store `key` → `value` (page-aligned; §7.3) and return how many leading tokens were already
-        cached. Mutates the tree; the caller still owns `value[:returned]` (duplicates to free) and
-        whatever lies past the page-aligned length. Does not lock anything. A disabled cache stores
+        """Store `key` → `value` (page-aligned; docs/scheduler.md#radix-cache) and return how many
+        leading tokens were already cached. Mutates the tree; the caller still owns `value[:returned]`
+        (duplicates to free) and whatever lies past the page-aligned length. Does not lock anything. A
+        disabled cache stores
         nothing and returns 0: release requests through `cache_finished_req` there."""
         if self.disable:
             return 0
@@ -224,8 +229,9 @@ class RadixCache:
                 break
             child.last_access_time = now
             if priority > child.priority:
-                child.priority = priority  # a node keeps the highest priority that used it (§7.3)
-            if not chunked:  # middle chunks are not hits (§7.3)
+                # A node keeps the highest priority that used it (docs/scheduler.md#radix-cache).
+                child.priority = priority
+            if not chunked:  # middle chunks are not hits (docs/scheduler.md#radix-cache)
                 child.hit_count += 1
             size = len(child.key)
             if at + size <= end and tokens.startswith(child.key, at):
@@ -248,7 +254,8 @@ class RadixCache:
     # ---- locks ---------------------------------------------------------------------------------
 
     def inc_lock_ref(self, node: TreeNode) -> int:
-        """Lock `node` and its ancestors (§7.6). Mutates lock counts and sizes; returns the change in
+        """Lock `node` and its ancestors (docs/scheduler.md#locks-and-eviction). Mutates lock counts
+        and sizes; returns the change in
         evictable size (≤ 0). `node` must not have been evicted."""
         if self.disable:
             return 0
@@ -284,8 +291,9 @@ class RadixCache:
 
     def evict(self, num_tokens: int) -> int:
         """Free whole unlocked leaves, cheapest first by the policy, until ≥ `num_tokens` tokens are
-        freed or nothing is evictable (§7.6). Mutates the tree and the allocator; returns tokens freed
-        (may overshoot). Costs O(k log n) for k evicted nodes, amortised: an entry made stale by an
+        freed or nothing is evictable (docs/scheduler.md#locks-and-eviction). Mutates the tree and the
+        allocator; returns tokens freed (may overshoot). Costs O(k log n) for k evicted nodes,
+        amortised: an entry made stale by an
         access is re-pushed once, paid for by that access."""
         if self.disable:
             return 0
@@ -312,7 +320,8 @@ class RadixCache:
             self.allocator.free(np.concatenate(values))
         self._init_tree()
 
-    # ---- per-request helpers (§7.4, §7.5) ------------------------------------------------------
+    # ---- per-request helpers (docs/scheduler.md#caching-requests)
+    # ------------------------------------------------------
 
     def cache_finished_req(
         self,
@@ -324,7 +333,8 @@ class RadixCache:
         priority: int = 0,
         extra_key: Hashable = None,
     ) -> ReqCacheState:
-        """Hand a finished (or retracted, `insert=False`) request's KV to the tree and release it (§7.4).
+        """Hand a finished (or retracted, `insert=False`) request's KV to the tree and release it
+        (docs/scheduler.md#caching-requests).
 
         `tokens` are the ids of the positions whose KV is committed (kv_len = len(tokens)); `slots` are
         all slots the request holds, positions [0, len(slots)) with len(slots) ≥ kv_len (anything past
@@ -358,7 +368,8 @@ class RadixCache:
         priority: int = 0,
         extra_key: Hashable = None,
     ) -> ReqCacheState:
-        """Share a still-running request's computed prefix through the tree (§7.5).
+        """Share a still-running request's computed prefix through the tree
+        (docs/scheduler.md#caching-requests).
 
         `tokens` are the ids of positions [0, n) computed so far (fill_ids[:extend_end]); `slots` hold
         positions [0, len(slots)) with len(slots) ≥ n. Mutates: inserts the page-aligned part, frees the
@@ -409,14 +420,14 @@ class RadixCache:
     # ---- internals: tree shape -----------------------------------------------------------------
 
     def _tick(self) -> int:
-        # A logical clock, not time.monotonic(): eviction order must replay identically (§7.2 uses it
-        # only for ordering).
+        # A logical clock, not time.monotonic(): eviction order must replay identically
+        # (docs/scheduler.md#radix-cache uses it only for ordering).
         self._clock += 1
         return self._clock
 
     def _edge(self, tokens: bytes, at: int, extra_key: Hashable = None) -> Hashable:
         """Child-dict key of the run starting at byte `at`: its first page; namespaced by `extra_key` at
-        the root only, since a namespace is fixed by a node's first edge (§7.1)."""
+        the root only, since a namespace is fixed by a node's first edge (docs/scheduler.md#radix-cache)."""
         page = tokens[at : at + self._page_bytes]
         return page if extra_key is None else (extra_key, page)
 
@@ -437,7 +448,8 @@ class RadixCache:
 
     def _split(self, child: TreeNode, length: int, edge: Hashable) -> TreeNode:
         """Cut `child` after `length` bytes; the new upper node takes the child's place, locks, hit count
-        and priority (§7.2). The lower part keeps its times, so its heap entry stays valid."""
+        and priority (docs/scheduler.md#radix-cache). The lower part keeps its times, so its heap
+        entry stays valid."""
         parent = child.parent
         cut = length // TOKEN_BYTES
         upper = TreeNode(child.key[:length], child.value[:cut], parent, self._clock, child.priority)

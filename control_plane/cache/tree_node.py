@@ -1,4 +1,4 @@
-"""One node of the radix cache (SCHEDULER.md §7.1)."""
+"""One node of the radix cache (docs/scheduler.md#radix-cache)."""
 
 from __future__ import annotations
 

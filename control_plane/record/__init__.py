@@ -1,1 +1,1 @@
-"""Record a scheduler session, replay it, and read it as a timeline (DESIGN.md, "Record and replay")."""
+"""Record a scheduler session, replay it, and read it as a timeline (docs/debugging.md)."""

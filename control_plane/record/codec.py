@@ -12,7 +12,7 @@ import dataclasses
 import json
 import warnings
 
-from control_plane import codec as link
+from control_plane import worker_codec as link
 from control_plane.config import SchedulerConfig
 from control_plane.record.entries import (
     Abort,

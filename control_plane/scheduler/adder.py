@@ -1,4 +1,4 @@
-"""PrefillAdder: the budget arithmetic of one admission pass (SCHEDULER.md §3).
+"""PrefillAdder: the budget arithmetic of one admission pass (docs/scheduler.md#prefill-adder-budgets).
 
 A fresh adder is built for every prefill attempt. It answers each candidate with an AddReqResult:
 CONTINUE (keep adding), NO_TOKEN (KV memory exhausted) or OTHER (any other reason to stop). Three
@@ -39,7 +39,8 @@ class AdderLimits:
 
 
 def reserved_offset(remaining: np.ndarray, clip: int, new_token_ratio: float) -> float:
-    """Σ min(remaining, clip) · ratio over the running requests (§3.2), summed left to right as a
+    """Σ min(remaining, clip) · ratio over the running requests (docs/scheduler.md#prefill-adder-budgets),
+    summed left to right as a
     Python loop over them would (cumsum is sequential), so the budget is the same to the last bit."""
     if not len(remaining):
         return 0.0
@@ -83,7 +84,8 @@ class PrefillAdder:
         self.preempt_list: list[Request] = []
         self.log_hit_tokens = 0
         self.log_input_tokens = 0
-        # The part of the two above that re-does the work of retracted requests (§3.3, §10.5).
+        # The part of the two above that re-does the work of retracted requests
+        # (docs/scheduler.md#prefill-adder-budgets, #logs-and-metrics).
         self.reprocessed_hit_tokens = 0
         self.reprocessed_input_tokens = 0
         self.req_states: list[tuple[float, int]] | None = None
@@ -95,7 +97,8 @@ class PrefillAdder:
         return req.max_new_tokens - req.num_outputs
 
     def offset(self, req: Request) -> float:
-        """Reserved future decode of a running request: min(remaining, clip) · ratio (§3.2)."""
+        """Reserved future decode of a running request: min(remaining, clip) · ratio
+        (docs/scheduler.md#prefill-adder-budgets)."""
         return min(self.remaining(req), self.limits.clip_max_new_tokens) * self.new_token_ratio
 
     @property
@@ -141,7 +144,8 @@ class PrefillAdder:
     def _clip(self, max_new_tokens: int) -> int:
         return min(max_new_tokens, self.limits.clip_max_new_tokens)
 
-    # --- the chunked request's continuation (§4.2) ------------------------------------------------
+    # --- the chunked request's continuation (docs/scheduler.md#chunked-prefill)
+    # ------------------------------------------------
 
     def add_chunked_req(self, req: Request) -> Request | None:
         """Admit the next chunk first; returns req while it is still being chunked, else None."""
@@ -164,13 +168,14 @@ class PrefillAdder:
         self._update_prefill_budget(req, 0, length, 0 if truncated else self._clip(req.max_new_tokens))
         return req if truncated else None
 
-    # --- a new request (§3.7) --------------------------------------------------------------------
+    # --- a new request (docs/scheduler.md#add-one-req)
+    # --------------------------------------------------------------------
 
     def add_one_req(self, req: Request, ignore_eos_path: bool) -> AddReqResult:
         limits = self.limits
         if self.new_chunked_req is not None:
-            # A newly chunked request is the last one admitted (§3.7): with a chunk budget off the page
-            # grid (mixed chunk) the verdict after it can still be CONTINUE.
+            # A newly chunked request is the last one admitted (docs/scheduler.md#add-one-req): with a chunk
+            # budget off the page grid (mixed chunk) the verdict after it can still be CONTINUE.
             return AddReqResult.OTHER
         if limits.prefill_max_requests is not None and len(self.can_run_list) >= limits.prefill_max_requests:
             return AddReqResult.OTHER
@@ -229,7 +234,8 @@ class PrefillAdder:
         self._update_prefill_budget(req, prefix_len, trunc, 0)
         return None
 
-    # --- ignore_eos with the cache disabled (§3.8) --------------------------------------------------
+    # --- ignore_eos with the cache disabled (docs/scheduler.md#add-one-req-ignore-eos)
+    # --------------------------------------------------
 
     def _tokens_left(self, req: Request) -> tuple[float, int]:
         ratio = 1.0 if req.params.ignore_eos else self.new_token_ratio
@@ -285,13 +291,14 @@ class PrefillAdder:
             freed += occupied
         return True
 
-    # --- priority preemption (§2.4) ---------------------------------------------------------------
+    # --- priority preemption (docs/scheduler.md#priority-preemption)
+    # ---------------------------------------------------------------
 
     def preempt_to_schedule(self, req: Request, candidates: Sequence[Request]) -> list[Request] | None:
         """Pick running requests to give way to `req`; None when the preemption is not allowed.
 
         Candidates must already be ordered least important first; those chosen earlier in this pass
-        are skipped (§2.4). Mutates the reserved budget and `preempt_list`.
+        are skipped (docs/scheduler.md#priority-preemption). Mutates the reserved budget and `preempt_list`.
         """
         sign = priority_sign(self.limits.low_priority_values_first)
         need = (req.seqlen - len(req.prefix_indices)) + self._clip(req.max_new_tokens) - self.rem_total_tokens

@@ -1,5 +1,7 @@
-"""Building a prefill batch (SCHEDULER.md §3.5, §4): the chunked request, the admission loop under
-the adder's budgets, batch_is_full, and mixing the running batch into a prefill step (§4.4)."""
+"""Building a prefill batch (docs/scheduler.md#admission-loop, #chunked-prefill): the chunked request, the
+admission loop under
+the adder's budgets, batch_is_full, and mixing the running batch into a prefill step
+(docs/scheduler.md#mixed-chunk)."""
 
 from __future__ import annotations
 
@@ -16,7 +18,8 @@ OOM_CHUNK = "Out of memory: no room for the next chunk of this prompt and nothin
 
 
 class Admission(Preemption):
-    """The prefill batch: who is admitted this step and with which chunk (§3, §4)."""
+    """The prefill batch: who is admitted this step and with which chunk
+    (docs/scheduler.md#prefill-adder-budgets, #chunked-prefill)."""
 
     def _apply_pending_chunked_abort(self) -> None:
         req, reason = self.chunked_req, self._pending_chunked_abort
@@ -32,9 +35,11 @@ class Admission(Preemption):
             self._push_remap(self.kv.cache_unfinished_req(req, chunked=True))
 
     def _merge_last_batch(self) -> None:
-        """§1.3 step 4: the last extend batch's requests join the running batch, unless finished or
-        still mid-chunk. Under overlap their prefill may still be in flight: they are decoded before
-        their first token is known (§8.2 (c)). A request with max_new_tokens 0 only needs its prefill
+        """docs/scheduler.md#step-loop step 4: the last extend batch's requests join the running
+        batch, unless finished or still mid-chunk. Under overlap their prefill may still be in flight:
+        they are decoded before their first token is known (docs/scheduler.md#overlap (c)). A request
+        with max_new_tokens 0
+        only needs its prefill
         (SGLang never decodes a prefill-only batch): it ends when that result is applied."""
         last = self.last_batch
         if last is None or not last.is_extend:
@@ -66,7 +71,7 @@ class Admission(Preemption):
 
     def _allocatable(self, running_bs: int) -> int:
         """Requests that may still join: free rows, and room under the running cap for a running
-        batch of `running_bs` (§3.5 step 5's get_num_allocatable_reqs)."""
+        batch of `running_bs` (docs/scheduler.md#admission-loop step 5's get_num_allocatable_reqs)."""
         return min(self.max_running_requests - running_bs, self.kv.free_rows())
 
     def _get_new_batch_prefill(self, stats: StepStats) -> ScheduledBatch | None:
@@ -115,7 +120,8 @@ class Admission(Preemption):
         return batch
 
     def _admit_waiting(self, adder: PrefillAdder, running_bs: int) -> list[Request]:
-        """The admission loop (§3.5 step 9). Returns requests preempted to make room.
+        """The admission loop (docs/scheduler.md#admission-loop step 9). Returns requests preempted to
+        make room.
 
         The slot limit uses the running batch as it was when the pass began (SGLang computes
         running_bs once, `scheduler.py:_get_new_batch_prefill_raw`): requests preempted in this pass
@@ -187,7 +193,7 @@ class Admission(Preemption):
         req.extend_range = (n, req.extend_range[1])
 
     def _mix_with_running(self, batch: ScheduledBatch, stats: StepStats) -> None:
-        """Mixed chunk (§4.4): decode the running batch inside the prefill step.
+        """Mixed chunk (docs/scheduler.md#mixed-chunk): decode the running batch inside the prefill step.
 
         SGLang mixes without a memory check: admission pre-charged one token per running request,
         but with pages a decode at a page boundary takes a whole page, and the allocation could fail

@@ -30,10 +30,10 @@ class RunningBatch:
     """Requests being decoded, in batch order, as three parallel arrays: the Request objects, their
     rows, and the serial of each row's tenancy when the request joined.
 
-    A request that finishes leaves its row at once (the row may even be reused) but stays in the
-    batch until the next filter, as in SGLang (§1.3: admission still counts it); such a position is
-    the one whose row serial has moved on (`live_mask`). Membership changes are array operations
-    (merge appends, filters index); a decode step touches only the columns.
+    A request that finishes leaves its row at once (the row may even be reused) but stays in the batch
+    until the next filter, as in SGLang (docs/scheduler.md#step-loop: admission still counts it); such a
+    position is the one whose row serial has moved on (`live_mask`). Membership changes are array
+    operations (merge appends, filters index); a decode step touches only the columns.
     """
 
     def __init__(self, columns: RowColumns) -> None:

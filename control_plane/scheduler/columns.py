@@ -18,7 +18,7 @@ whose prefill is in flight. The rule:
 Every tenancy of a row gets a fresh `serial`, 0 when the row is free. A plan in flight remembers the
 serial of each row it named, so applying its result later can tell whether the row still belongs to
 the request it was planned for: the request may have finished, been aborted or retracted, and the
-row reused, in between (overlap scheduling, SCHEDULER.md §8).
+row reused, in between (overlap scheduling, docs/scheduler.md#overlap).
 
 A sync copies bytes (no Python object per token: a Python int is made only if `output_ids` is read).
 So that the table stays small, each `append` also syncs a few rows in turn: every row at least once

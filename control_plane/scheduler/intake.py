@@ -1,4 +1,4 @@
-"""Intake (SCHEDULER.md §1.5): length checks, the max_new_tokens clamp, priorities at the door, and
+"""Intake (docs/scheduler.md#intake): length checks, the max_new_tokens clamp, priorities at the door, and
 the waiting-queue cap."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ PRIORITY_EVICTED = "The request is aborted by a higher priority request."
 
 
 class Intake(SchedulerState):
-    """New requests into the waiting queue (§1.5)."""
+    """New requests into the waiting queue (docs/scheduler.md#intake)."""
 
     def input_length_error(self, input_len: int) -> str | None:
         if input_len >= self.max_req_input_len:
@@ -67,7 +67,8 @@ class Intake(SchedulerState):
         return MAX_INT if self.config.schedule_low_priority_values_first else -MAX_INT - 1
 
     def _add_to_queue(self, req: Request) -> None:
-        """Append to the waiting queue, applying the queue cap (§1.5 _abort_on_queued_limit)."""
+        """Append to the waiting queue, applying the queue cap (docs/scheduler.md#intake
+        _abort_on_queued_limit)."""
         cap = self.config.max_queued_requests
         if cap is not None and len(self.waiting) + 1 > cap:
             victim = self._queue_victim(req)

@@ -1,8 +1,9 @@
 """KV bookkeeping for one worker: slot allocator, prefix tree and request-to-token table.
 
-The control plane's books are authoritative (DESIGN.md): it decides which slot each new token's
-KV is written to and names it in the plan. This module implements SGLang's cache operations on
-those books (SCHEDULER.md §6.4, §7.4, §7.5, §7.7) and reports slot remaps the worker must follow.
+The control plane's books are authoritative (docs/architecture.md#who-owns-what): it decides which slot each
+new token's KV is written to and names it in the plan. This module implements SGLang's cache operations on
+those books (docs/scheduler.md#retraction, #caching-requests, #allocation) and reports slot remaps the worker
+must follow.
 
 Every slot is in exactly one of four states: free (allocator), evictable or protected (tree,
 unlocked or locked), or private to one request (computed by it, or reserved for a decode in flight,
@@ -37,15 +38,15 @@ class KvOutOfMemory(RuntimeError):
 def eviction_priority(req: Request, low_values_first: bool) -> int:
     """The request's priority as the radix tree keeps it: larger = more important = evicted later.
 
-    The tree's priority policy evicts the smallest (priority, last_access_time) first and a node keeps
-    the largest priority inserted through it (SCHEDULER.md §7.3, §7.6). The scheduler ranks requests
-    by `priority_sign`: larger values first by default, smaller ones with
-    --schedule-low-priority-values-first, so there the value is negated to keep "more important =
-    kept longer" in both modes. (SGLang inserts the raw value, `getattr(req, "priority", 0) or 0` in
+    The tree's priority policy evicts the smallest (priority, last_access_time) first and a node keeps the
+    largest priority inserted through it (docs/scheduler.md#radix-cache, #locks-and-eviction). The
+    scheduler ranks requests by `priority_sign`: larger values first by default, smaller ones with
+    --schedule-low-priority-values-first, so there the value is negated to keep "more important = kept
+    longer" in both modes. (SGLang inserts the raw value, `getattr(req, "priority", 0) or 0` in
     radix_cache.py:cache_finished_req, so its priority eviction keeps the least important requests'
-    prefixes longest under low-values-first.) None, a request without a priority while priority
-    scheduling is off, counts as 0 as in SGLang; with priority scheduling on, intake has already
-    replaced None by the least important value (§1.5), which maps to the smallest tree priority.
+    prefixes longest under low-values-first.) None, a request without a priority while priority scheduling
+    is off, counts as 0 as in SGLang; with priority scheduling on, intake has already replaced None by the
+    least important value (docs/scheduler.md#intake), which maps to the smallest tree priority.
     """
     return -urgency(req, priority_sign(low_values_first))
 
@@ -99,7 +100,8 @@ class KvManager:
         return len(self._free_rows)
 
     def used_tokens(self) -> int:
-        """T − (available + evictable): what the log lines call #token (SCHEDULER.md §10.3)."""
+        """T − (available + evictable): what the log lines call #token
+        (docs/scheduler.md#logs-and-metrics)."""
         return self.capacity - (self.available_size() + self.evictable_size())
 
     def evict_for(self, num_tokens: int) -> None:
@@ -178,7 +180,8 @@ class KvManager:
         return out
 
     def extend_need(self, reqs: list[Request]) -> int:
-        """Slots to make room for before allocating these extends (SCHEDULER.md §7.6, §7.7).
+        """Slots to make room for before allocating these extends
+        (docs/scheduler.md#locks-and-eviction, #allocation).
 
         Page 1: the tokens requested (`alloc_token_slots`). Paged: one spare page per request on top,
         SGLang's over-estimate that every request may start a new page (`alloc_paged_token_slots_extend`).
@@ -195,7 +198,8 @@ class KvManager:
         return self.page_size * int(np.count_nonzero(seq_lens % self.page_size == 0))
 
     def check_decode_mem(self, seq_lens: np.ndarray) -> bool:
-        """Mutates (may evict): whether the next decode of these sequences fits (SCHEDULER.md §6.2)."""
+        """Mutates (may evict): whether the next decode of these sequences fits
+        (docs/scheduler.md#decode-memory-check)."""
         need = self.decode_need(seq_lens)
         self.evict_for(need)
         return self.available_size() >= need
@@ -204,7 +208,8 @@ class KvManager:
         """Mutates (may evict): one slot per sequence for position seq_len, written into its row;
         the rows' allocated length becomes seq_len + 1.
 
-        Evicts first like every allocation (SCHEDULER.md §7.6): a mixed step has no decode check.
+        Evicts first like every allocation (docs/scheduler.md#locks-and-eviction): a mixed step has no
+        decode check.
         """
         self.evict_for(self.decode_need(seq_lens))
         if len(rows):
@@ -217,13 +222,15 @@ class KvManager:
         self.columns.allocated[rows] = seq_lens + 1
         return slots
 
-    # --- caching and release (SCHEDULER.md §7.4, §7.5, §6.4) --------------------------------------
-    # The cache rules themselves are RadixCache's (one implementation); these adapt a Request and
-    # its row to them and keep what is KvManager's own: the row table and the worker's remaps.
+    # --- caching and release (docs/scheduler.md#caching-requests, #retraction)
+    # -------------------------------------- The cache rules themselves are RadixCache's (one implementation);
+    # these adapt a Request and its row to them and keep what is KvManager's own: the row table and the
+    # worker's remaps.
 
     def cache_finished_req(self, req: Request, insert: bool = True) -> None:
-        """Mutates: §7.4 through the tree (insert or free the committed KV, drop the request's lock),
-        free the slots allocated past it (a decode in flight: whole pages past the committed part's),
+        """Mutates: docs/scheduler.md#caching-requests through the tree (insert or free the committed
+        KV, drop the request's lock), free the slots allocated past it (a decode in flight: whole
+        pages past the committed part's),
         then free the request's row. Afterwards the request holds no slot and no lock."""
         kv_len = req.kv_committed_len
         held = max(req.kv_allocated_len, kv_len)
@@ -238,8 +245,8 @@ class KvManager:
         self._release_row(req)
 
     def cache_unfinished_req(self, req: Request, chunked: bool = False) -> Remap | None:
-        """Mutates: §7.5 through the tree (insert the computed part, move the request's lock forward),
-        then write the tree's slots into the request's row.
+        """Mutates: docs/scheduler.md#caching-requests through the tree (insert the computed part,
+        move the request's lock forward), then write the tree's slots into the request's row.
 
         Afterwards `prefix_indices` = tree part + the unaligned private tail, `cache_protected_len`
         = the tree part. Returns a remap when the tree already held part of what the request
@@ -265,7 +272,8 @@ class KvManager:
         return Remap(req.handle, old_protected, state.slots[old_protected : state.shared_len].copy())
 
     def release_req(self, req: Request, remaining: int, retract_decode_steps: int) -> None:
-        """Mutates: release a retracted or preempted request without inserting its KV (§6.4)."""
+        """Mutates: release a retracted or preempted request without inserting its KV
+        (docs/scheduler.md#retraction)."""
         self.cache_finished_req(req, insert=False)
         self.evict_for(remaining * retract_decode_steps)
 

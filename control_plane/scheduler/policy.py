@@ -1,4 +1,5 @@
-"""Waiting-queue ordering policies (SCHEDULER.md §2), one small class each, chosen by name.
+"""Waiting-queue ordering policies (docs/scheduler.md#ordering-policies), one small class each, chosen by
+name.
 
 `order(queue, running)` reorders the waiting queue in place, once per prefill attempt. Cache-aware
 policies (lpm, dfs-weight) match every waiting request against the prefix tree, which also sets
@@ -29,7 +30,8 @@ class Policy(Protocol):
 
 
 class Fcfs:
-    """Arrival order; with priority scheduling, by (priority, queue entry) (§2.2 step 3)."""
+    """Arrival order; with priority scheduling, by (priority, queue entry)
+    (docs/scheduler.md#ordering-policies step 3)."""
 
     cache_aware = False
 
@@ -69,7 +71,8 @@ class RandomOrder:
 
 
 class RoutingKey:
-    """Requests whose routing key is most frequent in the running batch first (§2.2 step 5)."""
+    """Requests whose routing key is most frequent in the running batch first
+    (docs/scheduler.md#ordering-policies step 5)."""
 
     cache_aware = False
 
@@ -92,7 +95,7 @@ class RoutingKey:
 
 class PrefixMatcher:
     """Matches waiting requests against the real tree and dedups shared prefixes within the queue
-    through a simulated tree (§2.3)."""
+    through a simulated tree (docs/scheduler.md#in-batch-prefix-dedup)."""
 
     def __init__(self, kv: KvManager, config: SchedulerConfig) -> None:
         self.kv = kv
@@ -181,7 +184,8 @@ POLICIES: dict[str, PolicyFactory] = {
 
 
 def make_policy(config: SchedulerConfig, kv: KvManager) -> Policy:
-    """The configured policy; a cache-aware one becomes FCFS when the prefix cache is off (§2.1)."""
+    """The configured policy; a cache-aware one becomes FCFS when the prefix cache is off
+    (docs/scheduler.md#ordering-policies)."""
     try:
         factory = POLICIES[config.schedule_policy]
     except KeyError:

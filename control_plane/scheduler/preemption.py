@@ -1,4 +1,4 @@
-"""Priority preemption on admission (SCHEDULER.md §2.4)."""
+"""Priority preemption on admission (docs/scheduler.md#priority-preemption)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,11 @@ from control_plane.scheduler.retraction import Retraction
 
 
 class Preemption(Retraction):
-    """Running requests giving way to a more important newcomer (§2.4)."""
+    """Running requests giving way to a more important newcomer (docs/scheduler.md#priority-preemption)."""
 
     def _preempt_for(self, req: Request, adder: PrefillAdder, preempted: list[Request]) -> bool:
-        """Priority preemption (§2.4): release running requests that the newcomer outranks."""
+        """Priority preemption (docs/scheduler.md#priority-preemption): release running requests that
+        the newcomer outranks."""
         sign = self.priority_sign
         # A parallel-sample group is never split: its members are not preemption candidates.
         candidates = [

@@ -1,4 +1,5 @@
-"""One sign convention for priorities (SCHEDULER.md §2.2, §2.4, §6.3).
+"""One sign convention for priorities (docs/scheduler.md#ordering-policies, #priority-preemption,
+#retraction).
 
 By default a larger priority value is more important; with --schedule-low-priority-values-first a
 smaller one is. `urgency` folds the value and the flag into one number where smaller is more

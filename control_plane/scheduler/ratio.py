@@ -1,4 +1,4 @@
-"""The new-token-ratio tracker (SCHEDULER.md §5).
+"""The new-token-ratio tracker (docs/scheduler.md#new-token-ratio).
 
 The ratio is the fraction of each running request's remaining `max_new_tokens` that admission
 reserves. It starts conservative, decays linearly toward a floor on every decode step that did not

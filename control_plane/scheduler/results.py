@@ -6,11 +6,11 @@ are positional: one per extend with `sample` set, then one per decode, in plan o
 applied as a few numpy operations on the columns (control_plane/scheduler/columns.py); Python work
 is per extend and per request that finishes.
 
-A token is discarded, never streamed, when the row it was planned for no longer holds that tenancy:
-the request finished (under overlap its next decode was already planned: the "dead" decode of
-§8.2 (a)), was aborted, finished by `finish()`, retracted or preempted meanwhile (SGLang: `if
-req.is_retracted or req.finished(): continue`). A retracted request re-prefills from the outputs
-applied before its retraction.
+A token is discarded, never streamed, when the row it was planned for no longer holds that tenancy: the
+request finished (under overlap its next decode was already planned: the "dead" decode of
+docs/scheduler.md#overlap (a)), was aborted, finished by `finish()`, retracted or preempted meanwhile (SGLang:
+`if req.is_retracted or req.finished(): continue`). A retracted request re-prefills from the outputs applied
+before its retraction.
 """
 
 from __future__ import annotations

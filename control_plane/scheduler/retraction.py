@@ -1,5 +1,6 @@
-"""Decode and retraction (SCHEDULER.md §6): the memory check, retraction order, the OOM abort of the
-last request, sample groups aborted whole, and the host backup pool (Appendix A)."""
+"""Decode and retraction (docs/scheduler.md#retraction): the memory check, retraction order, the OOM abort of
+the
+last request, sample groups aborted whole, and the host backup pool (docs/scheduler.md#host-backup-pool)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ OOM_LAST_REQUEST = (
 
 
 class Retraction(Intake):
-    """The decode step and what gives way when KV runs out (§6)."""
+    """The decode step and what gives way when KV runs out (docs/scheduler.md#retraction)."""
 
     def _update_running_batch(self, stats: StepStats) -> ScheduledBatch | None:
         if self.running.filter_finished():
@@ -58,7 +59,8 @@ class Retraction(Intake):
         self._seq_slots += len(rows)
 
     def _retraction_order(self) -> list[int]:
-        """Indices, most worth keeping first; the loop retracts from the end (§6.3)."""
+        """Indices, most worth keeping first; the loop retracts from the end
+        (docs/scheduler.md#retraction)."""
         reqs = self.running.reqs
         sign = self.priority_sign
 
@@ -130,7 +132,8 @@ class Retraction(Intake):
                 self.abort(req.rid, reason)
 
     def _release_for_requeue(self, req: Request, remaining: int) -> bool:
-        """Release without inserting into the tree and reset for a later re-prefill (§6.4).
+        """Release without inserting into the tree and reset for a later re-prefill
+        (docs/scheduler.md#retraction).
 
         With a host backup pool the KV is offloaded first and the worker keeps the handle; when the
         pool cannot hold it the request is aborted instead. Returns whether it is to be re-queued.

@@ -1,15 +1,16 @@
-"""SGLang's continuous-batching scheduler for one worker (SCHEDULER.md §1–§6).
+"""SGLang's continuous-batching scheduler for one worker
+(docs/scheduler.md#step-loop–docs/scheduler.md#retraction).
 
 A plain, synchronous, deterministic object: arrivals, aborts and worker results go in, step plans
 come out. No wall clock, no unseeded randomness, no I/O. The engine drives it:
 
-    plan = scheduler.next_plan()        # §1.3 get_next_batch_to_run
+    plan = scheduler.next_plan()        # docs/scheduler.md#step-loop get_next_batch_to_run
     books = scheduler.books()           # what the worker must report after running `plan`
     result = <the worker runs plan>
-    scheduler.apply_result(result)      # §4.3 / process_batch_result
+    scheduler.apply_result(result)      # docs/scheduler.md#chunked-prefill / process_batch_result
     updates = scheduler.take_updates()  # tokens and finishes to publish
 
-Overlap scheduling (SCHEDULER.md §8, SGLang's default): `next_plan` may be called again before the
+Overlap scheduling (docs/scheduler.md#overlap, SGLang's default): `next_plan` may be called again before the
 previous plans' results are applied; results are then applied oldest first. Plans are executed in
 order by the worker, so a slot freed here and reused by a later plan is always written after every
 earlier plan's use of it. What this changes is SGLang's under overlap: a request whose prefill is in
@@ -106,7 +107,7 @@ class Scheduler(Results):
         )
 
     def on_idle(self) -> None:
-        """Fully idle: reset the new-token ratio (§1.4)."""
+        """Fully idle: reset the new-token ratio (docs/scheduler.md#idle)."""
         self.ratio.reset()
 
     def books(self) -> tuple[int, int]:

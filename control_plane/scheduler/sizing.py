@@ -1,11 +1,13 @@
-"""Sizes the scheduler derives from its worker: the running-request cap (§9) and the clamp on
-max_new_tokens at intake (§1.5)."""
+"""Sizes the scheduler derives from its worker: the running-request cap (docs/scheduler.md#defaults) and the
+clamp on
+max_new_tokens at intake (docs/scheduler.md#intake)."""
 
 from __future__ import annotations
 
 
 def resolve_max_running_requests(configured: int | None, capacity: int, context_len: int) -> int:
-    """SGLang's default: min(clamp(int(T / context · 512), 2048, 4096), T // 2) (§9)."""
+    """SGLang's default: min(clamp(int(T / context · 512), 2048, 4096), T // 2)
+    (docs/scheduler.md#defaults)."""
     if configured is not None:
         return max(1, min(configured, capacity // 2))
     default = min(max(int(capacity / context_len * 512), 2048), 4096)
@@ -15,7 +17,8 @@ def resolve_max_running_requests(configured: int | None, capacity: int, context_
 def clamp_max_new_tokens(
     requested: int | None, input_len: int, max_req_len: int, capacity: int, page_size: int, limit: int | None
 ) -> int:
-    """§1.5: any admitted request can pass the adder's total-token gate on an empty pool."""
+    """docs/scheduler.md#intake: any admitted request can pass the adder's total-token gate on an empty
+    pool."""
     wanted = requested if requested is not None else 2**30
     if limit is not None and limit > 0:
         wanted = min(wanted, limit)

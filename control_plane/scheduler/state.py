@@ -2,9 +2,11 @@
 request, releasing its handle, the books of what the worker holds, and the updates the engine
 publishes.
 
-The Scheduler is assembled from one class per seam of SCHEDULER.md, each building on the ones
-before it: state -> intake (§1.5) -> retraction (§6) -> preemption (§2.4) -> admission (§3, §4)
--> planning (the wire plan) -> results (process_batch_result) -> scheduler (§1.3, the step).
+The Scheduler is assembled from one class per seam of docs/scheduler.md, each building on the ones before it:
+state -> intake (docs/scheduler.md#intake) -> retraction (docs/scheduler.md#retraction) -> preemption
+(docs/scheduler.md#priority-preemption) -> admission (docs/scheduler.md#prefill-adder-budgets,
+#chunked-prefill) -> planning (the wire plan) -> results (process_batch_result) -> scheduler
+(docs/scheduler.md#step-loop, the step).
 
 Requests that hold a request row keep their per-step state in `kv.columns` (the rule is in
 control_plane/scheduler/columns.py)."""
@@ -84,7 +86,7 @@ class StepUpdates:
 
 @dataclass(slots=True)
 class StepStats:
-    """Per-step figures for the log lines (SCHEDULER.md §10) and the recorder."""
+    """Per-step figures for the log lines (docs/scheduler.md#logs-and-metrics) and the recorder."""
 
     step_id: int
     kind: StepKind
@@ -106,9 +108,11 @@ class StepStats:
     ratio_before_retract: float = 0.0
     # Whether the retraction was forced by a full pool (else by the TEST_RETRACT switch).
     kv_full: bool = False
-    # Prefill cache-hit rate without re-processed retracted work (§10.5); 0 for a decode step.
+    # Prefill cache-hit rate without re-processed retracted work (docs/scheduler.md#logs-and-metrics); 0 for a
+    # decode step.
     cache_hit_rate: float = 0.0
-    # Requests aborted because even alone they did not fit (§6.3's OOM abort of the last request).
+    # Requests aborted because even alone they did not fit (docs/scheduler.md#retraction's OOM abort of the
+    # last request).
     oom_aborted: list[str] = field(default_factory=list)
 
 
@@ -154,8 +158,9 @@ class SchedulerState:
         self.waiting: list[Request] = []
         self.running = RunningBatch(self.kv.columns)
         self.chunked_req: Request | None = None
-        # The batch most recently planned (§1.3 step 4 merges it), and every planned batch whose
-        # result is not applied yet, oldest first (overlap scheduling keeps more than one, §8).
+        # The batch most recently planned (docs/scheduler.md#step-loop step 4 merges it), and every planned
+        # batch whose result is not applied yet, oldest first (overlap scheduling keeps more than one,
+        # docs/scheduler.md#overlap).
         self.last_batch: ScheduledBatch | None = None
         self._in_flight: deque[ScheduledBatch] = deque()
         self.batch_is_full = False
@@ -170,7 +175,7 @@ class SchedulerState:
         self._next_handle = 1
         self._pending_chunked_abort: FinishReason | None = None
         self._releases: list[int] = []
-        # Host backup pool (SCHEDULER.md Appendix A): retracted requests' KV waits there, under the
+        # Host backup pool (docs/scheduler.md#host-backup-pool): retracted requests' KV waits there, under the
         # request's handle, until re-admission restores it into fresh slots.
         self.host_capacity = limits.host_pool_capacity_tokens
         self.host_used = 0
@@ -268,7 +273,8 @@ class SchedulerState:
             # Its KV comes back from the host pool: no prefix match, no lock.
             req.prefix_indices, req.last_node, req.cache_protected_len = np.zeros(0, dtype=np.int64), None, 0
             return
-        # A match never covers the last token: the prefill must produce logits (§3.1, §12.3).
+        # A match never covers the last token: the prefill must produce logits
+        # (docs/scheduler.md#prefill-adder-budgets, #invariants).
         self.kv.match_prefix(req, max(req.seqlen - 1, 0))
         req.cache_protected_len = len(req.prefix_indices)
 

@@ -23,11 +23,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from data_plane.backends import StepLayout
+from data_plane.backends.base import AttendedModel, StepLayout
 
 if TYPE_CHECKING:
     from data_plane.kv_pool import KvPool
-    from data_plane.models.llama import LlamaModel
 
 # FlashInfer's split-KV scratch space; SGLang and vLLM use the same order of magnitude.
 WORKSPACE_BYTES = 128 * 1024 * 1024
@@ -60,7 +59,7 @@ class FlashInferStep:
 class FlashInferBackend:
     name = "flashinfer"
 
-    def __init__(self, model: LlamaModel) -> None:
+    def __init__(self, model: AttendedModel) -> None:
         import flashinfer
 
         cfg = model.config

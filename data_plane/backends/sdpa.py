@@ -10,12 +10,11 @@ import numpy as np
 import torch
 
 from data_plane.attention import AttentionGroup, DecodeGroup, build_group, decode_attention, paged_attention
-from data_plane.backends import StepLayout
+from data_plane.backends.base import AttendedModel, StepLayout
 from data_plane.decode_cache import DecodeCache
 
 if TYPE_CHECKING:
     from data_plane.kv_pool import KvPool
-    from data_plane.models.llama import LlamaModel
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,7 +43,7 @@ class SdpaBackend:
 
     name = "sdpa"
 
-    def __init__(self, model: LlamaModel, decode_cache: bool = True) -> None:
+    def __init__(self, model: AttendedModel, decode_cache: bool = True) -> None:
         cfg = model.config
         self.device, self.dtype = model.device, model.dtype
         self.scale, self.sliding_window = model.scale, model.sliding_window

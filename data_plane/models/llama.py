@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from data_plane.backends import StepAttention
+from data_plane.backends.base import StepAttention
 from data_plane.kv_pool import KvPool
 from data_plane.models.loader import (
     ModelConfig,

@@ -12,8 +12,9 @@ from pathlib import Path
 import numpy as np
 
 from control_plane.config import ControlConfig
-from control_plane.engine import Engine
-from control_plane.inbox import UID_LINK_SHIFT, Arrival, LiveSample, Verdict
+from control_plane.core.engine import Engine
+from control_plane.core.inbox import Arrival, LiveSample, Verdict
+from control_plane.link import UID_LINK_SHIFT
 from control_plane.request import FinishReason, RequestParams
 from control_plane.scheduler.plan import StepPlan, StepResult, WorkerLimits
 from tests.control_plane.factories import make_config

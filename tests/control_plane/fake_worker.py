@@ -9,7 +9,7 @@ retraction and overlap must not change them.
 
 Plans run in the order they are given, the moment `run` is called, as a real worker runs the plans of
 one stream: a test may run plan N+1 before it hands plan N's result to the scheduler (overlap
-scheduling, SCHEDULER.md §8), and every read still checks what the earlier plans wrote.
+scheduling, docs/scheduler.md#overlap), and every read still checks what the earlier plans wrote.
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ class FakeWorker:
         for t in plan.offloads:
             seq = self.seqs[t.handle]
             # The committed positions only: under overlap the table also holds the position a decode
-            # still in flight wrote, whose token the scheduler discards (SCHEDULER.md §8.2).
+            # still in flight wrote, whose token the scheduler discards (docs/scheduler.md#overlap).
             kept = len(t.slots)
             assert t.slots.tolist() == seq.slots[:kept], f"offload of {t.handle}: not its table's first slots"
             self._read_context(t.handle)

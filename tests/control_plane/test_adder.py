@@ -1,4 +1,5 @@
-"""PrefillAdder budget arithmetic (SCHEDULER.md §3, §2.4; SGLang's test_prefill_adder.py)."""
+"""PrefillAdder budget arithmetic (docs/scheduler.md#prefill-adder-budgets, #priority-preemption; SGLang's
+test_prefill_adder.py)."""
 
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ def limits(
 
 
 def least_important_first(running: Sequence[Request], low_first: bool) -> list[Request]:
-    """§2.4 step 1: ascending by (priority·(−s), −entry time)."""
+    """docs/scheduler.md#priority-preemption step 1: ascending by (priority·(−s), −entry time)."""
     s = 1 if low_first else -1
     return sorted(running, key=lambda r: ((r.priority or 0) * -s, -r.wait_queue_entry_time))
 
@@ -61,7 +62,8 @@ def admit(kv: KvManager, adder: PrefillAdder, req: Request) -> AddReqResult:
     return adder.add_one_req(req, ignore_eos_path=False)
 
 
-# --- §3.2 constructor budgets -------------------------------------------------------------------
+# --- docs/scheduler.md#prefill-adder-budgets constructor budgets
+# -------------------------------------------------------------------
 
 
 def test_mixed_chunk_budgets_match_the_spec_example() -> None:
@@ -99,7 +101,8 @@ def test_mixed_chunk_verdicts() -> None:
     assert adder.rem_chunk_tokens == 0
 
 
-# --- §3.4, §3.7 verdicts --------------------------------------------------------------------------
+# --- docs/scheduler.md#prefill-adder-budgets, #add-one-req verdicts
+# --------------------------------------------------------------------------
 
 
 def test_total_gate_is_strict() -> None:
@@ -185,7 +188,8 @@ def test_continuation_is_forced_even_without_total_budget() -> None:
     assert req.extend_range == (0, 64)
 
 
-# --- §2.4 priority preemption -----------------------------------------------------------------------
+# --- docs/scheduler.md#priority-preemption priority preemption
+# -----------------------------------------------------------------------
 
 
 def three_running(low_first: bool) -> list[Request]:

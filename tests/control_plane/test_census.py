@@ -10,12 +10,12 @@ from collections.abc import AsyncIterator
 import pytest
 from grpc_health.v1 import health_pb2
 
-from control_plane import census
 from control_plane.config import ControlConfig
-from control_plane.drain import Departure
-from control_plane.engine import Engine
+from control_plane.core import census
+from control_plane.core.drain import Departure
+from control_plane.core.engine import Engine
+from control_plane.core.server import MOVE_ON_DRAIN, WORKER_SERVICE, ControlPlane
 from control_plane.request import RequestParams, SamplerSpec
-from control_plane.server import MOVE_ON_DRAIN, WORKER_SERVICE, ControlPlane
 from protos.stepwise.v1 import worker_pb2 as wk_pb
 from stepwise.embedded import resolve_model
 from tests.control_plane.fake_core import FakeChannel, FakeHub, finished, make_engine, submit

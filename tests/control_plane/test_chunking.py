@@ -1,4 +1,5 @@
-"""Chunked prefill life cycle (SCHEDULER.md §4; SGLang's scripted chunked-prefill suite, chunk 256)."""
+"""Chunked prefill life cycle (docs/scheduler.md#chunked-prefill; SGLang's scripted chunked-prefill suite,
+chunk 256)."""
 
 from __future__ import annotations
 
@@ -110,8 +111,9 @@ def test_abort_of_the_chunked_request_is_applied_at_the_next_plan() -> None:
 
 
 def test_mixed_decode_allocation_evicts_like_every_allocation() -> None:
-    # Found by the property test: the pool is nearly all evictable cache when r2 arrives; the
-    # mixed step skips the decode memory check, so its decode allocation must evict by itself (§7.6).
+    # Found by the property test: the pool is nearly all evictable cache when r2 arrives; the mixed step skips
+    # the decode memory check, so its decode allocation must evict by itself
+    # (docs/scheduler.md#locks-and-eviction).
     shapes = [(1, 32), (71, 1), (1, 1), (1, 1), (1, 1), (1, 1), (1, 1), (52, 1), (1, 56), (1, 53)]
     arrivals = [
         (23 if i == 2 else 0, f"r{i}", prompt(n, seed=i), params(m)) for i, (n, m) in enumerate(shapes)

@@ -12,9 +12,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from control_plane import codec
+from control_plane import client_codec, worker_codec
 from control_plane.config import SchedulerConfig
-from control_plane.failover import WorkerGone
+from control_plane.core.failover import WorkerGone
+from control_plane.core.worker_checks import WorkerFault
+from control_plane.core.worker_link import StreamChannel
 from control_plane.record import codec as record_codec
 from control_plane.record.entries import Header
 from control_plane.record.files import varint
@@ -32,8 +34,6 @@ from control_plane.scheduler.plan import (
     TokenLogprobs,
     WorkerLimits,
 )
-from control_plane.worker_checks import WorkerFault
-from control_plane.worker_link import StreamChannel
 from data_plane import codec as data_codec
 from protos.stepwise.v1 import generation_pb2 as gen_pb
 from protos.stepwise.v1 import worker_pb2 as wk_pb
@@ -82,7 +82,7 @@ def test_plan_round_trip() -> None:
         decodes=DecodeWork(handles=_i64(1, 2), slots=_i64(30, 31)),
         remaps=(SlotRemap(12, 0, _i64(40, 41)),),
     )
-    _assert_same(codec.plan_from_proto(codec.plan_to_proto(plan).plan), plan)
+    _assert_same(worker_codec.plan_from_proto(worker_codec.plan_to_proto(plan).plan), plan)
 
 
 def test_result_round_trip() -> None:
@@ -96,7 +96,9 @@ def test_result_round_trip() -> None:
         wait_s=0.5,
         error="",
     )
-    _assert_same(codec.result_from_proto(codec.result_to_proto(result).result, sampled=2), result)
+    _assert_same(
+        worker_codec.result_from_proto(worker_codec.result_to_proto(result).result, sampled=2), result
+    )
 
 
 def _decode_plan(
@@ -162,14 +164,14 @@ def _slots(draw: st.DrawFn, members: list[int], slot_of: dict[int, int]) -> list
 @settings(max_examples=300, deadline=None)
 @given(plans=decode_sessions())
 def test_the_worker_rebuilds_every_decode_set_from_the_deltas(plans: list[StepPlan]) -> None:
-    encoder, decoder, twin = codec.PlanEncoder(), data_codec.PlanDecoder(), codec.PlanEncoder()
+    encoder, decoder, twin = worker_codec.PlanEncoder(), data_codec.PlanDecoder(), worker_codec.PlanEncoder()
     for plan in plans:
         wire = _wire(encoder.encode(plan)).plan
         # A twin fed private copies: an encoder that kept references to the plan's arrays would
         # diff the next plan against what the scheduler wrote into them since.
         assert twin.encode(_copied(plan)).plan == wire
         decoded = decoder.plan(wire)
-        alone = data_codec.plan_from_proto(_wire(codec.plan_to_proto(plan)).plan)
+        alone = data_codec.plan_from_proto(_wire(worker_codec.plan_to_proto(plan)).plan)
         for worker_plan in (decoded, alone):
             assert worker_plan.decodes.handles.astype(np.int64).tolist() == plan.decodes.handles.tolist()
             assert worker_plan.decodes.slots.tolist() == plan.decodes.slots.tolist()
@@ -185,7 +187,7 @@ def _copied(plan: StepPlan) -> StepPlan:
 
 
 def test_a_steady_decode_plan_sends_only_what_changed() -> None:
-    encoder, decoder = codec.PlanEncoder(), data_codec.PlanDecoder()
+    encoder, decoder = worker_codec.PlanEncoder(), data_codec.PlanDecoder()
     first = _decode_plan(1, [10, 11, 12, 13], [40, 80, 120, 160])
     second = _decode_plan(2, [10, 12, 13, 14], [41, 121, 200, 300], releases=(11,))
     decoder.plan(_wire(encoder.encode(first)).plan)
@@ -198,14 +200,14 @@ def test_a_steady_decode_plan_sends_only_what_changed() -> None:
 
 
 def test_a_reordered_set_goes_in_full_and_keeps_its_default_slots() -> None:
-    encoder = codec.PlanEncoder()
+    encoder = worker_codec.PlanEncoder()
     encoder.encode(_decode_plan(1, [1, 2, 3], [10, 20, 30]))
     wire = encoder.encode(_decode_plan(2, [3, 1, 2], [31, 11, 21])).plan
     assert list(wire.decodes.full) == [3, 1, 2] and not wire.decodes.run_entries
 
 
 def test_a_reset_plan_starts_the_decode_set_over() -> None:
-    encoder = codec.PlanEncoder()
+    encoder = worker_codec.PlanEncoder()
     encoder.encode(_decode_plan(1, [1, 2, 3], [10, 20, 30]))
     reset = dataclasses.replace(_decode_plan(2, [1, 2, 3], [11, 21, 31]), reset=True)
     wire = encoder.encode(reset).plan
@@ -213,7 +215,7 @@ def test_a_reset_plan_starts_the_decode_set_over() -> None:
 
 
 def test_a_plan_that_cannot_be_encoded_leaves_the_encoder_as_it_was() -> None:
-    encoder, decoder = codec.PlanEncoder(), data_codec.PlanDecoder()
+    encoder, decoder = worker_codec.PlanEncoder(), data_codec.PlanDecoder()
     decoder.plan(_wire(encoder.encode(_decode_plan(1, [1, 2], [10, 20]))).plan)
     with pytest.raises(ValueError, match="handle 2 appears more than once"):
         encoder.encode(_decode_plan(2, [1, 2, 2], [11, 21, 22]))
@@ -247,7 +249,7 @@ def _steady_plans(running: int, page_size: int, steps: int = 4) -> list[StepPlan
 
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_a_steady_decode_plan_at_1024_running_fits_in_a_kilobyte(page_size: int) -> None:
-    encoder, decoder = codec.PlanEncoder(), data_codec.PlanDecoder()
+    encoder, decoder = worker_codec.PlanEncoder(), data_codec.PlanDecoder()
     sizes = []
     for plan in _steady_plans(1024, page_size):
         message = encoder.encode(plan)
@@ -282,12 +284,12 @@ BAD_RESULTS = {
 
 @pytest.mark.parametrize("message", list(BAD_RESULTS))
 def test_a_result_that_does_not_answer_its_plan_is_a_protocol_error(message: str) -> None:
-    with pytest.raises(codec.ProtocolError, match=message):
-        codec.result_from_proto(BAD_RESULTS[message], sampled=2)
+    with pytest.raises(worker_codec.ProtocolError, match=message):
+        worker_codec.result_from_proto(BAD_RESULTS[message], sampled=2)
 
 
 def test_an_error_result_carries_no_tokens() -> None:
-    result = codec.result_from_proto(_wire_result(error="out of memory"), sampled=5)
+    result = worker_codec.result_from_proto(_wire_result(error="out of memory"), sampled=5)
     assert result.error == "out of memory" and len(result.token_ids) == 0
 
 
@@ -305,7 +307,7 @@ def test_sampled_count_is_sampling_extends_plus_decodes() -> None:
         ),
         decodes=DecodeWork(handles=_i64(1, 2), slots=_i64(8, 9)),
     )
-    assert codec.sampled_count(plan) == 4
+    assert worker_codec.sampled_count(plan) == 4
 
 
 # --- recordings ----------------------------------------------------------------------------------------
@@ -333,7 +335,7 @@ def test_a_recording_in_an_older_format_is_refused_in_one_line(
 
 def test_hello_round_trip() -> None:
     limits = WorkerLimits("w", 1000, 4, 2048, 1024, frozenset({0, 2}), "abc", "float32", "cpu", 64)
-    assert codec.limits_from_hello(codec.hello_from_limits(limits)) == limits
+    assert worker_codec.limits_from_hello(worker_codec.hello_from_limits(limits)) == limits
 
 
 @pytest.mark.parametrize(
@@ -357,30 +359,30 @@ def test_hello_round_trip() -> None:
     ],
 )
 def test_invalid_sampling_names_the_field(sampling: gen_pb.SamplingParams, field: str) -> None:
-    with pytest.raises(codec.InvalidArgument, match=field.replace(".", r"\.")):
-        codec.generate_input_from_proto(gen_pb.GenerateRequest(text="hi", sampling=sampling))
+    with pytest.raises(client_codec.InvalidArgument, match=field.replace(".", r"\.")):
+        client_codec.generate_input_from_proto(gen_pb.GenerateRequest(text="hi", sampling=sampling))
 
 
 def test_prompt_is_required_and_non_empty() -> None:
-    with pytest.raises(codec.InvalidArgument, match="prompt"):
-        codec.generate_input_from_proto(gen_pb.GenerateRequest())
-    with pytest.raises(codec.InvalidArgument, match="text"):
-        codec.generate_input_from_proto(gen_pb.GenerateRequest(text=""))
+    with pytest.raises(client_codec.InvalidArgument, match="prompt"):
+        client_codec.generate_input_from_proto(gen_pb.GenerateRequest())
+    with pytest.raises(client_codec.InvalidArgument, match="text"):
+        client_codec.generate_input_from_proto(gen_pb.GenerateRequest(text=""))
 
 
 def test_unknown_token_id_names_index() -> None:
-    with pytest.raises(codec.InvalidArgument, match="index 1"):
-        codec.check_token_ids([1, 5000], vocab_size=1024)
+    with pytest.raises(client_codec.InvalidArgument, match="index 1"):
+        client_codec.check_token_ids([1, 5000], vocab_size=1024)
 
 
 def test_defaults_when_unset() -> None:
-    inp = codec.generate_input_from_proto(gen_pb.GenerateRequest(text="hi"))
+    inp = client_codec.generate_input_from_proto(gen_pb.GenerateRequest(text="hi"))
     assert inp.params.max_new_tokens is None
     assert inp.params.sampler == SamplerSpec()
     assert inp.params.priority is None
 
 
-# --- the worker link (control_plane/worker_link.py) over a stand-in stream ------------------------------
+# --- the worker link (control_plane/core/worker_link.py) over a stand-in stream -----------------------
 
 
 class _Stream:

@@ -15,8 +15,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 HASH_SEEDS = ("1", "12345")
-# A pool small for the trace and an optimistic new-token ratio (0.7 × 0.1): admission over-commits and
-# decode runs out of KV, so requests are retracted and re-prefilled (SCHEDULER.md §5, §6).
+# A pool small for the trace and an optimistic new-token ratio (0.7 × 0.1): admission over-commits and decode
+# runs out of KV, so requests are retracted and re-prefilled (docs/scheduler.md#new-token-ratio, #retraction).
 FLAGS = ("--kv-tokens", "400", "--chunked-prefill-size", "64", "--schedule-conservativeness", "0.1", "--json")
 
 

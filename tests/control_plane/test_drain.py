@@ -15,10 +15,10 @@ from collections.abc import AsyncIterator
 import pytest
 import structlog
 
-from control_plane.drain import DRAINED, Departure
-from control_plane.engine import Engine
+from control_plane.core.drain import DRAINED, Departure
+from control_plane.core.engine import Engine
+from control_plane.core.router import Router
 from control_plane.request import RequestParams, SamplerSpec
-from control_plane.router import Router
 from control_plane.scheduler.plan import StepPlan, StepResult
 from tests.control_plane.fake_core import FakeChannel, FakeHub, Stream, finished, make_engine, submit
 

@@ -9,9 +9,10 @@ import itertools
 import pytest
 import structlog
 
-from control_plane import engine as engine_module
-from control_plane import failover as failover_module
-from control_plane.inbox import UID_LINK_SHIFT, Verdict
+from control_plane.core import engine as engine_module
+from control_plane.core import failover as failover_module
+from control_plane.core.inbox import Verdict
+from control_plane.link import UID_LINK_SHIFT
 from control_plane.request import FinishReason, RequestParams, SamplerSpec
 from control_plane.scheduler.plan import StepPlan, StepResult
 from control_plane.tokenizer import Tokenizer

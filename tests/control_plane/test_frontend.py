@@ -11,11 +11,11 @@ import grpc
 import numpy as np
 import pytest
 
-from control_plane import codec
+from control_plane import client_codec
 from control_plane.config import ControlConfig
-from control_plane.frontend import Frontend
-from control_plane.inbox import UID_LINK_SHIFT
-from control_plane.samples import Call, Chunk, Done, Lost
+from control_plane.frontend.core_link import Frontend
+from control_plane.frontend.samples import Call, Chunk, Done, Lost
+from control_plane.link import UID_LINK_SHIFT
 from control_plane.tokenizer import Tokenizer
 from protos.stepwise.v1 import frontend_pb2 as fe_pb
 from protos.stepwise.v1 import generation_pb2 as gen_pb
@@ -38,7 +38,7 @@ def _frontend(tokenizer: Tokenizer, interval: int = 1) -> Frontend:
 
 def _open(frontend: Frontend, tokenizer: Tokenizer, **sampling: object) -> Call:
     request = gen_pb.GenerateRequest(text="Once upon a time", sampling=gen_pb.SamplingParams(**sampling))
-    inp = codec.generate_input_from_proto(request)
+    inp = client_codec.generate_input_from_proto(request)
     call = frontend.open_call(inp, request.sampling, "r1", tokenizer.encode(inp.text or ""), "owner")
     frontend.apply(fe_pb.CoreMessage(verdicts=[fe_pb.Verdict(uid=call.samples[0].uid, code=0)]))
     return call
@@ -116,7 +116,7 @@ async def test_a_stop_string_ends_the_stream_here_and_tells_the_core(tokenizer: 
 async def test_a_refused_call_gets_the_status_and_leaves_nothing_behind(tokenizer: Tokenizer) -> None:
     frontend = _frontend(tokenizer)
     request = gen_pb.GenerateRequest(text="hi", sampling=gen_pb.SamplingParams(n=2))
-    inp = codec.generate_input_from_proto(request)
+    inp = client_codec.generate_input_from_proto(request)
     call = frontend.open_call(inp, request.sampling, "r2", tokenizer.encode("hi"), "owner")
     code = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
     message = fe_pb.CoreMessage(verdicts=[fe_pb.Verdict(uid=call.samples[0].uid, code=code, message="full")])
@@ -130,7 +130,7 @@ async def test_losing_the_core_ends_every_call_with_unavailable(tokenizer: Token
     running = _open(frontend, tokenizer)
     request = gen_pb.GenerateRequest(text="hi")
     waiting = frontend.open_call(
-        codec.generate_input_from_proto(request), request.sampling, "r3", tokenizer.encode("hi"), "o"
+        client_codec.generate_input_from_proto(request), request.sampling, "r3", tokenizer.encode("hi"), "o"
     )
     frontend._end_everything("the control plane's core went away; retry")
     assert waiting.verdict is not None and waiting.verdict.result()[0] == grpc.StatusCode.UNAVAILABLE.value[0]

@@ -1,4 +1,4 @@
-"""The host backup pool (SCHEDULER.md Appendix A): retracted KV is offloaded, then restored."""
+"""The host backup pool (docs/scheduler.md#host-backup-pool): retracted KV is offloaded, then restored."""
 
 from __future__ import annotations
 
@@ -53,13 +53,14 @@ def test_a_full_host_pool_aborts_with_a_message_that_says_so() -> None:
 
 
 def test_the_host_pool_full_message_names_the_tokens_that_did_not_fit() -> None:
-    """Appendix A: a backup the host pool cannot hold aborts the request; the message counts the KV
-    positions the backup needed (kv_committed_len).
+    """docs/scheduler.md#host-backup-pool: a backup the host pool cannot hold aborts the request; the
+    message counts the KV positions the backup needed (kv_committed_len).
 
-    TEST_RETRACT every 3rd forward (§6.1). a (10-token prompt) and b (12) arrive together: step 1
-    prefills both (forward 1), steps 2 and 3 decode both (forwards 2, 3). At step 4 forward_ct = 3:
-    a test retraction. Both have 3 outputs, so the longer prompt goes first (§6.3): b. b's committed
-    KV: its 12 prompt positions + the 2 decoded inputs = 14 > 8 free in the host pool.
+    TEST_RETRACT every 3rd forward (docs/scheduler.md#decode-memory-check). a (10-token prompt) and b (12)
+    arrive together: step 1 prefills both (forward 1), steps 2 and 3 decode both (forwards 2, 3). At step
+    4 forward_ct = 3: a test retraction. Both have 3 outputs, so the longer prompt goes first
+    (docs/scheduler.md#retraction): b. b's committed KV: its 12 prompt positions + the 2 decoded inputs =
+    14 > 8 free in the host pool.
     """
     sched = make_scheduler(host_pool=8, test_retract=True, chunked_prefill_size=None)
     arrivals = [(0, "a", prompt(10, 1), params(20)), (0, "b", prompt(12, 2), params(20))]
@@ -74,9 +75,10 @@ def test_the_host_pool_full_message_names_the_tokens_that_did_not_fit() -> None:
 
 def test_a_restored_request_beside_a_chunked_prompt_leaves_room_for_its_last_chunks() -> None:
     """Found by the property test (it raised KvOutOfMemory out of next_plan before the forced-chunk
-    fallback of §4.2): c (83 tokens) is being chunked 16 at a time when a, backed up to the host pool by
-    a test retraction, is restored beside it. A restore is not chunked (it covers all but one token),
-    so it is admitted past the spent chunk budget and takes 40 slots that c's later chunks needed.
+    fallback of docs/scheduler.md#chunked-prefill): c (83 tokens) is being chunked 16 at a time when a,
+    backed up to the host pool by a test retraction, is restored beside it. A restore is not chunked (it
+    covers all but one token), so it is admitted past the spent chunk budget and takes 40 slots that c's
+    later chunks needed.
     Every request must still finish, with the outputs of an unpressured run."""
     arrivals = [
         (0, "a", prompt(30, 1), params(12)),

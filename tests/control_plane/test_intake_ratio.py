@@ -1,4 +1,5 @@
-"""Request intake (SCHEDULER.md §1.5) and the new-token-ratio tracker (§5)."""
+"""Request intake (docs/scheduler.md#intake) and the new-token-ratio tracker
+(docs/scheduler.md#new-token-ratio)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from control_plane.scheduler.ratio import NewTokenRatioTracker
 from control_plane.scheduler.scheduler import clamp_max_new_tokens
 from tests.control_plane.factories import EOS, FakeWorker, make_config, make_scheduler, params, prompt, run
 
-# --- §1.5 max_new_tokens clamping ------------------------------------------------------------------
+# --- docs/scheduler.md#intake max_new_tokens clamping
+# ------------------------------------------------------------------
 #
 # max_new_tokens = max(0, min(requested, max_req_len - input - 1, T - ceil_page(input) - page - 1)),
 # max_req_len = min(context - 1, T - 1), requested None -> 2^30, a limit > 0 caps requested.
@@ -54,7 +56,7 @@ def test_max_new_tokens_clamp(
     limit: int | None,
     expected: int,
 ) -> None:
-    """§1.5 init_req_max_new_tokens on concrete inputs, one rule binding at a time."""
+    """docs/scheduler.md#intake init_req_max_new_tokens on concrete inputs, one rule binding at a time."""
     max_req_len = min(context - 1, capacity - 1)
     assert clamp_max_new_tokens(requested, input_len, max_req_len, capacity, page, limit) == expected
 
@@ -70,14 +72,16 @@ def test_max_new_tokens_clamp(
 def test_a_request_accepted_at_intake_is_admitted_on_an_empty_pool(
     page: int, pages: int, context: int, input_len: int, requested: int | None
 ) -> None:
-    """§1.5's purpose: whatever the clamp leaves, a request accepted at intake passes the adder's gate on
-    an empty pool (§3.7 step 6), so its first pass admits it; and it never exceeds what was asked, nor
+    """docs/scheduler.md#intake's purpose: whatever the clamp leaves, a request accepted at intake passes
+    the adder's gate on an empty pool (docs/scheduler.md#add-one-req step 6), so its first pass admits it;
+    and it never
+    exceeds what was asked, nor
     its context. (Pages of up to 4: for larger pages see the test below.)"""
     sched = make_scheduler(
         capacity=pages * page, page_size=page, max_context=context, chunked_prefill_size=None
     )
     req = sched.add_request("r", prompt(input_len), params(requested))
-    if req.finished:  # refused at intake (§1.5 input length)
+    if req.finished:  # refused at intake (docs/scheduler.md#intake input length)
         return
     assert requested is None or req.max_new_tokens <= requested
     assert input_len + req.max_new_tokens < context
@@ -86,11 +90,13 @@ def test_a_request_accepted_at_intake_is_admitted_on_an_empty_pool(
 
 
 def test_a_request_accepted_at_intake_is_served_with_large_pages() -> None:
-    """§1.5: the clamp "guarantees any admitted request can pass the PrefillAdder's total-token gate when
-    the pool is empty". T = 1024, pages of 16, context 4096: max_req_len = 1023, so SGLang's check
-    accepts inputs up to 1023 - 5 - 1 = 1017. Input 1010: max_new = max(0, min(2^30, 1023 - 1010 - 1
-    = 12, 1024 - ceil_16(1010) - 16 - 1 = -17)) = 0, and the gate (§3.7 step 6) needs total = 1010 +
-    0 + 16 = 1026 < 1024: never true, so it waited forever. Inputs of T - page = 1008 or more are now
+    """docs/scheduler.md#intake: the clamp "guarantees any admitted request can pass the PrefillAdder's
+    total-token gate when the pool is empty". T = 1024, pages of 16, context 4096: max_req_len = 1023, so
+    SGLang's check accepts inputs up to 1023 - 5 - 1 = 1017. Input 1010: max_new = max(0, min(2^30, 1023 -
+    1010 - 1 = 12, 1024 - ceil_16(1010) - 16 - 1 = -17)) = 0, and the gate (docs/scheduler.md#add-one-req
+    step 6) needs total = 1010 + 0 + 16 = 1026 < 1024: never true, so it waited forever. Inputs of T -
+    page = 1008 or more are
+    now
     refused at intake (with the input-length message), so every request finishes."""
     sched = make_scheduler(capacity=1024, page_size=16, max_context=4096, chunked_prefill_size=None)
     out = run(sched, FakeWorker(1024, eos=EOS), [(0, "r", prompt(1010), params(None))], max_steps=20)
@@ -119,7 +125,8 @@ def test_zero_max_new_tokens_runs_one_prefill_and_finishes() -> None:
     assert out.tokens["z"] == [] and out.finished["z"].kind is FinishKind.LENGTH
 
 
-# --- §1.5 input length ------------------------------------------------------------------------------
+# --- docs/scheduler.md#intake input length
+# ------------------------------------------------------------------------------
 
 
 def test_too_long_input_is_aborted_with_sglangs_message() -> None:
@@ -142,10 +149,12 @@ def test_auto_truncate_cuts_to_the_maximum_input_length() -> None:
     assert sched.take_updates().empty
 
 
-# --- §5 new_token_ratio -------------------------------------------------------------------------------
+# --- docs/scheduler.md#new-token-ratio new_token_ratio
+# -------------------------------------------------------------------------------
 
 
-# §5 defaults: init 0.7, floor 0.7 · 0.14 = 0.098, decay (0.7 - 0.098) / 600 = 0.602 / 600.
+# docs/scheduler.md#new-token-ratio defaults: init 0.7, floor 0.7 · 0.14 = 0.098, decay (0.7 - 0.098) / 600 =
+# 0.602 / 600.
 DEFAULT_DECAY = 0.0010033333
 
 

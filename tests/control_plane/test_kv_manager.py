@@ -1,4 +1,5 @@
-"""KvManager: the cache operations the scheduler calls, on hand-built pools (SCHEDULER.md §6.2, §6.4, §7).
+"""KvManager: the cache operations the scheduler calls, on hand-built pools
+(docs/scheduler.md#decode-memory-check, #retraction, #radix-cache).
 
 Every expected number below is worked out by hand from the spec's rule and the state the test builds;
 none is computed with the code's formula.
@@ -47,7 +48,8 @@ def cache_unlocked(kv: KvManager, ids: list[int]) -> None:
 
 def prefill(kv: KvManager, rid: str, ids: list[int], priority: int | None = None) -> Request:
     """Admit and prefill `ids` as the scheduler does: match (never the last token), lock, allocate the
-    extend, commit it, then §7.5's cache_unfinished_req (the request goes on decoding)."""
+    extend, commit it, then docs/scheduler.md#caching-requests's cache_unfinished_req (the request goes on
+    decoding)."""
     req = Request(rid=rid, origin_input_ids=list(ids), params=params(16))
     req.priority = priority
     kv.match_prefix(req, len(ids) - 1)
@@ -79,7 +81,8 @@ def private_slots(kv: KvManager, reqs: list[Request]) -> int:
     return sum(-(-r.kv_committed_len // page) * page - r.cache_protected_len for r in reqs)
 
 
-# --- §7.3 / §7.6: priority eviction ----------------------------------------------------------------
+# --- docs/scheduler.md#radix-cache / docs/scheduler.md#locks-and-eviction: priority eviction
+# ----------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -93,7 +96,8 @@ def private_slots(kv: KvManager, reqs: list[Request]) -> int:
 def test_the_more_important_prompt_outlives_a_newer_less_important_one(
     low_first: bool, vip_priority: int | None, bulk_priority: int
 ) -> None:
-    """§7.3 (`insert` l.415: node priority = max(existing, new)) and §7.6 (priority policy: evict by
+    """docs/scheduler.md#radix-cache (`insert` l.415: node priority = max(existing, new)) and
+    docs/scheduler.md#locks-and-eviction (priority policy: evict by
     (priority, last_access_time)). The VIP prompt is cached first, so plain LRU would evict it first."""
     kv = make_kv(16, policy="priority", low_first=low_first)
     vip_ids, bulk_ids = tokens(6, 100), tokens(6, 200)
@@ -107,7 +111,8 @@ def test_the_more_important_prompt_outlives_a_newer_less_important_one(
 
 
 def test_priority_given_at_prefill_is_kept_when_the_request_is_retracted() -> None:
-    """§7.5 (`cache_unfinished_req` l.490 inserts with the request's priority) and §6.4 (retraction
+    """docs/scheduler.md#caching-requests (`cache_unfinished_req` l.490 inserts with the request's
+    priority) and docs/scheduler.md#retraction (retraction
     inserts nothing, the prompt stays cached): the prompt keeps the priority of its prefill insert."""
     kv = make_kv(16, policy="priority")
     vip_ids, bulk_ids = tokens(6, 100), tokens(6, 200)
@@ -131,9 +136,10 @@ def test_lru_ignores_priority() -> None:
 
 def run_vip_then_bulk(vip_priority: int, bulk_priority: int, **config: object) -> Scheduler:
     """End to end through the Scheduler (64 slots, page 1). "vip" (10-token prompt) and then "bulk"
-    (30-token prompt) finish with 2 outputs each and leave 11 and 31 tokens cached (the last sampled
-    token has no KV, §7.4): 42 evictable, 22 free. "late" (24-token prompt) needs 24 > 22 and evicts
-    24 tokens' worth: bulk's 31-token leaf alone covers it when bulk ranks lower, while LRU would take
+    (30-token prompt) finish with 2 outputs each and leave 11 and 31 tokens cached (the last sampled token
+    has no KV, docs/scheduler.md#caching-requests): 42 evictable, 22 free. "late" (24-token prompt) needs
+    24 > 22 and evicts 24 tokens' worth: bulk's 31-token leaf alone covers it when bulk ranks lower, while
+    LRU would take
     vip's older leaf first."""
     arrivals = [
         (0, "vip", prompt(10, 1), params(2, priority=vip_priority)),
@@ -162,7 +168,7 @@ def test_scheduler_with_low_values_first_keeps_the_important_prefix() -> None:
 def test_eviction_priority_ranks_like_the_scheduler(low_first: bool) -> None:
     """More important (as the scheduler ranks priorities) must mean a larger tree priority. The
     scheduler's rule: with low_first smaller values are more important, else larger ones; a request
-    without a priority under priority scheduling gets the least important value (§1.5)."""
+    without a priority under priority scheduling gets the least important value (docs/scheduler.md#intake)."""
     least = MAX_INT if low_first else -MAX_INT - 1
     by_importance = [least, 10, 3, -4] if low_first else [least, -4, 3, 10]  # least important first
     reqs = []
@@ -176,7 +182,8 @@ def test_eviction_priority_ranks_like_the_scheduler(low_first: bool) -> None:
     assert eviction_priority(unset, low_first) == 0
 
 
-# --- §7.6 / §7.7: eviction before an extend allocation ---------------------------------------------
+# --- docs/scheduler.md#locks-and-eviction / docs/scheduler.md#allocation: eviction before an extend
+# allocation ---------------------------------------------
 
 
 def extend_req(rid: str, n: int) -> Request:
@@ -186,7 +193,8 @@ def extend_req(rid: str, n: int) -> Request:
 
 
 def test_page1_extend_that_fits_evicts_nothing() -> None:
-    """§7.6/§7.7, page 1: `alloc_token_slots(tree, extend_num_tokens)` (allocation.py) evicts only when
+    """docs/scheduler.md#locks-and-eviction, #allocation, page 1: `alloc_token_slots(tree,
+    extend_num_tokens)` (allocation.py) evicts only when
     available < the tokens requested. 10 free, 10 requested: nothing is evicted."""
     kv = make_kv(20)
     cache_unlocked(kv, tokens(10, 100))
@@ -196,7 +204,8 @@ def test_page1_extend_that_fits_evicts_nothing() -> None:
 
 
 def test_page1_extend_that_does_not_fit_evicts_the_whole_request_not_the_shortfall() -> None:
-    """8 free, 9 requested: evict 9 tokens' worth (§7.6: `n`, not the shortfall of 1), i.e. both
+    """8 free, 9 requested: evict 9 tokens' worth (docs/scheduler.md#locks-and-eviction: `n`, not the
+    shortfall of 1), i.e. both
     6-token leaves (whole nodes: the first frees only 6 < 9)."""
     kv = make_kv(20)
     cache_unlocked(kv, tokens(6, 100))
@@ -207,8 +216,9 @@ def test_page1_extend_that_does_not_fit_evicts_the_whole_request_not_the_shortfa
 
 
 def test_paged_extend_reserves_one_page_per_request() -> None:
-    """§7.6, page > 1: `alloc_paged_token_slots_extend` evicts extend tokens + bs·page_size.
-    Page 4, 24 free, 8 cached: extend 20 for one request needs 20 + 4 = 24 (fits, no eviction);
+    """docs/scheduler.md#locks-and-eviction, page > 1: `alloc_paged_token_slots_extend` evicts extend
+    tokens + bs·page_size. Page 4, 24 free, 8 cached: extend 20 for one request needs 20 + 4 = 24 (fits,
+    no eviction);
     extend 21 needs 25 > 24 and evicts 25 tokens' worth, i.e. the whole 8-token leaf."""
     kv = make_kv(32, page_size=4)
     cache_unlocked(kv, tokens(8, 100))
@@ -221,7 +231,8 @@ def test_paged_extend_reserves_one_page_per_request() -> None:
     assert (kv.available_size(), kv.evictable_size()) == (32 - 24, 0)  # 21 tokens use 6 pages
 
 
-# --- §6.2: the decode memory need ------------------------------------------------------------------
+# --- docs/scheduler.md#decode-memory-check: the decode memory need
+# ------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -239,7 +250,7 @@ def test_paged_extend_reserves_one_page_per_request() -> None:
 def test_decode_need_is_a_page_per_request_at_a_page_boundary(
     page_size: int, seq_lens: list[int], need: int
 ) -> None:
-    """§6.2 (`new_tokens_required_next_decode`, schedule_batch.py l.2594)."""
+    """docs/scheduler.md#decode-memory-check (`new_tokens_required_next_decode`, schedule_batch.py l.2594)."""
     kv = make_kv(64, page_size=page_size)
     assert kv.decode_need(np.array(seq_lens, dtype=np.int64)) == need
 
@@ -275,7 +286,8 @@ def test_check_decode_mem_fails_when_even_eviction_cannot_cover_it() -> None:
     assert (kv.available_size(), kv.evictable_size()) == (32, 0)
 
 
-# --- §6.4: release_req for retraction --------------------------------------------------------------
+# --- docs/scheduler.md#retraction: release_req for retraction
+# --------------------------------------------------------------
 
 
 def retraction_pool() -> tuple[KvManager, Request, list[list[int]]]:
@@ -294,7 +306,8 @@ def retraction_pool() -> tuple[KvManager, Request, list[list[int]]]:
 
 
 def test_release_req_frees_private_slots_and_unlocks_the_prompt() -> None:
-    """§6.4 step 2: no insert; the 4 private slots are freed; the prompt stays cached, now evictable.
+    """docs/scheduler.md#retraction step 2: no insert; the 4 private slots are freed; the prompt stays
+    cached, now evictable.
     remaining·steps = 1·8 = 8 ≤ 10 free: nothing is evicted (step 3)."""
     kv, req, _ = retraction_pool()
     kv.release_req(req, remaining=1, retract_decode_steps=8)
@@ -304,9 +317,10 @@ def test_release_req_frees_private_slots_and_unlocks_the_prompt() -> None:
 
 
 def test_release_req_evicts_remaining_times_decode_steps() -> None:
-    """§6.4 step 3: `evict_from_tree_cache(tree, remaining · SGLANG_RETRACT_DECODE_STEPS)`
-    (schedule_batch.py:release_req l.1714). After the release 10 are free; 3·4 = 12 > 10, so 12 tokens'
-    worth go, LRU whole leaves: the three oldest 5-token prompts (15 ≥ 12). The shortfall (2) would
+    """docs/scheduler.md#retraction step 3: `evict_from_tree_cache(tree, remaining ·
+    SGLANG_RETRACT_DECODE_STEPS)` (schedule_batch.py:release_req l.1714). After the release 10 are free;
+    3·4 = 12 > 10, so 12 tokens' worth go, LRU whole leaves: the three oldest 5-token prompts (15 ≥ 12).
+    The shortfall (2) would
     have taken only one."""
     kv, req, olds = retraction_pool()
     kv.release_req(req, remaining=3, retract_decode_steps=4)
@@ -323,11 +337,13 @@ def test_release_of_the_last_request_evicts_nothing() -> None:
     assert (kv.available_size(), kv.evictable_size()) == (10, 30)
 
 
-# --- §7.4 / §7.5: one implementation, the tree's, behind KvManager ---------------------------------
+# --- docs/scheduler.md#caching-requests / docs/scheduler.md#caching-requests: one implementation, the tree's,
+# behind KvManager ---------------------------------
 
 
 def test_kv_manager_caches_requests_through_the_tree(monkeypatch: pytest.MonkeyPatch) -> None:
-    """KvManager's §7.4/§7.5 are RadixCache.cache_finished_req / cache_unfinished_req (one
+    """KvManager's docs/scheduler.md#caching-requests are RadixCache.cache_finished_req /
+    cache_unfinished_req (one
     implementation, the one the property tests drive), not a copy of them."""
     calls: list[str] = []
 
@@ -349,8 +365,9 @@ def test_kv_manager_caches_requests_through_the_tree(monkeypatch: pytest.MonkeyP
 
 
 def test_unfinished_req_remaps_a_prefix_the_tree_got_meanwhile() -> None:
-    """§7.5: the request computed [1,2,3,4,9] while [1,2,3,4,7] was cached by someone else. Its own
-    slots for positions 0..3 are freed, its row and prefix_indices now name the tree's, and the worker
+    """docs/scheduler.md#caching-requests: the request computed [1,2,3,4,9] while [1,2,3,4,7] was cached
+    by someone else. Its own slots for positions 0..3 are freed, its row and prefix_indices now name the
+    tree's, and the worker
     is told to read the tree's copies (a remap of positions [0, 4))."""
     kv = make_kv(32)
     req = Request(rid="late", origin_input_ids=[1, 2, 3, 4, 9], params=params(4))

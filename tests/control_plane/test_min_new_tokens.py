@@ -1,4 +1,4 @@
-"""min_new_tokens (SCHEDULER.md §1.5): lowered to max_new_tokens when larger; EOS, stop token ids and
+"""min_new_tokens (docs/scheduler.md#intake): lowered to max_new_tokens when larger; EOS, stop token ids and
 stop strings do not end a request before it (SGLang: `Req.check_finished`, the min_new_tokens clamp in
 `scheduler.py:init_req_max_new_tokens`)."""
 
@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from control_plane import codec
+from control_plane import client_codec
+from control_plane.frontend.detokenize import TextStream
 from control_plane.request import FinishKind
-from control_plane.tokenizer import TextStream
 from protos.stepwise.v1 import generation_pb2 as gen_pb
 from tests.control_plane.factories import EOS, add, by_rid, finishes, make_scheduler, params, prompt
 from tests.control_plane.fake_worker import FakeWorker
@@ -53,9 +53,9 @@ def test_min_new_tokens_is_lowered_to_max_new_tokens() -> None:
 
 
 def test_negative_min_new_tokens_is_an_invalid_argument() -> None:
-    with pytest.raises(codec.InvalidArgument, match=r"^sampling\.min_new_tokens: must be >= 0"):
-        codec.sampling_from_proto(gen_pb.SamplingParams(min_new_tokens=-1))
-    assert codec.sampling_from_proto(gen_pb.SamplingParams(min_new_tokens=4)).min_new_tokens == 4
+    with pytest.raises(client_codec.InvalidArgument, match=r"^sampling\.min_new_tokens: must be >= 0"):
+        client_codec.sampling_from_proto(gen_pb.SamplingParams(min_new_tokens=-1))
+    assert client_codec.sampling_from_proto(gen_pb.SamplingParams(min_new_tokens=4)).min_new_tokens == 4
 
 
 class _Chars:

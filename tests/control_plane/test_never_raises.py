@@ -1,4 +1,4 @@
-"""next_plan never raises on ordinary traffic (SCHEDULER.md §4.2, §4.4).
+"""next_plan never raises on ordinary traffic (docs/scheduler.md#chunked-prefill, #mixed-chunk).
 
 Two places could ask the allocator for more than the pool has: the decode fused into a mixed-chunk
 step (admission pre-charges one token per running request, a decode at a page boundary takes a

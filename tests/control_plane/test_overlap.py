@@ -1,4 +1,5 @@
-"""Overlap scheduling (SCHEDULER.md §8, §12.9): plans made while earlier results are still in flight.
+"""Overlap scheduling (docs/scheduler.md#overlap, #invariants): plans made while earlier results are still in
+flight.
 
 The fake worker's tokens depend only on each sequence's content, so the same trace must stream the
 same tokens per request whether results are applied before the next plan (non-overlap) or one plan
@@ -162,7 +163,8 @@ def test_ending_a_request_while_its_next_step_is_in_flight(how: str, page_size: 
 
 @pytest.mark.parametrize("n", [1, 2, 7])
 def test_max_new_tokens_n_is_n_decodes_under_overlap_and_n_minus_1_without(n: int) -> None:
-    """§8.2 (a): a request that finishes when result N is applied is still in plan N+1 (a dead
+    """docs/scheduler.md#overlap (a): a request that finishes when result N is applied is still in plan
+    N+1 (a dead
     decode, its token discarded): N decode forwards under overlap, N − 1 without; N tokens in both."""
     for overlap, decodes in ((True, n), (False, n - 1)):
         sched = make_scheduler()
@@ -234,7 +236,8 @@ def test_remaps_found_while_applying_result_n_go_into_the_next_plan_built() -> N
 
 def test_a_request_aborted_between_plan_and_result_gives_back_its_decode_slot() -> None:
     """The decode slot a plan allocated for a request that ends before the plan's result is applied is
-    not committed KV: §7.4 caches or frees the committed part, and the rest goes back to the allocator
+    not committed KV: docs/scheduler.md#caching-requests caches or frees the committed part, and the rest
+    goes back to the allocator
     (SGLang's kv_allocated_len beyond kv_committed_len). Otherwise the slot leaks."""
     for page_size in (1, 4):
         sched = make_scheduler(capacity=256, page_size=page_size, chunked_prefill_size=None)

@@ -9,8 +9,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from control_plane.census import PeerCensus
 from control_plane.config import Security, add_arguments, control_config_from_args
+from control_plane.core.census import PeerCensus
 from protos.stepwise.v1 import worker_pb2 as wk_pb
 from protos.stepwise.v1 import worker_pb2_grpc as wk_grpc
 from tests.certs import make_ca, make_cert

@@ -1,5 +1,5 @@
 """Hand-built scheduler scenarios that pin rules nothing else pins, each expected value worked out by
-hand from SCHEDULER.md (the arithmetic is in the comments, with the § it comes from).
+hand from docs/scheduler.md (the arithmetic is in the comments, with the section it comes from).
 
 Conventions of every scenario below: page size 1, no chunking (chunked_prefill_size=None), the fake
 worker never samples EOS (lengths decide finishes), prompts with different seeds share no prefix.
@@ -10,11 +10,11 @@ from __future__ import annotations
 import pytest
 
 from control_plane.cache.invariants import check_pool_invariants
+from control_plane.core.step_log import retraction_line
 from control_plane.request import FinishKind, FinishReason, RequestParams
 from control_plane.scheduler.plan import StepPlan
 from control_plane.scheduler.retraction import GROUP_ABORTED
 from control_plane.scheduler.scheduler import Scheduler, resolve_max_running_requests
-from control_plane.step_log import retraction_line
 from tests.control_plane.factories import add, by_rid, finishes, make_scheduler, params, prompt, run_plan
 from tests.control_plane.fake_worker import FakeWorker
 
@@ -70,21 +70,25 @@ class Stepper:
         raise AssertionError("did not finish")
 
 
-# --- §3.6 the batch_is_full life cycle ------------------------------------------------------------------
+# --- docs/scheduler.md#batch-is-full the batch_is_full life cycle
+# ------------------------------------------------------------------
 
 
 def test_after_no_token_the_queue_is_left_alone_until_a_running_request_finishes() -> None:
-    """§3.6: a NO_TOKEN verdict sets batch_is_full; while it is set no admission is attempted at all (the
-    LOF policy does not even re-sort the queue, §2.2 is applied once per attempt). The running set
-    shrinking in update_running_batch resets it, and the attempt comes on the next step (§1.3: the
+    """docs/scheduler.md#batch-is-full: a NO_TOKEN verdict sets batch_is_full; while it is set no
+    admission is attempted at all (the LOF policy does not even re-sort the queue,
+    docs/scheduler.md#ordering-policies is applied once per attempt). The running set shrinking in
+    update_running_batch resets it, and the attempt comes on the
+    next step (docs/scheduler.md#step-loop: the
     prefill attempt, step 6, precedes the filter of finished requests, step 7)."""
     s = Stepper(make_scheduler(capacity=200, chunked_prefill_size=None, schedule_policy="lof"))
     s.add("a", prompt(20, 1), params(10))
     assert s.extended(s.step()) == ["a"] and not s.sched.batch_is_full
 
-    # Step 2. a's prompt is cached and locked: available = 200 - 20 = 180, evictable 0. a has 1 of 10
-    # tokens: offset(a) = min(10 - 1, 4096) · 0.7 = 6.3 (§3.2), rem_total = 180 - 6.3 = 173.7.
-    # b: total = 150 + min(40, 4096) + 1 = 191 >= 173.7 -> NO_TOKEN (§3.7 step 6); a decodes instead.
+    # Step 2. a's prompt is cached and locked: available = 200 - 20 = 180, evictable 0. a has 1 of 10 tokens:
+    # offset(a) = min(10 - 1, 4096) · 0.7 = 6.3 (docs/scheduler.md#prefill-adder-budgets), rem_total = 180 -
+    # 6.3 = 173.7. b: total = 150 + min(40, 4096) + 1 = 191 >= 173.7 -> NO_TOKEN
+    # (docs/scheduler.md#add-one-req step 6); a decodes instead.
     s.add("b", prompt(150, 2), params(40))
     plan = s.step()
     assert s.extended(plan) == [] and s.decoded(plan) == ["a"] and s.sched.batch_is_full
@@ -113,8 +117,10 @@ def test_after_no_token_the_queue_is_left_alone_until_a_running_request_finishes
 
 
 def test_after_no_token_a_retraction_lets_admission_resume() -> None:
-    """§3.6 / §6.1 step 4: a retraction shrinks the running set, which resets batch_is_full; the next
-    step attempts admission again (here TEST_RETRACT retracts, §6.1 step 3, every 3rd forward)."""
+    """docs/scheduler.md#batch-is-full / docs/scheduler.md#decode-memory-check step 4: a retraction
+    shrinks the running set, which resets batch_is_full; the next
+    step attempts admission again (here TEST_RETRACT retracts, docs/scheduler.md#decode-memory-check step
+    3, every 3rd forward)."""
     s = Stepper(
         make_scheduler(capacity=200, chunked_prefill_size=None, schedule_policy="lof", test_retract=True)
     )
@@ -133,8 +139,9 @@ def test_after_no_token_a_retraction_lets_admission_resume() -> None:
     plan = s.step()
     assert s.decoded(plan) == ["a", "a2"] and s.waiting() == ["b", "c"] and s.sched.batch_is_full
 
-    # Step 4: flag set, no attempt; forward_ct = 3 -> test retraction (§6.3 order: both have 3 outputs,
-    # the longer prompt goes first: a). It is re-queued at the back and the flag is reset.
+    # Step 4: flag set, no attempt; forward_ct = 3 -> test retraction (docs/scheduler.md#retraction order:
+    # both have 3 outputs, the longer prompt goes first: a). It is re-queued at the back and the flag is
+    # reset.
     plan = s.step()
     assert s.sched.last_stats is not None and s.sched.last_stats.retracted == ["a"]
     assert s.decoded(plan) == ["a2"] and not s.sched.batch_is_full
@@ -145,14 +152,16 @@ def test_after_no_token_a_retraction_lets_admission_resume() -> None:
     assert s.extended(plan) == ["c"] and s.sched.batch_is_full and s.waiting() == ["b", "a"]
 
 
-# --- §3.8 add_one_req_ignore_eos --------------------------------------------------------------------------
+# --- docs/scheduler.md#add-one-req-ignore-eos add_one_req_ignore_eos
+# --------------------------------------------------------------------------
 
 
 def ignore_eos_pass(
     radix: bool, running: list[tuple[str, int, int]], newcomer: tuple[str, int, int]
 ) -> Stepper:
     """Each running (rid, prompt length, max_new) is admitted in its own step; then the newcomer arrives.
-    Every request ignores EOS; the radix cache is on or off (§3.7 step 4 takes the §3.8 path only when
+    Every request ignores EOS; the radix cache is on or off (docs/scheduler.md#add-one-req step 4 takes
+    the docs/scheduler.md#add-one-req-ignore-eos path only when
     it is off)."""
     s = Stepper(make_scheduler(capacity=200, chunked_prefill_size=None, disable_radix_cache=not radix))
     for i, (rid, n, max_new) in enumerate(running):
@@ -164,10 +173,12 @@ def ignore_eos_pass(
 
 
 def test_ignore_eos_simulation_admits_what_the_normal_gate_refuses() -> None:
-    """§3.8: R (100-token prompt, 1 of 10 tokens) runs; N (10 tokens, max_new 95) arrives.
+    """docs/scheduler.md#add-one-req-ignore-eos: R (100-token prompt, 1 of 10 tokens) runs; N (10 tokens,
+    max_new 95) arrives.
 
-    Normal gate (radix on, §3.7 step 6): R's prompt is locked, A = 200 - 100 = 100, E = 0;
-    offset(R) = (10 - 1) · 0.7 = 6.3, rem_total = 93.7; total(N) = 10 + 95 + 1 = 106 >= 93.7 -> NO_TOKEN.
+    Normal gate (radix on, docs/scheduler.md#add-one-req step 6): R's prompt is locked, A = 200 - 100 =
+    100, E = 0; offset(R) = (10 - 1) · 0.7 = 6.3, rem_total = 93.7; total(N) = 10 + 95 + 1 = 106 >= 93.7
+    -> NO_TOKEN.
 
     Simulated finish (radix off): paged(N) = 10 <= min(cur_rem 100, rem_total 93.7). States (tokens left
     at ratio 1.0 for ignore-EOS requests, tokens occupied): R (10 - 1 = 9, 101), N (95, 10), sorted by
@@ -187,8 +198,9 @@ def test_ignore_eos_simulation_admits_what_the_normal_gate_refuses() -> None:
 
 
 def test_ignore_eos_simulation_refuses_what_the_normal_gate_admits() -> None:
-    """§3.8: R1 and R2 (10-token prompts, 1 of 80 tokens each, admitted in steps 1 and 2) run; N (10
-    tokens, max_new 57) arrives. No decode has run yet, so the ratio is still 0.7.
+    """docs/scheduler.md#add-one-req-ignore-eos: R1 and R2 (10-token prompts, 1 of 80 tokens each,
+    admitted in steps 1 and 2) run; N (10 tokens, max_new 57) arrives. No decode has run yet, so the ratio
+    is still 0.7.
 
     Normal gate (radix on): A = 200 - 20 = 180, E = 0; offsets 2 · (80 - 1) · 0.7 = 110.6,
     rem_total = 69.4; total(N) = 10 + 57 + 1 = 68 < 69.4 -> admitted.
@@ -208,7 +220,8 @@ def test_ignore_eos_simulation_refuses_what_the_normal_gate_admits() -> None:
     assert simulated.waiting() == ["N"]
 
 
-# --- §9 max_running_requests ---------------------------------------------------------------------------
+# --- docs/scheduler.md#defaults max_running_requests
+# ---------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -231,40 +244,45 @@ def test_ignore_eos_simulation_refuses_what_the_normal_gate_admits() -> None:
     ],
 )
 def test_max_running_requests_default(capacity: int, context: int, expected: int) -> None:
-    """§9: max_running_requests defaults to min(clamp(int(T / context · 512), 2048, 4096), T // 2)."""
+    """docs/scheduler.md#defaults: max_running_requests defaults to min(clamp(int(T / context · 512),
+    2048, 4096), T // 2)."""
     assert resolve_max_running_requests(None, capacity, context) == expected
 
 
 @pytest.mark.parametrize(("configured", "expected"), [(900, 500), (3, 3), (500, 500)])
 def test_max_running_requests_configured_is_capped_at_half_the_pool(configured: int, expected: int) -> None:
-    """§9: a configured value becomes min(value, T // 2) (T = 1000: T // 2 = 500); the row pool has that
+    """docs/scheduler.md#defaults: a configured value becomes min(value, T // 2) (T = 1000: T // 2 = 500);
+    the row pool has that
     many rows."""
     sched = make_scheduler(capacity=1000, max_context=512, max_running_requests=configured)
     assert sched.max_running_requests == expected and sched.kv.free_rows() == expected
 
 
 def test_scheduler_uses_the_default() -> None:
-    """§9 through the scheduler: T = 3000, context 2048 -> 1500 (see the table above)."""
+    """docs/scheduler.md#defaults through the scheduler: T = 3000, context 2048 -> 1500 (see the table
+    above)."""
     sched = make_scheduler(capacity=3000, max_context=2048)
     assert sched.max_running_requests == 1500 and sched.kv.free_rows() == 1500
 
 
-# --- §6.1 / §10.4 the retraction log line ------------------------------------------------------------
+# --- docs/scheduler.md#decode-memory-check / docs/scheduler.md#logs-and-metrics the retraction log line
+# ------------------------------------------------------------
 
 
 def test_retraction_line_of_a_real_kv_full_retraction() -> None:
-    """§6.1's warning, from the stats of a retraction that a full pool forced.
+    """docs/scheduler.md#decode-memory-check's warning, from the stats of a retraction that a full pool
+    forced.
 
     T = 256, radix off (all KV private), init ratio 0.5: min = 0.5 · 0.14 = 0.07, decay = 0.43 / 600
-    (§5). a (10-token prompt), b (20), c (10), max_new 100 each, admitted in steps 1, 2, 3:
-    b: A = 246, rem_total = 246 - 99 · 0.5 = 196.5 > 20 + 100 + 1 = 121;
-    c: A = 226, rem_total = 226 - 2 · 49.5 = 127 > 10 + 100 + 1 = 111.
-    After step 3, A = 256 - 40 = 216 and each decode step takes 3 slots: decodes 1..72 fit (before the
-    72nd, A = 216 - 3 · 71 = 3), the 73rd (step 76) finds A = 0 < 3 -> KV full.
-    Then each has 1 + 72 = 73 outputs; the ratio has decayed 72 times: 0.5 - 72 · 0.43 / 600 = 0.4484.
-    Retraction (§6.3): equal outputs, longest prompt first: b, holding 20 + 72 = 92 slots; then a and c
-    need 2 <= 92. Gained: 92 - 0 = 92. New ratio over the kept a, c (§5):
-    (73 + 73 + 20 · 2) / (100 + 100 + 1) = 186 / 201 = 0.92537.
+    (docs/scheduler.md#new-token-ratio). a (10-token prompt), b (20), c (10), max_new 100 each, admitted
+    in steps 1, 2, 3: b: A = 246, rem_total = 246 - 99 · 0.5 = 196.5 > 20 + 100 + 1 = 121; c: A = 226,
+    rem_total = 226 - 2 · 49.5 = 127 > 10 + 100 + 1 = 111. After step 3, A = 256 - 40 = 216 and each
+    decode step takes 3 slots: decodes 1..72 fit (before the 72nd, A = 216 - 3 · 71 = 3), the 73rd (step
+    76) finds A = 0 < 3 -> KV full. Then each has 1 + 72 = 73 outputs; the ratio has decayed 72 times: 0.5
+    - 72 · 0.43 / 600 = 0.4484. Retraction (docs/scheduler.md#retraction): equal outputs, longest prompt
+    first: b, holding 20 + 72 = 92 slots; then a and c need 2 <= 92. Gained: 92 - 0 = 92. New ratio over
+    the kept a, c (docs/scheduler.md#new-token-ratio): (73 + 73 + 20 · 2) / (100 + 100 + 1) = 186 / 201 =
+    0.92537.
     """
     s = Stepper(
         make_scheduler(
@@ -292,16 +310,16 @@ def test_retraction_line_of_a_real_kv_full_retraction() -> None:
 
 
 def test_a_sample_group_is_aborted_whole_under_real_kv_pressure() -> None:
-    """SCHEDULER.md "Also in scope" and Appendix A's beam rule: a group (n > 1) is never split by
+    """docs/scheduler.md#parallel-samples: a group (n > 1) is never split by
     retraction; when one member is aborted for memory, all are, waiting or running.
 
     T = 128, radix off, init ratio 0.02. x (5 tokens, max_new 1) and g/0, g/1, g/2 (one 10-token prompt,
     max_new 100, group "g") arrive together. Step 1: x (5 + 1 + 1 = 7 < 128) and g/0 (111 < 121) are
-    admitted; g/1: 111 >= 121 - 111 = 10 -> NO_TOKEN, batch_is_full. x finishes at its prefill, so
-    the merge in step 2 resets the flag (§1.3 step 4): A = 128 - 10 = 118, offset(g/0) = 99 · 0.02 =
-    1.98, g/1: 111 < 116.02 admitted; g/2: 111 >= 116.02 - 111 -> NO_TOKEN, it waits.
-    From step 3 g/0 and g/1 decode 2 slots a step from A = 108: 54 decodes fit, the 55th (step 57) does
-    not. Both are group members, so the retraction aborts the group: g/0, g/1 and the waiting g/2.
+    admitted; g/1: 111 >= 121 - 111 = 10 -> NO_TOKEN, batch_is_full. x finishes at its prefill, so the
+    merge in step 2 resets the flag (docs/scheduler.md#step-loop step 4): A = 128 - 10 = 118, offset(g/0)
+    = 99 · 0.02 = 1.98, g/1: 111 < 116.02 admitted; g/2: 111 >= 116.02 - 111 -> NO_TOKEN, it waits. From
+    step 3 g/0 and g/1 decode 2 slots a step from A = 108: 54 decodes fit, the 55th (step 57) does not.
+    Both are group members, so the retraction aborts the group: g/0, g/1 and the waiting g/2.
     """
     s = Stepper(
         make_scheduler(

@@ -1,4 +1,5 @@
-"""Waiting-queue policies (SCHEDULER.md §2.1–§2.3; SGLang's test_schedule_policy.py)."""
+"""Waiting-queue policies (docs/scheduler.md#ordering-policies–docs/scheduler.md#in-batch-prefix-dedup;
+SGLang's test_schedule_policy.py)."""
 
 from __future__ import annotations
 
@@ -41,7 +42,8 @@ def cache(sched: Scheduler, ids: list[int]) -> None:
     sched.kv.tree.insert(ids, slots)
 
 
-# --- resolution (§2.1) -------------------------------------------------------------------------------
+# --- resolution (docs/scheduler.md#ordering-policies)
+# -------------------------------------------------------------------------------
 
 
 def test_unknown_policy_raises() -> None:
@@ -57,7 +59,8 @@ def test_cache_aware_policy_without_cache_is_fcfs(policy: str) -> None:
     assert ordered(sched, queue) == ["a", "b", "c"]
 
 
-# --- cache-agnostic orders (§2.2) ---------------------------------------------------------------------
+# --- cache-agnostic orders (docs/scheduler.md#ordering-policies)
+# ---------------------------------------------------------------------
 
 
 def test_fcfs_keeps_arrival_order() -> None:
@@ -132,7 +135,8 @@ def test_random_is_seeded() -> None:
     assert sorted(shuffled(7)[0]) == sorted(f"q{i}" for i in range(20))
 
 
-# --- cache-aware orders (§2.2 step 4, §2.3) ---------------------------------------------------------------
+# --- cache-aware orders (docs/scheduler.md#ordering-policies step 4, docs/scheduler.md#in-batch-prefix-dedup)
+# ---------------------------------------------------------------
 
 
 def test_lpm_orders_by_longest_cached_prefix() -> None:

@@ -1,4 +1,5 @@
-"""Priority preemption details (SCHEDULER.md §2.4, §3.5 step 9b) and sample groups under pressure.
+"""Priority preemption details (docs/scheduler.md#priority-preemption, #admission-loop step 9b) and sample
+groups under pressure.
 
 SGLang: `schedule_policy.py:PrefillAdder.preempt_to_schedule` (victims released with a
 `remaining` that counts down per release; need = untruncated fill ids minus the current prefix,

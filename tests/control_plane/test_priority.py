@@ -1,4 +1,5 @@
-"""Priority scheduling end to end (SCHEDULER.md §1.5, §2.4; SGLang's test_priority_scheduling.py)."""
+"""Priority scheduling end to end (docs/scheduler.md#intake, #priority-preemption; SGLang's
+test_priority_scheduling.py)."""
 
 from __future__ import annotations
 

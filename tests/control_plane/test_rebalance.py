@@ -1,4 +1,4 @@
-"""Rebalancing among control planes (control_plane/rebalance.py): the decision as a pure function,
+"""Rebalancing among control planes (control_plane/core/rebalance.py): the decision as a pure function,
 the peers it compares with, and one Rebalancer over engines attached to a real router."""
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ import random
 
 import pytest
 
-from control_plane.census import Census
-from control_plane.drain import Departure
-from control_plane.engine import Engine
-from control_plane.rebalance import JITTER, Rebalancer, comparable, jittered, should_move
-from control_plane.router import Router
+from control_plane.core.census import Census
+from control_plane.core.drain import Departure
+from control_plane.core.engine import Engine
+from control_plane.core.rebalance import JITTER, Rebalancer, comparable, jittered, should_move
+from control_plane.core.router import Router
 from tests.control_plane.fake_core import FakeHub, make_engine
 
 pytestmark = pytest.mark.timeout(30)

@@ -1,4 +1,4 @@
-"""Decode memory check and retraction (SCHEDULER.md §6; SGLang's test_retract_decode.py)."""
+"""Decode memory check and retraction (docs/scheduler.md#retraction; SGLang's test_retract_decode.py)."""
 
 from __future__ import annotations
 
@@ -49,7 +49,8 @@ def popped_first_to_last(sched: Scheduler) -> list[str]:
     return [sched.running.reqs[i].rid for i in reversed(sched._retraction_order())]
 
 
-# --- order (§6.3) -----------------------------------------------------------------------------------
+# --- order (docs/scheduler.md#retraction)
+# -----------------------------------------------------------------------------------
 
 
 def test_length_order_fewest_outputs_then_longest_prompt_then_later_position() -> None:
@@ -82,7 +83,8 @@ def test_groups_are_kept_first() -> None:
     assert popped_first_to_last(sched)[:2] == ["r1", "r3"]
 
 
-# --- the loop (§6.1, §6.3) ----------------------------------------------------------------------------
+# --- the loop (docs/scheduler.md#decode-memory-check, #retraction)
+# ----------------------------------------------------------------------------
 
 
 def test_test_retract_retracts_exactly_one_every_third_forward() -> None:
@@ -163,7 +165,8 @@ def test_oom_aborts_the_last_request_with_sglangs_message() -> None:
     assert reason.message == OOM_LAST_REQUEST
     assert OOM_LAST_REQUEST.startswith("Out of memory even after retracting all other requests")
     assert plan is not None and plan.releases.tolist() == [1] and not len(plan.decodes)
-    # The step reports it, for SGLang's log line (§6.3) "retract_decode: aborted last request a due to OOM".
+    # The step reports it, for SGLang's log line (docs/scheduler.md#retraction) "retract_decode: aborted last
+    # request a due to OOM".
     assert sched.last_stats is not None and sched.last_stats.oom_aborted == ["a"]
     assert sched.ratio.current == 0.0  # the estimate over an empty batch; the next decay lifts it
     sched.ratio.decay_step()

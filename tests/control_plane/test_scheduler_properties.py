@@ -1,11 +1,12 @@
-"""Property tests: random traces and configs against the slot-checking fake worker (SCHEDULER.md §0.1,
-§4, §6, §7, §12). After every step the driver checks the pool invariants and the worker's report.
+"""Property tests: random traces and configs against the slot-checking fake worker
+(docs/scheduler.md#data-model, docs/scheduler.md#chunked-prefill, #retraction, #radix-cache, #invariants).
+After every step the driver checks the pool invariants and the worker's report.
 
 The main property test also proves that its generators reach the hard cases: each case is recorded
 with `hypothesis.event` and counted in `REACHED` (examples that reached it at least once), and
 `test_every_hard_case_is_reached` fails CI when a weakened generator stops reaching one of them.
 
-About half of its examples run with overlap scheduling (SCHEDULER.md §8): the driver makes plan N+1
+About half of its examples run with overlap scheduling (docs/scheduler.md#overlap): the driver makes plan N+1
 before it applies result N, and outside events (aborts, stop strings, a hog) fire while a plan is in
 flight. Their outputs are compared with an unpressured run without overlap: the token streams must
 be the same.
@@ -56,32 +57,39 @@ Arrival = tuple[int, str, list[int], RequestParams]
 
 CANCELLED = "cancelled by the client"
 STOP_STRING = "stop string matched"
-# LPM falls back to FCFS for a pass when more requests than this wait (SCHEDULER.md §2.2 step 1).
+# LPM falls back to FCFS for a pass when more requests than this wait (docs/scheduler.md#ordering-policies
+# step 1).
 LPM_FALLBACK_QUEUE_LEN = 128
 
 # --- the hard cases the main property test must reach ------------------------------------------------
 
 CASES = (
-    "kv-full retraction",  # §6.1: the decode memory check failed and requests were retracted
-    "oom abort of the last request",  # §6.3 "Out of memory even after retracting ..." (a hog action)
-    "running-request cap reached",  # §3.5 step 5/9b: max_running_requests running while others wait
-    "abort mid-chunk",  # §4.3: the chunked request aborted (applied at the next plan)
+    # docs/scheduler.md#decode-memory-check: the decode memory check failed and requests were retracted
+    "kv-full retraction",
+    # docs/scheduler.md#retraction "Out of memory even after retracting ..." (a hog action)
+    "oom abort of the last request",
+    # docs/scheduler.md#admission-loop step 5/9b: max_running_requests running while others wait
+    "running-request cap reached",
+    # docs/scheduler.md#chunked-prefill: the chunked request aborted (applied at the next plan)
+    "abort mid-chunk",
     "abort of a running request",
     "abort of a waiting request",
     "stop string finish",  # the engine finishes a running request mid-generation
     "sample group co-running",  # ≥ 2 members of one parallel-sample group decoded together
     "sample group aborted whole",  # "Also in scope": "aborted as a group under sustained pressure"
-    "host backup offload",  # Appendix A: retracted KV copied to the host pool
+    "host backup offload",  # docs/scheduler.md#host-backup-pool: retracted KV copied to the host
     "host backup restore",
     "host pool full abort",
-    "queue cap rejection",  # §1.5 _abort_on_queued_limit
-    *(f"eviction under {policy}" for policy in EVICTION_POLICIES),  # §7.6
-    "lpm pass over a queue longer than 128",  # §2.2 step 1: the FCFS fallback
-    # Overlap scheduling (§8.2): reached only by the examples that run with it.
+    "queue cap rejection",  # docs/scheduler.md#intake _abort_on_queued_limit
+    *(f"eviction under {policy}" for policy in EVICTION_POLICIES),  # docs/scheduler.md#locks-and-eviction
+    "lpm pass over a queue longer than 128",  # docs/scheduler.md#ordering-policies step 1: the FCFS fallback
+    # Overlap scheduling (docs/scheduler.md#overlap): reached only by the examples that run with it.
     "prefill in flight merged and decoded",  # (c): decoded before its first token is known
     "finished while its next decode was in flight",  # (a): the dead decode, its token discarded
-    "retracted while its token was in flight",  # §6.5: that token discarded, outputs kept so far
-    "kv-full retraction with a plan in flight",  # §6.1 on lengths that count the decode in flight
+    # docs/scheduler.md#retraction: that token discarded, outputs kept so far
+    "retracted while its token was in flight",
+    # docs/scheduler.md#decode-memory-check on lengths that count the decode in flight
+    "kv-full retraction with a plan in flight",
     "host backup offload with a plan in flight",  # only the committed positions are copied
     "ended from outside while its step was in flight",  # abort / stop string between plan and result
 )
@@ -111,7 +119,7 @@ class Setup:
     init_ratio: float = 0.7
     # Traces for this setup crowd its pool (see `hard_traces`).
     pressure: bool = False
-    # Drive it with two plans in flight (SCHEDULER.md §8).
+    # Drive it with two plans in flight (docs/scheduler.md#overlap).
     overlap: bool = False
 
     def scheduler(self) -> Scheduler:
@@ -164,8 +172,9 @@ def hard_setups(draw: st.DrawFn, eviction: str = "lru") -> Setup:
         overlap=draw(st.booleans()),
     )
     if draw(st.booleans()):
-        # A small pool, no running cap below 4 and an optimistic ratio: decode runs out of KV (§6),
-        # and with the radix cache on, allocations evict (§7.6).
+        # A small pool, no running cap below 4 and an optimistic ratio: decode runs out of KV
+        # (docs/scheduler.md#retraction), and with the radix cache on, allocations evict
+        # (docs/scheduler.md#locks-and-eviction).
         setup = dataclasses.replace(
             setup,
             pressure=True,
@@ -180,9 +189,10 @@ def hard_setups(draw: st.DrawFn, eviction: str = "lru") -> Setup:
 @st.composite
 def traces(draw: st.DrawFn, pressure: bool = False) -> list[Arrival]:
     """Up to 10 requests, some sharing a prefix. With `pressure`: at least 4 short prompts arriving
-    within 4 steps, each asking for many tokens. Admission reserves a newcomer's whole max_new_tokens
-    but only ratio × what the running ones may still generate (§3.2, §3.7 step 6), so with a small
-    ratio they get in one after the other and decode then runs out of KV (§6)."""
+    within 4 steps, each asking for many tokens. Admission reserves a newcomer's whole max_new_tokens but
+    only ratio × what the running ones may still generate (docs/scheduler.md#prefill-adder-budgets,
+    #add-one-req step 6), so with a small
+    ratio they get in one after the other and decode then runs out of KV (docs/scheduler.md#retraction)."""
     spread, max_len, (min_new, max_new) = (4, 40, (30, 90)) if pressure else (25, 80, (1, 60))
     n = draw(st.integers(4 if pressure else 1, 10))
     out = []
@@ -229,8 +239,9 @@ class Action:
 
 # abort_*: a client cancels; stop_running: the engine matched a stop string; hog: something outside the
 # scheduler's books holds every free KV slot for a few steps while requests run. The hog is what reaches
-# §6.3's OOM abort of the last request: otherwise a lone request's decode always fits (§1.5's clamp),
-# unless a chunk parked after mixed steps took its room (§4.2, §4.4), which random traces hit rarely.
+# docs/scheduler.md#retraction's OOM abort of the last request: otherwise a lone request's decode always fits
+# (docs/scheduler.md#intake's clamp), unless a chunk parked after mixed steps took its room
+# (docs/scheduler.md#chunked-prefill, #mixed-chunk), which random traces hit rarely.
 ACTION_KINDS = ("abort_chunked", "abort_running", "abort_waiting", "stop_running", "hog")
 HOG_STEPS = 4
 actions = st.lists(
@@ -264,7 +275,7 @@ def run_setup(setup: Setup, trace: list[Arrival]) -> tuple[Scheduler, Outcome]:
 
 def reference(trace: list[Arrival], eos_every: int, clamp_like: Scheduler | None = None) -> Outcome:
     """The same requests on a big pool without chunking; with `clamp_like`, max_new_tokens as that
-    scheduler clamped them at intake (§1.5: the clamp depends on the pool size)."""
+    scheduler clamped them at intake (docs/scheduler.md#intake: the clamp depends on the pool size)."""
     if clamp_like is not None:
         trace = [(t, rid, ids, clamped(clamp_like, ids, p)) for t, rid, ids, p in trace]
     sched = make_scheduler(capacity=1 << 14, chunked_prefill_size=None)
@@ -378,7 +389,8 @@ def _hog(d: Driven) -> bool:
 def _unhog_after_plan(d: Driven) -> bool:
     """Count a hog down; it gives its slots back after HOG_STEPS plans, or as soon as no request runs
     (as in SGLang, nothing would reset batch_is_full if a pass met a full pool with nothing running:
-    §3.6 resets it only when the running batch shrinks). Returns whether it was on."""
+    docs/scheduler.md#batch-is-full resets it only when the running batch shrinks). Returns whether it was
+    on."""
     if not d.hog_plans:
         return False
     d.hog_plans -= 1
@@ -416,7 +428,7 @@ def _observe_step(d: Driven, setup: Setup, plan: StepPlan, tree_before: int) -> 
     if any(n >= 2 for n in groups.values()):
         d.reached.add("sample group co-running")
     # A sample group is never split by retraction: kept first, and aborted whole under sustained
-    # pressure (SCHEDULER.md "Also in scope"): no member is ever retracted, and once one member is
+    # pressure (docs/scheduler.md "Also in scope"): no member is ever retracted, and once one member is
     # aborted for memory no member lives on, waiting or running.
     assert not [rid for rid in stats.retracted if rid in d.group_of], stats.retracted
     memory_aborted = {
@@ -505,7 +517,8 @@ def _apply_oldest(d: Driven) -> None:
 
 
 def allowed_abort(rid: str, reason: FinishReason, d: Driven) -> bool:
-    """The aborts the scheduler may decide on its own here (§1.5, §6.3, Appendix A), or ours."""
+    """The aborts the scheduler may decide on its own here (docs/scheduler.md#intake, #retraction,
+    #host-backup-pool), or ours."""
     if d.outside.get(rid, "").startswith("abort"):
         return reason.message == CANCELLED
     return (
@@ -530,10 +543,11 @@ def allowed_abort(rid: str, reason: FinishReason, d: Driven) -> bool:
 @given(data=st.data())
 def test_random_traces_keep_the_books_and_the_outputs(eviction: str, data: st.DataObject) -> None:
     """Random configs, traces and outside events (client aborts, stop strings, a KV hog): after every
-    step the KV books match the fake worker's and the pool invariants hold (§0.1); every request ends
-    with exactly one finish; nothing leaks; outputs equal an unpressured run's (a request ended early
-    streamed a prefix of it); the only aborts are ours or those the spec allows; a sample group is never
-    split (SCHEDULER.md "Also in scope")."""
+    step the KV books match the fake worker's and the pool invariants hold (docs/scheduler.md#data-model);
+    every request ends with exactly one finish; nothing leaks; outputs equal an unpressured run's (a
+    request ended early streamed a prefix of it); the only aborts are ours or those the spec allows; a
+    sample group is never
+    split (docs/scheduler.md "Also in scope")."""
     setup = data.draw(hard_setups(eviction), label="setup")
     trace = data.draw(hard_traces(setup), label="trace")
     outside = data.draw(actions, label="actions")
@@ -653,14 +667,15 @@ def test_priority_preemption_keeps_the_books_and_the_outputs(
 
 
 def test_a_retracted_request_refused_by_the_full_queue_is_not_offloaded() -> None:
-    """§6.1: retracted requests are re-queued through _add_request_to_queue, so the queue cap applies
-    and the one that does not fit is aborted with 503 "The request queue is full." (§1.5). With a host
-    backup pool (Appendix A) the plan must then not offload the sequence it releases.
+    """docs/scheduler.md#decode-memory-check: retracted requests are re-queued through
+    _add_request_to_queue, so the queue cap applies and the one that does not fit is aborted with 503 "The
+    request queue is full." (docs/scheduler.md#intake). With a host backup pool
+    (docs/scheduler.md#host-backup-pool) the plan must then not offload the sequence it releases.
 
-    max_running 2, max_queued 1, TEST_RETRACT every 3rd forward. a (step 0) and b (step 1) are
-    admitted in forwards 1 and 2; c (step 2) waits, the running cap reached. Forward 3 decodes both;
-    at the 4th step forward_ct = 3: a test retraction. a and b have 3 outputs each, so the longer
-    prompt goes (§6.3): b. The queue holds c: 1 + 1 > 1 -> b is aborted with QUEUE_FULL.
+    max_running 2, max_queued 1, TEST_RETRACT every 3rd forward. a (step 0) and b (step 1) are admitted in
+    forwards 1 and 2; c (step 2) waits, the running cap reached. Forward 3 decodes both; at the 4th step
+    forward_ct = 3: a test retraction. a and b have 3 outputs each, so the longer prompt goes
+    (docs/scheduler.md#retraction): b. The queue holds c: 1 + 1 > 1 -> b is aborted with QUEUE_FULL.
     """
     sched = make_scheduler(
         host_pool=4096,
@@ -679,13 +694,13 @@ def test_a_retracted_request_refused_by_the_full_queue_is_not_offloaded() -> Non
 
 
 def test_the_oom_abort_of_a_sample_group_member_aborts_its_waiting_siblings() -> None:
-    """SCHEDULER.md "Also in scope": a group (n > 1) is never split; when one member is aborted for
+    """docs/scheduler.md "Also in scope": a group (n > 1) is never split; when one member is aborted for
     memory, all members are, waiting or running. Here the member aborted is the last running request
-    (§6.3), with its sibling waiting under max_running_requests 1.
+    (docs/scheduler.md#retraction), with its sibling waiting under max_running_requests 1.
 
-    Nothing but another holder of KV can make a lone request's decode fail (§1.5's clamp), so, as
-    test_retract.py does, the test takes every free slot: the next decode check fails and the last
-    request is aborted with OOM_LAST_REQUEST.
+    Nothing but another holder of KV can make a lone request's decode fail (docs/scheduler.md#intake's
+    clamp), so, as test_retract.py does, the test takes every free slot: the next decode check fails and
+    the last request is aborted with OOM_LAST_REQUEST.
     """
     sched = make_scheduler(capacity=512, max_running_requests=1, chunked_prefill_size=None)
     worker = FakeWorker(512, eos=EOS)

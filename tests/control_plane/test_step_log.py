@@ -1,13 +1,14 @@
-"""The step loop's log lines and figures (SCHEDULER.md §6.1, §6.3, §10.4, §10.5)."""
+"""The step loop's log lines and figures (docs/scheduler.md#decode-memory-check, #retraction,
+#logs-and-metrics)."""
 
 from __future__ import annotations
 
 import structlog
 
+from control_plane.core.step_log import StepLog, oom_abort_line
 from control_plane.metrics import REGISTRY
 from control_plane.scheduler.plan import DecodeWork, StepKind, StepPlan
 from control_plane.scheduler.scheduler import StepStats
-from control_plane.step_log import StepLog, oom_abort_line
 from tests.control_plane.factories import make_scheduler
 
 
@@ -55,8 +56,9 @@ def test_cache_hit_rate_leaves_out_reprocessed_retracted_work() -> None:
 
 
 def test_a_retracted_requests_cache_hits_do_not_count_towards_the_hit_rate() -> None:
-    """§3.3/§10.5: work re-done for a retracted request goes to reprocessed_log_* and out of the rate.
-    Two requests decode; TEST_RETRACT retracts one at the third forward; its prompt was cached in
+    """docs/scheduler.md#prefill-adder-budgets, #logs-and-metrics: work re-done for a retracted request
+    goes to reprocessed_log_* and out of the rate. Two requests decode; TEST_RETRACT retracts one at the
+    third forward; its prompt was cached in
     the tree at its prefill, so re-admitting it hits the cache — but that hit is its own old work."""
     from tests.control_plane.factories import params, prompt
     from tests.control_plane.fake_worker import FakeWorker

@@ -19,7 +19,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from control_plane.tokenizer import StopMatcher
+from control_plane.frontend.detokenize import StopMatcher
 
 
 def _peak_bytes(build: Callable[[], object]) -> tuple[object, int]:

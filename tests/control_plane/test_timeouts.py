@@ -1,4 +1,5 @@
-"""Request timeouts (SCHEDULER.md §1.3 step 2, §1.5) through the engine's step loop, in process.
+"""Request timeouts (docs/scheduler.md#step-loop step 2, docs/scheduler.md#intake) through the engine's step
+loop, in process.
 
 The waiting timeout counts from the latest (re-)entry into the waiting queue and applies to every
 waiting request, retracted ones included; the running timeout applies to the running batch and is a
@@ -13,9 +14,9 @@ import asyncio
 
 import pytest
 
-from control_plane.engine import Engine
+from control_plane.core.engine import Engine
+from control_plane.core.timeouts import RUNNING_TIMEOUT, WAITING_TIMEOUT
 from control_plane.request import RequestParams, SamplerSpec
-from control_plane.timeouts import RUNNING_TIMEOUT, WAITING_TIMEOUT
 from control_plane.tokenizer import Tokenizer
 from stepwise.embedded import resolve_model
 from tests.control_plane.fake_core import FakeHub, finished, make_engine, submit

@@ -21,7 +21,8 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from control_plane.tokenizer import IncrementalDetokenizer, StopMatcher, TextStream, Tokenizer
+from control_plane.frontend.detokenize import IncrementalDetokenizer, StopMatcher, TextStream
+from control_plane.tokenizer import Tokenizer
 
 EOS = "<eos>"
 BOS = "<bos>"

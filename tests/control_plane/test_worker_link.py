@@ -1,4 +1,4 @@
-"""The worker link's reader (control_plane/worker_link.py): a Drain between results, or while no plan
+"""The worker link's reader (control_plane/core/worker_link.py): a Drain between results, or while no plan
 is in flight, reaches the engine at once; the session ends with one Shutdown or one Move."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import asyncio
 import numpy as np
 import pytest
 
-from control_plane.failover import WorkerGone
+from control_plane.core.failover import WorkerGone
+from control_plane.core.worker_checks import WorkerFault
+from control_plane.core.worker_link import StreamChannel
 from control_plane.scheduler.plan import DecodeWork, StepKind, StepPlan
-from control_plane.worker_checks import WorkerFault
-from control_plane.worker_link import StreamChannel
 from protos.stepwise.v1 import worker_pb2 as wk_pb
 
 pytestmark = pytest.mark.timeout(10)

@@ -97,7 +97,8 @@ async def test_concurrent_greedy_equals_transformers(start_stack, model_dir: Pat
         # Retracted KV goes to the worker's host pool and comes back instead of being recomputed.
         (["--chunked-prefill-size", "16"], ["--kv-tokens", "256", "--host-pool-tokens", "65536"]),
         # Without the radix cache, ignore_eos requests take SGLang's simulated-finish admission
-        # (§3.8), which never over-admits: no pressure here, just the chunk-cache path.
+        # (docs/scheduler.md#add-one-req-ignore-eos), which never over-admits: no pressure here, just the
+        # chunk-cache path.
         (["--chunked-prefill-size", "16", "--disable-radix-cache"], ["--page-size", "4"]),
     ],
     ids=[

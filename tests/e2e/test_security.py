@@ -251,7 +251,7 @@ async def test_bad_utf8_and_non_finite_numbers_are_invalid_arguments(start_contr
 
 async def test_a_priority_refused_by_the_server_is_unavailable(start_control) -> None:
     """SGLang answers 503 when priority scheduling is off and --abort-on-priority-when-disabled is set:
-    the server refuses, the input itself is fine (SCHEDULER.md §1.5)."""
+    the server refuses, the input itself is fine (docs/scheduler.md#intake)."""
     plane = await start_control("--abort-on-priority-when-disabled")
     plane.add_worker("w0")
     await plane.wait_workers(1)

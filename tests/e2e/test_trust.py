@@ -184,7 +184,8 @@ BAD_HELLOS = {
     "kv_capacity_tokens": {"kv_capacity_tokens": 10**13},
     "max_context": {"max_context": 0},
     "page_size": {"page_size": -4},
-    # The default --chunked-prefill-size 2048 is not a whole number of 3-token pages (§4.1).
+    # The default --chunked-prefill-size 2048 is not a whole number of 3-token pages
+    # (docs/scheduler.md#chunked-prefill).
     "page_size 3 does not divide --chunked-prefill-size": {"page_size": 3, "kv_capacity_tokens": 4095},
     "vocab_size": {"vocab_size": 2**31 - 1},
     "eos_token_ids": {"eos_token_ids": [5000]},

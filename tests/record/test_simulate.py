@@ -1,4 +1,4 @@
-"""`stepwise simulate`: deterministic, and its timeline follows SCHEDULER.md on hand-made traces."""
+"""`stepwise simulate`: deterministic, and its timeline follows docs/scheduler.md on hand-made traces."""
 
 from __future__ import annotations
 
@@ -45,7 +45,8 @@ def test_two_runs_print_the_same_bytes(tmp_path: Path, capsys: pytest.CaptureFix
 
 @pytest.mark.parametrize(("prompt", "passes"), [(256, 1), (257, 2), (512, 2), (768, 3), (2560, 10)])
 def test_chunk_counts(simulate: Simulate, prompt: int, passes: int) -> None:
-    """SCHEDULER.md §4.3: chunk 256 → prompt 256 runs in one pass, 257 in two, 768 in three."""
+    """docs/scheduler.md#chunked-prefill: chunk 256 → prompt 256 runs in one pass, 257 in two, 768 in
+    three."""
     lines, _ = simulate(
         [{"rid": "a", "arrival": 0, "prompt_len": prompt, "max_new_tokens": 2}],
         "--chunked-prefill-size",
@@ -64,7 +65,7 @@ def test_prefill_goes_before_decode(simulate: Simulate, mode: str, seen_at: int)
 
     Without overlap plan k is made when step k-1 has ended (clock 0.01·(k-1)): b (0.055) is seen by
     plan 7. With overlap plan k is made while step k-1 runs, on the clock of step k-2's end: plan 8.
-    Then b is decoded in the very next plan, before its first token is known (SCHEDULER.md §8.2)."""
+    Then b is decoded in the very next plan, before its first token is known (docs/scheduler.md#overlap)."""
     lines, _ = simulate(
         [
             {"rid": "a", "arrival": 0, "prompt_len": 30, "max_new_tokens": 20},
@@ -82,7 +83,7 @@ def test_prefill_goes_before_decode(simulate: Simulate, mode: str, seen_at: int)
 
 def test_overlap_and_no_overlap_generate_the_same(simulate: Simulate) -> None:
     """The same trace with and without overlap: same tokens and finishes (the summary), at least as
-    many steps with overlap (its dead decodes: each request decodes once more, §8.2)."""
+    many steps with overlap (its dead decodes: each request decodes once more, docs/scheduler.md#overlap)."""
     requests = [
         {"rid": f"r{i}", "arrival": 0.002 * i, "prompt_len": 20 + 9 * i, "max_new_tokens": 12 + i}
         | {"output_len": 6 + i % 5}
@@ -99,7 +100,8 @@ def test_overlap_and_no_overlap_generate_the_same(simulate: Simulate) -> None:
 def test_retraction_takes_the_fewest_outputs_first(
     simulate: Simulate, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """SCHEDULER.md §6.3: under KV pressure, the request with the fewest generated tokens goes first."""
+    """docs/scheduler.md#retraction: under KV pressure, the request with the fewest generated tokens goes
+    first."""
     monkeypatch.setenv("STEPWISE_INIT_NEW_TOKEN_RATIO", "0.01")  # admit optimistically, then run out
     requests = [
         {"rid": rid, "arrival": arrival, "prompt_len": 10, "max_new_tokens": 60, "ignore_eos": True}

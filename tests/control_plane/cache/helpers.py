@@ -33,7 +33,7 @@ def insert_fresh(alloc: SlotAllocator, tree: RadixCache, tokens: list[int], prio
 
 @dataclass
 class FakeReq:
-    """The cache-relevant state of one admitted request (SCHEDULER.md §0.1)."""
+    """The cache-relevant state of one admitted request (docs/scheduler.md#data-model)."""
 
     tokens: list[int]
     slots: np.ndarray
@@ -55,7 +55,8 @@ def admit(
     alloc: SlotAllocator, tree: RadixCache, tokens: list[int], extend: int | None = None
 ) -> FakeReq | None:
     """Match, lock, and allocate `extend` more positions after the match (default: up to len(tokens)).
-    The match never covers the last token (§12.3). Evicts when short; None when it still does not fit."""
+    The match never covers the last token (docs/scheduler.md#invariants). Evicts when short; None when it
+    still does not fit."""
     match = tree.match_prefix(tokens[:-1])
     tree.inc_lock_ref(match.last_node)
     prefix_len = len(match.indices)

@@ -1,4 +1,4 @@
-"""SlotAllocator: paged allocation contract (SCHEDULER.md §7.7) and determinism."""
+"""SlotAllocator: paged allocation contract (docs/scheduler.md#allocation) and determinism."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Random traces of a scheduler's cache calls: invariants hold after every operation (SCHEDULER.md §0.1),
+"""Random traces of a scheduler's cache calls: invariants hold after every operation
+(docs/scheduler.md#data-model),
 no slot is ever held twice, and everything returns to the free list once all locks are released."""
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ class CacheMachine(RuleBasedStateMachine):
     @precondition(lambda self: any(c < len(r.tokens) for r, c in zip(self.reqs, self.computed, strict=True)))
     @rule(data=st.data(), chunk=st.integers(1, 14))
     def next_chunk(self, data: st.DataObject, chunk: int) -> None:
-        """Cache the chunk done so far (§7.5, chunked=True), then allocate the next one."""
+        """Cache the chunk done so far (docs/scheduler.md#caching-requests, chunked=True), then
+        allocate the next one."""
         pending = [i for i, r in enumerate(self.reqs) if self.computed[i] < len(r.tokens)]
         i = data.draw(st.sampled_from(pending))
         req, done = self.reqs[i], self.computed[i]
@@ -73,7 +75,8 @@ class CacheMachine(RuleBasedStateMachine):
     @precondition(lambda self: self._prefilled())
     @rule(data=st.data())
     def prefill_done(self, data: st.DataObject) -> None:
-        """After the last prefill chunk of a request that goes on decoding (§7.5, chunked=False)."""
+        """After the last prefill chunk of a request that goes on decoding
+        (docs/scheduler.md#caching-requests, chunked=False)."""
         req = self.reqs[data.draw(st.sampled_from(self._prefilled()))]
         self._cache_unfinished(req, req.tokens, chunked=False)
 
@@ -140,7 +143,8 @@ class CacheMachine(RuleBasedStateMachine):
 
     @invariant()
     def priority_never_grows_downwards(self) -> None:
-        """§7.3: an insert raises every node on its path to max(existing, new), and a split copies the
+        """docs/scheduler.md#radix-cache: an insert raises every node on its path to max(existing,
+        new), and a split copies the
         node's priority to the new upper part, so no node outranks its (non-root) parent."""
         if not hasattr(self, "tree"):
             return
@@ -170,7 +174,7 @@ class CacheMachine(RuleBasedStateMachine):
             tokens, req.slots, req.protected_len, req.last_node, chunked, req.priority
         )
         # The shared positions read the tree's slots and the request's duplicates went back to the
-        # allocator; every later position keeps the request's own slot (§7.5).
+        # allocator; every later position keeps the request's own slot (docs/scheduler.md#caching-requests).
         assert self.tree.disable or old_protected <= state.shared_len <= state.protected_len
         assert self.alloc.is_free(own[old_protected : state.shared_len]).all()
         shared = max(state.shared_len, old_protected)

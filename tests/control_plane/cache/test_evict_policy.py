@@ -1,4 +1,5 @@
-"""Each eviction strategy's order and priority tuple (SCHEDULER.md §7.6; SGLang's test_evict_policy)."""
+"""Each eviction strategy's order and priority tuple (docs/scheduler.md#locks-and-eviction; SGLang's
+test_evict_policy)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""RadixCache behaviours of SCHEDULER.md §7 and §11 (test_radix_cache_unit's assertions)."""
+"""RadixCache behaviours of docs/scheduler.md#radix-cache and #sglang-tests (test_radix_cache_unit's
+assertions)."""
 
 from __future__ import annotations
 
@@ -189,7 +190,8 @@ def test_disabled_cache_stores_and_matches_nothing() -> None:
 
 
 def test_simulated_tree_needs_no_allocator() -> None:
-    tree = RadixCache(None)  # §2.3's in-batch prefix dedup: values stand in for slots
+    # docs/scheduler.md#in-batch-prefix-dedup: a simulated tree, whose values stand in for slots.
+    tree = RadixCache(None)
     assert tree.insert([4, 5, 6]) == 0
     assert tree.insert([4, 5, 7]) == 2
     assert tree.match_prefix([4, 5, 6, 1]).indices.tolist() == [4, 5, 6]

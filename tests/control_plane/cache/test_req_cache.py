@@ -1,6 +1,8 @@
-"""cache_finished_req / cache_unfinished_req on plain request state (SCHEDULER.md §7.4, §7.5, §6.4).
+"""cache_finished_req / cache_unfinished_req on plain request state (docs/scheduler.md#caching-requests,
+#retraction).
 
-These are the only implementation of §7.4/§7.5: the scheduler reaches them through KvManager
+These are the only implementation of docs/scheduler.md#caching-requests: the scheduler reaches them through
+KvManager
 (tests/control_plane/test_kv_manager.py covers that adapter)."""
 
 from __future__ import annotations
@@ -88,7 +90,8 @@ def test_retraction_frees_private_slots_without_inserting() -> None:
         assert decode(alloc, req, token)
     state = tree.cache_finished_req(req.tokens, req.slots, req.protected_len, req.last_node, insert=False)
     assert state.protected_len == 0
-    assert tree.total_size() == tree.evictable_size() == 4  # the prompt stays cached, unlocked (§12.8)
+    # The prompt stays cached, unlocked (docs/scheduler.md#invariants).
+    assert tree.total_size() == tree.evictable_size() == 4
     assert len(tree.match_prefix([1, 2, 3, 4, 5, 6, 7, 8]).indices) == 4
     assert alloc.available_size() == 28
     check_pool_invariants(alloc, tree, 0)

@@ -19,11 +19,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
-from control_plane.failover import Failover
+from control_plane.core.failover import Failover
 from control_plane.request import FinishReason, Request
 
 if TYPE_CHECKING:
-    from control_plane.engine import Engine
+    from control_plane.core.engine import Engine
 
 DRAINED = "drained"
 # Why a request left the scheduler of a leaving worker (never published: its stream goes on).

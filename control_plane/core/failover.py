@@ -1,6 +1,6 @@
 """Faults, contained where they arise: a lost worker's requests continue on another worker from
-their last streamed token, and a fault of our own restarts this worker's scheduler (STYLE: a loop
-that serves everyone never dies of one exception)."""
+their last streamed token, and a fault of our own restarts this worker's scheduler (a loop that
+serves everyone never dies of one exception)."""
 
 from __future__ import annotations
 
@@ -10,15 +10,15 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, cast
 
 from control_plane.config import ControlConfig
-from control_plane.inbox import Arrival, Item, LiveSample, Orphan
-from control_plane.publishing import INTERNAL_ERROR, Publishing
+from control_plane.core.inbox import Arrival, Item, LiveSample, Orphan
+from control_plane.core.publishing import INTERNAL_ERROR, Publishing
 from control_plane.record.recorder import close_recording, make_scheduler
 from control_plane.request import FinishReason, Request
 from control_plane.scheduler.plan import WorkerLimits
 from control_plane.scheduler.scheduler import QueueFull, RequestRejected
 
 if TYPE_CHECKING:
-    from control_plane.engine import Engine
+    from control_plane.core.engine import Engine
 
 # A request live during this many faults of our own is ended rather than tried again.
 MAX_FAULTS_PER_REQUEST = 2

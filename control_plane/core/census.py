@@ -21,7 +21,7 @@ import grpc
 import structlog
 
 from control_plane.config import Security
-from control_plane.engine import Engine
+from control_plane.core.engine import Engine
 from protos.stepwise.v1 import worker_pb2 as wk_pb
 from protos.stepwise.v1 import worker_pb2_grpc as wk_grpc
 from protos.targets import Address, Endpoint, parse_targets, resolve

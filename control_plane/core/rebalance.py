@@ -18,10 +18,10 @@ from collections.abc import Callable, Iterable, Sequence
 
 import structlog
 
-from control_plane.census import Census, PeerCensus
-from control_plane.drain import Departure
-from control_plane.engine import Engine
-from control_plane.router import Router
+from control_plane.core.census import Census, PeerCensus
+from control_plane.core.drain import Departure
+from control_plane.core.engine import Engine
+from control_plane.core.router import Router
 
 log = structlog.get_logger("stepwise.rebalance")
 

@@ -1,6 +1,6 @@
 """A frontend's link to its core: the calls and samples it serves, and what the core says of them.
 
-`stepwise control --frontends K` runs K frontend processes beside the core (frontend_server.py).
+`stepwise control --frontends K` runs K frontend processes beside the core (server.py here).
 Each serves the Generation API on the shared client port (generation.py): it authenticates,
 validates, tokenizes, sends arrivals, aborts and stop-string finishes to the core, and turns the
 core's token batches into client messages (samples.py). It makes no scheduling decision: the core
@@ -21,20 +21,19 @@ import grpc
 import numpy as np
 import structlog
 
-from control_plane import codec, metrics
+from control_plane import client_codec, metrics
 from control_plane.config import ControlConfig
-from control_plane.inbox import UID_LINK_SHIFT
-from control_plane.link import FrameReader, FrameWriter, LinkClosed, TurnFlush
+from control_plane.frontend.detokenize import TextStream
+from control_plane.frontend.samples import Call, Chunk, Lost, Sample
+from control_plane.link import UID_LINK_SHIFT, FrameReader, FrameWriter, LinkClosed, TurnFlush
 from control_plane.request import AbortCode, FinishKind, FinishReason
-from control_plane.samples import Call, Chunk, Lost, Sample
-from control_plane.tokenizer import TextStream, Tokenizer
+from control_plane.tokenizer import Tokenizer
 from protos.stepwise.v1 import frontend_pb2 as fe_pb
 from protos.stepwise.v1 import generation_pb2 as gen_pb
 
 log = structlog.get_logger("stepwise.frontend")
 
 CORE_GONE = "the control plane's core went away; retry"
-DRAINING = "the control plane is draining (shutting down); retry on another control plane"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -124,7 +123,7 @@ class Frontend:
 
     def open_call(
         self,
-        inp: codec.GenerateInput,
+        inp: client_codec.GenerateInput,
         sampling: gen_pb.SamplingParams,
         rid: str,
         ids: list[int],
@@ -284,7 +283,7 @@ def _observe_message(sample: Sample, chunk: Chunk, last: float, first: float | N
 
 
 def _arrival(
-    inp: codec.GenerateInput, sampling: gen_pb.SamplingParams, call: Call, ids: list[int]
+    inp: client_codec.GenerateInput, sampling: gen_pb.SamplingParams, call: Call, ids: list[int]
 ) -> fe_pb.Arrival:
     params = inp.params
     return fe_pb.Arrival(

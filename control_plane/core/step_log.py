@@ -1,4 +1,5 @@
-"""What one worker's step loop reports: SGLang's log lines (SCHEDULER.md §10) and the Prometheus
+"""What one worker's step loop reports: SGLang's log lines (docs/scheduler.md#logs-and-metrics) and the
+Prometheus
 figures, per step. Formatting lives here so the loop reads as plan, send, receive, apply, publish."""
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from control_plane.scheduler.scheduler import Scheduler, StepStats
 
 
 def retraction_line(stats: StepStats) -> str:
-    """SGLang's retraction warning (SCHEDULER.md §6.1)."""
+    """SGLang's retraction warning (docs/scheduler.md#decode-memory-check)."""
     head = "KV cache pool is full. Retract requests. " if stats.kv_full else "Testing retraction. "
     line = f"{head}#retracted_reqs: {len(stats.retracted)}, #new_tokens_gained: {stats.retract_tokens_gained}"
     if stats.kv_full:
@@ -22,7 +23,8 @@ def retraction_line(stats: StepStats) -> str:
 
 
 def oom_abort_line(rid: str) -> str:
-    """SGLang's line for the last request aborted because even alone it did not fit (§6.3)."""
+    """SGLang's line for the last request aborted because even alone it did not fit
+    (docs/scheduler.md#retraction)."""
     return f"retract_decode: aborted last request {rid} due to OOM"
 
 
@@ -86,7 +88,8 @@ class StepLog:
             self.metrics.hit_rate.set(rate)
 
     def _observe_retraction(self, stats: StepStats) -> None:
-        # The gauge is this step's figure: back to 0 on a step without retraction (§10.5).
+        # The gauge is this step's figure: back to 0 on a step without retraction
+        # (docs/scheduler.md#logs-and-metrics).
         if len(stats.retracted) != self._retracted_now:
             self._retracted_now = len(stats.retracted)
             self.metrics.retracted_now.set(self._retracted_now)

@@ -19,17 +19,24 @@ import grpc
 import numpy as np
 import structlog
 
-from control_plane import codec
+from control_plane import client_codec
 from control_plane.config import ControlConfig
-from control_plane.frontend import DRAINING
-from control_plane.inbox import UID_LINK_SHIFT, Arrival, LiveSample, Verdict, link_of
-from control_plane.link import FrameReader, FrameWriter, LinkClosed, TurnFlush
+from control_plane.core.inbox import Arrival, LiveSample, Verdict
+from control_plane.link import (
+    DRAINING,
+    UID_LINK_SHIFT,
+    FrameReader,
+    FrameWriter,
+    LinkClosed,
+    TurnFlush,
+    link_of,
+)
 from control_plane.request import AbortCode, FinishReason, RequestParams
 from protos.stepwise.v1 import frontend_pb2 as fe_pb
 from protos.stepwise.v1 import generation_pb2 as gen_pb
 
 if TYPE_CHECKING:
-    from control_plane.router import Router
+    from control_plane.core.router import Router
 
 log = structlog.get_logger("stepwise.hub")
 
@@ -239,7 +246,7 @@ class FrontendHub:
             return
         try:
             params = _params(msg, self.config)
-        except codec.InvalidArgument as exc:
+        except client_codec.InvalidArgument as exc:
             self.verdict(uids[0], Verdict.INVALID, str(exc))
             return
         rids = [msg.request_id] if len(uids) == 1 else [f"{msg.request_id}/{i}" for i in range(len(uids))]
@@ -277,4 +284,4 @@ class FrontendHub:
 def _params(msg: fe_pb.Arrival, config: ControlConfig) -> RequestParams:
     """The arrival's parameters (the frontend checked them; the core converts them again)."""
     priority = msg.priority if msg.has_priority else None
-    return codec.request_params_from_proto(msg.sampling, priority, msg.routing_key, config.limits)
+    return client_codec.request_params_from_proto(msg.sampling, priority, msg.routing_key, config.limits)

@@ -13,8 +13,8 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
+from control_plane.frontend.detokenize import TextStream
 from control_plane.request import FinishReason
-from control_plane.tokenizer import TextStream
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,10 +4,8 @@ its link to the core, started by the supervisor, until SIGTERM or until the core
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import signal
-import sys
 
 import grpc
 import structlog
@@ -15,8 +13,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from control_plane.config import ControlConfig
-from control_plane.frontend import CoreState, Frontend
-from control_plane.generation import GENERATION_SERVICE, GenerationService, generation_handler
+from control_plane.frontend.core_link import CoreState, Frontend
+from control_plane.frontend.generation import GENERATION_SERVICE, GenerationService, generation_handler
 from control_plane.listen import bind, server_credentials
 from control_plane.tokenizer import Tokenizer
 
@@ -99,15 +97,3 @@ async def serve(config: ControlConfig, index: int, link_path: str, port: int) ->
         waiter.cancel()
     await server.stop()
     return 0 if stop.is_set() else 1
-
-
-def main(config: ControlConfig, index: int, link_path: str, port: int, log_level: str, parent: int) -> None:
-    """Process entry (started by the supervisor with multiprocessing's spawn; `parent` is the core)."""
-    from stepwise import logs
-    from stepwise.parent import die_with_parent_pid
-
-    die_with_parent_pid(parent)
-    logs.configure(log_level)
-    structlog.contextvars.bind_contextvars(frontend=index)
-    with contextlib.suppress(KeyboardInterrupt):
-        sys.exit(asyncio.run(serve(config, index, link_path, port)))

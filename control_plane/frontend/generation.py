@@ -13,10 +13,10 @@ from pathlib import Path
 
 import grpc
 
-from control_plane import codec
-from control_plane.frontend import CORE_GONE, DRAINING, CoreState, Frontend
-from control_plane.link import LinkClosed
-from control_plane.samples import Call, Chunk, Done, Lost
+from control_plane import client_codec
+from control_plane.frontend.core_link import CORE_GONE, CoreState, Frontend
+from control_plane.frontend.samples import Call, Chunk, Done, Lost
+from control_plane.link import DRAINING, LinkClosed
 from protos.stepwise.v1 import generation_pb2 as gen_pb
 from protos.stepwise.v1 import generation_pb2_grpc as gen_grpc
 
@@ -90,7 +90,7 @@ class GenerationService(gen_grpc.GenerationServicer):
         return Caller(owner=owner, authenticated=True)
 
     async def Generate(
-        self, request: gen_pb.GenerateRequest | codec.Unparsable, context: grpc.aio.ServicerContext
+        self, request: gen_pb.GenerateRequest | client_codec.Unparsable, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[gen_pb.GenerateResponse]:
         caller = await self._caller(context)
         call = await self._accept(request, context, caller)
@@ -113,17 +113,17 @@ class GenerationService(gen_grpc.GenerationServicer):
 
     async def _accept(
         self,
-        request: gen_pb.GenerateRequest | codec.Unparsable,
+        request: gen_pb.GenerateRequest | client_codec.Unparsable,
         context: grpc.aio.ServicerContext,
         caller: Caller,
     ) -> Call:
         invalid = grpc.StatusCode.INVALID_ARGUMENT
-        if isinstance(request, codec.Unparsable):
+        if isinstance(request, client_codec.Unparsable):
             await context.abort(invalid, request.reason)
-        assert not isinstance(request, codec.Unparsable)
+        assert not isinstance(request, client_codec.Unparsable)
         try:
-            inp = codec.generate_input_from_proto(request, self.config.limits)
-        except codec.InvalidArgument as exc:
+            inp = client_codec.generate_input_from_proto(request, self.config.limits)
+        except client_codec.InvalidArgument as exc:
             await context.abort(invalid, str(exc))
         # Whether a worker can take it is the core's to say (its verdict): the state this frontend
         # last heard may lag an attach by a message. A drain is final, so it is refused here at once.
@@ -132,7 +132,7 @@ class GenerationService(gen_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, DRAINING)
         try:
             ids = await self._prompt_ids(inp, state)
-        except codec.InvalidArgument as exc:
+        except client_codec.InvalidArgument as exc:
             await context.abort(invalid, str(exc))
         rid = inp.request_id or uuid.uuid4().hex
         call = self.frontend.open_call(inp, request.sampling, rid, ids, caller.owner)
@@ -146,7 +146,7 @@ class GenerationService(gen_grpc.GenerationServicer):
             await context.abort(_STATUS.get(code, grpc.StatusCode.INTERNAL), message)
         return call
 
-    async def _prompt_ids(self, inp: codec.GenerateInput, state: CoreState) -> list[int]:
+    async def _prompt_ids(self, inp: client_codec.GenerateInput, state: CoreState) -> list[int]:
         """The prompt's token ids, checked. Text is measured before it is tokenized, and long text is
         tokenized off the event loop: its cost grows with its length."""
         if inp.text is not None:
@@ -159,8 +159,8 @@ class GenerationService(gen_grpc.GenerationServicer):
         else:
             ids, field_name = list(inp.input_ids or ()), "input_ids"
         if not ids:
-            raise codec.InvalidArgument(f"{field_name}: prompt must not be empty")
-        codec.check_token_ids(ids, state.vocab_size or self.tokenizer.vocab_size)
+            raise client_codec.InvalidArgument(f"{field_name}: prompt must not be empty")
+        client_codec.check_token_ids(ids, state.vocab_size or self.tokenizer.vocab_size)
         return ids
 
     def _check_text_fits(self, text: str, state: CoreState) -> int:
@@ -168,19 +168,19 @@ class GenerationService(gen_grpc.GenerationServicer):
         if self.config.scheduler.allow_auto_truncate or not state.max_context:
             return size
         if size > state.max_context * self.tokenizer.max_token_bytes:
-            raise codec.InvalidArgument(
+            raise client_codec.InvalidArgument(
                 f"text: a prompt of {size} bytes is more than the model's context of "
                 f"{state.max_context} tokens"
             )
         return size
 
     async def Abort(
-        self, request: gen_pb.AbortRequest | codec.Unparsable, context: grpc.aio.ServicerContext
+        self, request: gen_pb.AbortRequest | client_codec.Unparsable, context: grpc.aio.ServicerContext
     ) -> gen_pb.AbortResponse:
         caller = await self._caller(context)
-        if isinstance(request, codec.Unparsable):
+        if isinstance(request, client_codec.Unparsable):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
-        assert not isinstance(request, codec.Unparsable)
+        assert not isinstance(request, client_codec.Unparsable)
         try:
             found = await self.frontend.abort(request.request_id, caller.owner)
         except LinkClosed:
@@ -188,7 +188,9 @@ class GenerationService(gen_grpc.GenerationServicer):
         return gen_pb.AbortResponse(found=found)
 
     async def GetServerInfo(
-        self, request: gen_pb.GetServerInfoRequest | codec.Unparsable, context: grpc.aio.ServicerContext
+        self,
+        request: gen_pb.GetServerInfoRequest | client_codec.Unparsable,
+        context: grpc.aio.ServicerContext,
     ) -> gen_pb.ServerInfo:
         caller = await self._caller(context)
         try:
@@ -203,7 +205,7 @@ class GenerationService(gen_grpc.GenerationServicer):
 
 
 def generation_handler(service: GenerationService) -> grpc.GenericRpcHandler:
-    """The Generation service, parsing requests leniently (see codec.lenient_parser)."""
+    """The Generation service, parsing requests leniently (see client_codec.lenient_parser)."""
     methods = gen_pb.DESCRIPTOR.services_by_name["Generation"].methods_by_name
     handlers = {}
     for name, method in methods.items():
@@ -216,7 +218,7 @@ def generation_handler(service: GenerationService) -> grpc.GenericRpcHandler:
         )
         handlers[name] = factory(
             getattr(service, name),
-            request_deserializer=codec.lenient_parser(request_cls),
+            request_deserializer=client_codec.lenient_parser(request_cls),
             response_serializer=response_cls.SerializeToString,
         )
     return grpc.method_handlers_generic_handler(GENERATION_SERVICE, handlers)
@@ -237,7 +239,7 @@ def coalesce(rid: str, events: Sequence[Chunk | Done]) -> list[gen_pb.GenerateRe
         _flush_chunk(rid, pending, out)
         pending = None
         out.append(
-            codec.finished_response(
+            client_codec.finished_response(
                 rid,
                 event.index,
                 event.reason,
@@ -251,4 +253,4 @@ def coalesce(rid: str, events: Sequence[Chunk | Done]) -> list[gen_pb.GenerateRe
 
 def _flush_chunk(rid: str, chunk: Chunk | None, out: list[gen_pb.GenerateResponse]) -> None:
     if chunk is not None and (chunk.token_ids or chunk.text):
-        out.append(codec.chunk_response(rid, chunk.index, list(chunk.token_ids), chunk.text))
+        out.append(client_codec.chunk_response(rid, chunk.index, list(chunk.token_ids), chunk.text))

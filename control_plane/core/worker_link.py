@@ -21,10 +21,10 @@ from collections.abc import Callable
 import grpc
 import structlog
 
-from control_plane import codec
-from control_plane.failover import WorkerGone
+from control_plane import worker_codec
+from control_plane.core.failover import WorkerGone
+from control_plane.core.worker_checks import WorkerFault
 from control_plane.scheduler.plan import StepPlan, StepResult
-from control_plane.worker_checks import WorkerFault
 from protos.stepwise.v1 import worker_pb2 as wk_pb
 
 log = structlog.get_logger("stepwise.worker_link")
@@ -37,7 +37,7 @@ class StreamChannel:
         self, context: grpc.aio.ServicerContext, on_drain: Callable[[str], None] | None = None
     ) -> None:
         self.context = context
-        self.encoder = codec.PlanEncoder()
+        self.encoder = worker_codec.PlanEncoder()
         # Called with the worker's reason when it sends Drain (the engine starts leaving).
         self.on_drain = on_drain
         # Tokens each sent plan's result must carry, oldest plan first.
@@ -62,7 +62,7 @@ class StreamChannel:
 
     async def send(self, plan: StepPlan) -> None:
         message = self.encoder.encode(plan)  # a failure here is ours, not the worker's
-        self._awaiting.append(codec.sampled_count(plan))
+        self._awaiting.append(worker_codec.sampled_count(plan))
         self._unanswered += 1
         await self._write(message)
 
@@ -77,17 +77,17 @@ class StreamChannel:
             self._arrived.put_nowait(arrived)  # the stream stays ended for every later call
             raise arrived
         try:
-            return codec.result_from_proto(arrived, sampled)
-        except codec.ProtocolError as exc:
+            return worker_codec.result_from_proto(arrived, sampled)
+        except worker_codec.ProtocolError as exc:
             raise WorkerFault(str(exc)) from None
 
     async def close(self, reason: str) -> None:
         """End the session with Shutdown (once; later calls and a Move after it do nothing)."""
-        await self._end(codec.shutdown(reason))
+        await self._end(worker_codec.shutdown(reason))
 
     async def move(self, reason: str) -> None:
         """End the session with Move: the worker attaches to another control plane."""
-        await self._end(codec.move(reason))
+        await self._end(worker_codec.move(reason))
 
     async def _end(self, message: wk_pb.ControlMessage) -> None:
         if self._ended:

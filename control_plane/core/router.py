@@ -19,7 +19,7 @@ import numpy as np
 from control_plane import metrics
 from control_plane.cache.radix import as_token_bytes
 from control_plane.config import ControlConfig, RoutingConfig
-from control_plane.engine import Engine
+from control_plane.core.engine import Engine
 from control_plane.tokenizer import Tokenizer
 from protos.stepwise.v1 import generation_pb2 as gen_pb
 

@@ -1,7 +1,7 @@
 """One step loop per worker: plan, send, receive, apply, publish.
 
 The engine owns a Scheduler (pure) and a WorkerChannel (the wire). With overlap (the default,
-SCHEDULER.md §8) two plans are in flight: the plan for step N+1 is on its way while the worker runs
+docs/scheduler.md#overlap) two plans are in flight: the plan for step N+1 is on its way while the worker runs
 step N, so the worker starts N+1 the moment N ends. Every turn sends the next plan before it
 publishes the previous step's tokens, so publishing never delays the accelerator.
 
@@ -28,18 +28,19 @@ import structlog
 from control_plane import metrics
 from control_plane.cache.invariants import InvariantError, PoolCheck, check_pool_invariants
 from control_plane.config import ControlConfig
-from control_plane.drain import Draining, Leaving
-from control_plane.failover import WorkerGone
-from control_plane.inbox import AbortItem, Arrival, Item, LiveSample, Orphan, StopItem, Verdict, link_of
-from control_plane.publishing import Publisher
+from control_plane.core.drain import Draining, Leaving
+from control_plane.core.failover import WorkerGone
+from control_plane.core.inbox import AbortItem, Arrival, Item, LiveSample, Orphan, StopItem, Verdict
+from control_plane.core.publishing import Publisher
+from control_plane.core.step_log import StepLog
+from control_plane.core.timeouts import Timeouts
+from control_plane.core.worker_checks import WorkerFault, check_result
+from control_plane.link import link_of
 from control_plane.record.recorder import close_recording, make_scheduler
 from control_plane.request import AbortCode, FinishReason, RequestParams
 from control_plane.scheduler.plan import StepPlan, StepResult, WorkerLimits
 from control_plane.scheduler.scheduler import QueueFull, RequestRejected
 from control_plane.scheduler.state import StepStats
-from control_plane.step_log import StepLog
-from control_plane.timeouts import Timeouts
-from control_plane.worker_checks import WorkerFault, check_result
 
 log = structlog.get_logger("stepwise.engine")
 

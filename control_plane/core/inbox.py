@@ -12,14 +12,6 @@ from dataclasses import dataclass
 
 from control_plane.request import FinishReason, RequestParams
 
-# A uid (a frontend's stream key) carries the frontend's link id above these bits (frontend.proto).
-UID_LINK_SHIFT = 40
-
-
-def link_of(uid: int) -> int:
-    """The frontend link a uid belongs to."""
-    return uid >> UID_LINK_SHIFT
-
 
 class Verdict(enum.Enum):
     """The core's answer to an arrival (the frontend maps it to a gRPC status)."""

@@ -1,5 +1,5 @@
 """The control plane's core process: the worker dial-in service (one engine per attached worker),
-the hub its frontends link to, and the frontend processes themselves (DESIGN: "Processes and scale").
+the hub its frontends link to, and the frontend processes themselves (docs/architecture.md#processes).
 
 Clients reach the frontends on the client port; workers dial the core's worker port. Both ports carry
 standard health checking and server reflection. Health ("" on either port) is NOT_SERVING until a
@@ -12,9 +12,9 @@ many workers it holds; census.py), and with `--peers` it compares itself with th
 a worker to move when it holds too many (rebalance.py). On SIGTERM it drains (`ControlPlane.drain`):
 no new work, running streams finish within `--drain-timeout`, every worker is told to move.
 
-Trust: clients may be asked for a bearer token (`--api-key`) and served over TLS (generation.py);
+Trust: clients may be asked for a bearer token (`--api-key`) and served over TLS (frontend/generation.py);
 workers may be required to present a certificate from `--worker-ca` (mutual TLS). Nothing a peer
-sends is believed before it is checked: requests in codec.py, hellos and results in worker_checks.py.
+sends is believed before it is checked: requests in client_codec.py, hellos and results in worker_checks.py.
 """
 
 from __future__ import annotations
@@ -33,18 +33,19 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from control_plane import census, codec, metrics
+from control_plane import metrics, worker_codec
 from control_plane.config import ControlConfig
-from control_plane.drain import Departure
-from control_plane.engine import Engine
-from control_plane.hub import FrontendHub
+from control_plane.core import census
+from control_plane.core.drain import Departure
+from control_plane.core.engine import Engine
+from control_plane.core.hub import FrontendHub
+from control_plane.core.rebalance import Rebalancer
+from control_plane.core.router import Router
+from control_plane.core.supervisor import FrontendEntry, Frontends
+from control_plane.core.worker_checks import hello_refusal
+from control_plane.core.worker_link import StreamChannel
 from control_plane.listen import bind, server_credentials
-from control_plane.rebalance import Rebalancer
-from control_plane.router import Router
-from control_plane.supervisor import Frontends
 from control_plane.tokenizer import Tokenizer
-from control_plane.worker_checks import hello_refusal
-from control_plane.worker_link import StreamChannel
 from protos.stepwise.v1 import generation_pb2 as gen_pb
 from protos.stepwise.v1 import worker_pb2 as wk_pb
 from protos.stepwise.v1 import worker_pb2_grpc as wk_grpc
@@ -94,18 +95,18 @@ class WorkerLinkService(wk_grpc.WorkerLinkServicer):
         if first is grpc.aio.EOF or first.WhichOneof("msg") != "hello":  # type: ignore[attr-defined]
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "the first message must be a hello")
             return
-        limits = codec.limits_from_hello(first.hello)
+        limits = worker_codec.limits_from_hello(first.hello)
         refusal = self._refusal(first.hello) or hello_refusal(
             limits, self.config.limits, self.tokenizer.vocab_size
         )
         if refusal:
             log.error("worker refused", worker=limits.worker_id, reason=refusal)
-            await context.write(codec.welcome(False, refusal))
+            await context.write(worker_codec.welcome(False, refusal))
             return
         retry = self._passing_refusal(first.hello)
         if retry:
             log.warning("worker refused for now", worker=limits.worker_id, reason=retry)
-            await context.write(codec.welcome(False, retry, retryable=True))
+            await context.write(worker_codec.welcome(False, retry, retryable=True))
             return
         channel = StreamChannel(context)
         engine = Engine(self.config, limits, channel, self.hub)
@@ -115,7 +116,7 @@ class WorkerLinkService(wk_grpc.WorkerLinkServicer):
         # Attached before the welcome: a call that follows the welcome at once finds the worker.
         self.router.attach(engine)
         try:
-            await context.write(codec.welcome(True))
+            await context.write(worker_codec.welcome(True))
         except BaseException:
             self.router.detach(engine)
             raise
@@ -142,16 +143,16 @@ class WorkerLinkService(wk_grpc.WorkerLinkServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"dropped: {engine.fault}")
 
     def _refusal(self, hello: wk_pb.Hello) -> str:
-        if hello.protocol_version != codec.PROTOCOL_VERSION:
-            return (
-                f"protocol_version {hello.protocol_version} is not supported (want {codec.PROTOCOL_VERSION})"
-            )
+        want = worker_codec.PROTOCOL_VERSION
+        if hello.protocol_version != want:
+            return f"protocol_version {hello.protocol_version} is not supported (want {want})"
         page = self.config.scheduler.page_size
         if page is not None and hello.page_size != page:
             return f"page_size {hello.page_size} differs from the control plane's --page-size {page}"
         chunk = self.config.scheduler.chunked_prefill_size
         if page is None and chunk and hello.page_size > 0 and chunk % hello.page_size:
-            # SGLang asserts the chunk is a whole number of pages (§4.1); the page is the worker's here.
+            # SGLang asserts the chunk is a whole number of pages (docs/scheduler.md#chunked-prefill); the
+            # page is the worker's here.
             return f"page_size {hello.page_size} does not divide --chunked-prefill-size {chunk}"
         fingerprint = self.router.model_fingerprint
         if fingerprint and hello.model_fingerprint != fingerprint:
@@ -173,7 +174,9 @@ class ControlPlane:
     """The core and its frontends; `start()` binds both ports, `drain()` winds down as on SIGTERM,
     `stop()` ends everything at once."""
 
-    def __init__(self, config: ControlConfig, log_level: str = "info") -> None:
+    def __init__(
+        self, config: ControlConfig, log_level: str = "info", frontend_entry: FrontendEntry | None = None
+    ) -> None:
         self.config = config
         self.tokenizer = Tokenizer.from_dir(config.model_dir)
         self.health = health.aio.HealthServicer()  # type: ignore[attr-defined]
@@ -183,7 +186,7 @@ class ControlPlane:
         self.hub = FrontendHub(config, self.router, self.server_info)
         self.worker_server = grpc.aio.server(options=WORKER_SERVER_OPTIONS)
         self._dir = tempfile.mkdtemp(prefix="stepwise-core-")
-        self.frontends = Frontends(config, str(Path(self._dir) / "link.sock"), log_level)
+        self.frontends = Frontends(config, str(Path(self._dir) / "link.sock"), log_level, frontend_entry)
         self.port = 0
         self.worker_port = 0
         # Random per process: peers (and this control plane, in its own --peers) recognise it by it.

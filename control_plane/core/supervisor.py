@@ -9,6 +9,7 @@ import contextlib
 import multiprocessing
 import os
 import time
+from collections.abc import Callable
 from multiprocessing.process import BaseProcess
 
 import structlog
@@ -24,6 +25,11 @@ RESTART_BACKOFF_S = (0.5, 30.0)
 HEALTHY_RUN_S = 60.0
 
 
+# A frontend process's entry: (config, index, link path, client port, log level, core pid). The
+# command line passes it in (stepwise/frontend.py), so the core never imports the frontend's code.
+FrontendEntry = Callable[[ControlConfig, int, str, int, str, int], None]
+
+
 class FrontendStartError(RuntimeError):
     """A frontend could not start (its exit code says why in the log)."""
 
@@ -31,8 +37,11 @@ class FrontendStartError(RuntimeError):
 class Frontends:
     """K frontend processes. `start` returns the client port once every one of them listens."""
 
-    def __init__(self, config: ControlConfig, link_path: str, log_level: str) -> None:
+    def __init__(
+        self, config: ControlConfig, link_path: str, log_level: str, entry: FrontendEntry | None = None
+    ) -> None:
         self.config = config
+        self.entry = entry
         self.link_path = link_path
         self.log_level = log_level
         self.port = 0
@@ -74,10 +83,10 @@ class Frontends:
                 waiting.discard(index)
 
     def _spawn(self, index: int) -> None:
-        from control_plane import frontend_server
-
+        if self.entry is None:
+            raise FrontendStartError("no frontend entry point was given to start frontend processes with")
         process = self._context.Process(
-            target=frontend_server.main,
+            target=self.entry,
             args=(self.config, index, self.link_path, self.port, self.log_level, os.getpid()),
             name=f"stepwise-frontend-{index}",
             daemon=True,

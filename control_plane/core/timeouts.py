@@ -1,5 +1,5 @@
-"""SGLang's request timeouts (SCHEDULER.md §1.3 step 2, §1.5): `--waiting-timeout` and
-`--running-timeout` (SGLANG_REQ_WAITING_TIMEOUT / _RUNNING_TIMEOUT; <= 0 is off).
+"""SGLang's request timeouts (docs/scheduler.md#step-loop step 2, docs/scheduler.md#intake):
+`--waiting-timeout` and `--running-timeout` (SGLANG_REQ_WAITING_TIMEOUT / _RUNNING_TIMEOUT; <= 0 is off).
 
 The scheduler has no wall clock, so the engine decides on its own clock and acts through
 scheduler calls that the recorder writes down (replay stays exact):

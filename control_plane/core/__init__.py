@@ -1,0 +1,1 @@
+"""The core process of a control plane: every decision, one step loop per worker."""

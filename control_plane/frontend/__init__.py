@@ -1,0 +1,1 @@
+"""A frontend process of a control plane: the client API, tokenizing, streaming."""
