@@ -7,7 +7,8 @@
 
 REC is a recording file (`<worker>-<n>.0000.rec`; later parts are followed), a session name, or a
 directory holding one session; recordings made by an older format are refused. Exit codes: 0
-identical / shown, 1 diverged, 2 unreadable input.
+identical / shown, 1 diverged or damaged (a damaged record anywhere but a torn tail), 2 unreadable
+input. The replays' last line says how many of the recording's complete records were checked.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pathlib import Path
 
 from control_plane.record import codec as record_codec
 from control_plane.record.entries import Entry, Header
-from control_plane.record.files import RecordingError, read_entries, read_header
+from control_plane.record.files import DamagedRecording, RecordingError, RecordingReader, read_header
 from control_plane.record.replay import ReplayReport, replay_scheduler, replay_worker
 from control_plane.record.timeline import StepLine, TimelineBuilder
 from stepwise import flags
@@ -154,8 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _report(report: ReplayReport) -> int:
-    print(report.describe())
+def _report(report: ReplayReport, reader: RecordingReader) -> int:
+    print(f"{report.describe()} ({reader.summary()})")
     return EXIT_IDENTICAL if report.identical else EXIT_DIVERGED
 
 
@@ -164,13 +165,14 @@ def _run(ns: argparse.Namespace) -> int:
     refusal = record_codec.unsupported_format(header)
     if refusal:
         raise RecordingError(f"{ns.recording}: {refusal}")
-    entries = read_entries(ns.recording)
+    reader = RecordingReader(ns.recording)
+    entries = reader.entries()
     if ns.what == "scheduler":
-        return _report(replay_scheduler(entries))
+        return _report(replay_scheduler(entries), reader)
     if ns.what == "worker":
         # One link for the whole session: the plans' decode sets travel as deltas, as they did live.
         link = WireLink(fresh_executor(header, ns.model, ns.device, ns.dtype))
-        return _report(replay_worker(entries, link.step))
+        return _report(replay_worker(entries, link.step), reader)
     if ns.json:
         for line in timeline(entries):
             print(json.dumps(line.to_json()))
@@ -188,6 +190,9 @@ def main(argv: Sequence[str]) -> int:
     warnings.showwarning = _print_warning
     try:
         return _run(ns)
+    except DamagedRecording as exc:
+        print(f"stepwise replay: {exc}", file=sys.stderr)
+        return EXIT_DIVERGED
     except (RecordingError, OSError, ValueError) as exc:
         print(f"stepwise replay: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT

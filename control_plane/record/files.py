@@ -4,7 +4,8 @@ A session `DIR/<worker>-<n>` is written as parts `<worker>-<n>.0000.rec`, `.0001
 part begins with a header (a continuation repeats the session's header with its part number and
 first step). Every record is preceded by its length as a base-128 varint, protobuf's delimited
 format. A crash can leave the last record of the last part cut short: the reader stops there with a
-TruncatedRecording warning and yields everything before it.
+TruncatedRecording warning and yields everything before it. Damage anywhere else is an error
+(DamagedRecording, with the byte offset): a damaged middle never passes for a shorter recording.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import dataclasses
 import re
 import warnings
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
@@ -30,6 +32,11 @@ class TruncatedRecording(UserWarning):
 
 class RecordingError(Exception):
     """The path does not name a readable recording."""
+
+
+class DamagedRecording(RecordingError):
+    """The recording is damaged before its tail (a record that does not decode, a length prefix
+    that is not one, a torn part that is not the last): it cannot be trusted past the damage."""
 
 
 # --- varints ------------------------------------------------------------------------------------------
@@ -147,45 +154,101 @@ def _only_session(directory: Path) -> list[Path]:
     return recording_parts(directory / sessions[0])
 
 
-def read_records(path: Path) -> Iterator[bytes]:
-    """Raw records of one file, stopping (with a warning) at a truncated or unreadable tail."""
+@dataclass(frozen=True, slots=True)
+class _Span:
+    """One complete record of a part: where its length prefix starts, and its size."""
+
+    offset: int
+    size: int
+
+
+def _spans(path: Path, last: bool) -> tuple[list[_Span], str]:
+    """Every complete record of a part, found from the length prefixes alone (no record is decoded),
+    and a description of the torn tail ("" when the part ends on a record boundary).
+
+    Only a crash can leave a record cut short, and only in the part being written: a torn tail of
+    the last part is reported, anywhere else it is damage. A length prefix longer than a varint can
+    be is damage wherever it is."""
+    spans: list[_Span] = []
+    end = path.stat().st_size
     with open(path, "rb", buffering=_BUFFER_BYTES) as f:
         while True:
             offset = f.tell()
             try:
                 size = _read_varint(f)
-            except (EOFError, ValueError) as exc:
-                _warn_truncated(path, offset, str(exc))
-                return
+            except EOFError as exc:
+                torn = f"{exc} at byte {offset}"
+                break
+            except ValueError as exc:
+                raise DamagedRecording(f"{path}: damaged at byte {offset} ({exc})") from None
             if size is None:
-                return
-            data = f.read(size)
-            if len(data) < size:
-                _warn_truncated(path, offset, f"record of {size} bytes has only {len(data)}")
-                return
-            yield data
+                return spans, ""
+            if f.tell() + size > end:
+                torn = f"record at byte {offset} of {size} bytes has only {end - f.tell()}"
+                break
+            f.seek(size, 1)
+            spans.append(_Span(offset, size))
+    if not last:
+        raise DamagedRecording(f"{path}: damaged: {torn}, but this is not the recording's last part")
+    return spans, f"{path}: torn tail ({torn}); read up to the last whole record"
 
 
-def _warn_truncated(path: Path, offset: int, why: str) -> None:
-    warnings.warn(
-        f"{path}: truncated at byte {offset} ({why}); read up to the last whole record",
-        TruncatedRecording,
-        stacklevel=3,
-    )
+class RecordingReader:
+    """Reads a recording across its parts, and says how much of it was read.
 
+    The parts are scanned first (length prefixes only), so damage in the framing is found before
+    the first entry is used, and `total` is known from the start: the replays report `checked` of
+    `total` complete records. A record that does not decode is damage: DamagedRecording names the
+    file, the byte offset and the record's index in its part. A torn tail is one
+    TruncatedRecording warning, and everything before it is read.
+    """
 
-def read_entries(path: Path) -> Iterator[Entry]:
-    """Every entry of a recording across its parts: one header first, continuation headers dropped."""
-    for index, part in enumerate(recording_parts(path)):
-        for i, data in enumerate(read_records(part)):
+    def __init__(self, path: Path) -> None:
+        self.parts = recording_parts(path)
+        self._spans: list[list[_Span]] = []
+        self.torn = ""
+        for index, part in enumerate(self.parts):
+            spans, torn = _spans(part, last=index == len(self.parts) - 1)
+            self._spans.append(spans)
+            self.torn = torn or self.torn
+        self.total = sum(map(len, self._spans))
+        self.checked = 0
+
+    def records(self) -> Iterator[tuple[Path, int, int, bytes]]:
+        """(part, index in the part, byte offset, raw record) for every complete record."""
+        if self.torn:
+            warnings.warn(self.torn, TruncatedRecording, stacklevel=2)
+        for part, spans in zip(self.parts, self._spans, strict=True):
+            with open(part, "rb", buffering=_BUFFER_BYTES) as f:
+                for index, span in enumerate(spans):
+                    f.seek(span.offset)
+                    _read_varint(f)
+                    yield part, index, span.offset, f.read(span.size)
+
+    def entries(self) -> Iterator[Entry]:
+        """Every entry: one header first, the continuation headers of later parts dropped."""
+        for part, index, offset, data in self.records():
             try:
                 entry = codec.decode(data)
             except Exception as exc:  # protobuf's DecodeError has no stable import path
-                _warn_truncated(part, -1, f"record {i} does not decode: {exc}")
-                return
-            if index > 0 and i == 0 and isinstance(entry, Header):
+                raise DamagedRecording(
+                    f"{part}: damaged at byte {offset} (record {index} does not decode: {exc}); "
+                    "nothing past it can be trusted"
+                ) from None
+            self.checked += 1
+            if part is not self.parts[0] and index == 0 and isinstance(entry, Header):
                 continue
             yield entry
+
+    def summary(self) -> str:
+        """How much was checked, for the replays' last line."""
+        torn = "; a torn tail was ignored" if self.torn else ""
+        return f"{self.checked} of {self.total} complete records checked{torn}"
+
+
+def read_entries(path: Path) -> Iterator[Entry]:
+    """Every entry of a recording across its parts (see RecordingReader)."""
+    yield from RecordingReader(path).entries()
 
 
 def read_header(path: Path) -> Header:
