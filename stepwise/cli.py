@@ -119,6 +119,13 @@ async def _serve_control(config: ControlConfig, ready_file: Path | None, log_lev
     from control_plane.core.supervisor import FrontendStartError
     from stepwise import frontend
 
+    if config.record_dir is not None:
+        from control_plane.record.files import RecordingError, check_writable
+
+        try:
+            check_writable(config.record_dir)
+        except RecordingError as exc:
+            raise RoutineError(f"--record {config.record_dir}: {exc}") from None
     plane = ControlPlane(config, log_level, frontend.main)
     try:
         await plane.start()

@@ -11,6 +11,7 @@ TruncatedRecording warning and yields everything before it. Damage anywhere else
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import warnings
 from collections.abc import Iterator
@@ -69,6 +70,18 @@ def _read_varint(f: BinaryIO) -> int | None:
 
 
 # --- writing ------------------------------------------------------------------------------------------
+
+
+def check_writable(directory: Path) -> None:
+    """RecordingError unless recordings can be written under `directory` (created if missing): a
+    file is created and removed there, so a read-only or full file system is found at start."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe = directory / f".stepwise-probe-{os.getpid()}"
+        probe.write_bytes(b"\0" * 4096)
+        probe.unlink()
+    except OSError as exc:
+        raise RecordingError(f"cannot write recordings there: {exc.strerror or exc}") from None
 
 
 def session_path(directory: Path, worker_id: str) -> Path:

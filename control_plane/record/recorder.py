@@ -11,9 +11,12 @@ recorded (it only labels streamed tokens).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Protocol
+
+import structlog
 
 from control_plane.config import ControlConfig, SchedulerConfig
 from control_plane.record import codec
@@ -34,6 +37,8 @@ from control_plane.request import FinishReason, Request, RequestParams
 from control_plane.scheduler.plan import StepPlan, StepResult, WorkerLimits
 from control_plane.scheduler.scheduler import QueueFull, RequestRejected, Scheduler, StepUpdates
 
+log = structlog.get_logger("stepwise.record")
+
 
 class Sink(Protocol):
     def write(self, entry: Entry) -> None: ...
@@ -44,19 +49,46 @@ class Sink(Protocol):
 
 
 class FileSink:
-    """Entries encoded as delimited protobuf records into a rotating session of files."""
+    """Entries encoded as delimited protobuf records into a rotating session of files.
+
+    A recording is a debugging aid and never worth a request: the first write that fails (a full
+    disk, a file-size limit, a directory gone) is logged once, the recording stops there, and the
+    scheduler goes on serving. What was written before is a recording with a torn tail at worst,
+    which the reader accepts.
+    """
 
     def __init__(self, writer: RecordWriter) -> None:
-        self.writer = writer
+        self.writer: RecordWriter | None = writer
+
+    @property
+    def stopped(self) -> bool:
+        return self.writer is None
 
     def write(self, entry: Entry) -> None:
-        self.writer.append(codec.encode(entry))
+        if self.writer is not None:
+            data = codec.encode(entry)
+            self._guarded(lambda w: w.append(data))
 
     def end_step(self, step: int) -> None:
-        self.writer.end_step(step)
+        self._guarded(lambda w: w.end_step(step))
 
     def close(self) -> None:
-        self.writer.close()
+        self._guarded(lambda w: w.close())
+        self.writer = None
+
+    def _guarded(self, operation: Callable[[RecordWriter], None]) -> None:
+        writer = self.writer
+        if writer is None:
+            return
+        try:
+            operation(writer)
+        except OSError as exc:
+            self.writer = None
+            log.error(
+                "recording stopped: a write failed; serving goes on", path=str(writer.path), error=str(exc)
+            )
+            with contextlib.suppress(OSError):
+                writer.close()
 
 
 class Tee:
@@ -81,7 +113,8 @@ def recording_header(config: SchedulerConfig, limits: WorkerLimits, writer: str,
 
 
 def open_file_sink(directory: Path, header: Header, max_bytes: int) -> FileSink:
-    """A new session for this worker under `directory` (never appends to an earlier session)."""
+    """A new session for this worker under `directory` (never appends to an earlier session).
+    OSError when the session cannot be created."""
     return FileSink(RecordWriter(session_path(directory, header.limits.worker_id), header, max_bytes))
 
 
@@ -151,7 +184,12 @@ def make_scheduler(config: ControlConfig, limits: WorkerLimits) -> Scheduler:
     if config.record_dir is None:
         return Scheduler(config.scheduler, limits)
     header = recording_header(config.scheduler, limits, "stepwise control")
-    sink = open_file_sink(config.record_dir, header, config.record_max_bytes)
+    try:
+        sink = open_file_sink(config.record_dir, header, config.record_max_bytes)
+    except OSError as exc:
+        # The directory was checked at start; it can still fill up or go away since.
+        log.error("recording not started: serving goes on", worker=limits.worker_id, error=str(exc))
+        return Scheduler(config.scheduler, limits)
     return RecordingScheduler(config.scheduler, limits, sink)
 
 
