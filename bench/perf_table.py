@@ -1,11 +1,11 @@
-"""Regenerate README.md's baselines table: run `stepwise compare` and rewrite the block between
-`<!-- perf-table:begin -->` and `<!-- perf-table:end -->` with the machine, the date, the exact
-command and the table (contender, tokens/s, ratio to stepwise, tokens per CPU second, steps next
-to the ideal).
+"""Regenerate the baselines table in docs/performance.md: run `stepwise compare` and rewrite the
+block between `<!-- perf-table:begin -->` and `<!-- perf-table:end -->` with the machine, the date,
+the exact command and the table (contender, tokens/s, ratio to stepwise, tokens per CPU second,
+steps next to the ideal).
 
-    python bench/perf_table.py [--rounds 3] [--dry-run]
+    .venv/bin/python bench/perf_table.py [--rounds 3] [--dry-run] [--doc PATH]
 
-`--dry-run` prints the block instead of writing README.md. The measurement takes minutes.
+`--dry-run` prints the block instead of writing the document. The measurement takes minutes.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-# The README's prose is wrapped at this width.
+# The document's prose is wrapped at this width.
 WIDTH = 100
 BEGIN = "<!-- perf-table:begin -->"
 END = "<!-- perf-table:end -->"
@@ -51,7 +51,7 @@ def machine() -> str:
 
 
 def render_block(report: dict[str, Any], command: str, where: str, date: str) -> str:
-    """The README block: a paragraph on the run, then the table, one row per contender."""
+    """The document's block: a paragraph on the run, then the table, one row per contender."""
     work = report["workload"]
     about = (
         f"Measured {date} on {where}, with `{command}`: {work['requests']} requests, prompts "
@@ -99,8 +99,15 @@ def measure(compare_args: list[str]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3, help="rounds of `stepwise compare`")
-    parser.add_argument("--readme", type=Path, default=ROOT / "README.md", help="the file to rewrite")
-    parser.add_argument("--dry-run", action="store_true", help="print the block, leave the README alone")
+    parser.add_argument(
+        "--doc",
+        "--readme",
+        dest="doc",
+        type=Path,
+        default=ROOT / "docs" / "performance.md",
+        help="the file to rewrite (--readme is the old name of this flag)",
+    )
+    parser.add_argument("--dry-run", action="store_true", help="print the block, leave the document alone")
     ns = parser.parse_args(argv)
     compare_args = ["--rounds", str(ns.rounds), "--json"]
     report = measure(compare_args)
@@ -110,8 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     if ns.dry_run:
         print(block)
     else:
-        ns.readme.write_text(replace_block(ns.readme.read_text(), block))
-        print(f"rewrote the perf table in {ns.readme}")
+        ns.doc.write_text(replace_block(ns.doc.read_text(), block))
+        print(f"rewrote the perf table in {ns.doc}")
     return 0
 
 
