@@ -1,6 +1,6 @@
 """The typed boundary between the scheduler and a worker: step plans down, step results up.
 
-A plan is a delta against the worker's per-sequence state (docs/protocols.md#worker-protocol):
+A plan is a delta against the worker's per-sequence state (docs/protocols.md#the-worker-protocol):
 sequences are introduced once, extended, decoded one token at a time, and released. Per-request
 columns are numpy arrays; only control_plane/worker_codec.py turns them into protobuf messages.
 """
