@@ -24,11 +24,10 @@ import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from control_plane import worker_codec
-from control_plane.request import SamplerSpec
-from control_plane.scheduler.plan import DecodeWork, ExtendWork, NewSeq, StepKind, StepPlan
+from protos import worker_codec
 from protos.stepwise.v1 import worker_pb2 as wk_pb
 from protos.stepwise.v1 import worker_pb2_grpc as wk_grpc
+from protos.worker import DecodeWork, ExtendWork, NewSeq, SamplerParams, Shutdown, StepKind, StepPlan, Welcome
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 PROMPT_LEN = 16
@@ -43,7 +42,7 @@ def make_plans(batch: int, steps: int) -> list[StepPlan]:
     prefill = StepPlan(
         1,
         StepKind.PREFILL,
-        new_seqs=tuple(NewSeq(int(h), SamplerSpec(temperature=0.0), request_id=f"r{h}") for h in handles),
+        new_seqs=tuple(NewSeq(int(h), SamplerParams(temperature=0.0), request_id=f"r{h}") for h in handles),
         extends=ExtendWork(
             handles=handles,
             starts=np.zeros(batch, np.int32),
@@ -78,7 +77,7 @@ class FakeControl(wk_grpc.WorkerLinkServicer):
     ) -> AsyncIterator[wk_pb.ControlMessage]:
         replies = aiter(request_iterator)
         await anext(replies)  # the hello
-        yield worker_codec.welcome(True)
+        yield worker_codec.control_to_proto(Welcome(True))
         encoder = worker_codec.PlanEncoder()
         yield encoder.encode(self.plans[0])
         self._note(await anext(replies))  # the prefill, alone
@@ -91,7 +90,7 @@ class FakeControl(wk_grpc.WorkerLinkServicer):
             yield encoder.encode(plan)
         for _ in range(self.in_flight):
             self._note(await anext(replies))
-        yield worker_codec.shutdown("bench over")
+        yield worker_codec.control_to_proto(Shutdown("bench over"))
         self.done.set()
 
     def _note(self, msg: wk_pb.WorkerMessage) -> None:

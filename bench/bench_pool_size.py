@@ -24,8 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from control_plane.cache.invariants import check_pool_invariants
 from control_plane.config import SchedulerConfig
-from control_plane.scheduler.plan import WorkerLimits
 from control_plane.scheduler.scheduler import Scheduler
+from protos.worker import WorkerLimits
 
 try:
     from control_plane.cache.invariants import PoolCheck

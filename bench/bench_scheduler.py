@@ -45,8 +45,8 @@ def _root_from_argv() -> Path:
 
 sys.path.insert(0, str(_root_from_argv()))
 
-from control_plane.scheduler.plan import KvReport, StepPlan, StepResult  # noqa: E402
 from control_plane.scheduler.scheduler import Scheduler  # noqa: E402
+from protos.worker import KvReport, StepPlan, StepResult  # noqa: E402
 from tests.control_plane.factories import make_scheduler, params, prompt  # noqa: E402
 
 # A checkout from before columnar results: results name handles, updates are a list, no overlap.

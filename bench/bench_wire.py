@@ -11,7 +11,8 @@ link's codecs in order, serialised bytes included:
 - plan B: the median size of a plan on the link (a delta against the previous decode plan), and of
   the same plan on its own (`plan_to_proto`, decode set in full: what a recording holds);
 - control us: encode the plan + serialise, parse the result + decode it (token count checked);
-- worker us: parse the plan + decode it (the decode set rebuilt), encode the result + serialise;
+- worker us: parse the plan + decode it (the decode set rebuilt), encode the result + serialise
+  (both ends use protos/worker_codec.py);
 - sim us: `SimExecutor.execute` of the decoded plan with that many live sequences (no churn only).
 """
 
@@ -27,7 +28,7 @@ import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from control_plane.scheduler.plan import DecodeWork, KvReport, StepKind, StepPlan, StepResult
+from protos.worker import DecodeWork, KvReport, StepKind, StepPlan, StepResult
 
 VOCAB = 32_000
 PAGES = 1 << 22
@@ -104,27 +105,26 @@ class Figures:
 
 def measure_link(plans: list[StepPlan]) -> Figures:
     """Every plan through one link's codecs, in order; medians over the plans after the first."""
-    from control_plane import worker_codec as control
-    from data_plane import codec as data
-    from data_plane.messages import StepResult as WorkerResult
+    from protos import worker_codec
     from protos.stepwise.v1 import worker_pb2 as wk_pb
 
-    encoder, decoder = control.PlanEncoder(), data.PlanDecoder()
+    encoder, decoder = worker_codec.PlanEncoder(), worker_codec.PlanDecoder()
     rng = np.random.default_rng(1)
     sizes, full, control_s, worker_s = [], [], [], []
     for plan in plans:
         typed = result_for(plan, rng)
-        answer = WorkerResult(typed.step_id, typed.token_ids.astype(np.int64), data.KvReport(1, 1, 1, 0, 0))
+        # As the worker's executor answers: its sampler's tokens are int64.
+        answer = StepResult(typed.step_id, typed.token_ids.astype(np.int64), kv=KvReport(1, 1, 1, 0, 0))
         t0 = time.perf_counter()
         wire = encoder.encode(plan).SerializeToString()
         t1 = time.perf_counter()
         decoder.control(wk_pb.ControlMessage.FromString(wire))
-        reply = data.result_to_proto(answer).SerializeToString()
+        reply = worker_codec.result_to_proto(answer).SerializeToString()
         t2 = time.perf_counter()
-        control.result_from_proto(wk_pb.WorkerMessage.FromString(reply).result, len(plan.decodes))
+        worker_codec.result_from_proto(wk_pb.WorkerMessage.FromString(reply).result, len(plan.decodes))
         t3 = time.perf_counter()
         sizes.append(len(wire))
-        full.append(control.plan_to_proto(plan).ByteSize())
+        full.append(worker_codec.plan_to_proto(plan).ByteSize())
         control_s.append((t1 - t0) + (t3 - t2))
         worker_s.append(t2 - t1)
     rest = slice(1, None)
@@ -138,18 +138,18 @@ def measure_link(plans: list[StepPlan]) -> Figures:
 
 def measure_sim(running: int, plans: list[StepPlan]) -> float:
     """Median µs of SimExecutor.execute on the decoded plans, `running` sequences prefilled first."""
-    from data_plane.messages import ExtendBatch, NewSequence, SamplerParams
-    from data_plane.messages import StepPlan as WorkerPlan
     from data_plane.sim import SimExecutor
+    from protos.worker import ExtendWork, NewSeq, SamplerParams
     from stepwise.wire import WireLink
 
     sim = SimExecutor(1 << 40, VOCAB, 2)
-    handles = plans[0].decodes.handles.astype(np.uint64)
+    handles = plans[0].decodes.handles
     lengths = np.full(running, 64, dtype=np.int64)
-    prefill = WorkerPlan(
+    prefill = StepPlan(
         0,
-        new_seqs=tuple(NewSequence(int(h), SamplerParams(), request_id=f"r{h}") for h in handles.tolist()),
-        extends=ExtendBatch(
+        StepKind.PREFILL,
+        new_seqs=tuple(NewSeq(int(h), SamplerParams(), request_id=f"r{h}") for h in handles.tolist()),
+        extends=ExtendWork(
             handles=handles,
             starts=np.zeros(running, dtype=np.int64),
             lens=lengths,

@@ -27,8 +27,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from data_plane.backends import make_backend
 from data_plane.executor import Executor
 from data_plane.kv_pool import KvPool
-from data_plane.messages import DecodeBatch, ExtendBatch, NewSequence, SamplerParams, StepPlan
 from data_plane.models.llama import LlamaModel
+from protos.worker import DecodeWork, ExtendWork, NewSeq, SamplerParams, StepKind, StepPlan
 from stepwise.embedded import resolve_model
 
 
@@ -54,12 +54,13 @@ def make_workload(batch: int, prompt_len: int, steps: int, vocab: int, seed: int
 
 
 def prefill_plan(w: Workload) -> StepPlan:
-    handles = np.arange(w.batch, dtype=np.uint64)
+    handles = np.arange(w.batch, dtype=np.int64)
     positions = np.arange(w.prompt_len)
     return StepPlan(
         step_id=0,
-        new_seqs=tuple(NewSequence(handle=int(h), sampler=SamplerParams()) for h in handles),
-        extends=ExtendBatch(
+        kind=StepKind.PREFILL,
+        new_seqs=tuple(NewSeq(handle=int(h), sampler=SamplerParams()) for h in handles),
+        extends=ExtendWork(
             handles=handles,
             starts=np.zeros(w.batch, dtype=np.int64),
             lens=np.full(w.batch, w.prompt_len, dtype=np.int64),
@@ -71,9 +72,9 @@ def prefill_plan(w: Workload) -> StepPlan:
 
 
 def decode_plans(w: Workload) -> list[StepPlan]:
-    handles = np.arange(w.batch, dtype=np.uint64)
+    handles = np.arange(w.batch, dtype=np.int64)
     return [
-        StepPlan(step_id=1 + i, decodes=DecodeBatch(handles=handles, slots=w.slots(w.prompt_len + i)))
+        StepPlan(1 + i, StepKind.DECODE, decodes=DecodeWork(handles=handles, slots=w.slots(w.prompt_len + i)))
         for i in range(w.steps)
     ]
 

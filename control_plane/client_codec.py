@@ -17,8 +17,9 @@ from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from google.protobuf.message import DecodeError, Message
 
 from control_plane.config import Limits
-from control_plane.request import FinishKind, FinishReason, RequestParams, SamplerSpec
+from control_plane.request import FinishKind, FinishReason, RequestParams
 from protos.stepwise.v1 import generation_pb2 as gen_pb
+from protos.worker import SamplerParams
 
 MAX_SAMPLES = 64
 
@@ -86,6 +87,8 @@ def sampling_from_proto(msg: gen_pb.SamplingParams, limits: Limits | None = None
     _check_finite(msg)
     _check_stops(msg, limits or Limits())
     max_new = msg.max_new_tokens if msg.HasField("max_new_tokens") else None
+    # A client that sends no temperature samples at 1.0 (the client protocol's default, as in SGLang), not
+    # at SamplerParams' greedy "off".
     temperature = float(_opt(msg, "temperature", 1.0))  # type: ignore[arg-type]
     top_p = float(_opt(msg, "top_p", 1.0))  # type: ignore[arg-type]
     top_k = int(_opt(msg, "top_k", 0))  # type: ignore[call-overload]
@@ -102,7 +105,7 @@ def sampling_from_proto(msg: gen_pb.SamplingParams, limits: Limits | None = None
     n = msg.n if msg.HasField("n") else 1
     _check(1 <= n <= MAX_SAMPLES, "sampling.n", f"must be in [1, {MAX_SAMPLES}], got {n}")
     _check(all(t >= 0 for t in msg.stop_token_ids), "sampling.stop_token_ids", "token ids must be >= 0")
-    sampler = SamplerSpec(
+    sampler = SamplerParams(
         temperature=temperature,
         top_p=top_p,
         top_k=top_k,

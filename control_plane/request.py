@@ -14,6 +14,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from protos.worker import SamplerParams
+
 EMPTY_SLOTS = np.zeros(0, dtype=np.int64)
 
 
@@ -52,25 +54,6 @@ class FinishReason:
 
 
 @dataclass(frozen=True, slots=True)
-class SamplerSpec:
-    """How the worker samples for one sequence (mirrors the worker protocol's SamplerParams)."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    seed: int | None = None
-    logprobs: int = 0
-
-    @property
-    def uses_penalties(self) -> bool:
-        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
-
-
-@dataclass(frozen=True, slots=True)
 class RequestParams:
     """What the client asked for; never changes after intake."""
 
@@ -81,7 +64,8 @@ class RequestParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
-    sampler: SamplerSpec = SamplerSpec()
+    # Greedy unless set: the client protocol's defaults (temperature 1.0) are control_plane/client_codec.py's.
+    sampler: SamplerParams = SamplerParams()
     priority: int | None = None
     routing_key: str = ""
     # Parallel-sample group (n > 1): members are retracted together or not at all.

@@ -22,11 +22,11 @@ from dataclasses import dataclass
 import grpc
 import structlog
 
-from data_plane import codec
 from data_plane.config import WorkerConfig
-from data_plane.messages import Census
+from protos import worker_codec
 from protos.stepwise.v1 import worker_pb2_grpc
 from protos.targets import Address, parse_targets, resolve
+from protos.worker import Census
 
 CENSUS_TIMEOUT_S = 1.0
 BACKOFF_BASE_S = 0.1
@@ -171,7 +171,7 @@ class Dialer:
         async with self.channel(address) as channel:
             stub = worker_pb2_grpc.WorkerLinkStub(channel)
             try:
-                reply = await stub.Census(codec.census_request(), timeout=CENSUS_TIMEOUT_S)
+                reply = await stub.Census(worker_codec.census_request(), timeout=CENSUS_TIMEOUT_S)
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
                     return Candidate(address, Census())  # a control plane without Census: none attached
@@ -179,4 +179,4 @@ class Dialer:
                     "census_failed", address=address.target, error=f"{exc.code().name}: {exc.details()}"
                 )
                 return None
-        return Candidate(address, codec.census_from_proto(reply))
+        return Candidate(address, worker_codec.census_from_proto(reply))

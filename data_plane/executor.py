@@ -19,10 +19,10 @@ import torch
 from data_plane.backends.base import AttentionBackend, StepLayout
 from data_plane.backends.sdpa import SdpaBackend
 from data_plane.kv_pool import HostCopy, KvPool
-from data_plane.messages import KvReport, KvTransfer, StepPlan, StepResult, TokenLogprobs
 from data_plane.models.llama import ForwardBatch, LlamaModel
 from data_plane.sampler import PenaltyRow, SampleOutput, sample
 from data_plane.state import NO_TOKEN, PlanError, SequenceTable
+from protos.worker import KvReport, KvTransfer, StepPlan, StepResult, TokenLogprobs
 
 log = structlog.get_logger(__name__)
 
@@ -109,7 +109,7 @@ class Executor:
 
     def reset(self) -> None:
         """Forget every sequence and host copy (a plan's `reset`, and every new session)."""
-        self._release(np.array(self.table.handles(), dtype=np.uint64))
+        self._release(np.array(self.table.handles(), dtype=np.int64))
         self.host.clear()
         self._invalidate_attention()
 
@@ -130,7 +130,7 @@ class Executor:
         self._forget_cached_kv(plan)
         if plan.reset:
             self.reset()
-        self._release(plan.release_handles)
+        self._release(plan.releases)
         for remap in plan.remaps:
             self.table.remap(remap.handle, remap.start, remap.slots)
         self._offload(plan.offloads)
@@ -303,4 +303,4 @@ class Executor:
 def _kv_changing_handles(plan: StepPlan) -> list[int]:
     """Sequences whose slot tables a plan's deltas replace, rewrite or end."""
     moved = [r.handle for r in plan.remaps] + [t.handle for t in (*plan.offloads, *plan.restores)]
-    return [*plan.release_handles.tolist(), *moved]
+    return [*plan.releases.tolist(), *moved]

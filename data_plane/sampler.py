@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from data_plane.messages import SamplerParams, TokenLogprobs
 from data_plane.state import SamplerColumns
+from protos.worker import SamplerParams, TokenLogprobs
 
 _MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
 

@@ -26,10 +26,10 @@ from typing import Protocol
 import grpc
 import structlog
 
-from data_plane import codec
 from data_plane.link import Link
-from data_plane.messages import Drain, Hello, Move, Shutdown, StepPlan, StepResult, Welcome
+from protos import worker_codec
 from protos.stepwise.v1 import worker_pb2_grpc
+from protos.worker import Drain, Move, Shutdown, StepPlan, StepResult, Welcome, WorkerLimits
 
 # A control plane keeps a few plans in flight at most; past this many waiting, the reader stops
 # reading (gRPC's flow control then holds the control plane back) rather than queue without bound.
@@ -89,7 +89,7 @@ _Outbox = asyncio.Queue[StepResult | Drain | None]
 
 
 async def run_session(
-    executor: StepExecutor, hello: Hello, channel: grpc.aio.Channel, link: Link
+    executor: StepExecutor, hello: WorkerLimits, channel: grpc.aio.Channel, link: Link
 ) -> SessionEnd:
     """Run one session on `channel`; every way the control plane can end it (a closed or broken
     stream, a refusal, no welcome, Shutdown, Move) is a SessionEnd."""
@@ -97,8 +97,8 @@ async def run_session(
     call = worker_pb2_grpc.WorkerLinkStub(channel).Connect()
     welcomed = False
     try:
-        await call.write(codec.hello_to_proto(hello))
-        decoder = codec.PlanDecoder()
+        await call.write(worker_codec.hello_to_proto(hello))
+        decoder = worker_codec.PlanDecoder()
         # A control plane that answers the census but never the hello must not hold the worker.
         welcome = await asyncio.wait_for(_read(call, decoder), WELCOME_TIMEOUT_S)
         if not isinstance(welcome, Welcome):
@@ -117,7 +117,7 @@ async def run_session(
 
 
 async def _serve(
-    executor: StepExecutor, call: grpc.aio.StreamStreamCall, decoder: codec.PlanDecoder, link: Link
+    executor: StepExecutor, call: grpc.aio.StreamStreamCall, decoder: worker_codec.PlanDecoder, link: Link
 ) -> SessionEnd:
     inbox: _Inbox = asyncio.Queue(maxsize=MAX_QUEUED_PLANS)
     reader = asyncio.create_task(_read_plans(call, decoder, inbox))
@@ -130,7 +130,7 @@ async def _serve(
 
 
 async def _read(
-    call: grpc.aio.StreamStreamCall, decoder: codec.PlanDecoder
+    call: grpc.aio.StreamStreamCall, decoder: worker_codec.PlanDecoder
 ) -> Welcome | StepPlan | Shutdown | Move:
     msg = await call.read()
     if msg is grpc.aio.EOF:  # type: ignore[attr-defined]
@@ -141,7 +141,9 @@ async def _read(
         raise StreamBroken(f"control plane sent a message the worker cannot read: {exc}") from None
 
 
-async def _read_plans(call: grpc.aio.StreamStreamCall, decoder: codec.PlanDecoder, inbox: _Inbox) -> None:
+async def _read_plans(
+    call: grpc.aio.StreamStreamCall, decoder: worker_codec.PlanDecoder, inbox: _Inbox
+) -> None:
     """Read and decode every message as it arrives, while the executor loop runs earlier plans.
     Ends at a Shutdown or Move or at the first error, queued after the plans read before it."""
     try:
@@ -241,9 +243,10 @@ async def _send_drain(link: Link, outbox: _Outbox) -> None:
 async def _write_messages(call: grpc.aio.StreamStreamCall, outbox: _Outbox) -> None:
     """Write results (and a drain) in order until told to stop (None)."""
     while (message := await outbox.get()) is not None:
-        proto = (
-            codec.drain_to_proto(message) if isinstance(message, Drain) else codec.result_to_proto(message)
-        )
+        if isinstance(message, Drain):
+            proto = worker_codec.drain_to_proto(message)
+        else:
+            proto = worker_codec.result_to_proto(message)
         try:
             await call.write(proto)
         except asyncio.InvalidStateError:  # the call ended while the step ran

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from data_plane.messages import KvReport, StepPlan, StepResult
 from protos.arrays import SortedIndex
+from protos.worker import KvReport, StepPlan, StepResult
 
 # Seeded rule for requests without an output length: between 16 and 271 tokens.
 RULE_MIN_OUTPUT, RULE_SPAN = 16, 256
@@ -74,7 +74,7 @@ class _SimTable:
     def __init__(self) -> None:
         self.row_of: dict[int, int] = {}
         self._free: list[int] = []
-        self.handle = np.zeros(0, dtype=np.uint64)
+        self.handle = np.zeros(0, dtype=np.int64)
         self.key = np.zeros(0, dtype=np.uint64)
         self.length = np.zeros(0, dtype=np.int64)
         self.prompt_len = np.zeros(0, dtype=np.int64)
@@ -165,7 +165,7 @@ class SimExecutor:
         try:
             return self._execute(plan)
         except (KeyError, ValueError) as exc:
-            return StepResult(plan.step_id, np.zeros(0, np.int64), self.kv_report(), error=f"sim: {exc!r}")
+            return StepResult(plan.step_id, np.zeros(0, np.int64), kv=self.kv_report(), error=f"sim: {exc!r}")
 
     def _execute(self, plan: StepPlan) -> StepResult:
         started = time.perf_counter()
@@ -180,7 +180,7 @@ class SimExecutor:
         seconds = self.cost.step_seconds(int(ext.lens.sum()) + len(dec_rows), context)
         if self.sleep:
             time.sleep(max(seconds - (time.perf_counter() - started), 0.0))
-        return StepResult(plan.step_id, tokens, self.kv_report(), forward_s=seconds)
+        return StepResult(plan.step_id, tokens, kv=self.kv_report(), forward_s=seconds)
 
     def _extend_rows(self, plan: StepPlan) -> np.ndarray:
         """Rows of the extends; ValueError unless each starts where its sequence ends."""
@@ -200,7 +200,7 @@ class SimExecutor:
     def _apply_deltas(self, plan: StepPlan) -> None:
         if plan.reset:
             self.reset()
-        for handle in plan.release_handles.tolist():
+        for handle in plan.releases.tolist():
             self.table.remove(handle)
         for t in plan.offloads:
             self.table.offload(t.handle)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from data_plane.messages import SamplerParams
+from protos.worker import SamplerParams
 
 NO_TOKEN = -1
 _INITIAL_ROWS = 64
@@ -76,7 +76,7 @@ class SequenceTable:
             raise PlanError(f"unknown handle {handle}") from None
 
     def rows(self, handles: np.ndarray) -> np.ndarray:
-        """Rows of `handles` (uint64 array); PlanError naming the first unknown one."""
+        """Rows of `handles` (an int64 array); PlanError naming the first unknown one."""
         row_of = self._row_of
         try:
             return np.fromiter((row_of[h] for h in handles.tolist()), dtype=np.int64, count=len(handles))
@@ -96,7 +96,7 @@ class SequenceTable:
         self.last_token[row] = NO_TOKEN
         self._sampler_cols[row] = _sampler_row(params)
         self._seeds[row] = np.uint64(params.seed or 0)
-        if params.has_penalties:
+        if params.uses_penalties:
             self._history[row] = [int(t) for t in history.tolist()]
 
     def remove(self, handle: int) -> None:

@@ -49,11 +49,11 @@ from data_plane.executor import Executor
 from data_plane.health import WorkerHealth
 from data_plane.kv_pool import KvPool, capacity_tokens
 from data_plane.link import Link
-from data_plane.messages import Hello
 from data_plane.models.llama import LlamaModel
 from data_plane.models.loader import ModelLoadError, model_fingerprint
 from data_plane.session import Ending, SessionEnd, StepExecutor, run_session
 from data_plane.sim import CostModel, SimExecutor
+from protos.worker import WorkerLimits
 
 EXIT_OK = 0
 EXIT_REFUSED = 2
@@ -72,7 +72,7 @@ T = TypeVar("T")
 @dataclass(frozen=True, slots=True)
 class LoadedWorker:
     executor: StepExecutor
-    hello: Hello
+    hello: WorkerLimits
 
 
 # ---- start-up ----------------------------------------------------------------------------------
@@ -130,7 +130,7 @@ def load_worker(config: WorkerConfig) -> LoadedWorker:
     except BackendError as exc:
         raise ModelLoadError(str(exc)) from exc
     executor = Executor(model, pool, host_pool_tokens=config.host_pool_tokens, attention=attention)
-    hello = Hello(
+    hello = WorkerLimits(
         worker_id=config.worker_id,
         model_fingerprint=model_fingerprint(config.model),
         kv_capacity_tokens=capacity,
@@ -139,7 +139,7 @@ def load_worker(config: WorkerConfig) -> LoadedWorker:
         vocab_size=model.config.vocab_size,
         dtype=str(dtype).removeprefix("torch."),
         device=str(device),
-        eos_token_ids=model.config.eos_token_ids,
+        eos_token_ids=frozenset(model.config.eos_token_ids),
         host_pool_capacity_tokens=config.host_pool_tokens,
     )
     return LoadedWorker(executor, hello)
@@ -159,7 +159,7 @@ def load_sim_worker(config: WorkerConfig) -> LoadedWorker:
     capacity = (config.kv_tokens or SIM_DEFAULT_KV_TOKENS) // config.page_size * config.page_size
     cost = CostModel.parse(config.sim_cost)
     executor = SimExecutor(capacity, int(raw["vocab_size"]), eos_ids[0], cost, sleep=True)
-    hello = Hello(
+    hello = WorkerLimits(
         worker_id=config.worker_id,
         model_fingerprint=model_fingerprint(config.model),
         kv_capacity_tokens=capacity,
@@ -168,7 +168,7 @@ def load_sim_worker(config: WorkerConfig) -> LoadedWorker:
         vocab_size=int(raw["vocab_size"]),
         dtype="sim",
         device="sim",
-        eos_token_ids=eos_ids,
+        eos_token_ids=frozenset(eos_ids),
         host_pool_capacity_tokens=config.host_pool_tokens,
     )
     return LoadedWorker(executor, hello)

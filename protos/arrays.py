@@ -1,8 +1,9 @@
 """Numpy arrays on the worker link: fixed-width little-endian `bytes` fields, and a sorted index.
 
 A numpy array sent as one `bytes` field costs a copy each way; the same values as a packed repeated
-field cost a Python int per element (`.tolist()`, `np.fromiter`). Both planes' codecs use these
-helpers, so the two ends agree on widths and on what a malformed array is.
+field cost a Python int per element (`.tolist()`, `np.fromiter`). The worker link's codec
+(protos/worker_codec.py) uses these helpers at both ends, so they agree on widths and on what a
+malformed array is.
 """
 
 from __future__ import annotations

@@ -27,17 +27,13 @@ from protos.stepwise.v1 import worker_pb2 as wk_pb
 _MAX_SLOT = (1 << 63) - 1
 
 
-def _u64(values: object = ()) -> np.ndarray:
-    return np.asarray(values, dtype=np.uint64)
-
-
 def _i64(values: object = ()) -> np.ndarray:
     return np.asarray(values, dtype=np.int64)
 
 
 @dataclass(frozen=True, slots=True)
 class DecodeSet:
-    """One plan's decode work: distinct handles (uint64) in plan order and their slots (int64)."""
+    """One plan's decode work: distinct handles in plan order and their slots (both int64)."""
 
     handles: np.ndarray
     slots: np.ndarray
@@ -47,13 +43,13 @@ class DecodeSet:
     def of(cls, handles: np.ndarray, slots: np.ndarray) -> DecodeSet:
         """A copy of the columns (callers may reuse theirs); WireError when a handle repeats or the
         columns differ in length."""
-        return cls._owning(np.asarray(handles).astype(np.uint64), np.asarray(slots).astype(np.int64))
+        return cls._owning(np.asarray(handles).astype(np.int64), np.asarray(slots).astype(np.int64))
 
     @classmethod
     def _owning(
         cls, handles: np.ndarray, slots: np.ndarray, repeated: str = "appears more than once"
     ) -> DecodeSet:
-        """A set over these very arrays (uint64, int64), which nobody else may change; `repeated`
+        """A set over these very arrays (int64), which nobody else may change; `repeated`
         says what a repeated handle means (the WireError's wording)."""
         if len(handles) != len(slots):
             raise WireError(f"decodes: {len(handles)} handles but {len(slots)} slots")
@@ -66,17 +62,17 @@ class DecodeSet:
         return len(self.handles)
 
 
-EMPTY = DecodeSet.of(_u64(), _i64())
+EMPTY = DecodeSet.of(_i64(), _i64())
 
 
 @dataclass(frozen=True, slots=True)
 class DecodeDelta:
-    """The fields of a DecodeBatch, as arrays (uint64 handles, int64 everything else)."""
+    """The fields of a DecodeBatch, as int64 arrays (handles are uint64 on the wire, protos/worker.py)."""
 
     count: int = 0
-    full: np.ndarray = field(default_factory=_u64)
-    left: np.ndarray = field(default_factory=_u64)
-    joined: np.ndarray = field(default_factory=_u64)
+    full: np.ndarray = field(default_factory=_i64)
+    left: np.ndarray = field(default_factory=_i64)
+    joined: np.ndarray = field(default_factory=_i64)
     run_entries: np.ndarray = field(default_factory=_i64)
     run_slots: np.ndarray = field(default_factory=_i64)
     run_lens: np.ndarray = field(default_factory=_i64)
@@ -105,7 +101,7 @@ def encode(
     """
     if not len(handles):
         return NO_DECODES, prev
-    handles, slots = np.asarray(handles).astype(np.uint64), np.asarray(slots).astype(np.int64)
+    handles, slots = np.asarray(handles).astype(np.int64), np.asarray(slots).astype(np.int64)
     split: tuple[np.ndarray, np.ndarray] | None
     if len(handles) == len(prev) and np.array_equal(handles, prev.handles):
         new = DecodeSet(prev.handles, slots, prev.index)
@@ -124,7 +120,7 @@ def _align(
 ) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray] | None]:
     """Each entry's default slot, and (left, joined) when `new` is `prev` without some handles,
     order kept, with the others appended (None otherwise)."""
-    kept = None if leaving is None else _kept_if_only(prev, new, leaving.astype(np.uint64, copy=False))
+    kept = None if leaving is None else _kept_if_only(prev, new, leaving.astype(np.int64, copy=False))
     if kept is not None:
         carried = kept.nonzero()[0]
         split = (prev.handles[~kept], new.handles[len(carried) :])
@@ -310,13 +306,21 @@ def fill(msg: wk_pb.DecodeBatch, delta: DecodeDelta) -> None:
 def from_proto(msg: wk_pb.DecodeBatch) -> DecodeDelta:
     return DecodeDelta(
         count=msg.count,
-        full=_array(msg.full, EMPTY.handles),
-        left=_array(msg.left, EMPTY.handles),
-        joined=_array(msg.joined, EMPTY.handles),
+        full=_handles(msg.full, "full"),
+        left=_handles(msg.left, "left"),
+        joined=_handles(msg.joined, "joined"),
         run_entries=_array(msg.run_entries, EMPTY.slots),
         run_slots=_array(msg.run_slots, EMPTY.slots),
         run_lens=_array(msg.run_lens, EMPTY.slots),
     )
+
+
+def _handles(values: object, name: str) -> np.ndarray:
+    """A uint64 field of handles as int64 (protos/worker.py); WireError for one past 2^63 - 1."""
+    try:
+        return _array(values, EMPTY.handles)
+    except OverflowError:
+        raise WireError(f"decodes.{name}: a handle is past 2^63 - 1") from None
 
 
 def _array(values: object, empty: np.ndarray) -> np.ndarray:

@@ -1,7 +1,7 @@
 """`stepwise simulate TRACE.jsonl`: the real scheduler driving the sim backend, in one process.
 
 No network and no wall clock: the clock advances by the cost model's time for each step, and
-requests arrive when the clock passes their `arrival`. Plans and results cross both planes' codecs
+requests arrive when the clock passes their `arrival`. Plans and results cross the worker link's codec
 (stepwise/wire.py), so the wire format is exercised. By default two plans are in flight (SGLang's
 overlap scheduling: the next plan is made while the worker runs the current one, so it is made on
 the clock of the previous step's end); `--disable-overlap-schedule` applies each result first.
@@ -39,10 +39,10 @@ from control_plane.record.recorder import (
     recording_header,
 )
 from control_plane.record.timeline import StepLine, TimelineSink
-from control_plane.request import RequestParams, SamplerSpec
-from control_plane.scheduler.plan import StepResult, WorkerLimits
+from control_plane.request import RequestParams
 from control_plane.scheduler.scheduler import QueueFull, RequestRejected, Scheduler
 from data_plane.sim import TOKEN_FLOOR, CostModel, SimExecutor
+from protos.worker import SamplerParams, StepResult, WorkerLimits
 from stepwise import flags
 from stepwise.wire import step_through_wire
 
@@ -105,7 +105,7 @@ def parse_request(obj: dict[str, object], vocab_size: int) -> TraceRequest:
     params = RequestParams(
         max_new_tokens=None if max_new is None else int(max_new),  # type: ignore[call-overload]
         ignore_eos=bool(obj.get("ignore_eos", False)),
-        sampler=SamplerSpec(temperature=0.0),
+        sampler=SamplerParams(temperature=0.0),
         priority=None if priority is None else int(priority),  # type: ignore[call-overload]
         routing_key=str(obj.get("routing_key", "")),
         sim_output_len=int(obj.get("output_len", NEVER_EOS)),  # type: ignore[call-overload]

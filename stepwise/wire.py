@@ -1,4 +1,4 @@
-"""The worker link without a network: a plan goes through both planes' codecs to an executor and back.
+"""The worker link without a network: a plan goes through the link's codec to an executor and back.
 
 Used by `simulate` and `replay worker`, so what they exercise is the wire format itself. Two forms:
 
@@ -12,20 +12,18 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from control_plane import worker_codec as control_codec
-from control_plane.scheduler.plan import StepPlan, StepResult
-from data_plane import codec as data_codec
-from data_plane import messages
+from protos import worker_codec
 from protos.stepwise.v1 import worker_pb2
+from protos.worker import StepPlan, StepResult, sampled_count
 
 
 class Executor(Protocol):
-    def execute(self, plan: messages.StepPlan) -> messages.StepResult: ...
+    def execute(self, plan: StepPlan) -> StepResult: ...
 
 
 def step_through_wire(executor: Executor, plan: StepPlan) -> StepResult:
-    wire_plan = _wire(control_codec.plan_to_proto(plan).plan)
-    return _answer(executor, data_codec.plan_from_proto(wire_plan), plan)
+    wire_plan = _wire(worker_codec.plan_to_proto(plan).plan)
+    return _answer(executor, worker_codec.plan_from_proto(wire_plan), plan)
 
 
 class WireLink:
@@ -33,8 +31,8 @@ class WireLink:
 
     def __init__(self, executor: Executor) -> None:
         self.executor = executor
-        self.encoder = control_codec.PlanEncoder()
-        self.decoder = data_codec.PlanDecoder()
+        self.encoder = worker_codec.PlanEncoder()
+        self.decoder = worker_codec.PlanDecoder()
 
     def step(self, plan: StepPlan) -> StepResult:
         wire_plan = _wire(self.encoder.encode(plan).plan)
@@ -46,6 +44,6 @@ def _wire(plan: worker_pb2.StepPlan) -> worker_pb2.StepPlan:
     return worker_pb2.StepPlan.FromString(plan.SerializeToString())
 
 
-def _answer(executor: Executor, worker_plan: messages.StepPlan, plan: StepPlan) -> StepResult:
-    result = data_codec.result_to_proto(executor.execute(worker_plan)).result
-    return control_codec.result_from_proto(result, control_codec.sampled_count(plan))
+def _answer(executor: Executor, worker_plan: StepPlan, plan: StepPlan) -> StepResult:
+    result = worker_codec.result_to_proto(executor.execute(worker_plan)).result
+    return worker_codec.result_from_proto(result, sampled_count(plan))

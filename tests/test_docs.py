@@ -67,7 +67,10 @@ def test_citations_are_parsed() -> None:
 def test_every_cited_doc_and_anchor_exists() -> None:
     missing = []
     known: dict[str, set[str] | None] = {}
+    this = Path(__file__).resolve()
     for path in _tracked("*.py", "*.sh", "*.md", "*.toml", "*.yaml", "Dockerfile", "dev"):
+        if path.resolve() == this:
+            continue  # its docstring and examples cite made-up names on purpose
         for i, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
             for doc, anchor in citations(line):
                 if doc not in known:

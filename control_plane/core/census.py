@@ -15,36 +15,21 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 import grpc
 import structlog
 
 from control_plane.config import Security
 from control_plane.core.engine import Engine
-from protos.stepwise.v1 import worker_pb2 as wk_pb
+from protos import worker_codec
 from protos.stepwise.v1 import worker_pb2_grpc as wk_grpc
 from protos.targets import Address, Endpoint, parse_targets, resolve
+from protos.worker import Census
 
 log = structlog.get_logger("stepwise.census")
 
 # A peer that does not answer within this long is left out of this round.
 PEER_TIMEOUT_S = 1.0
-
-
-@dataclass(frozen=True, slots=True)
-class Census:
-    """One control plane's answer (the CensusReply's fields)."""
-
-    control_plane_id: str
-    # Attached and not leaving.
-    workers: int
-    queued: int
-    running: int
-    # False while the control plane drains: no worker should attach to it.
-    accepting: bool
-    # The attached workers' model fingerprint; empty when none is attached.
-    model_fingerprint: str = ""
 
 
 def take(control_plane_id: str, engines: Iterable[Engine], accepting: bool, fingerprint: str) -> Census:
@@ -58,28 +43,6 @@ def take(control_plane_id: str, engines: Iterable[Engine], accepting: bool, fing
         running=sum(r for _, r in loads),
         accepting=accepting,
         model_fingerprint=fingerprint,
-    )
-
-
-def to_proto(census: Census) -> wk_pb.CensusReply:
-    return wk_pb.CensusReply(
-        control_plane_id=census.control_plane_id,
-        workers=census.workers,
-        queued=census.queued,
-        running=census.running,
-        accepting=census.accepting,
-        model_fingerprint=census.model_fingerprint,
-    )
-
-
-def from_proto(reply: wk_pb.CensusReply) -> Census:
-    return Census(
-        control_plane_id=reply.control_plane_id,
-        workers=max(int(reply.workers), 0),
-        queued=max(int(reply.queued), 0),
-        running=max(int(reply.running), 0),
-        accepting=reply.accepting,
-        model_fingerprint=reply.model_fingerprint,
     )
 
 
@@ -104,11 +67,11 @@ class PeerCensus:
     async def _ask(self, address: Address) -> Census | None:
         stub = wk_grpc.WorkerLinkStub(self._channel(address))
         try:
-            reply = await stub.Census(wk_pb.CensusRequest(), timeout=self.timeout_s)
+            reply = await stub.Census(worker_codec.census_request(), timeout=self.timeout_s)
         except grpc.aio.AioRpcError as exc:
             log.debug("peer did not answer", peer=address.target, status=exc.code().name)
             return None
-        return from_proto(reply)
+        return worker_codec.census_from_proto(reply)
 
     def _channel(self, address: Address) -> grpc.aio.Channel:
         channel = self._channels.get(address)

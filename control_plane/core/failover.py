@@ -14,8 +14,8 @@ from control_plane.core.inbox import Arrival, Item, LiveSample, Orphan
 from control_plane.core.publishing import INTERNAL_ERROR, Publishing
 from control_plane.record.recorder import close_recording, make_scheduler
 from control_plane.request import FinishReason, Request
-from control_plane.scheduler.plan import WorkerLimits
 from control_plane.scheduler.scheduler import QueueFull, RequestRejected
+from protos.worker import WorkerLimits
 
 if TYPE_CHECKING:
     from control_plane.core.engine import Engine

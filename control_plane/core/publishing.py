@@ -14,8 +14,8 @@ from control_plane import metrics
 from control_plane.core.inbox import LiveSample, Verdict
 from control_plane.core.step_log import StepLog
 from control_plane.request import FinishReason
-from control_plane.scheduler.plan import StepPlan
 from control_plane.scheduler.scheduler import Scheduler
+from protos.worker import StepPlan
 
 INTERNAL_ERROR = "internal error in the control plane (logged); the request could not be continued"
 

@@ -18,10 +18,11 @@ from collections.abc import Callable, Iterable, Sequence
 
 import structlog
 
-from control_plane.core.census import Census, PeerCensus
+from control_plane.core.census import PeerCensus
 from control_plane.core.drain import Departure
 from control_plane.core.engine import Engine
 from control_plane.core.router import Router
+from protos.worker import Census
 
 log = structlog.get_logger("stepwise.rebalance")
 

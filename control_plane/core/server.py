@@ -33,7 +33,7 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from control_plane import metrics, worker_codec
+from control_plane import metrics
 from control_plane.config import ControlConfig
 from control_plane.core import census
 from control_plane.core.drain import Departure
@@ -46,9 +46,11 @@ from control_plane.core.worker_checks import hello_refusal
 from control_plane.core.worker_link import StreamChannel
 from control_plane.listen import bind, server_credentials
 from control_plane.tokenizer import Tokenizer
+from protos import worker_codec
 from protos.stepwise.v1 import generation_pb2 as gen_pb
 from protos.stepwise.v1 import worker_pb2 as wk_pb
 from protos.stepwise.v1 import worker_pb2_grpc as wk_grpc
+from protos.worker import PROTOCOL_VERSION, Census, Welcome
 
 log = structlog.get_logger("stepwise.server")
 
@@ -88,25 +90,25 @@ class WorkerLinkService(wk_grpc.WorkerLinkServicer):
     async def Census(
         self, request: wk_pb.CensusRequest, context: grpc.aio.ServicerContext
     ) -> wk_pb.CensusReply:
-        return census.to_proto(self.plane.census())
+        return worker_codec.census_to_proto(self.plane.census())
 
     async def Connect(self, request_iterator: object, context: grpc.aio.ServicerContext) -> None:
         first = await context.read()
         if first is grpc.aio.EOF or first.WhichOneof("msg") != "hello":  # type: ignore[attr-defined]
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "the first message must be a hello")
             return
-        limits = worker_codec.limits_from_hello(first.hello)
+        limits = worker_codec.hello_from_proto(first.hello)
         refusal = self._refusal(first.hello) or hello_refusal(
             limits, self.config.limits, self.tokenizer.vocab_size
         )
         if refusal:
             log.error("worker refused", worker=limits.worker_id, reason=refusal)
-            await context.write(worker_codec.welcome(False, refusal))
+            await context.write(worker_codec.control_to_proto(Welcome(False, refusal)))
             return
         retry = self._passing_refusal(first.hello)
         if retry:
             log.warning("worker refused for now", worker=limits.worker_id, reason=retry)
-            await context.write(worker_codec.welcome(False, retry, retryable=True))
+            await context.write(worker_codec.control_to_proto(Welcome(False, retry, retryable=True)))
             return
         channel = StreamChannel(context)
         engine = Engine(self.config, limits, channel, self.hub)
@@ -116,7 +118,7 @@ class WorkerLinkService(wk_grpc.WorkerLinkServicer):
         # Attached before the welcome: a call that follows the welcome at once finds the worker.
         self.router.attach(engine)
         try:
-            await context.write(worker_codec.welcome(True))
+            await context.write(worker_codec.control_to_proto(Welcome(True)))
         except BaseException:
             self.router.detach(engine)
             raise
@@ -143,7 +145,7 @@ class WorkerLinkService(wk_grpc.WorkerLinkServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"dropped: {engine.fault}")
 
     def _refusal(self, hello: wk_pb.Hello) -> str:
-        want = worker_codec.PROTOCOL_VERSION
+        want = PROTOCOL_VERSION
         if hello.protocol_version != want:
             return f"protocol_version {hello.protocol_version} is not supported (want {want})"
         page = self.config.scheduler.page_size
@@ -198,7 +200,7 @@ class ControlPlane:
     def server_info(self) -> gen_pb.ServerInfo:
         return self.router.server_info(self.config, self.tokenizer, VERSION)
 
-    def census(self) -> census.Census:
+    def census(self) -> Census:
         """What this control plane answers to Census: its workers (not leaving) and their load."""
         return census.take(
             self.id, self.router.engines.values(), not self.draining, self.router.model_fingerprint

@@ -9,8 +9,8 @@ import time
 import structlog
 
 from control_plane import metrics
-from control_plane.scheduler.plan import StepKind, StepPlan
 from control_plane.scheduler.scheduler import Scheduler, StepStats
+from protos.worker import StepKind, StepPlan
 
 
 def retraction_line(stats: StepStats) -> str:

@@ -13,7 +13,7 @@ import re
 import numpy as np
 
 from control_plane.config import Limits
-from control_plane.scheduler.plan import StepPlan, StepResult, WorkerLimits
+from protos.worker import StepPlan, StepResult, WorkerLimits
 
 MAX_PAGE_SIZE = 4096
 MAX_CONTEXT = 1 << 26

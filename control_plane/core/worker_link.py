@@ -21,11 +21,11 @@ from collections.abc import Callable
 import grpc
 import structlog
 
-from control_plane import worker_codec
 from control_plane.core.failover import WorkerGone
 from control_plane.core.worker_checks import WorkerFault
-from control_plane.scheduler.plan import StepPlan, StepResult
+from protos import worker_codec
 from protos.stepwise.v1 import worker_pb2 as wk_pb
+from protos.worker import Move, Shutdown, StepPlan, StepResult, sampled_count
 
 log = structlog.get_logger("stepwise.worker_link")
 
@@ -62,7 +62,7 @@ class StreamChannel:
 
     async def send(self, plan: StepPlan) -> None:
         message = self.encoder.encode(plan)  # a failure here is ours, not the worker's
-        self._awaiting.append(worker_codec.sampled_count(plan))
+        self._awaiting.append(sampled_count(plan))
         self._unanswered += 1
         await self._write(message)
 
@@ -83,11 +83,11 @@ class StreamChannel:
 
     async def close(self, reason: str) -> None:
         """End the session with Shutdown (once; later calls and a Move after it do nothing)."""
-        await self._end(worker_codec.shutdown(reason))
+        await self._end(worker_codec.control_to_proto(Shutdown(reason)))
 
     async def move(self, reason: str) -> None:
         """End the session with Move: the worker attaches to another control plane."""
-        await self._end(worker_codec.move(reason))
+        await self._end(worker_codec.control_to_proto(Move(reason)))
 
     async def _end(self, message: wk_pb.ControlMessage) -> None:
         if self._ended:

@@ -1,9 +1,9 @@
 """Recording entries <-> protobuf Records. The only module that imports the record stubs.
 
-Plans, results and worker limits reuse the worker link's messages and control_plane.codec's
-conversions. A plan is recorded with its decode set in full (on the stream it is a delta against
-the plan before), so every recorded plan reads on its own; a result is recorded as the worker sent
-it (tokens in plan order, no handles).
+Plans, results and worker limits reuse the worker link's messages and its codec
+(protos/worker_codec.py). A plan is recorded with its decode set in full (on the stream it is a
+delta against the plan before), so every recorded plan reads on its own; a result is recorded as
+the worker sent it (tokens in plan order, no handles).
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import dataclasses
 import json
 import warnings
 
-from control_plane import worker_codec as link
 from control_plane.config import SchedulerConfig
 from control_plane.record.entries import (
     Abort,
@@ -27,9 +26,10 @@ from control_plane.record.entries import (
     StepFigures,
 )
 from control_plane.request import AbortCode, FinishKind, FinishReason, RequestParams
-from control_plane.scheduler.plan import StepKind
 from control_plane.scheduler.scheduler import StepStats
+from protos import worker_codec as link
 from protos.stepwise.v1 import record_pb2 as rec_pb
+from protos.worker import StepKind
 
 # The layout this codec writes and reads. 2: worker protocol 2's messages (1 had results naming
 # their handles and plans' arrays as packed fields; its plans would read back without decodes).
@@ -67,7 +67,7 @@ def _header_to_proto(h: Header) -> rec_pb.Header:
     return rec_pb.Header(
         format_version=FORMAT_VERSION,
         scheduler_config_json=config_to_json(h.scheduler),
-        worker=link.hello_from_limits(h.limits),
+        worker=link.hello_to_proto(h.limits).hello,
         seeds=dict(h.seeds),
         part=h.part,
         first_step=h.first_step,
@@ -78,7 +78,7 @@ def _header_to_proto(h: Header) -> rec_pb.Header:
 def _header_from_proto(m: rec_pb.Header) -> Header:
     return Header(
         scheduler=config_from_json(m.scheduler_config_json),
-        limits=link.limits_from_hello(m.worker),
+        limits=link.hello_from_proto(m.worker),
         seeds=dict(m.seeds),
         part=m.part,
         first_step=m.first_step,

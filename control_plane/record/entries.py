@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 from control_plane.config import SchedulerConfig
 from control_plane.request import FinishReason, RequestParams
-from control_plane.scheduler.plan import StepPlan, StepResult, WorkerLimits
 from control_plane.scheduler.scheduler import StepStats
+from protos.worker import StepPlan, StepResult, WorkerLimits
 
 FORMAT_VERSION = 2
 

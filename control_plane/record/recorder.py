@@ -34,8 +34,8 @@ from control_plane.record.entries import (
 )
 from control_plane.record.files import RecordWriter, session_path
 from control_plane.request import FinishReason, Request, RequestParams
-from control_plane.scheduler.plan import StepPlan, StepResult, WorkerLimits
 from control_plane.scheduler.scheduler import QueueFull, RequestRejected, Scheduler, StepUpdates
+from protos.worker import StepPlan, StepResult, WorkerLimits
 
 log = structlog.get_logger("stepwise.record")
 

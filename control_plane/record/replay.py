@@ -27,8 +27,8 @@ from control_plane.record.entries import (
     OnIdle,
 )
 from control_plane.request import FinishReason
-from control_plane.scheduler.plan import KvReport, StepPlan, StepResult
 from control_plane.scheduler.scheduler import QueueFull, RequestRejected, Scheduler
+from protos.worker import KvReport, StepPlan, StepResult
 
 
 @dataclass(frozen=True, slots=True)

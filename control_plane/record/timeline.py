@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from control_plane.record.entries import Entry, Finished, NextPlan, StepFigures
 from control_plane.request import FinishKind
-from control_plane.scheduler.plan import StepPlan
+from protos.worker import StepPlan
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,9 +10,9 @@ import numpy as np
 from control_plane.request import AbortCode, FinishReason, Request
 from control_plane.scheduler.adder import AddReqResult, PrefillAdder
 from control_plane.scheduler.batch import RunningBatch, ScheduledBatch
-from control_plane.scheduler.plan import KvTransfer, StepKind
 from control_plane.scheduler.preemption import Preemption
 from control_plane.scheduler.state import StepStats
+from protos.worker import KvTransfer, StepKind
 
 OOM_CHUNK = "Out of memory: no room for the next chunk of this prompt and nothing running to free any."
 

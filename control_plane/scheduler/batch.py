@@ -9,7 +9,7 @@ import numpy as np
 
 from control_plane.request import Request
 from control_plane.scheduler.columns import RowColumns
-from control_plane.scheduler.plan import StepKind
+from protos.worker import StepKind
 
 
 def _objects(reqs: Sequence[Request]) -> np.ndarray:

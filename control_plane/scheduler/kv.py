@@ -27,8 +27,8 @@ from control_plane.cache.radix import RadixCache
 from control_plane.cache.tree_node import TreeNode
 from control_plane.request import Request
 from control_plane.scheduler.columns import RowColumns
-from control_plane.scheduler.plan import SlotRemap as Remap
 from control_plane.scheduler.priority import priority_sign, urgency
+from protos.worker import SlotRemap as Remap
 
 
 class KvOutOfMemory(RuntimeError):

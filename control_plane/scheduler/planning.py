@@ -8,8 +8,8 @@ import numpy as np
 from control_plane.request import Request
 from control_plane.scheduler.admission import Admission
 from control_plane.scheduler.batch import ScheduledBatch
-from control_plane.scheduler.plan import DecodeWork, ExtendWork, NewSeq, StepKind, StepPlan
 from control_plane.scheduler.state import StepStats
+from protos.worker import DecodeWork, ExtendWork, NewSeq, StepKind, StepPlan
 
 
 class Planning(Admission):

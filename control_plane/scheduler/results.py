@@ -19,8 +19,8 @@ import numpy as np
 
 from control_plane.request import FinishReason, Request
 from control_plane.scheduler.batch import ScheduledBatch
-from control_plane.scheduler.plan import StepResult
 from control_plane.scheduler.planning import Planning
+from protos.worker import StepResult
 
 MAX_NEW_TOKENS = FinishReason.length("max_new_tokens")
 EOS = FinishReason.stop("eos")

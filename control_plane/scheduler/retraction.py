@@ -9,9 +9,9 @@ import numpy as np
 from control_plane.request import AbortCode, FinishReason, Request
 from control_plane.scheduler.batch import ScheduledBatch
 from control_plane.scheduler.intake import Intake
-from control_plane.scheduler.plan import KvTransfer, StepKind
 from control_plane.scheduler.priority import urgency
 from control_plane.scheduler.state import StepStats
+from protos.worker import KvTransfer, StepKind
 
 HOST_POOL_FULL = (
     "KV cache pool is full and the host backup pool has no room for this request's {n} tokens: "

@@ -27,7 +27,6 @@ import math
 from control_plane.request import Request
 from control_plane.scheduler.batch import ScheduledBatch
 from control_plane.scheduler.intake import PRIORITY_EVICTED, QUEUE_FULL
-from control_plane.scheduler.plan import StepKind, StepPlan
 from control_plane.scheduler.results import Results
 from control_plane.scheduler.retraction import HOST_POOL_FULL, OOM_LAST_REQUEST
 from control_plane.scheduler.sizing import clamp_max_new_tokens, resolve_max_running_requests
@@ -40,6 +39,7 @@ from control_plane.scheduler.state import (
     StepUpdates,
     TokenBatch,
 )
+from protos.worker import StepKind, StepPlan
 
 __all__ = [
     "HOST_POOL_FULL",

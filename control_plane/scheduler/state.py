@@ -23,11 +23,11 @@ from control_plane.request import FinishReason, Request
 from control_plane.scheduler.adder import AdderLimits
 from control_plane.scheduler.batch import RunningBatch, ScheduledBatch
 from control_plane.scheduler.kv import KvManager
-from control_plane.scheduler.plan import KvTransfer, SlotRemap, StepKind, WorkerLimits
 from control_plane.scheduler.policy import make_policy
 from control_plane.scheduler.priority import priority_sign
 from control_plane.scheduler.ratio import NewTokenRatioTracker
 from control_plane.scheduler.sizing import resolve_max_running_requests
+from protos.worker import KvTransfer, SlotRemap, StepKind, WorkerLimits
 
 MAX_INT = 2**63 - 1
 

@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 
 from control_plane.cache.invariants import check_pool_invariants
 from control_plane.config import SchedulerConfig, validate_scheduler_config
-from control_plane.request import FinishReason, Request, RequestParams, SamplerSpec
-from control_plane.scheduler.plan import StepPlan, StepResult, WorkerLimits
+from control_plane.request import FinishReason, Request, RequestParams
 from control_plane.scheduler.scheduler import Scheduler, StepUpdates
+from protos.worker import SamplerParams, StepPlan, StepResult, WorkerLimits
 from tests.control_plane.fake_worker import FakeWorker
 
 EOS = 2
@@ -68,7 +68,7 @@ def make_scheduler(
 
 
 def params(max_new_tokens: int | None = 16, **kw: object) -> RequestParams:
-    return RequestParams(max_new_tokens=max_new_tokens, sampler=SamplerSpec(temperature=0.0), **kw)  # type: ignore[arg-type]
+    return RequestParams(max_new_tokens=max_new_tokens, sampler=SamplerParams(temperature=0.0), **kw)  # type: ignore[arg-type]
 
 
 def prompt(n: int, seed: int = 0) -> list[int]:

@@ -16,7 +16,7 @@ from control_plane.core.engine import Engine
 from control_plane.core.inbox import Arrival, LiveSample, Verdict
 from control_plane.link import UID_LINK_SHIFT
 from control_plane.request import FinishReason, RequestParams
-from control_plane.scheduler.plan import StepPlan, StepResult, WorkerLimits
+from protos.worker import StepPlan, StepResult, WorkerLimits
 from tests.control_plane.factories import make_config
 from tests.control_plane.fake_worker import FakeWorker
 

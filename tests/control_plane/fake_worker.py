@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from control_plane.scheduler.plan import KvReport, StepPlan, StepResult
+from protos.worker import KvReport, StepPlan, StepResult
 
 
 class KvCorruption(AssertionError):

@@ -11,12 +11,13 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from control_plane.config import ControlConfig
-from control_plane.core import census
 from control_plane.core.drain import Departure
 from control_plane.core.engine import Engine
 from control_plane.core.server import MOVE_ON_DRAIN, WORKER_SERVICE, ControlPlane
-from control_plane.request import RequestParams, SamplerSpec
+from control_plane.request import RequestParams
+from protos import worker_codec
 from protos.stepwise.v1 import worker_pb2 as wk_pb
+from protos.worker import Census, SamplerParams
 from stepwise.embedded import resolve_model
 from tests.control_plane.fake_core import FakeChannel, FakeHub, finished, make_engine, submit
 
@@ -27,7 +28,7 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 def _params(max_new: int) -> RequestParams:
-    return RequestParams(max_new_tokens=max_new, sampler=SamplerSpec(temperature=0.0), ignore_eos=True)
+    return RequestParams(max_new_tokens=max_new, sampler=SamplerParams(temperature=0.0), ignore_eos=True)
 
 
 class Plane:
@@ -97,7 +98,7 @@ async def _until(condition: object, timeout: float = 10.0) -> None:
 
 async def test_census_counts_workers_and_load_and_leaves_out_a_leaving_worker(plane_factory) -> None:
     p: Plane = plane_factory()
-    assert p.plane.census() == census.Census(p.plane.id, 0, 0, 0, accepting=True)
+    assert p.plane.census() == Census(p.plane.id, 0, 0, 0, accepting=True)
     a, b = p.attach("a"), p.attach("b", step_s=0.01)
     uids = [submit(b, f"r{i}", [5, 6, 7], _params(400))[0] for i in range(3)]
     await _until(lambda: all(p.hub.stream(u).tokens for u in uids))
@@ -108,8 +109,8 @@ async def test_census_counts_workers_and_load_and_leaves_out_a_leaving_worker(pl
     now = p.plane.census()
     assert (now.workers, now.running) == (1, 0)
     # The wire form carries every field.
-    assert census.from_proto(census.to_proto(now)) == now
-    assert isinstance(census.to_proto(now), wk_pb.CensusReply)
+    assert worker_codec.census_from_proto(worker_codec.census_to_proto(now)) == now
+    assert isinstance(worker_codec.census_to_proto(now), wk_pb.CensusReply)
     assert a.leaving is None
 
 

@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 
 from control_plane.request import FinishReason
-from control_plane.scheduler.plan import StepKind, StepPlan
+from protos.worker import StepKind, StepPlan
 from tests.control_plane.factories import EOS, FakeWorker, Outcome, make_scheduler, params, prompt, run
 
 

@@ -18,8 +18,8 @@ import structlog
 from control_plane.core.drain import DRAINED, Departure
 from control_plane.core.engine import Engine
 from control_plane.core.router import Router
-from control_plane.request import RequestParams, SamplerSpec
-from control_plane.scheduler.plan import StepPlan, StepResult
+from control_plane.request import RequestParams
+from protos.worker import SamplerParams, StepPlan, StepResult
 from tests.control_plane.fake_core import FakeChannel, FakeHub, Stream, finished, make_engine, submit
 
 pytestmark = pytest.mark.timeout(60)
@@ -29,7 +29,7 @@ PROMPT = [5, 6, 7, 8]
 
 
 def _params(max_new: int) -> RequestParams:
-    return RequestParams(max_new_tokens=max_new, sampler=SamplerSpec(temperature=0.0), ignore_eos=True)
+    return RequestParams(max_new_tokens=max_new, sampler=SamplerParams(temperature=0.0), ignore_eos=True)
 
 
 class Pair:

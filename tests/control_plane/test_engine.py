@@ -13,9 +13,9 @@ from control_plane.core import engine as engine_module
 from control_plane.core import failover as failover_module
 from control_plane.core.inbox import Verdict
 from control_plane.link import UID_LINK_SHIFT
-from control_plane.request import FinishReason, RequestParams, SamplerSpec
-from control_plane.scheduler.plan import StepPlan, StepResult
+from control_plane.request import FinishReason, RequestParams
 from control_plane.tokenizer import Tokenizer
+from protos.worker import SamplerParams, StepPlan, StepResult
 from stepwise.embedded import resolve_model
 from tests.control_plane.fake_core import FakeChannel, FakeHub, finished, make_engine, submit
 
@@ -39,7 +39,9 @@ async def _released(channel: FakeChannel, timeout: float = 5.0) -> None:
 
 
 def _params(max_new: int, **kw: object) -> RequestParams:
-    return RequestParams(max_new_tokens=max_new, sampler=SamplerSpec(temperature=0.0), ignore_eos=True, **kw)  # type: ignore[arg-type]
+    return RequestParams(
+        max_new_tokens=max_new, sampler=SamplerParams(temperature=0.0), ignore_eos=True, **kw
+    )  # type: ignore[arg-type]
 
 
 async def test_streams_tokens_and_logs_sglang_lines(tokenizer: Tokenizer) -> None:
@@ -267,7 +269,7 @@ async def test_a_refused_arrival_gets_its_verdict_and_nothing_else(tokenizer: To
 
 def test_largest_seed_wraps_for_parallel_samples() -> None:
     """Seeds are uint64 on the wire: sample 1 of seed 2^64-1 gets 0, not an overflow in the codec."""
-    params = RequestParams(max_new_tokens=3, sampler=SamplerSpec(seed=2**64 - 1))
+    params = RequestParams(max_new_tokens=3, sampler=SamplerParams(temperature=1.0, seed=2**64 - 1))
     seeds = [engine_module._sample_params(params, i, 2, "g").sampler.seed for i in range(2)]
     assert seeds == [2**64 - 1, 0]
 

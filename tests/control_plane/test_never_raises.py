@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from control_plane.request import FinishKind
 from control_plane.scheduler.admission import OOM_CHUNK
-from control_plane.scheduler.plan import StepKind
+from protos.worker import StepKind
 from tests.control_plane.factories import EOS, FakeWorker, finishes, make_scheduler, params, prompt
 
 

@@ -16,8 +16,8 @@ import pytest
 
 from control_plane.cache.invariants import check_pool_invariants
 from control_plane.request import AbortCode, FinishKind, FinishReason, RequestParams
-from control_plane.scheduler.plan import StepKind, StepResult
 from control_plane.scheduler.scheduler import Scheduler
+from protos.worker import StepKind, StepResult
 from tests.control_plane.factories import (
     EOS,
     FakeWorker,

@@ -12,9 +12,9 @@ import pytest
 from control_plane.cache.invariants import check_pool_invariants
 from control_plane.core.step_log import retraction_line
 from control_plane.request import FinishKind, FinishReason, RequestParams
-from control_plane.scheduler.plan import StepPlan
 from control_plane.scheduler.retraction import GROUP_ABORTED
 from control_plane.scheduler.scheduler import Scheduler, resolve_max_running_requests
+from protos.worker import StepPlan
 from tests.control_plane.factories import add, by_rid, finishes, make_scheduler, params, prompt, run_plan
 from tests.control_plane.fake_worker import FakeWorker
 

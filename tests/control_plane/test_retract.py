@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from control_plane.request import AbortCode, FinishKind, Request
-from control_plane.scheduler.plan import StepPlan
 from control_plane.scheduler.scheduler import OOM_LAST_REQUEST, Scheduler, StepStats
+from protos.worker import StepPlan
 from tests.control_plane.factories import EOS, FakeWorker, finishes, make_scheduler, params, prompt, run
 
 

@@ -27,7 +27,6 @@ from control_plane.cache.invariants import check_pool_invariants
 from control_plane.config import EVICTION_POLICIES
 from control_plane.request import AbortCode, FinishKind, FinishReason, RequestParams
 from control_plane.scheduler.admission import OOM_CHUNK
-from control_plane.scheduler.plan import StepPlan, StepResult
 from control_plane.scheduler.retraction import GROUP_ABORTED
 from control_plane.scheduler.scheduler import (
     HOST_POOL_FULL,
@@ -37,6 +36,7 @@ from control_plane.scheduler.scheduler import (
     Scheduler,
     clamp_max_new_tokens,
 )
+from protos.worker import StepPlan, StepResult
 from tests.control_plane.factories import (
     EOS,
     OVERLAP_DEPTH,

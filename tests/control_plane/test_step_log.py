@@ -7,8 +7,8 @@ import structlog
 
 from control_plane.core.step_log import StepLog, oom_abort_line
 from control_plane.metrics import REGISTRY
-from control_plane.scheduler.plan import DecodeWork, StepKind, StepPlan
 from control_plane.scheduler.scheduler import StepStats
+from protos.worker import DecodeWork, StepKind, StepPlan
 from tests.control_plane.factories import make_scheduler
 
 

@@ -16,8 +16,9 @@ import pytest
 
 from control_plane.core.engine import Engine
 from control_plane.core.timeouts import RUNNING_TIMEOUT, WAITING_TIMEOUT
-from control_plane.request import RequestParams, SamplerSpec
+from control_plane.request import RequestParams
 from control_plane.tokenizer import Tokenizer
+from protos.worker import SamplerParams
 from stepwise.embedded import resolve_model
 from tests.control_plane.fake_core import FakeHub, finished, make_engine, submit
 
@@ -39,7 +40,7 @@ def _engine(
 
 
 def _params(max_new: int) -> RequestParams:
-    return RequestParams(max_new_tokens=max_new, sampler=SamplerSpec(temperature=0.0), ignore_eos=True)
+    return RequestParams(max_new_tokens=max_new, sampler=SamplerParams(temperature=0.0), ignore_eos=True)
 
 
 @pytest.mark.parametrize("overlap", [True, False])

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from control_plane.core.worker_checks import WorkerFault, check_result
-from control_plane.scheduler.plan import StepPlan, StepResult
+from protos.worker import StepPlan, StepResult
 from tests.control_plane.factories import FakeWorker, make_scheduler, params, prompt
 
 VOCAB = 1000

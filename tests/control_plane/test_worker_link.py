@@ -11,8 +11,8 @@ import pytest
 from control_plane.core.failover import WorkerGone
 from control_plane.core.worker_checks import WorkerFault
 from control_plane.core.worker_link import StreamChannel
-from control_plane.scheduler.plan import DecodeWork, StepKind, StepPlan
 from protos.stepwise.v1 import worker_pb2 as wk_pb
+from protos.worker import DecodeWork, StepKind, StepPlan
 
 pytestmark = pytest.mark.timeout(10)
 

@@ -9,12 +9,13 @@ import numpy as np
 import torch
 
 from data_plane.executor import Executor
-from data_plane.messages import (
-    DecodeBatch,
-    ExtendBatch,
+from protos.worker import (
+    DecodeWork,
+    ExtendWork,
     KvTransfer,
-    NewSequence,
+    NewSeq,
     SamplerParams,
+    StepKind,
     StepPlan,
     sampled_handles,
 )
@@ -70,28 +71,30 @@ def make_plan(
     step_id: int,
     extends: Sequence[Extend] = (),
     decodes: Sequence[tuple[int, int]] = (),
-    new_seqs: Sequence[NewSequence] = (),
+    new_seqs: Sequence[NewSeq] = (),
     releases: Sequence[int] = (),
     offloads: Sequence[KvTransfer] = (),
     restores: Sequence[KvTransfer] = (),
 ) -> StepPlan:
-    """A StepPlan from readable pieces; decodes are (handle, slot) pairs."""
+    """A StepPlan from readable pieces; decodes are (handle, slot) pairs. Columns take the dtypes the
+    codec decodes (protos/worker.py), so a decoded plan compares equal to the one built here."""
     return StepPlan(
         step_id=step_id,
-        release_handles=np.array(releases, dtype=np.uint64),
+        kind=StepKind.of(len(extends), len(decodes)),
+        releases=np.array(releases, dtype=np.int64),
         offloads=tuple(offloads),
         restores=tuple(restores),
         new_seqs=tuple(new_seqs),
-        extends=ExtendBatch(
-            handles=np.array([e.handle for e in extends], dtype=np.uint64),
-            starts=np.array([e.start for e in extends], dtype=np.int64),
-            lens=np.array([len(e.tokens) for e in extends], dtype=np.int64),
+        extends=ExtendWork(
+            handles=np.array([e.handle for e in extends], dtype=np.int64),
+            starts=np.array([e.start for e in extends], dtype=np.int32),
+            lens=np.array([len(e.tokens) for e in extends], dtype=np.int32),
             sample=np.array([e.sample for e in extends], dtype=np.bool_),
-            token_ids=np.array([t for e in extends for t in e.tokens], dtype=np.int64),
+            token_ids=np.array([t for e in extends for t in e.tokens], dtype=np.int32),
             slots=np.concatenate([e.slots for e in extends]) if extends else np.zeros(0, np.int64),
         ),
-        decodes=DecodeBatch(
-            handles=np.array([h for h, _ in decodes], dtype=np.uint64),
+        decodes=DecodeWork(
+            handles=np.array([h for h, _ in decodes], dtype=np.int64),
             slots=np.array([s for _, s in decodes], dtype=np.int64),
         ),
     )
@@ -102,12 +105,12 @@ def new_seq(
     sampler: SamplerParams = GREEDY,
     prefix_slots: np.ndarray | None = None,
     history: Sequence[int] = (),
-) -> NewSequence:
-    return NewSequence(
+) -> NewSeq:
+    return NewSeq(
         handle=handle,
         sampler=sampler,
         prefix_slots=np.zeros(0, np.int64) if prefix_slots is None else prefix_slots,
-        history_ids=np.array(history, dtype=np.int64),
+        history_ids=np.array(history, dtype=np.int32),
     )
 
 

@@ -18,12 +18,12 @@ from dataclasses import dataclass, field, replace
 
 import grpc
 
-from data_plane import codec
 from data_plane.config import WorkerConfig
 from data_plane.link import Link
-from data_plane.messages import Census, StepPlan
 from data_plane.worker import LoadedWorker, load_sim_worker, serve
+from protos import worker_codec
 from protos.stepwise.v1 import worker_pb2, worker_pb2_grpc
+from protos.worker import Census, Move, Shutdown, StepPlan, Welcome
 from tests.data_plane.factories import Extend, SlotAllocator, make_plan, new_seq
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -80,7 +80,7 @@ class FakeControl(worker_pb2_grpc.WorkerLinkServicer):
     async def Census(self, request, context):  # type: ignore[no-untyped-def]
         if self.census is None:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, "no Census here")
-        return codec.census_to_proto(self.census)
+        return worker_codec.census_to_proto(self.census)
 
     async def Connect(self, request_iterator, context):  # type: ignore[no-untyped-def]
         session = Session()
@@ -148,17 +148,15 @@ def free_port() -> int:
 
 
 def welcome(accepted: bool = True, reason: str = "", retryable: bool = False) -> worker_pb2.ControlMessage:
-    return worker_pb2.ControlMessage(
-        welcome=worker_pb2.Welcome(accepted=accepted, reason=reason, retryable=retryable)
-    )
+    return worker_codec.control_to_proto(Welcome(accepted, reason, retryable))
 
 
 def plan_message(plan: StepPlan) -> worker_pb2.ControlMessage:
-    return worker_pb2.ControlMessage(plan=codec.plan_to_proto(plan))
+    return worker_codec.plan_to_proto(plan)
 
 
-SHUTDOWN = worker_pb2.ControlMessage(shutdown=worker_pb2.Shutdown(reason="test over"))
-MOVE = worker_pb2.ControlMessage(move=worker_pb2.Move(reason="rebalance"))
+SHUTDOWN = worker_codec.control_to_proto(Shutdown("test over"))
+MOVE = worker_codec.control_to_proto(Move("rebalance"))
 
 
 def two_step_plans() -> list[StepPlan]:
@@ -203,7 +201,7 @@ def hold(seconds: float = WAIT_S) -> Script:
 
 
 def tokens(result: worker_pb2.StepResult) -> list[int]:
-    return codec.result_from_proto(result).token_ids.tolist()
+    return worker_codec.result_from_proto(result).token_ids.tolist()
 
 
 # ---- workers -----------------------------------------------------------------------------------

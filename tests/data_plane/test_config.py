@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import pathlib
 
 import pytest
 
@@ -75,3 +77,21 @@ def test_help_describes_every_new_flag(capsys: pytest.CaptureFixture[str]) -> No
     for flag in NEW_FLAGS:
         assert flag in text
     assert "dns:///NAME:PORT" in text and "Exit codes" in text
+
+
+def test_flags_build_a_frozen_config() -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    ns = parser.parse_args(["--model", "/m", "--kv-tokens", "512", "--page-size", "16", "--control", "h:1"])
+    config = config_from_args(ns)
+    assert (config.model, config.kv_tokens, config.page_size, config.control) == (
+        pathlib.Path("/m"),
+        512,
+        16,
+        "h:1",
+    )
+    assert config.worker_id  # hostname-pid by default
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.page_size = 1  # type: ignore[misc]
+    with pytest.raises(ValueError, match="page-size"):
+        config_from_args(parser.parse_args(["--model", "/m", "--page-size", "0"]))

@@ -22,8 +22,8 @@ from data_plane.config import add_arguments, config_from_args
 from data_plane.decode_cache import DecodeCache
 from data_plane.executor import Executor
 from data_plane.kv_pool import KvPool
-from data_plane.messages import StepPlan, sampled_handles
 from data_plane.models.llama import LlamaModel
+from protos.worker import StepPlan, sampled_handles
 from tests.data_plane.factories import Extend, SlotAllocator, make_plan, new_seq
 from tests.data_plane.families import BY_NAME, build_checkpoint
 
@@ -133,7 +133,7 @@ def test_fast_path_matches_general_path_with_sliding_window(
 def _cache_step(cache: DecodeCache, handles: list[int], lens: list[int], table: np.ndarray):  # type: ignore[no-untyped-def]
     rows = np.array(handles, dtype=np.int64)
     return cache.step(
-        np.array(handles, dtype=np.uint64), np.array(lens), table, rows, rows * 1000, sliding_window=None
+        np.array(handles, dtype=np.int64), np.array(lens), table, rows, rows * 1000, sliding_window=None
     )
 
 

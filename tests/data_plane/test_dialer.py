@@ -13,8 +13,8 @@ import grpc
 
 from data_plane.config import WorkerConfig
 from data_plane.dialer import BACKOFF_BASE_S, Candidate, Dialer, Retry, backoff_delays, choose
-from data_plane.messages import Census
 from protos.targets import Address
+from protos.worker import Census
 from tests.certs import make_ca, make_cert
 from tests.data_plane.fake_control import FakeControl, fake_control, free_port
 

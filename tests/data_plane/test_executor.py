@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from data_plane.messages import KvTransfer
+from protos.worker import KvTransfer
 from tests.data_plane.factories import Extend, SlotAllocator, make_plan, new_seq
 
 PROMPT = [11, 22, 33, 44, 55, 66, 77, 88, 99, 111]

@@ -23,9 +23,9 @@ from safetensors.torch import load_file, save_file
 
 from data_plane.executor import Executor
 from data_plane.kv_pool import KvPool
-from data_plane.messages import StepPlan
 from data_plane.models.llama import LlamaModel
 from data_plane.models.loader import ModelLoadError, load_tensors, read_model_config, weight_files
+from protos.worker import StepPlan
 from tests.data_plane.factories import Driver, Extend, SlotAllocator, hf_next_logits, make_plan, new_seq
 from tests.data_plane.families import BY_NAME, FAMILY_NAMES, VOCAB, build_checkpoint, load_reference
 

@@ -7,7 +7,7 @@ import pathlib
 import pytest
 import torch
 
-from data_plane.messages import SamplerParams, sampled_handles
+from protos.worker import SamplerParams, sampled_handles
 from tests.data_plane.factories import Driver, Extend, SlotAllocator, hf_next_logits, make_plan, new_seq
 
 PROMPTS = (

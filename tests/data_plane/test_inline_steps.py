@@ -15,10 +15,10 @@ import torch
 from data_plane.executor import INLINE_MAX_TOKENS, Executor
 from data_plane.kv_pool import KvPool
 from data_plane.link import Link
-from data_plane.messages import KvReport, Shutdown, StepPlan, StepResult
 from data_plane.models.llama import LlamaModel
 from data_plane.session import _Arrived, _Inbox, _run_plans
 from data_plane.sim import SimExecutor
+from protos.worker import KvReport, Shutdown, StepPlan, StepResult
 from tests.data_plane.factories import Extend, SlotAllocator, make_plan, new_seq
 
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from data_plane.executor import Executor
-from data_plane.messages import StepPlan, sampled_handles
+from protos.worker import StepPlan, sampled_handles
 from tests.data_plane.factories import Extend, make_plan, new_seq
 
 CAPACITY = 80

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from data_plane.messages import SamplerParams
 from data_plane.sampler import PenaltyRow, apply_penalties, sample, seeded_uniforms
 from data_plane.state import SamplerColumns
+from protos.worker import SamplerParams
 
 VOCAB = 64
 ROWS = 256

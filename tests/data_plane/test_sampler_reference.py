@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from data_plane.messages import SamplerParams
 from data_plane.sampler import PenaltyRow, apply_penalties, filtered_probs, sample
 from data_plane.state import SamplerColumns
+from protos.worker import SamplerParams
 
 VOCAB = 97
 # (temperature, top_k, top_p, min_p): one row each, all in the same batch.

@@ -7,31 +7,31 @@ import dataclasses
 import numpy as np
 import pytest
 
-from data_plane.messages import (
-    DecodeBatch,
-    ExtendBatch,
+from data_plane.sim import CostModel, SimExecutor
+from protos.worker import (
+    DecodeWork,
+    ExtendWork,
     KvTransfer,
-    NewSequence,
+    NewSeq,
     SamplerParams,
+    StepKind,
     StepPlan,
     sampled_handles,
 )
-from data_plane.sim import CostModel, SimExecutor
 
 
-def _new(handle: int, rid: str, prompt_len: int, output_len: int) -> NewSequence:
-    return NewSequence(
-        handle, SamplerParams(), request_id=rid, prompt_len=prompt_len, sim_output_len=output_len
-    )
+def _new(handle: int, rid: str, prompt_len: int, output_len: int) -> NewSeq:
+    return NewSeq(handle, SamplerParams(), request_id=rid, prompt_len=prompt_len, sim_output_len=output_len)
 
 
 def _prefill(step: int, seqs: list[tuple[int, str, int, int]]) -> StepPlan:
     lens = np.asarray([s[2] for s in seqs], dtype=np.int64)
     return StepPlan(
         step,
+        StepKind.PREFILL,
         new_seqs=tuple(_new(*s) for s in seqs),
-        extends=ExtendBatch(
-            handles=np.asarray([s[0] for s in seqs], dtype=np.uint64),
+        extends=ExtendWork(
+            handles=np.asarray([s[0] for s in seqs], dtype=np.int64),
             starts=np.zeros(len(seqs), dtype=np.int64),
             lens=lens,
             sample=np.ones(len(seqs), dtype=bool),
@@ -44,8 +44,9 @@ def _prefill(step: int, seqs: list[tuple[int, str, int, int]]) -> StepPlan:
 def _decode(step: int, handles: list[int], first_slot: int) -> StepPlan:
     return StepPlan(
         step,
-        decodes=DecodeBatch(
-            handles=np.asarray(handles, dtype=np.uint64),
+        StepKind.DECODE,
+        decodes=DecodeWork(
+            handles=np.asarray(handles, dtype=np.int64),
             slots=np.arange(first_slot, first_slot + len(handles), dtype=np.int64),
         ),
     )
@@ -95,14 +96,16 @@ def test_kv_report_tracks_slot_tables() -> None:
     executor.execute(_prefill(1, [(1, "a", 4, 10), (2, "b", 6, 10)]))
     result = executor.execute(_decode(2, [1, 2], 100))
     assert (result.kv.live_seqs, result.kv.seq_slots) == (2, 12)
-    result = executor.execute(StepPlan(3, release_handles=np.asarray([1], dtype=np.uint64)))
+    result = executor.execute(StepPlan(3, StepKind.DECODE, releases=np.asarray([1], dtype=np.int64)))
     assert (result.kv.live_seqs, result.kv.seq_slots) == (1, 7)
     moved = KvTransfer(2, np.arange(7, dtype=np.int64))
-    result = executor.execute(StepPlan(4, offloads=(moved,)))
+    result = executor.execute(StepPlan(4, StepKind.DECODE, offloads=(moved,)))
     assert (result.kv.live_seqs, result.kv.seq_slots, result.kv.host_seqs) == (0, 0, 1)
-    result = executor.execute(StepPlan(5, restores=(moved,)))
+    result = executor.execute(StepPlan(5, StepKind.DECODE, restores=(moved,)))
     assert (result.kv.live_seqs, result.kv.seq_slots, result.kv.host_seqs) == (1, 7, 0)
-    result = executor.execute(StepPlan(6, offloads=(moved,), release_handles=np.asarray([2], np.uint64)))
+    result = executor.execute(
+        StepPlan(6, StepKind.DECODE, offloads=(moved,), releases=np.asarray([2], np.int64))
+    )
     assert "2" in result.error  # released before the offload: nothing left to offload
 
 
@@ -134,13 +137,14 @@ def test_a_restore_names_the_length_the_sequence_continues_from() -> None:
     sim = SimExecutor(capacity=4096, vocab_size=500, eos_token_id=0)
     assert not sim.execute(_prefill(1, [(1, "r", 4, 50)])).error
     assert not sim.execute(_decode(2, [1], 100)).error  # the table holds 5 positions now
-    offload = StepPlan(3, offloads=(KvTransfer(1, np.arange(4, dtype=np.int64)),))
+    offload = StepPlan(3, StepKind.DECODE, offloads=(KvTransfer(1, np.arange(4, dtype=np.int64)),))
     assert not sim.execute(offload).error
     restore = StepPlan(
         4,
+        StepKind.PREFILL,
         restores=(KvTransfer(1, np.arange(200, 204, dtype=np.int64)),),
-        extends=ExtendBatch(
-            handles=np.asarray([1], dtype=np.uint64),
+        extends=ExtendWork(
+            handles=np.asarray([1], dtype=np.int64),
             starts=np.asarray([4], dtype=np.int64),
             lens=np.asarray([2], dtype=np.int64),
             sample=np.ones(1, dtype=bool),

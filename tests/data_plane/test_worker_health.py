@@ -15,7 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from data_plane.health import READY_SERVICE, WorkerHealth
 from data_plane.link import Link
-from data_plane.messages import Census
+from protos.worker import Census
 from tests.data_plane.fake_control import (
     MOVE,
     SHUTDOWN,

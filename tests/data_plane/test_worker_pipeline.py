@@ -8,10 +8,10 @@ import pathlib
 
 import pytest
 
-from data_plane import codec
-from data_plane.messages import Move, Shutdown, StepPlan
 from data_plane.session import MAX_QUEUED_PLANS, _Inbox, _read_plans
+from protos import worker_codec
 from protos.stepwise.v1 import worker_pb2
+from protos.worker import Move, Shutdown, StepPlan
 from tests.data_plane.factories import Extend, SlotAllocator, make_plan, new_seq
 from tests.data_plane.fake_control import (
     PROMPT,
@@ -70,7 +70,7 @@ async def test_the_next_plan_is_ready_when_a_step_ends(model_dir: pathlib.Path) 
     assert code == 0, stderr
     results = control.sessions[0].results
     assert [r.step_id for r in results] == [100, 101, 102]
-    assert all(len(codec.result_from_proto(r).token_ids) == 1 for r in results)
+    assert all(len(worker_codec.result_from_proto(r).token_ids) == 1 for r in results)
     assert results[0].wait_s == 0.0  # the first plan of a session has no step before it
     # Plans 101 and 102 were read and decoded while the step before them slept.
     assert [r.wait_s for r in results[1:]] == [0.0, 0.0]
@@ -96,13 +96,13 @@ class _EndlessPlans:
 
     async def read(self) -> worker_pb2.ControlMessage:
         self.reads += 1
-        return worker_pb2.ControlMessage(plan=codec.plan_to_proto(make_plan(self.reads)))
+        return worker_codec.plan_to_proto(make_plan(self.reads))
 
 
 async def test_the_reader_stops_reading_when_the_queue_is_full() -> None:
     call = _EndlessPlans()
     inbox: _Inbox = asyncio.Queue(maxsize=MAX_QUEUED_PLANS)
-    reader = asyncio.create_task(_read_plans(call, codec.PlanDecoder(), inbox))  # type: ignore[arg-type]
+    reader = asyncio.create_task(_read_plans(call, worker_codec.PlanDecoder(), inbox))  # type: ignore[arg-type]
     try:
         for _ in range(50):
             await asyncio.sleep(0)

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from data_plane.messages import Census
+from protos.worker import Census
 from tests.data_plane.fake_control import (
     MOVE,
     SHUTDOWN,

@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 import grpc
 import numpy as np
 
-from data_plane.codec import PlanDecoder
-from data_plane.messages import StepPlan, sampled_handles
 from protos.stepwise.v1 import worker_pb2 as wk_pb
 from protos.stepwise.v1 import worker_pb2_grpc as wk_grpc
+from protos.worker import StepPlan, sampled_handles
+from protos.worker_codec import PlanDecoder
 
 EMBEDDED_VOCAB = 1024
 
@@ -105,7 +105,7 @@ def honest_result(plan: StepPlan, live: set[int], token: int = 7) -> wk_pb.StepR
     `live` is the caller's set of live handles, updated by the plan; KV books are not modelled, so
     the control plane may log a book mismatch, which these tests do not look at.
     """
-    live.difference_update(plan.release_handles.tolist())
+    live.difference_update(plan.releases.tolist())
     live.update(s.handle for s in plan.new_seqs)
     return wk_pb.StepResult(
         step_id=plan.step_id,

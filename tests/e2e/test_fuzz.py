@@ -17,10 +17,10 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from clients.client import StepwiseClient
-from data_plane.messages import StepPlan
 from data_plane.models.loader import model_fingerprint
 from protos.stepwise.v1 import generation_pb2 as gen_pb
 from protos.stepwise.v1 import worker_pb2 as wk_pb
+from protos.worker import StepPlan
 from stepwise.embedded import resolve_model
 from tests.e2e.conftest import ControlProcess
 from tests.e2e.rogue import RogueWorker, hello, honest_result, tokens_bytes

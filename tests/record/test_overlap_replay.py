@@ -8,7 +8,7 @@ from control_plane.record.entries import ApplyResult, Entry, NextPlan
 from control_plane.record.recorder import RecordingScheduler, recording_header
 from control_plane.record.replay import replay_scheduler, replay_worker
 from control_plane.request import AbortCode, FinishReason
-from control_plane.scheduler.plan import StepResult
+from protos.worker import StepResult
 from tests.control_plane.factories import EOS, add, make_config, make_scheduler, params, prompt
 from tests.control_plane.fake_worker import FakeWorker
 

@@ -15,8 +15,8 @@ from control_plane.record import codec
 from control_plane.record.entries import AddRequest, ApplyResult, Entry, Header, NextPlan
 from control_plane.record.files import TruncatedRecording, read_entries, recording_parts, varint
 from control_plane.record.replay import first_difference, replay_scheduler
-from control_plane.request import RequestParams, SamplerSpec
-from control_plane.scheduler.plan import WorkerLimits
+from control_plane.request import RequestParams
+from protos.worker import SamplerParams, WorkerLimits
 from stepwise import replay, simulate
 from tests.record.conftest import write_trace
 
@@ -189,7 +189,7 @@ def test_every_request_parameter_survives_the_record() -> None:
         stop=("x",),
         stop_token_ids=frozenset({3}),
         ignore_eos=True,
-        sampler=SamplerSpec(temperature=0.5, seed=7),
+        sampler=SamplerParams(temperature=0.5, seed=7),
         priority=2,
         routing_key="k",
         group="g",

@@ -12,7 +12,7 @@ from control_plane.config import ControlConfig, SchedulerConfig
 from control_plane.record.entries import Header, OnIdle
 from control_plane.record.files import RecordingError, RecordWriter, check_writable
 from control_plane.record.recorder import FileSink, RecordingScheduler, make_scheduler
-from control_plane.scheduler.plan import WorkerLimits
+from protos.worker import WorkerLimits
 
 LIMITS = WorkerLimits("w", 64, 1, 128, 100, frozenset({2}))
 
