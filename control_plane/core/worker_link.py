@@ -22,7 +22,7 @@ import grpc
 import structlog
 
 from control_plane import worker_codec
-from control_plane.core.failover import WorkerGone
+from control_plane.core.handover import WorkerGone
 from control_plane.core.worker_checks import WorkerFault
 from control_plane.scheduler.plan import StepPlan, StepResult
 from protos.stepwise.v1 import worker_pb2 as wk_pb

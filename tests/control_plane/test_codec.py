@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from control_plane import client_codec, worker_codec
 from control_plane.config import SchedulerConfig
-from control_plane.core.failover import WorkerGone
+from control_plane.core.handover import WorkerGone
 from control_plane.core.worker_checks import WorkerFault
 from control_plane.core.worker_link import StreamChannel
 from control_plane.record import codec as record_codec

@@ -10,7 +10,6 @@ import pytest
 import structlog
 
 from control_plane.core import engine as engine_module
-from control_plane.core import failover as failover_module
 from control_plane.core.inbox import Verdict
 from control_plane.link import UID_LINK_SHIFT
 from control_plane.request import FinishReason, RequestParams, SamplerSpec
@@ -203,7 +202,7 @@ async def test_a_request_that_keeps_faulting_ends_with_an_abort(tokenizer: Token
         raise RuntimeError("apply_result bug")
 
     engine.scheduler.apply_result = apply_fails  # type: ignore[method-assign]
-    make = failover_module.make_scheduler
+    make = engine_module.make_scheduler
 
     def make_broken(config, limits):  # type: ignore[no-untyped-def]
         sched = make(config, limits)
@@ -211,7 +210,7 @@ async def test_a_request_that_keeps_faulting_ends_with_an_abort(tokenizer: Token
             sched.apply_result = apply_fails  # type: ignore[method-assign]
         return sched
 
-    failover_module.make_scheduler = make_broken  # type: ignore[assignment]
+    engine_module.make_scheduler = make_broken  # type: ignore[assignment]
     try:
         task = asyncio.create_task(engine.run())
         (doomed,) = await finished(hub, submit(engine, "doomed", [5, 6, 7], _params(5)))
@@ -225,7 +224,7 @@ async def test_a_request_that_keeps_faulting_ends_with_an_abort(tokenizer: Token
         engine.stop()
         await task
     finally:
-        failover_module.make_scheduler = make  # type: ignore[assignment]
+        engine_module.make_scheduler = make  # type: ignore[assignment]
 
 
 async def test_arrivals_left_in_the_inbox_when_the_engine_stops_are_answered(tokenizer: Tokenizer) -> None:
