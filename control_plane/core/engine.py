@@ -12,6 +12,20 @@ what the frontends hear of them, through the hub's Publisher), HandOver (handove
 worker's requests continue on another engine; a fault of our own restarts the scheduler), Drain
 (drain.py: a worker that drains or is asked to move), Timeouts (timeouts.py), StepLog (step_log.py:
 log lines and metrics); worker_checks.py checks every result.
+
+Every request ends with its tokens or an explicit finish reason, whichever way `run` ends. A lost
+worker (WorkerGone: its stream broke or it failed a step; WorkerFault: it broke the protocol or
+hung; CancelledError: gRPC cancelled its handler) first has its inbox applied, so arrivals not yet
+seen become requests too, then every live request continues on another engine from its last
+streamed token, or ends with an abort naming the error if there is none. A fault of our own does
+not end the loop: each request continues on a fresh scheduler, or ends with an abort once it has
+lived through MAX_FAULTS_PER_REQUEST. A drain or move ends the loop only once nothing is live
+(queued requests moved at once, running ones finished here or handed over past --drain-timeout),
+and `stop` (the control plane stopping) ends each live request with an abort. On every exit the
+engine closes before its first await: the router passes it by from then on, so nothing arrives
+while the session's last message goes out, and whatever is still here, inbox included, ends with
+an abort; a call always hears its verdict before its finish. An engine whose welcome failed is
+closed the same way (`abandon`).
 """
 
 from __future__ import annotations
@@ -48,6 +62,7 @@ log = structlog.get_logger("stepwise.engine")
 # Work units of the idle pool check per slice (about a millisecond), between which the loop yields.
 IDLE_CHECK_BUDGET = 4096
 SEED_SPACE = 1 << 64
+SHUTTING_DOWN = "control plane is shutting down"
 
 
 class WorkerChannel(Protocol):
@@ -108,6 +123,8 @@ class Engine:
         self._inbox: list[Item] = []
         self._wake = asyncio.Event()
         self._stopping = False
+        # The loop has ended (or will never run): nothing may wait here any more.
+        self._closed = False
         # When the worker attached (the newest is the one asked to move).
         self.attached_at = time.monotonic()
         # The session ended because the worker left (drained or moved), not because it was lost.
@@ -132,6 +149,11 @@ class Engine:
         """The drain or move under way (None: the worker stays)."""
         return self.drain.leaving
 
+    @property
+    def serving(self) -> bool:
+        """New requests may come here: the loop has not ended and the worker is not leaving."""
+        return not self._closed and self.drain.leaving is None
+
     def _heir(self) -> Engine | None:
         return self._successor(self) if self._successor is not None else None
 
@@ -140,6 +162,9 @@ class Engine:
     def submit(self, arrival: Arrival) -> None:
         """Queue a Generate call's samples; the publisher gets the verdict once the scheduler has seen
         it (accepted, or refused with the reason)."""
+        if self._closed:  # the router passes a closed engine by: this is a caller's slip, answered
+            self.streams.refuse(arrival.samples, Verdict.UNAVAILABLE, f"worker {self.worker} is gone")
+            return
         self.streams.arrive(arrival.samples)
         self._inbox.append(arrival)
         self._wake.set()
@@ -179,6 +204,11 @@ class Engine:
 
     def adopt(self, orphans: list[Orphan]) -> None:
         """Take over requests of a lost or leaving worker: their streams continue here."""
+        if self._closed:  # as in submit: never chosen as an heir once closed
+            for orphan in orphans:
+                message = f"its worker went away and {self.worker}, which was to take it over, is gone too"
+                self.streams.finish(orphan.sample, FinishReason.abort(message))
+            return
         for orphan in orphans:
             self.streams.adopt(orphan.sample)
             self._inbox.append(orphan)
@@ -244,11 +274,26 @@ class Engine:
                 self._hand_over("the worker's stream was cancelled")
             raise
         finally:
-            self._inbox.clear()
-            self.streams.abort_all("control plane is shutting down")
-            close_recording(self.scheduler)
+            self._close()  # before the await: nothing comes in while the last message goes out
             with contextlib.suppress(Exception):
-                await self.channel.close("control plane is shutting down")
+                await self.channel.close(SHUTTING_DOWN)
+
+    def abandon(self, error: str) -> None:
+        """The session ended before the loop ran (the welcome could not be sent): what the router
+        gave this engine meanwhile continues on another one, or ends with an abort."""
+        try:
+            self._hand_over(error)
+        finally:
+            self._close()
+
+    def _close(self) -> None:
+        """No more requests come here (the router passes a closed engine by, and `submit` and `adopt`
+        answer at once), and every one still here ends with an abort: those in the inbox too, their
+        calls let through to read it."""
+        self._closed = True
+        self._inbox.clear()
+        self.streams.abort_all(SHUTTING_DOWN)
+        close_recording(self.scheduler)
 
     async def _iteration(self) -> None:
         self._drain_inbox()

@@ -111,8 +111,10 @@ class Streams:
         self._answer(samples[0].call, Verdict.ACCEPTED)
 
     def refuse(self, samples: tuple[LiveSample, ...], verdict: Verdict, message: str) -> None:
-        """A call refused at admission: it gets the verdict, never a finish."""
-        self._answer(samples[0].call, verdict, message)
+        """A call that does not run here (refused at admission, say): it gets the verdict, never a
+        finish."""
+        self._unanswered.pop(samples[0].call, None)
+        self._publisher.verdict(samples[0].uid, verdict, message)
         for sample in samples:
             self._samples.pop(sample.rid, None)
         self._calls.pop(samples[0].call, None)

@@ -123,6 +123,7 @@ class WorkerLinkService(wk_grpc.WorkerLinkServicer):
         try:
             await context.write(worker_codec.welcome(True))
         except BaseException:
+            engine.abandon("the welcome could not be sent")
             self.router.detach(engine)
             raise
         channel.start()

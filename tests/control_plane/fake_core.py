@@ -131,6 +131,7 @@ def make_engine(
     hub: FakeHub | None = None,
     successor: Callable[[Engine], Engine | None] | None = None,
     on_leaving: Callable[[Engine], None] | None = None,
+    channel_class: type[FakeChannel] = FakeChannel,
     **scheduler: object,
 ) -> tuple[Engine, FakeChannel, FakeHub]:
     """An engine over a FakeWorker; `control` sets ControlConfig fields, the rest the scheduler's.
@@ -144,7 +145,7 @@ def make_engine(
         **(control or {}),  # type: ignore[arg-type]
     )
     limits = WorkerLimits(worker_id, capacity, 1, 2048, vocab, eos)
-    channel = FakeChannel(FakeWorker(capacity, vocab=vocab), step_s, log)
+    channel = channel_class(FakeWorker(capacity, vocab=vocab), step_s, log)
     hub = hub if hub is not None else FakeHub(channel.log)
     engine = Engine(config, limits, channel, hub, successor=successor, on_leaving=on_leaving)
     return engine, channel, hub
