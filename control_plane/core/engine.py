@@ -6,10 +6,26 @@ step N, so the worker starts N+1 the moment N ends. Every turn sends the next pl
 publishes the previous step's tokens, so publishing never delays the accelerator.
 
 Arrivals, aborts and stop-string finishes wait in an inbox applied at the top of each turn, so the
-scheduler sees them at a well-defined step (what the recorder stamps). The rest lives beside it:
-publishing.py (to the frontends through a Publisher), failover.py (lost workers, faults of our own),
-drain.py (a worker that drains or is asked to move), timeouts.py, step_log.py (log lines and
-metrics), worker_checks.py.
+scheduler sees them at a well-defined step (what the recorder stamps). The engine's collaborators
+each own their state and are handed what they need: Streams (publisher.py: the live samples and
+what the frontends hear of them, through the hub's Publisher), HandOver (handover.py: a lost
+worker's requests continue on another engine; a fault of our own restarts the scheduler), Drain
+(drain.py: a worker that drains or is asked to move), Timeouts (timeouts.py), StepLog (step_log.py:
+log lines and metrics); worker_checks.py checks every result.
+
+Every request ends with its tokens or an explicit finish reason, whichever way `run` ends. A lost
+worker (WorkerGone: its stream broke or it failed a step; WorkerFault: it broke the protocol or
+hung; CancelledError: gRPC cancelled its handler) first has its inbox applied, so arrivals not yet
+seen become requests too, then every live request continues on another engine from its last
+streamed token, or ends with an abort naming the error if there is none. A fault of our own does
+not end the loop: each request continues on a fresh scheduler, or ends with an abort once it has
+lived through MAX_FAULTS_PER_REQUEST. A drain or move ends the loop only once nothing is live
+(queued requests moved at once, running ones finished here or handed over past --drain-timeout),
+and `stop` (the control plane stopping) ends each live request with an abort. On every exit the
+engine closes before its first await: the router passes it by from then on, so nothing arrives
+while the session's last message goes out, and whatever is still here, inbox included, ends with
+an abort; a call always hears its verdict before its finish. An engine whose welcome failed is
+closed the same way (`abandon`).
 """
 
 from __future__ import annotations
@@ -28,14 +44,13 @@ import structlog
 from control_plane import metrics
 from control_plane.cache.invariants import InvariantError, PoolCheck, check_pool_invariants
 from control_plane.config import ControlConfig
-from control_plane.core.drain import Draining, Leaving
-from control_plane.core.failover import WorkerGone
-from control_plane.core.inbox import AbortItem, Arrival, Item, LiveSample, Orphan, StopItem, Verdict
-from control_plane.core.publishing import Publisher
+from control_plane.core.drain import Departure, Drain, Leaving
+from control_plane.core.handover import HandOver, WorkerGone
+from control_plane.core.inbox import AbortItem, Arrival, Item, Orphan, StopItem, Verdict
+from control_plane.core.publisher import Publisher, Streams
 from control_plane.core.step_log import StepLog
 from control_plane.core.timeouts import Timeouts
 from control_plane.core.worker_checks import WorkerFault, check_result
-from control_plane.link import link_of
 from control_plane.record.recorder import close_recording, make_scheduler
 from control_plane.request import AbortCode, FinishReason, RequestParams
 from control_plane.scheduler.scheduler import QueueFull, RequestRejected
@@ -47,6 +62,7 @@ log = structlog.get_logger("stepwise.engine")
 # Work units of the idle pool check per slice (about a millisecond), between which the loop yields.
 IDLE_CHECK_BUDGET = 4096
 SEED_SPACE = 1 << 64
+SHUTTING_DOWN = "control plane is shutting down"
 
 
 class WorkerChannel(Protocol):
@@ -71,45 +87,54 @@ class InFlight:
     stale: bool = False
 
 
-class Engine(Draining):
+class Engine:
     """Drives one worker. All scheduler calls happen inside `run` (and `submit`'s registration),
-    one at a time, on the core's event loop."""
+    one at a time, on the core's event loop.
+
+    `successor` picks the engine that takes over this one's requests when its worker is lost or
+    leaves (the router's); `on_leaving` is told when this engine starts leaving."""
 
     def __init__(
-        self, config: ControlConfig, limits: WorkerLimits, channel: WorkerChannel, publisher: Publisher
+        self,
+        config: ControlConfig,
+        limits: WorkerLimits,
+        channel: WorkerChannel,
+        publisher: Publisher,
+        successor: Callable[[Engine], Engine | None] | None = None,
+        on_leaving: Callable[[Engine], None] | None = None,
     ) -> None:
         self.config = config
         self.limits = limits
         self.channel = channel
-        self.publisher = publisher
+        self.worker = limits.worker_id
+        metrics.register_worker(self.worker)
+        self.log = log.bind(worker=limits.worker_id)
+        self.step_log = StepLog(self.worker, config.decode_log_interval, self.log)
+        self._successor = successor
+        self._on_leaving = on_leaving
+        self.streams = Streams(publisher, self.worker, self.step_log.metrics)
+        self.handover = HandOver(self.streams, self.worker, self.log, self._heir)
+        self.drain = Drain(config.drain_timeout_s, self.streams, self.handover, self.worker, self.log)
+        self.timeouts = Timeouts(config.waiting_timeout_s, config.running_timeout_s, self.streams.admitted_at)
         # A RecordingScheduler under --record DIR: every call below is also written down.
         self.scheduler = make_scheduler(config, limits)
         self.depth = 2 if config.overlap else 1
         self._inflight: deque[InFlight] = deque()
-        # Live samples by request id (rid, or rid/i of an n > 1 call), and calls by their id.
-        self.samples: dict[str, LiveSample] = {}
-        self._groups: dict[str, list[str]] = {}
         self._inbox: list[Item] = []
-        # Called when the worker is lost: returns the engine that takes over its requests, if any.
-        self.successor: Callable[[Engine], Engine | None] | None = None
         self._wake = asyncio.Event()
         self._stopping = False
-        # When the worker attached (the newest is the one asked to move), and its drain or move.
+        # The loop has ended (or will never run): nothing may wait here any more.
+        self._closed = False
+        # When the worker attached (the newest is the one asked to move).
         self.attached_at = time.monotonic()
-        self.leaving: Leaving | None = None
-        self.on_leaving: Callable[[Engine], None] | None = None
         # The session ended because the worker left (drained or moved), not because it was lost.
         self.departed = False
         # Why the worker was dropped for breaking the protocol (or hanging); None while it behaves.
         self.fault: str | None = None
         # The next plan tells the worker to forget everything (after _recover).
         self._reset_worker = False
-        self._faults_in_a_row = 0
         # The pool has changed since its last complete idle check.
         self._pool_dirty = True
-        self.worker = limits.worker_id
-        metrics.register_worker(self.worker)
-        self.log = log.bind(worker=limits.worker_id)
         # Books vs. the worker's report (checked every step).
         self.kv_mismatches = 0
         self.reported_kv = (0, 0)
@@ -118,25 +143,35 @@ class Engine(Draining):
         self.waits: deque[float] = deque(maxlen=1000)
         self.wait_total_s = 0.0
         self.step_total_s = 0.0
-        self.step_log = StepLog(self.worker, config.decode_log_interval, self.log)
-        self.timeouts = Timeouts(config.waiting_timeout_s, config.running_timeout_s, self._first_forward)
+
+    @property
+    def leaving(self) -> Leaving | None:
+        """The drain or move under way (None: the worker stays)."""
+        return self.drain.leaving
+
+    @property
+    def serving(self) -> bool:
+        """New requests may come here: the loop has not ended and the worker is not leaving."""
+        return not self._closed and self.drain.leaving is None
+
+    def _heir(self) -> Engine | None:
+        return self._successor(self) if self._successor is not None else None
 
     # --- called by the hub ---------------------------------------------------------------------------
 
     def submit(self, arrival: Arrival) -> None:
         """Queue a Generate call's samples; the publisher gets the verdict once the scheduler has seen
         it (accepted, or refused with the reason)."""
-        for sample in arrival.samples:
-            self.samples[sample.rid] = sample
-        first = arrival.samples[0]
-        self._groups[first.call] = [s.rid for s in arrival.samples]
+        if self._closed:  # the router passes a closed engine by: this is a caller's slip, answered
+            self.streams.refuse(arrival.samples, Verdict.UNAVAILABLE, f"worker {self.worker} is gone")
+            return
+        self.streams.arrive(arrival.samples)
         self._inbox.append(arrival)
         self._wake.set()
 
     def abort(self, rid: str, message: str, code: AbortCode = AbortCode.CANCELLED) -> bool:
         """Abort a Generate call (all its samples) or one sample by its own id."""
-        rids = self._groups.get(rid, [rid] if rid in self.samples else [])
-        live = [r for r in rids if r in self.samples]
+        live = self.streams.rids_of(rid)
         for r in live:
             self._inbox.append(AbortItem(r, FinishReason.abort(message, code)))
         self._wake.set()
@@ -144,7 +179,7 @@ class Engine(Draining):
 
     def stop_sample(self, uid: int, reason: FinishReason) -> bool:
         """A frontend ended this sample on a stop string (one step late: tokens since are dropped)."""
-        rid = next((r for r, s in self.samples.items() if s.uid == uid), None)
+        rid = self.streams.rid_of_uid(uid)
         if rid is None:
             return False
         self._inbox.append(StopItem(rid, reason))
@@ -153,7 +188,7 @@ class Engine(Draining):
 
     def abort_everything(self, message: str) -> int:
         """Abort every live sample (the control plane drained past its timeout). Returns how many."""
-        rids = list(self.samples)
+        rids = self.streams.rids()
         for rid in rids:
             self._inbox.append(AbortItem(rid, FinishReason.abort(message)))
         self._wake.set()
@@ -161,20 +196,30 @@ class Engine(Draining):
 
     def abort_link(self, link_id: int, message: str) -> int:
         """A frontend died: abort every sample it submitted. Returns how many."""
-        rids = [r for r, s in self.samples.items() if link_of(s.uid) == link_id]
+        rids = self.streams.rids_of_link(link_id)
         for rid in rids:
             self._inbox.append(AbortItem(rid, FinishReason.abort(message, AbortCode.CANCELLED)))
         self._wake.set()
         return len(rids)
 
+    def adopt(self, orphans: list[Orphan]) -> None:
+        """Take over requests of a lost or leaving worker: their streams continue here."""
+        if self._closed:  # as in submit: never chosen as an heir once closed
+            for orphan in orphans:
+                message = f"its worker went away and {self.worker}, which was to take it over, is gone too"
+                self.streams.finish(orphan.sample, FinishReason.abort(message))
+            return
+        for orphan in orphans:
+            self.streams.adopt(orphan.sample)
+            self._inbox.append(orphan)
+        self._wake.set()
+
     def knows(self, rid: str) -> bool:
-        return rid in self._groups or rid in self.samples
+        return self.streams.knows(rid)
 
     def owner_of(self, rid: str) -> str | None:
         """Who submitted the live Generate call (or sample) `rid`; None when it is not live here."""
-        rids = self._groups.get(rid, [rid])
-        sample = next((self.samples[r] for r in rids if r in self.samples), None)
-        return sample.owner if sample is not None else None
+        return self.streams.owner_of(rid)
 
     def load(self) -> tuple[int, int]:
         """(queued, running) for routing and server info."""
@@ -182,12 +227,16 @@ class Engine(Draining):
         arriving = sum(len(m.samples) for m in self._inbox if isinstance(m, Arrival))
         return len(sched.waiting) + arriving, len(sched.running)
 
-    def _first_forward(self, rid: str) -> float | None:
-        sample = self.samples.get(rid)
-        return sample.admitted if sample is not None else None
+    def leave(self, departure: Departure, reason: str) -> None:
+        """Start leaving: at once for the router, on the loop's next turn for the requests (drain.py)."""
+        if self.drain.start(departure, reason):
+            if self._on_leaving is not None:
+                self._on_leaving(self)
+            self._wake.set()
 
-    def _wake_up(self) -> None:
-        self._wake.set()
+    def worker_draining(self, reason: str) -> None:
+        """The worker sent Drain (its channel calls this)."""
+        self.leave(Departure.SHUTDOWN, reason or "the worker is stopping")
 
     def stop(self) -> None:
         self._stopping = True
@@ -225,15 +274,30 @@ class Engine(Draining):
                 self._hand_over("the worker's stream was cancelled")
             raise
         finally:
-            self._release_waiting_arrivals()
-            self._abort_all("control plane is shutting down")
-            close_recording(self.scheduler)
+            self._close()  # before the await: nothing comes in while the last message goes out
             with contextlib.suppress(Exception):
-                await self.channel.close("control plane is shutting down")
+                await self.channel.close(SHUTTING_DOWN)
+
+    def abandon(self, error: str) -> None:
+        """The session ended before the loop ran (the welcome could not be sent): what the router
+        gave this engine meanwhile continues on another one, or ends with an abort."""
+        try:
+            self._hand_over(error)
+        finally:
+            self._close()
+
+    def _close(self) -> None:
+        """No more requests come here (the router passes a closed engine by, and `submit` and `adopt`
+        answer at once), and every one still here ends with an abort: those in the inbox too, their
+        calls let through to read it."""
+        self._closed = True
+        self._inbox.clear()
+        self.streams.abort_all(SHUTTING_DOWN)
+        close_recording(self.scheduler)
 
     async def _iteration(self) -> None:
         self._drain_inbox()
-        if self.leaving is not None and self._leave_turn():
+        if self._leave_turn():
             await self._depart()
             return
         if self.timeouts.enabled:
@@ -255,11 +319,14 @@ class Engine(Draining):
                 return
             stats = self.scheduler.last_stats
             assert stats is not None
-            self._note_admissions(plan)
+            self.streams.note_admissions(plan, self.scheduler.requests)
             if self._reset_worker:
                 plan, self._reset_worker = dataclasses.replace(plan, reset=True), False
             self._inflight.append(InFlight(plan, stats, self.scheduler.books()))
             await self.channel.send(plan)
+
+    def _publish(self) -> None:
+        self.streams.publish(self.scheduler.take_updates())
 
     async def _receive(self) -> None:
         flight = self._inflight[0]
@@ -271,7 +338,8 @@ class Engine(Draining):
         if flight.stale:
             return
         check_result(plan, result, self.limits.vocab_size)
-        self._faults_in_a_row, self._pool_dirty = 0, True
+        self.handover.step_completed()
+        self._pool_dirty = True
         self._check_books(plan.step_id, flight.books, result)
         self.scheduler.apply_result(result)
         self.steps += 1
@@ -304,12 +372,51 @@ class Engine(Draining):
         self._wake.clear()
         if self._inbox or self._stopping or (self.leaving is not None and not self.leaving.begun):
             return
-        timeout = self.timeouts.poll_s() if self.samples else None
-        leave_s = self._leave_wait_s()
+        timeout = self.timeouts.poll_s() if self.streams else None
+        leave_s = self.drain.wait_s()
         if leave_s is not None:
             timeout = leave_s if timeout is None else min(timeout, leave_s)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._wake.wait(), timeout)
+
+    # --- leaving, losing the worker, faults of our own -------------------------------------------
+
+    def _leave_turn(self) -> bool:
+        """A turn of leaving (a drain or move), if one is under way: True once nothing is live here
+        and no plan is in flight, so the session can end."""
+        leaving = self.drain.leaving
+        if leaving is None:
+            return False
+        if not leaving.begun:
+            self.drain.begin(self.scheduler, self.load())
+        self.drain.check_deadline(self.scheduler)
+        return not self.streams and not self._inflight
+
+    async def _depart(self) -> None:
+        self.departed = True
+        await self.drain.depart(self.channel)
+
+    def _hand_over(self, error: str) -> None:
+        """The worker is lost: every live request continues on another engine (or ends)."""
+        self._drain_inbox()  # arrivals not yet seen become requests too; aborts take effect
+        self.handover.worker_lost(self.scheduler, error)
+
+    def _recover(self, exc: Exception) -> None:
+        """Log the fault, replace the scheduler, and continue every live request on the fresh one;
+        the worker is told to forget everything with the next plan (handover.py says what is kept)."""
+        self.log.error("step loop fault: restarting this worker's scheduler", exc_info=exc)
+        orphans = self.handover.salvage(self.scheduler, exc, self._waiting_rids())
+        with contextlib.suppress(Exception):
+            close_recording(self.scheduler)
+        self.scheduler = make_scheduler(self.config, self.limits)
+        self._forget_in_flight()
+        self._reset_worker, self._pool_dirty = True, True
+        self._inbox.extend(orphans)
+
+    def _waiting_rids(self) -> set[str]:
+        """Samples whose arrival or orphan is still in the inbox."""
+        waiting = {s.rid for item in self._inbox if isinstance(item, Arrival) for s in item.samples}
+        return waiting | {item.sample.rid for item in self._inbox if isinstance(item, Orphan)}
 
     # --- the inbox -----------------------------------------------------------------------------------
 
@@ -323,7 +430,7 @@ class Engine(Draining):
             elif isinstance(item, StopItem):
                 self._stop(item)
             elif not self.scheduler.abort(item.rid, item.reason):
-                self._fail_sample(item.rid, item.reason)
+                self.streams.fail(item.rid, item.reason)
 
     def _admit(self, arrival: Arrival) -> None:
         """Add every sample of a call, or none: a refusal withdraws the samples already queued."""
@@ -340,25 +447,24 @@ class Engine(Draining):
                 self.log.exception("admission failed", rid=arrival.samples[0].call)
             for rid in added:
                 self.scheduler.abort(rid, FinishReason.abort(str(exc)))
-            self._forget(arrival.samples)
-            self.publisher.verdict(arrival.samples[0].uid, verdict, str(exc))
+            self.streams.refuse(arrival.samples, verdict, str(exc))
             return
-        self.publisher.verdict(arrival.samples[0].uid, Verdict.ACCEPTED)
+        self.streams.accept(arrival.samples)
+
+    def _admit_orphan(self, orphan: Orphan) -> None:
+        try:
+            self.scheduler.add_request(
+                orphan.sample.rid, orphan.input_ids, orphan.params, uid=orphan.sample.uid
+            )
+        except (QueueFull, RequestRejected, ValueError) as exc:
+            message = f"its worker went away and {self.worker} could not take it over: {exc}"
+            self.streams.finish(orphan.sample, FinishReason.abort(message))
 
     def _stop(self, item: StopItem) -> None:
         """A stop string: finish and cache a running request; a queued one (retracted meanwhile) is
         aborted with the same reason. Its frontend has ended the stream already."""
         if not self.scheduler.finish(item.rid, item.reason):
             self.scheduler.abort(item.rid, item.reason)
-
-    def _release_waiting_arrivals(self) -> None:
-        """Arrivals the scheduler never saw: their calls are let through to read the abort."""
-        inbox, self._inbox = self._inbox, []
-        for item in inbox:
-            if isinstance(item, Arrival):
-                self.publisher.verdict(item.samples[0].uid, Verdict.ACCEPTED)
-            elif isinstance(item, Orphan):
-                self.samples.setdefault(item.sample.rid, item.sample)
 
     # --- timeouts, books, invariants ------------------------------------------------------------------
 

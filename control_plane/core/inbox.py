@@ -39,7 +39,7 @@ class LiveSample:
     # CLOCK_MONOTONIC seconds (the frontend's stamp).
     arrived: float
     admitted: float | None = None
-    # Faults of our own this sample lived through (see failover.py).
+    # Faults of our own this sample lived through (see handover.py).
     faults: int = 0
 
 

@@ -59,9 +59,10 @@ class Router:
             self._on_change(len(self.engines))
 
     def available(self) -> list[Engine]:
-        """Attached engines that are not leaving (draining or moving away), in order of attachment:
-        the ones a new request may go to."""
-        return [e for e in self.engines.values() if e.leaving is None]
+        """Attached engines that are not leaving (draining or moving away) and whose loop has not
+        ended (an engine stays attached until its session's last message is out), in order of
+        attachment: the ones a new request may go to."""
+        return [e for e in self.engines.values() if e.serving]
 
     def pick(self, routing_key: str = "", input_ids: np.ndarray | None = None) -> Engine | None:
         """The engine for a new request (None when no worker can take it); see the module docstring."""

@@ -111,15 +111,21 @@ class WorkerLinkService(wk_grpc.WorkerLinkServicer):
             await context.write(worker_codec.control_to_proto(Welcome(False, retry, retryable=True)))
             return
         channel = StreamChannel(context)
-        engine = Engine(self.config, limits, channel, self.hub)
+        engine = Engine(
+            self.config,
+            limits,
+            channel,
+            self.hub,
+            successor=self.router.successor,
+            on_leaving=self.plane.worker_leaving,
+        )
         channel.on_drain = engine.worker_draining
-        engine.successor = self.router.successor
-        engine.on_leaving = self.plane.worker_leaving
         # Attached before the welcome: a call that follows the welcome at once finds the worker.
         self.router.attach(engine)
         try:
             await context.write(worker_codec.control_to_proto(Welcome(True)))
         except BaseException:
+            engine.abandon("the welcome could not be sent")
             self.router.detach(engine)
             raise
         channel.start()
@@ -291,7 +297,7 @@ class ControlPlane:
 
     def _live(self) -> int:
         """Samples live on any worker (arrivals the schedulers have not seen yet included)."""
-        return sum(len(e.samples) for e in self.router.engines.values())
+        return sum(len(e.streams) for e in self.router.engines.values())
 
     async def stop(self, grace: float = 2.0) -> None:
         """Stop the engines (every live request ends with an abort its client reads), give the

@@ -21,7 +21,7 @@ from collections.abc import Callable
 import grpc
 import structlog
 
-from control_plane.core.failover import WorkerGone
+from control_plane.core.handover import WorkerGone
 from control_plane.core.worker_checks import WorkerFault
 from protos import worker_codec
 from protos.stepwise.v1 import worker_pb2 as wk_pb

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -128,10 +129,14 @@ def make_engine(
     control: dict[str, object] | None = None,
     worker_id: str = "w-test",
     hub: FakeHub | None = None,
+    successor: Callable[[Engine], Engine | None] | None = None,
+    on_leaving: Callable[[Engine], None] | None = None,
+    channel_class: type[FakeChannel] = FakeChannel,
     **scheduler: object,
 ) -> tuple[Engine, FakeChannel, FakeHub]:
     """An engine over a FakeWorker; `control` sets ControlConfig fields, the rest the scheduler's.
-    Engines that share a `hub` publish to one place (as a control plane's engines do)."""
+    Engines that share a `hub` publish to one place (as a control plane's engines do); `successor`
+    and `on_leaving` are wired as the server wires them (the router's, the control plane's)."""
     config = ControlConfig(
         model_dir=Path("."),
         scheduler=make_config(**scheduler),
@@ -140,6 +145,7 @@ def make_engine(
         **(control or {}),  # type: ignore[arg-type]
     )
     limits = WorkerLimits(worker_id, capacity, 1, 2048, vocab, eos)
-    channel = FakeChannel(FakeWorker(capacity, vocab=vocab), step_s, log)
+    channel = channel_class(FakeWorker(capacity, vocab=vocab), step_s, log)
     hub = hub if hub is not None else FakeHub(channel.log)
-    return Engine(config, limits, channel, hub), channel, hub
+    engine = Engine(config, limits, channel, hub, successor=successor, on_leaving=on_leaving)
+    return engine, channel, hub

@@ -49,9 +49,9 @@ class Plane:
             control={"drain_timeout_s": self.plane.config.drain_timeout_s},
             worker_id=worker,
             hub=self.hub,
+            successor=self.plane.router.successor,
+            on_leaving=self.plane.worker_leaving,
         )
-        engine.successor = self.plane.router.successor
-        engine.on_leaving = self.plane.worker_leaving
         self.plane.router.attach(engine)
         self.channels[worker] = channel
         self.tasks.append(asyncio.create_task(self._serve(engine)))

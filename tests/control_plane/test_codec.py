@@ -12,7 +12,7 @@ import pytest
 
 from control_plane import client_codec
 from control_plane.config import SchedulerConfig
-from control_plane.core.failover import WorkerGone
+from control_plane.core.handover import WorkerGone
 from control_plane.core.worker_checks import WorkerFault
 from control_plane.core.worker_link import StreamChannel
 from control_plane.record import codec as record_codec

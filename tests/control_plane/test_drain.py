@@ -49,9 +49,9 @@ class Pair:
                 control={"drain_timeout_s": drain_timeout_s},
                 worker_id=worker,
                 hub=self.hub,
+                successor=self.router.successor,
                 **scheduler,
             )
-            engine.successor = self.router.successor
             self.router.attach(engine)
             self.engines[worker], self.channels[worker] = engine, channel
             self.introduced[worker] = _record_new_sequences(channel)

@@ -4,14 +4,20 @@ published, SGLang's log lines out."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import itertools
+from collections.abc import AsyncIterator, Callable
 
+import numpy as np
 import pytest
 import structlog
 
 from control_plane.core import engine as engine_module
-from control_plane.core import failover as failover_module
-from control_plane.core.inbox import Verdict
+from control_plane.core.drain import Departure
+from control_plane.core.handover import WorkerGone
+from control_plane.core.inbox import LiveSample, Orphan, Verdict
+from control_plane.core.router import Router
 from control_plane.link import UID_LINK_SHIFT
 from control_plane.request import FinishReason, RequestParams
 from control_plane.tokenizer import Tokenizer
@@ -205,7 +211,7 @@ async def test_a_request_that_keeps_faulting_ends_with_an_abort(tokenizer: Token
         raise RuntimeError("apply_result bug")
 
     engine.scheduler.apply_result = apply_fails  # type: ignore[method-assign]
-    make = failover_module.make_scheduler
+    make = engine_module.make_scheduler
 
     def make_broken(config, limits):  # type: ignore[no-untyped-def]
         sched = make(config, limits)
@@ -213,7 +219,7 @@ async def test_a_request_that_keeps_faulting_ends_with_an_abort(tokenizer: Token
             sched.apply_result = apply_fails  # type: ignore[method-assign]
         return sched
 
-    failover_module.make_scheduler = make_broken  # type: ignore[assignment]
+    engine_module.make_scheduler = make_broken  # type: ignore[assignment]
     try:
         task = asyncio.create_task(engine.run())
         (doomed,) = await finished(hub, submit(engine, "doomed", [5, 6, 7], _params(5)))
@@ -227,7 +233,7 @@ async def test_a_request_that_keeps_faulting_ends_with_an_abort(tokenizer: Token
         engine.stop()
         await task
     finally:
-        failover_module.make_scheduler = make  # type: ignore[assignment]
+        engine_module.make_scheduler = make  # type: ignore[assignment]
 
 
 async def test_arrivals_left_in_the_inbox_when_the_engine_stops_are_answered(tokenizer: Tokenizer) -> None:
@@ -305,3 +311,177 @@ async def test_the_idle_pool_check_runs_in_slices_and_yields_between_them(
     assert len(slices) > 3, slices
     # Other coroutines ran between consecutive slices: the loop was never held for the whole check.
     assert all(b > a for a, b in itertools.pairwise(slices))
+
+
+async def test_a_closed_engine_answers_what_still_reaches_it(tokenizer: Tokenizer) -> None:
+    """The router passes an engine by once its loop has ended; a call or an orphan that reaches it
+    anyway gets an answer, never silence."""
+    engine, _, hub = _engine(tokenizer)
+    engine.stop()
+    await engine.run()
+    assert not engine.serving
+    (uid,) = submit(engine, "late", [5, 6, 7], _params(3))
+    verdict, message = hub.verdicts[uid]
+    assert verdict is Verdict.UNAVAILABLE and "w-test is gone" in message
+    assert not engine.knows("late") and uid not in hub.streams
+    orphan = Orphan(LiveSample("moved", 1 << 40, "moved", "owner", 0.0), [5, 6, 7], _params(3))
+    engine.adopt([orphan])
+    (stream,) = await finished(hub, [1 << 40], timeout=1)
+    assert stream.finished is not None and stream.finished.kind.value == "abort"
+    assert "is gone too" in stream.finished.message and not engine.knows("moved")
+
+
+async def test_an_engine_abandoned_before_its_loop_ran_ends_its_calls(tokenizer: Tokenizer) -> None:
+    """The welcome failed with a call already routed here and no other worker: it ends with why."""
+    engine, _, hub = _engine(tokenizer)
+    (uid,) = submit(engine, "early", [5, 6, 7], _params(3))
+    engine.abandon("the welcome could not be sent")
+    assert hub.verdicts[uid][0] is Verdict.ACCEPTED
+    (stream,) = await finished(hub, [uid], timeout=1)
+    assert stream.finished is not None and stream.finished.kind.value == "abort"
+    assert "the welcome could not be sent" in stream.finished.message
+    assert not engine.serving and not engine.knows("early")
+
+
+class EndingChannel(FakeChannel):
+    """A FakeChannel that can fail on cue and lingers in its session's end: `close` and `move` wait
+    for `gate`, with `ending` set, so a test can act while the loop is on its way out (as a real
+    channel's last write takes a while). Once `failure` is set, the next result goes through it
+    (which may raise, as a broken stream does), after `just_before` ran."""
+
+    def __init__(self, *args: object, **kw: object) -> None:
+        super().__init__(*args, **kw)  # type: ignore[arg-type]
+        self.ending = asyncio.Event()
+        self.gate = asyncio.Event()
+        self.failure: Callable[[StepResult], StepResult] | None = None
+        self.just_before: Callable[[], None] | None = None
+
+    async def receive(self) -> StepResult:
+        result = await super().receive()
+        if self.failure is None:
+            return result
+        if self.just_before is not None:
+            self.just_before()
+        return self.failure(result)
+
+    async def close(self, reason: str) -> None:
+        self.ending.set()
+        await self.gate.wait()
+        await super().close(reason)
+
+    async def move(self, reason: str) -> None:
+        self.ending.set()
+        await self.gate.wait()
+        await super().move(reason)
+
+
+def _one_token_too_many(result: StepResult) -> StepResult:
+    return dataclasses.replace(result, token_ids=np.append(result.token_ids, 1).astype(np.int32))
+
+
+def _stream_broke(result: StepResult) -> StepResult:
+    raise WorkerGone("stream closed")
+
+
+class Fleet:
+    """Engines `a` (on an EndingChannel) and `b` behind one router, wired and served as the server
+    does: each loop runs, and its engine is detached once the loop has returned."""
+
+    def __init__(self) -> None:
+        self.hub = FakeHub()
+        self.router = Router("test")
+        self.a, channel, _ = make_engine(
+            1000,
+            step_s=0.002,
+            worker_id="a",
+            hub=self.hub,
+            successor=self.router.successor,
+            channel_class=EndingChannel,
+        )
+        assert isinstance(channel, EndingChannel)
+        self.channel = channel
+        self.b, _, _ = make_engine(
+            1000, step_s=0.002, worker_id="b", hub=self.hub, successor=self.router.successor
+        )
+        self.tasks: dict[str, asyncio.Task[None]] = {}
+        for engine in (self.a, self.b):
+            self.router.attach(engine)
+            self.tasks[engine.worker] = asyncio.create_task(self._serve(engine))
+
+    async def _serve(self, engine: engine_module.Engine) -> None:
+        try:
+            await engine.run()
+        finally:
+            self.router.detach(engine)
+
+    def route(self, rid: str, max_new: int) -> int:
+        """A call as the hub places it: on the engine the router picks."""
+        engine = self.router.pick()
+        assert engine is not None
+        return submit(engine, rid, [5, 6, 7, len(rid)], _params(max_new))[0]
+
+    async def close(self) -> None:
+        self.channel.gate.set()
+        for engine in (self.a, self.b):
+            engine.stop()
+        for task in self.tasks.values():
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
+@pytest.fixture
+async def fleet() -> AsyncIterator[Fleet]:
+    made = Fleet()
+    try:
+        yield made
+    finally:
+        await made.close()
+
+
+EXITS = ["bad result", "stream broke", "cancelled", "stopped", "drained"]
+
+
+@pytest.mark.parametrize("exit", EXITS)
+async def test_every_call_ends_whichever_way_the_loop_ends(fleet: Fleet, exit: str) -> None:
+    """A call running on `a`, one still in its inbox as the loop ends, and calls routed while the
+    loop is on its way out all end: with every token (continued on `b`) or an abort that says why.
+    Only the calls a stopped engine held may end with an abort."""
+    a, b = fleet.a, fleet.b
+    busy = [submit(b, f"b{i}", [5, 6, 7, i], _params(400))[0] for i in range(4)]  # b is the busier
+    calls = {"running": submit(a, "running", [5, 6, 7], _params(60))[0]}
+    while not all(fleet.hub.stream(u).tokens for u in [calls["running"], *busy]):
+        await asyncio.sleep(0.001)
+
+    def arrive_in_the_inbox() -> None:
+        calls["inbox"] = submit(a, "inbox", [5, 6, 8], _params(20))[0]
+
+    if exit in ("bad result", "stream broke"):
+        fleet.channel.just_before = arrive_in_the_inbox
+        fleet.channel.failure = _one_token_too_many if exit == "bad result" else _stream_broke
+    elif exit == "cancelled":  # gRPC cancels the Connect handler when the worker's connection drops
+        arrive_in_the_inbox()
+        fleet.tasks["a"].cancel()
+    elif exit == "stopped":
+        arrive_in_the_inbox()
+        a.stop()
+    else:
+        arrive_in_the_inbox()
+        a.leave(Departure.SHUTDOWN, "the worker is stopping")
+    await asyncio.wait_for(fleet.channel.ending.wait(), 10)
+    for i in range(3):
+        calls[f"late{i}"] = fleet.route(f"late{i}", 20)
+    fleet.channel.gate.set()
+    with contextlib.suppress(TimeoutError):
+        await finished(fleet.hub, list(calls.values()), timeout=5)
+    assert [rid for rid, uid in calls.items() if fleet.hub.stream(uid).finished is None] == []
+    for rid, uid in calls.items():
+        reason = fleet.hub.stream(uid).finished
+        assert (
+            reason is not None and fleet.hub.verdicts.get(uid, (Verdict.ACCEPTED, ""))[0] is Verdict.ACCEPTED
+        )
+        if exit == "stopped" and rid in ("running", "inbox"):
+            assert reason.kind.value == "abort" and reason.message, (rid, reason)
+        else:
+            assert reason.kind.value == "length", (rid, reason)
+    assert not a.knows("late0") and not a.streams
+    await finished(fleet.hub, busy, timeout=10)

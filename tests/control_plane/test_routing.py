@@ -38,8 +38,8 @@ class FakeEngine:
     running: int = 0
     page_size: int = 1
     cached: list[list[int]] = field(default_factory=list)
-    # Not None while the worker drains or moves away (the router then skips it).
-    leaving: object = None
+    # False while the worker drains or moves away, or once its loop has ended (the router skips it).
+    serving: bool = True
 
     def __post_init__(self) -> None:
         self.limits = _Limits(self.worker_id)
@@ -72,6 +72,17 @@ def test_the_worker_caching_the_prefix_wins_over_the_idler_one():
     r = router(a, b)
     assert r.pick("", ids([*SYSTEM, 7, 8])) is b
     assert r.decisions["cache"] == 1
+
+
+def test_an_engine_that_is_not_serving_gets_nothing_new():
+    """Leaving, or its loop ended (its session's last message still going out): skipped, however
+    idle it looks, also as the successor of a lost worker."""
+    closed = FakeEngine("a", serving=False)
+    busy = FakeEngine("b", running=50, cached=[SYSTEM])
+    r = router(closed, busy)
+    assert r.pick("", ids([*SYSTEM, 1])) is busy and r.pick() is busy and r.pick("key") is busy
+    assert r.successor(busy) is None  # type: ignore[arg-type]
+    assert router(closed).pick() is None
 
 
 def test_the_longest_match_wins_and_ties_go_to_the_less_loaded():

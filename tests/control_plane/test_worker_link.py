@@ -8,7 +8,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from control_plane.core.failover import WorkerGone
+from control_plane.core.handover import WorkerGone
 from control_plane.core.worker_checks import WorkerFault
 from control_plane.core.worker_link import StreamChannel
 from protos.stepwise.v1 import worker_pb2 as wk_pb

@@ -15,7 +15,9 @@ import grpc
 import pytest
 
 from clients.client import StepwiseClient, generate_request, sampling_params
+from data_plane.models.loader import model_fingerprint
 from protos.stepwise.v1 import worker_pb2 as wk_pb
+from stepwise.embedded import resolve_model
 from tests.e2e.rogue import RogueWorker, hello, honest_result, tokens_bytes, tokens_of
 
 pytestmark = pytest.mark.timeout(180)
@@ -289,3 +291,60 @@ async def test_an_empty_message_from_a_worker_fails_that_worker(start_control) -
         gen = await asyncio.wait_for(task, 30)
     assert gen.finish_reason == "abort", gen
     await _serves_after_new_worker(plane)
+
+
+DROPPING_RESULTS = [
+    "one token too many",
+    "token outside the vocabulary",
+    "another step's id",
+    "a token cut short",
+]
+CALLS = 12
+
+
+async def _ends(task: asyncio.Task[object]) -> tuple[str, int, str]:
+    """How one call ended: (finish reason, tokens, message); 'never' when it did not within 30 s."""
+    try:
+        gen = await asyncio.wait_for(asyncio.shield(task), 30)
+    except TimeoutError:
+        task.cancel()
+        return "never", 0, ""
+    except grpc.aio.AioRpcError as exc:
+        return exc.code().name, 0, exc.details() or ""
+    return gen.finish_reason, gen.completion_tokens, gen.finish_message  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("lie", DROPPING_RESULTS)
+async def test_no_call_is_lost_when_a_worker_is_dropped_amid_arrivals(start_control, lie: str) -> None:
+    """A burst of calls under least-loaded routing while the worker that got the first plan lies on
+    it: every call ends, with all its tokens (continued on the honest worker) or a stated reason,
+    and none is left behind in the books."""
+    plane = await start_control("--routing-policy", "least-loaded")
+    plane.add_worker("real")
+    await plane.wait_workers(1)
+    # Sorts first: a tie in load sends the call to the rogue. The real worker's fingerprint, or the
+    # control plane refuses it for serving another model.
+    greeting = hello("a-rogue", model_fingerprint=model_fingerprint(resolve_model("embedded")))
+    async with (
+        RogueWorker(plane.worker_address, greeting) as rogue,
+        StepwiseClient(plane.address) as client,
+    ):
+        await plane.wait_workers(2)
+        tasks = [
+            asyncio.create_task(
+                client.generate([5, 6, 7, i], max_new_tokens=16, temperature=0.0, ignore_eos=True)
+            )
+            for i in range(CALLS)
+        ]
+        result = honest_result(await rogue.plan(), set())
+        BAD_RESULTS[lie](result)
+        await rogue.send(result)
+        ends = [await _ends(task) for task in tasks]
+    lost = [
+        (i, end)
+        for i, end in enumerate(ends)
+        if end[:2] != ("length", 16) and not (end[0] == "abort" and end[2])
+    ]
+    assert lost == []
+    await _books_empty(plane.address)
+    await _serves(plane.address)
