@@ -39,8 +39,8 @@ from control_plane.link import link_of
 from control_plane.record.recorder import close_recording, make_scheduler
 from control_plane.request import AbortCode, FinishReason, RequestParams
 from control_plane.scheduler.plan import StepPlan, StepResult, WorkerLimits
+from control_plane.scheduler.records import StepStats
 from control_plane.scheduler.scheduler import QueueFull, RequestRejected
-from control_plane.scheduler.state import StepStats
 
 log = structlog.get_logger("stepwise.engine")
 
