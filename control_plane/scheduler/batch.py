@@ -43,7 +43,9 @@ class RunningBatch:
         self.serials = _no_ints()
         # SGLang's ScheduleBatch.batch_is_full (docs/scheduler.md#batch-is-full): set by admission when
         # no request may join (no row, the running cap, or NO_TOKEN); while set and no request is
-        # mid-chunk, no admission is attempted. The batch clears it whenever it loses a member.
+        # mid-chunk, no admission is attempted. The batch clears it whenever it loses a member; the
+        # merge clears it when the last prefill batch joins an empty running batch (in SGLang it becomes
+        # the running batch, bringing its own False).
         self.batch_is_full = False
 
     def __len__(self) -> int:
@@ -95,8 +97,8 @@ class RunningBatch:
 
     def clear_full(self) -> None:
         """Room may have appeared (docs/scheduler.md#batch-is-full): the last prefill batch lost members
-        before joining, the batch is empty at the decode step, or priority preemption retries every
-        pass."""
+        before joining or joins an empty running batch, the batch is empty at the decode step, or
+        priority preemption retries every pass."""
         self.batch_is_full = False
 
     def filter_finished(self) -> bool:

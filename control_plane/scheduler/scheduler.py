@@ -201,7 +201,11 @@ class Scheduler:
         ]
         decoded = self.kv.columns.serial[last.decode_rows] == last.decode_serials
         survivors = len(extended) + int(np.count_nonzero(decoded))
-        if survivors != len(last.extend_reqs) + len(last.decode_rows):
+        # batch_is_full belongs to the batch (docs/scheduler.md#batch-is-full): it is cleared when the
+        # last batch lost members, and when the running batch is empty, since SGLang then makes the last
+        # batch the running batch and with it that batch's own flag, which is False (after every mixed
+        # step, too: a mixed step empties the running batch, docs/scheduler.md#mixed-chunk).
+        if not len(self.running) or survivors != len(last.extend_reqs) + len(last.decode_rows):
             self.running.clear_full()
         if extended:
             self.running.merge(extended)

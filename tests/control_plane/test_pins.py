@@ -152,6 +152,68 @@ def test_after_no_token_a_retraction_lets_admission_resume() -> None:
     assert s.extended(plan) == ["c"] and s.sched.batch_is_full and s.waiting() == ["b", "a"]
 
 
+def test_a_prefill_batch_merged_into_an_empty_running_batch_brings_a_fresh_flag() -> None:
+    """docs/scheduler.md#batch-is-full / docs/scheduler.md#step-loop step 4: batch_is_full belongs to the
+    batch. When the running batch is empty, the last prefill batch becomes the running batch and brings
+    its own flag, which is False: the NO_TOKEN verdict of the pass that built it is forgotten and the
+    next step attempts admission again."""
+    s = Stepper(make_scheduler(capacity=200, chunked_prefill_size=None))
+    s.add("a", prompt(20, 1), params(100))
+    s.add("b", prompt(50, 2), params(40))
+
+    # Step 1. Nothing runs, nothing is cached: A + E = 200, offsets 0
+    # (docs/scheduler.md#prefill-adder-budgets). a: total = 20 + min(100, 4096) + 1 = 121 < 200, admitted;
+    # rem_total_token_offset = 20 + 100 + 1 = 121, so rem_total = 200 - 121 = 79 and cur_rem = 200 - 21 =
+    # 179: CONTINUE. b: 50 + 40 + 1 = 91 >= 79 -> NO_TOKEN (docs/scheduler.md#add-one-req step 6), which
+    # sets the flag (docs/scheduler.md#admission-loop step 9g).
+    plan = s.step()
+    assert s.extended(plan) == ["a"] and s.sched.batch_is_full and s.waiting() == ["b"]
+
+    # Step 2. The running batch is empty, so step 1's batch becomes it, with a fresh flag. a's prompt is
+    # cached and locked: A = 200 - 20 = 180, E = 0; a has 1 of 100 tokens, offset(a) = min(100 - 1, 4096)
+    # · 0.7 = 69.3 (the ratio has not decayed: no decode step yet), rem_total = 180 - 69.3 = 110.7.
+    # b: 91 < 110.7, admitted. (With the flag kept, b would wait for a's 100 tokens: a finishes with the
+    # result of step 100, is filtered at step 101 and b would be admitted at step 102.)
+    plan = s.step()
+    assert s.extended(plan) == ["b"] and s.decoded(plan) == [] and s.waiting() == []
+    assert not s.sched.batch_is_full
+    s.run_to_end()
+    assert s.tokens == {"a": 100, "b": 40}
+
+
+def test_after_a_mixed_step_the_running_batch_is_the_mixed_batch_with_a_fresh_flag() -> None:
+    """docs/scheduler.md#mixed-chunk / #batch-is-full: a mixed step leaves an empty running batch that
+    carries the flag, and the next step's merge replaces it by the mixed batch, whose flag is False. So
+    a NO_TOKEN verdict in a mixed step never outlives the step: the next one attempts admission again."""
+    s = Stepper(make_scheduler(capacity=200, chunked_prefill_size=64, enable_mixed_chunk=True))
+    s.add("a", prompt(10, 1), params(50))
+    assert s.extended(s.step()) == ["a"]  # step 1: alone (10 + 50 + 1 = 61 < 200)
+
+    # Step 2: a runs, so the prefill mixes its decode in (docs/scheduler.md#mixed-chunk); the adder charges it
+    # (docs/scheduler.md#prefill-adder-budgets): rem_chunk = 64 - 1 = 63, rem_total_token_offset = 1 +
+    # offset(a) = 1 + min(50 - 1, 4096) · 0.7 = 35.3. A = 200 - 10 = 190 (a's prompt locked), E = 0:
+    # rem_total = 190 - 35.3 = 154.7. b: 30 + 60 + 1 = 91 < 154.7, admitted whole (30 <= 63); the offset
+    # grows by 30 + 60 + 1 to 126.3, rem_total = 63.7. c: 20 + 50 + 1 = 71 >= 63.7 -> NO_TOKEN, the flag is
+    # set. The step extends b and decodes a; the running batch is left empty, carrying the flag.
+    s.add("b", prompt(30, 2), params(60))
+    s.add("c", prompt(20, 3), params(50))
+    plan = s.step()
+    assert plan.kind.value == "mixed" and s.extended(plan) == ["b"] and s.decoded(plan) == ["a"]
+    assert s.sched.batch_is_full and s.waiting() == ["c"]
+
+    # Step 3: nothing left the mixed batch, but it becomes the running batch [b, a] with a fresh flag,
+    # so admission is attempted. A = 200 - 11 (a: prompt + its decode's slot) - 30 (b's prompt, locked)
+    # = 159, E = 0. Mixed again with 2 decodes: offset = 2 + min(50 - 2, 4096) · 0.7 + min(60 - 1, 4096)
+    # · 0.7 = 2 + 33.6 + 41.3 = 76.9, rem_total = 159 - 76.9 = 82.1. c: 71 < 82.1, admitted. (With the
+    # flag kept, c would wait until a finishes: its 50th token comes with the result of step 50, it is
+    # filtered at step 51 and c would be admitted at step 52.)
+    plan = s.step()
+    assert plan.kind.value == "mixed" and s.extended(plan) == ["c"] and s.decoded(plan) == ["b", "a"]
+    assert not s.sched.batch_is_full and s.waiting() == []
+    s.run_to_end()
+    assert s.tokens == {"a": 50, "b": 60, "c": 50}
+
+
 # --- docs/scheduler.md#add-one-req-ignore-eos add_one_req_ignore_eos
 # --------------------------------------------------------------------------
 
