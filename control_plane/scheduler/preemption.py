@@ -5,7 +5,6 @@ from __future__ import annotations
 from control_plane.request import Request
 from control_plane.scheduler.adder import PrefillAdder
 from control_plane.scheduler.batch import RunningBatch
-from control_plane.scheduler.kv import KvManager
 from control_plane.scheduler.priority import urgency
 from control_plane.scheduler.retraction import Retraction
 
@@ -13,10 +12,7 @@ from control_plane.scheduler.retraction import Retraction
 class Preemption:
     """Running requests giving way to a more important newcomer when the running batch is full."""
 
-    def __init__(
-        self, kv: KvManager, running: RunningBatch, retraction: Retraction, priority_sign: int
-    ) -> None:
-        self.kv = kv
+    def __init__(self, running: RunningBatch, retraction: Retraction, priority_sign: int) -> None:
         self.running = running
         self.retraction = retraction
         self.priority_sign = priority_sign
@@ -30,7 +26,10 @@ class Preemption:
             r for r in self.running.reqs if not r.finished and not r.preempted and not r.params.group
         ]
         candidates.sort(key=lambda r: (-urgency(r, sign), -r.wait_queue_entry_time))
-        self.kv.init_next_round_input(req)
+        # Before the request is matched (docs/scheduler.md#priority-preemption, SGLang's order in
+        # _get_new_batch_prefill_raw): the room it needs is reckoned from the prefix its previous round
+        # left, none for a request never matched or since retracted or preempted. Matching first would
+        # also refresh its cached prefix in the tree's LRU order on every blocked attempt.
         victims = adder.preempt_to_schedule(req, candidates)
         if victims is None:
             return False

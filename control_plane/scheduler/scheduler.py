@@ -144,7 +144,7 @@ class Scheduler:
             self.seq_books,
             self.exits,
             self.chunk,
-            Preemption(self.kv, self.running, self.retraction, sign),
+            Preemption(self.running, self.retraction, sign),
             self.decode,
         )
         self.planner = PlanBuilder(self.kv, self.seq_books)
