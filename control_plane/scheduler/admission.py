@@ -100,12 +100,17 @@ class Admission:
             if chunk.req is not None and chunk.req not in adder.can_run_list:
                 self._parked_chunk(chunk.req)
         preempted = self._admit_waiting(adder, running_bs)
+        if adder.can_run_list:
+            self.intake.remove_admitted({id(r) for r in adder.can_run_list})
+        # Back to the queue even when nothing was admitted: preemption checks only that the victims'
+        # reservations cover the newcomer (need <= 0), which can still be refused by add_one_req (it
+        # wants input + max_new + page < rem_total). SGLang re-queues them only after a pass that
+        # admitted something, and otherwise loses them: released, in no queue, never finished.
+        for req in preempted:
+            self.intake.requeue(req)
         if not adder.can_run_list:
             return None
         self._fill_stats(stats, adder, running_bs)
-        self.intake.remove_admitted({id(r) for r in adder.can_run_list})
-        for req in preempted:
-            self.intake.requeue(req)
         if adder.new_chunked_req is not None:
             chunk.start(adder.new_chunked_req)
         if chunk.req is not None and chunk.req in adder.can_run_list:

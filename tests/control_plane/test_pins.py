@@ -309,6 +309,32 @@ def test_a_newcomer_reckons_the_room_to_free_without_its_cached_prefix() -> None
     assert s.tokens == {"p": 1, "l1": 50, "l2": 50, "n": 100} and s.sched.num_retracted_total == 0
 
 
+def test_requests_preempted_for_a_newcomer_that_then_does_not_fit_go_back_to_the_queue() -> None:
+    """docs/scheduler.md#priority-preemption: preemption only checks need <= 0, but admission wants
+    input + max_new + page < rem_total, so the newcomer can still be refused after its victims were
+    released. SGLang re-queues the victims only when the pass admitted something (they would be lost:
+    released, in no queue, never finished); they go back to the queue in any case."""
+    s = priority_stepper()
+    shared = prompt(20, 1)
+    s.add("l1", shared, params(50, priority=0))
+    s.add("l2", shared, params(50, priority=0))
+    # Step 1: both admitted (20 + 50 + 1 = 71 < 200, then 71 < 129). l2's copy of the prompt is freed for the
+    # tree's: the 20 slots are the tree's, locked by both; A = 180, E = 0.
+    assert s.extended(s.step()) == ["l1", "l2"]
+
+    # Step 2: n (priority 100, 45 tokens, 100 new) finds the batch full. offsets 2 · min(50 - 1, 4096) ·
+    # 0.7 = 68.6, rem_total = 180 - 68.6 = 111.4; need = 45 + 100 - 111.4 = 33.6. l2 (queued last) frees
+    # its offset: 33.6 - 34.3 = -0.7 <= 0, it is preempted. Its prompt stays locked by l1 and it held no
+    # slot of its own: rem_total = 180 - 34.3 = 145.7, and n's total 45 + 100 + 1 = 146 >= 145.7 -> NO_TOKEN.
+    # Nothing is admitted; l1 decodes and l2 waits behind n.
+    s.add("n", prompt(45, 2), params(100, priority=100))
+    plan = s.step()
+    assert s.extended(plan) == [] and s.decoded(plan) == ["l1"] and s.released(plan) == ["l2"]
+    assert s.waiting() == ["n", "l2"]
+    s.run_to_end()
+    assert s.tokens == {"l1": 50, "l2": 50, "n": 100}
+
+
 # --- docs/scheduler.md#add-one-req-ignore-eos add_one_req_ignore_eos
 # --------------------------------------------------------------------------
 
