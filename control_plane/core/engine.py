@@ -53,8 +53,8 @@ from control_plane.core.timeouts import Timeouts
 from control_plane.core.worker_checks import WorkerFault, check_result
 from control_plane.record.recorder import close_recording, make_scheduler
 from control_plane.request import AbortCode, FinishReason, RequestParams
+from control_plane.scheduler.records import StepStats
 from control_plane.scheduler.scheduler import QueueFull, RequestRejected
-from control_plane.scheduler.state import StepStats
 from protos.worker import StepPlan, StepResult, WorkerLimits
 
 log = structlog.get_logger("stepwise.engine")

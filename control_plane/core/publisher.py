@@ -19,7 +19,7 @@ from control_plane import metrics
 from control_plane.core.inbox import LiveSample, Verdict
 from control_plane.link import link_of
 from control_plane.request import FinishReason, Request
-from control_plane.scheduler.state import StepUpdates
+from control_plane.scheduler.records import StepUpdates
 from protos.worker import StepPlan
 
 INTERNAL_ERROR = "internal error in the control plane (logged); the request could not be continued"

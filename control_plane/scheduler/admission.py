@@ -1,123 +1,138 @@
 """Building a prefill batch (docs/scheduler.md#admission-loop, #chunked-prefill): the chunked request, the
-admission loop under
-the adder's budgets, batch_is_full, and mixing the running batch into a prefill step
-(docs/scheduler.md#mixed-chunk)."""
+admission loop under the adder's budgets, batch_is_full, and mixing the running batch into a prefill
+step (docs/scheduler.md#mixed-chunk)."""
 
 from __future__ import annotations
 
-import numpy as np
-
+from control_plane.config import SchedulerConfig
 from control_plane.request import AbortCode, FinishReason, Request
-from control_plane.scheduler.adder import AddReqResult, PrefillAdder
+from control_plane.scheduler.adder import AdderLimits, AddReqResult, PrefillAdder
 from control_plane.scheduler.batch import RunningBatch, ScheduledBatch
+from control_plane.scheduler.books import SequenceBooks
+from control_plane.scheduler.chunk import ChunkInProgress
+from control_plane.scheduler.decode import Decode
+from control_plane.scheduler.exits import Exits
+from control_plane.scheduler.intake import Intake
+from control_plane.scheduler.kv import KvManager
+from control_plane.scheduler.policy import Policy
 from control_plane.scheduler.preemption import Preemption
-from control_plane.scheduler.state import StepStats
-from protos.worker import KvTransfer, StepKind
+from control_plane.scheduler.ratio import NewTokenRatioTracker
+from control_plane.scheduler.records import StepStats
+from protos.worker import StepKind
 
 OOM_CHUNK = "Out of memory: no room for the next chunk of this prompt and nothing running to free any."
 
 
-class Admission(Preemption):
-    """The prefill batch: who is admitted this step and with which chunk
-    (docs/scheduler.md#prefill-adder-budgets, #chunked-prefill)."""
+class Admission:
+    """The prefill batch: who is admitted this step and with which chunk (SGLang's
+    _get_new_batch_prefill_raw; docs/scheduler.md#prefill-adder-budgets, #chunked-prefill)."""
 
-    def _apply_pending_chunked_abort(self) -> None:
-        req, reason = self.chunked_req, self._pending_chunked_abort
-        if req is None or reason is None:
-            return
-        self._pending_chunked_abort = None
-        self.chunked_req = None
-        self.kv.release_aborted(req)
-        self._finish(req, reason)
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        adder_limits: AdderLimits,
+        max_running_requests: int,
+        kv: KvManager,
+        policy: Policy,
+        ratio: NewTokenRatioTracker,
+        running: RunningBatch,
+        intake: Intake,
+        books: SequenceBooks,
+        exits: Exits,
+        chunk: ChunkInProgress,
+        preemption: Preemption,
+        decode: Decode,
+    ) -> None:
+        self.config = config
+        self.adder_limits = adder_limits
+        self.max_running_requests = max_running_requests
+        self.kv = kv
+        self.policy = policy
+        self.ratio = ratio
+        self.running = running
+        self.intake = intake
+        self.books = books
+        self.exits = exits
+        self.chunk = chunk
+        self.preemption = preemption
+        self.decode = decode
+        self.try_preemption = config.enable_priority_scheduling and not config.disable_priority_preemption
 
-    def _stash_chunked_req(self, req: Request) -> None:
-        if req.extend_range[1] > len(req.prefix_indices):
-            self._push_remap(self.kv.cache_unfinished_req(req, chunked=True))
+    # --- the chunked request between steps (docs/scheduler.md#step-loop steps 1 and 3) ----------------
 
-    def _merge_last_batch(self) -> None:
-        """docs/scheduler.md#step-loop step 4: the last extend batch's requests join the running
-        batch, unless finished or still mid-chunk. Under overlap their prefill may still be in flight:
-        they are decoded before their first token is known (docs/scheduler.md#overlap (c)). A request
-        with max_new_tokens 0
-        only needs its prefill
-        (SGLang never decodes a prefill-only batch): it ends when that result is applied."""
-        last = self.last_batch
-        if last is None or not last.is_extend:
-            return
-        extended = [
-            r
-            for r in last.extend_reqs
-            if not r.finished and r is not self.chunked_req and r.max_new_tokens > 0
-        ]
-        decoded = self.kv.columns.serial[last.decode_rows] == last.decode_serials
-        survivors = len(extended) + int(np.count_nonzero(decoded))
-        if survivors != len(last.extend_reqs) + len(last.decode_rows):
-            self.batch_is_full = False
-        if extended:
-            self.running.merge(extended)
-        if decoded.any():
-            self.running.append(
-                last.decode_reqs[decoded], last.decode_rows[decoded], last.decode_serials[decoded]
-            )
+    def process_pending_chunked_abort(self) -> None:
+        taken = self.chunk.take_pending_abort()
+        if taken is not None:
+            self.exits.discard(*taken)
 
-    def _parked_chunk(self, req: Request) -> None:
-        """The chunked request got no chunk: not even a page is free or evictable. Running requests
-        will finish or be retracted and free memory; with none, nothing ever will, so it ends."""
-        if len(self.running):
-            return
-        self.chunked_req = None
-        self.kv.release_aborted(req)
-        self._finish(req, FinishReason.abort(OOM_CHUNK, AbortCode.INTERNAL))
+    def stash_chunked_req(self) -> None:
+        """The chunk computed last step goes into the tree (docs/scheduler.md#caching-requests)."""
+        req = self.chunk.req
+        if req is not None and req.extend_range[1] > len(req.prefix_indices):
+            self.books.remap(self.kv.cache_unfinished_req(req, chunked=True))
+
+    # --- the prefill batch -----------------------------------------------------------------------------
+
+    def get_new_batch_prefill(self, stats: StepStats) -> ScheduledBatch | None:
+        running, chunk = self.running, self.chunk
+        if self.try_preemption:
+            running.clear_full()
+        if (running.batch_is_full or not self.intake.waiting) and chunk.req is None:
+            return None
+        if self._allocatable(len(running)) <= 0 and chunk.req is None and not self.try_preemption:
+            running.mark_full()
+            return None
+        running_reqs = running.reqs
+        self.intake.order(self.policy, running_reqs)
+        mixed = self.config.enable_mixed_chunk and len(running) > 0
+        running_bs = len(running)
+        adder = PrefillAdder(
+            self.kv,
+            self.adder_limits,
+            running_reqs,
+            self.ratio.current,
+            mixed_decode_tokens=running_bs if mixed else 0,
+            remaining=running.remaining_new_tokens(),
+        )
+        continuation = chunk.req
+        if continuation is not None:
+            chunk.advance(adder.add_chunked_req(continuation))
+            if chunk.req is not None and chunk.req not in adder.can_run_list:
+                self._parked_chunk(chunk.req)
+        preempted = self._admit_waiting(adder, running_bs)
+        if adder.can_run_list:
+            self.intake.remove_admitted({id(r) for r in adder.can_run_list})
+        # Back to the queue even when nothing was admitted: preemption checks only that the victims'
+        # reservations cover the newcomer (need <= 0), which can still be refused by add_one_req (it
+        # wants input + max_new + page < rem_total). SGLang re-queues them only after a pass that
+        # admitted something, and otherwise loses them: released, in no queue, never finished.
+        for req in preempted:
+            self.intake.requeue(req)
+        if not adder.can_run_list:
+            return None
+        self._fill_stats(stats, adder, running_bs)
+        if adder.new_chunked_req is not None:
+            chunk.start(adder.new_chunked_req)
+        if chunk.req is not None and chunk.req in adder.can_run_list:
+            chunk.req.inflight_middle_chunks += 1
+        batch = ScheduledBatch(StepKind.PREFILL, stats.step_id, extend_reqs=list(adder.can_run_list))
+        self._prepare_for_extend(batch, continuation)
+        if mixed:
+            self._mix_with_running(batch, stats)
+        return batch
 
     def _allocatable(self, running_bs: int) -> int:
         """Requests that may still join: free rows, and room under the running cap for a running
         batch of `running_bs` (docs/scheduler.md#admission-loop step 5's get_num_allocatable_reqs)."""
         return min(self.max_running_requests - running_bs, self.kv.free_rows())
 
-    def _get_new_batch_prefill(self, stats: StepStats) -> ScheduledBatch | None:
-        if self.preemption:
-            self.batch_is_full = False
-        if (self.batch_is_full or not self.waiting) and self.chunked_req is None:
-            return None
-        if self._allocatable(len(self.running)) <= 0 and self.chunked_req is None and not self.preemption:
-            self.batch_is_full = True
-            return None
-        running = self.running.reqs
-        self.policy.order(self.waiting, running)
-        mixed = self.config.enable_mixed_chunk and len(self.running) > 0
-        running_bs = len(self.running)
-        adder = PrefillAdder(
-            self.kv,
-            self.adder_limits,
-            running,
-            self.ratio.current,
-            mixed_decode_tokens=running_bs if mixed else 0,
-            remaining=self.running.remaining_new_tokens(),
-        )
-        chunked_before = self.chunked_req
-        if self.chunked_req is not None:
-            self.chunked_req = adder.add_chunked_req(self.chunked_req)
-            if self.chunked_req is not None and self.chunked_req not in adder.can_run_list:
-                self._parked_chunk(self.chunked_req)
-        preempted = self._admit_waiting(adder, running_bs)
-        if not adder.can_run_list:
-            return None
-        self._fill_stats(stats, adder, running_bs)
-        admitted = {id(r) for r in adder.can_run_list}
-        self.waiting = [r for r in self.waiting if id(r) not in admitted]
-        for req in preempted:
-            self._add_to_queue_or_abort(req)
-        if adder.new_chunked_req is not None:
-            assert self.chunked_req is None, "only one request may be mid-chunk"
-            self.chunked_req = adder.new_chunked_req
-        if self.chunked_req is not None and self.chunked_req in adder.can_run_list:
-            self.chunked_req.inflight_middle_chunks += 1
-        batch = ScheduledBatch(StepKind.PREFILL, extend_reqs=list(adder.can_run_list))
-        batch.chunked_req = self.chunked_req
-        self._prepare_extend(batch, chunked_before)
-        if mixed:
-            self._mix_with_running(batch, stats)
-        return batch
+    def _parked_chunk(self, req: Request) -> None:
+        """The chunked request got no chunk: not even a page is free or evictable. Running requests
+        will finish or be retracted and free memory; with none, nothing ever will, so it ends."""
+        if len(self.running):
+            return
+        self.chunk.drop()
+        self.exits.discard(req, FinishReason.abort(OOM_CHUNK, AbortCode.INTERNAL))
 
     def _admit_waiting(self, adder: PrefillAdder, running_bs: int) -> list[Request]:
         """The admission loop (docs/scheduler.md#admission-loop step 9). Returns requests preempted to
@@ -127,18 +142,21 @@ class Admission(Preemption):
         running_bs once, `scheduler.py:_get_new_batch_prefill_raw`): requests preempted in this pass
         free their rows, but not their places under the running cap, until the next pass.
         """
+        running = self.running
         preempted: list[Request] = []
-        for req in self.waiting:
+        for req in self.intake.waiting:
             if len(adder.can_run_list) >= self._allocatable(running_bs):
-                self.batch_is_full = True
-            if self.batch_is_full and not (self.preemption and self._preempt_for(req, adder, preempted)):
+                running.mark_full()
+            if running.batch_is_full and not (
+                self.try_preemption and self.preemption.preempt_for(req, adder, preempted)
+            ):
                 break
-            self._init_next_round_input(req)
+            self.kv.init_next_round_input(req)
             ignore_eos_path = req.params.ignore_eos and self.kv.disabled
             result = adder.add_one_req(req, ignore_eos_path)
             if result is not AddReqResult.CONTINUE:
                 if result is AddReqResult.NO_TOKEN:
-                    self.batch_is_full = True
+                    running.mark_full()
                 break
         return preempted
 
@@ -153,7 +171,7 @@ class Admission(Preemption):
         stats.rem_input_tokens = adder.rem_input_tokens
         stats.rem_chunk_tokens = adder.rem_chunk_tokens
 
-    def _prepare_extend(self, batch: ScheduledBatch, continuation: Request | None) -> None:
+    def _prepare_for_extend(self, batch: ScheduledBatch, continuation: Request | None) -> None:
         """Allocate rows and slots, assign handles to newcomers, commit the extend lengths, and note
         in the batch each request's row tenancy and whether a token is sampled after its extend."""
         reqs = batch.extend_reqs
@@ -163,34 +181,25 @@ class Admission(Preemption):
             req.is_retracted = False
             req.preempted = False
         self.kv.alloc_for_extend(reqs)
-        self._introduced = set()
         columns = self.kv.columns
+        books = self.books
         for req in reqs:
             start, end = req.extend_range
             # A live sequence's table holds exactly the positions before its extend.
-            held = start if req.handle in self.by_handle else 0
+            held = start if books.holds(req) else 0
             if req.host_backup_len:
-                self._restore(req)
-            if req.handle < 0:
-                req.handle = self._next_handle
-                self._next_handle += 1
-                self.by_handle[req.handle] = req
-                self._introduced.add(req.handle)
-            columns.handle[req.req_pool_idx] = req.handle
+                # The host backup fills the first slots of the fresh extend; compute only the rest.
+                restored = books.restore(req, self.kv.row(req))
+                req.extend_range = (restored, end)
+            introduced = books.introduce(req)
+            columns.set_handle(req)
             req.kv_committed_len = end
-            self._seq_slots += end - held
-            batch.extend_serials.append(int(columns.serial[req.req_pool_idx]))
-            batch.extend_sampled.append(req is not self.chunked_req)
-
-    def _restore(self, req: Request) -> None:
-        """Copy the host backup into the first slots of the fresh extend; compute only the rest."""
-        n = req.host_backup_len
-        self._restores.append(KvTransfer(req.handle, self.kv.row(req)[:n].copy()))
-        del self.offloaded[req.handle]
-        self.by_handle[req.handle] = req
-        self.host_used -= n
-        req.host_backup_len = 0
-        req.extend_range = (n, req.extend_range[1])
+            books.grow(end - held)
+            batch.note_extend(
+                int(columns.serial[req.req_pool_idx]),
+                req is not self.chunk.req,
+                req.handle if introduced else None,
+            )
 
     def _mix_with_running(self, batch: ScheduledBatch, stats: StepStats) -> None:
         """Mixed chunk (docs/scheduler.md#mixed-chunk): decode the running batch inside the prefill step.
@@ -200,13 +209,11 @@ class Admission(Preemption):
         (SGLang raises there). When the decode does not fit, this step runs the prefill alone; the
         running batch decodes next step, where the decode memory check and retraction apply.
         """
-        if self.running.filter_finished():
-            self.batch_is_full = False
-        if not len(self.running) or not self.kv.check_decode_mem(self.running.seq_lens):
+        running = self.running
+        running.filter_finished()
+        if not len(running) or not self.kv.check_decode_mem(running.seq_lens):
             return
-        batch.kind = StepKind.MIXED
-        batch.decode_from(self.running)
-        self._alloc_decode()
+        self.decode.prepare_for_decode(batch)
         stats.kind = StepKind.MIXED
         stats.decode_bs = len(batch.decode_rows)
-        self.running = RunningBatch(self.kv.columns)
+        running.empty()

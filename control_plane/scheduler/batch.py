@@ -41,6 +41,12 @@ class RunningBatch:
         self.req_array = _no_objects()
         self.rows = _no_ints()
         self.serials = _no_ints()
+        # SGLang's ScheduleBatch.batch_is_full (docs/scheduler.md#batch-is-full): set by admission when
+        # no request may join (no row, the running cap, or NO_TOKEN); while set and no request is
+        # mid-chunk, no admission is attempted. The batch clears it whenever it loses a member; the
+        # merge clears it when the last prefill batch joins an empty running batch (in SGLang it becomes
+        # the running batch, bringing its own False).
+        self.batch_is_full = False
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -70,10 +76,30 @@ class RunningBatch:
         self.append(_objects(reqs), rows, self.columns.serial[rows])
 
     def keep(self, selection: np.ndarray | list[int]) -> None:
-        """Keep these positions (indices, in this order, or a boolean mask)."""
+        """Keep these positions (indices, in this order, or a boolean mask). A batch that shrank is
+        no longer full (SGLang resets the flag after a filter that dropped a finished request, a
+        retraction and a preemption alike)."""
+        before = len(self.rows)
         self.req_array = self.req_array[selection]
         self.rows = self.rows[selection]
         self.serials = self.serials[selection]
+        if len(self.rows) < before:
+            self.batch_is_full = False
+
+    def empty(self) -> None:
+        """Every request left for a mixed step (docs/scheduler.md#mixed-chunk). The flag stays: SGLang
+        replaces the running batch by an empty one carrying the same batch_is_full."""
+        self.req_array, self.rows, self.serials = _no_objects(), _no_ints(), _no_ints()
+
+    def mark_full(self) -> None:
+        """Admission found no room for another request (docs/scheduler.md#admission-loop steps 5, 9b, 9g)."""
+        self.batch_is_full = True
+
+    def clear_full(self) -> None:
+        """Room may have appeared (docs/scheduler.md#batch-is-full): the last prefill batch lost members
+        before joining or joins an empty running batch, the batch is empty at the decode step, or
+        priority preemption retries every pass."""
+        self.batch_is_full = False
 
     def filter_finished(self) -> bool:
         """Drop finished requests; returns whether any were dropped."""
@@ -104,19 +130,21 @@ class ScheduledBatch:
     plan order; several plans may be in flight)."""
 
     kind: StepKind
-    step_id: int = 0
+    step_id: int
     # Requests extended in this step, in plan order (the chunked continuation first), with the serial
     # of each one's row tenancy and whether a token is sampled after its extend (not after a middle
-    # chunk).
+    # chunk), and the handles introduced by this step (they get a NewSeq in the plan).
     extend_reqs: list[Request] = field(default_factory=list)
     extend_serials: list[int] = field(default_factory=list)
     extend_sampled: list[bool] = field(default_factory=list)
-    # Requests decoded in this step, in plan order, as RunningBatch's arrays.
+    new_handles: set[int] = field(default_factory=set)
+    # Requests decoded in this step, in plan order, as RunningBatch's arrays, and each one's handle
+    # and the slot its decode writes.
     decode_reqs: np.ndarray = field(default_factory=_no_objects)
     decode_rows: np.ndarray = field(default_factory=_no_ints)
     decode_serials: np.ndarray = field(default_factory=_no_ints)
-    # The request still mid-chunk after this step, if any.
-    chunked_req: Request | None = None
+    decode_handles: np.ndarray = field(default_factory=_no_ints)
+    decode_slots: np.ndarray = field(default_factory=_no_ints)
 
     @property
     def is_extend(self) -> bool:
@@ -127,10 +155,22 @@ class ScheduledBatch:
         """Tokens the result carries: one per sampled extend, then one per decode."""
         return sum(self.extend_sampled) + len(self.decode_rows)
 
-    def decode_from(self, running: RunningBatch) -> None:
-        """The whole running batch is decoded in this step."""
+    def note_extend(self, serial: int, sampled: bool, introduced: int | None) -> None:
+        """The next extend request's row tenancy, whether a token is sampled after it, and its handle
+        when this step introduces it."""
+        self.extend_serials.append(serial)
+        self.extend_sampled.append(sampled)
+        if introduced is not None:
+            self.new_handles.add(introduced)
+
+    def decode_from(self, running: RunningBatch, handles: np.ndarray, slots: np.ndarray) -> None:
+        """The whole running batch is decoded in this step, into these slots; a prefill batch that
+        also decodes is a mixed one (docs/scheduler.md#mixed-chunk)."""
         self.decode_reqs, self.decode_rows, self.decode_serials = (
             running.req_array,
             running.rows,
             running.serials,
         )
+        self.decode_handles, self.decode_slots = handles, slots
+        if self.extend_reqs:
+            self.kind = StepKind.MIXED

@@ -90,10 +90,24 @@ class RowColumns:
         self.serial[row] = 0
         self.reqs[row] = None
 
+    def set_handle(self, req: Request) -> None:
+        """Mutates: the handle the request got at its first extend (after its row was attached)."""
+        self.handle[req.req_pool_idx] = req.handle
+
     def holds(self, req: Request, serial: int) -> bool:
         """Whether `req` still holds the row tenancy `serial` was taken for."""
         row = req.req_pool_idx
         return row >= 0 and int(self.serial[row]) == serial
+
+    # --- lengths -----------------------------------------------------------------------------------
+
+    def allocate_decode(self, rows: np.ndarray, seq_lens: np.ndarray) -> None:
+        """Mutates: each row got a slot for position seq_len (its next decode)."""
+        self.allocated[rows] = seq_lens + 1
+
+    def commit_decode(self, rows: np.ndarray) -> None:
+        """Mutates: each row's decode wrote its input token's KV."""
+        self.committed[rows] += 1
 
     # --- tokens --------------------------------------------------------------------------------------
 

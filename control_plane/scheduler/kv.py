@@ -120,6 +120,18 @@ class KvManager:
         result = self.tree.match_prefix(key)
         req.prefix_indices, req.last_node = result.indices, result.last_node
 
+    def init_next_round_input(self, req: Request) -> None:
+        """Mutates req and the tree like match_prefix: SGLang's req.init_next_round_input, the match
+        before an admission attempt (docs/scheduler.md#admission-loop step 9e). A match never covers
+        the last token: the prefill must produce logits (docs/scheduler.md#prefill-adder-budgets,
+        #invariants). A request whose KV comes back from the host pool matches nothing and locks
+        nothing."""
+        if req.host_backup_len:
+            req.prefix_indices, req.last_node, req.cache_protected_len = np.zeros(0, dtype=np.int64), None, 0
+            return
+        self.match_prefix(req, max(req.seqlen - 1, 0))
+        req.cache_protected_len = len(req.prefix_indices)
+
     def inc_lock(self, node: Any) -> None:
         if node is not None and not self.disabled:
             self.tree.inc_lock_ref(node)
@@ -219,7 +231,7 @@ class KvManager:
         if slots is None:
             raise KvOutOfMemory("Decode out of memory")
         self.req_to_token[rows, seq_lens] = slots
-        self.columns.allocated[rows] = seq_lens + 1
+        self.columns.allocate_decode(rows, seq_lens)
         return slots
 
     # --- caching and release (docs/scheduler.md#caching-requests, #retraction)

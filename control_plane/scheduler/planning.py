@@ -6,39 +6,42 @@ from __future__ import annotations
 import numpy as np
 
 from control_plane.request import Request
-from control_plane.scheduler.admission import Admission
 from control_plane.scheduler.batch import ScheduledBatch
-from control_plane.scheduler.state import StepStats
+from control_plane.scheduler.books import SequenceBooks
+from control_plane.scheduler.kv import KvManager
 from protos.worker import DecodeWork, ExtendWork, NewSeq, StepKind, StepPlan
 
 
-class Planning(Admission):
+class PlanBuilder:
     """The decided step as a StepPlan for the worker."""
 
-    def _build_plan(self, batch: ScheduledBatch | None, stats: StepStats) -> StepPlan:
-        releases = np.asarray(self._releases, dtype=np.int64)
-        # A remap or an offload queued for a request released since (retracted, preempted, aborted,
-        # refused re-entry by a full queue) is moot: the worker drops the sequence first.
-        released = set(self._releases)
-        remaps = tuple(r for r in self._remaps if r.handle not in released)
-        offloads = tuple(t for t in self._offloads if t.handle not in released)
-        restores = tuple(self._restores)
-        self._releases, self._remaps, self._offloads, self._restores = [], [], [], []
+    def __init__(self, kv: KvManager, books: SequenceBooks) -> None:
+        self.kv = kv
+        self.books = books
+
+    def build(self, step_id: int, batch: ScheduledBatch | None) -> StepPlan:
+        """The plan of `batch` (None: a plan of releases and transfers only), with every change to
+        the books queued since the last plan."""
+        deltas = self.books.take_deltas()
         if batch is None:
             return StepPlan(
-                self.step_id, StepKind.DECODE, releases=releases, remaps=remaps, offloads=offloads
+                step_id,
+                StepKind.DECODE,
+                releases=deltas.releases,
+                remaps=deltas.remaps,
+                offloads=deltas.offloads,
             )
         extends, new_seqs = self._extend_work(batch)
         decodes = DecodeWork()
         if len(batch.decode_rows):
-            decodes = DecodeWork(handles=self._decode_handles, slots=self._decode_slots)
+            decodes = DecodeWork(handles=batch.decode_handles, slots=batch.decode_slots)
         return StepPlan(
-            self.step_id,
+            step_id,
             batch.kind,
-            releases=releases,
-            remaps=remaps,
-            offloads=offloads,
-            restores=restores,
+            releases=deltas.releases,
+            remaps=deltas.remaps,
+            offloads=deltas.offloads,
+            restores=deltas.restores,
             new_seqs=new_seqs,
             extends=extends,
             decodes=decodes,
@@ -53,7 +56,7 @@ class Planning(Admission):
         slots: list[np.ndarray] = []
         for req in reqs:
             start, end = req.extend_range
-            if req.handle in self._introduced:
+            if req.handle in batch.new_handles:
                 new_seqs.append(self._new_seq(req, start))
             tokens.extend(req.fill_ids[start:end])
             slots.append(self.kv.row(req)[start:end])

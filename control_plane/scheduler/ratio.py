@@ -34,6 +34,10 @@ class NewTokenRatioTracker:
     def reset(self) -> None:
         self.current = self.init
 
+    def after_retract(self, kept: Iterable[Request], retract_decode_steps: int) -> None:
+        """A retraction replaces the ratio by a fresh estimate over the requests it kept."""
+        self.current = self.estimate_after_retract(kept, retract_decode_steps)
+
     def estimate_after_retract(self, kept: Iterable[Request], retract_decode_steps: int) -> float:
         """(Σ generated + steps·n) / (Σ max_new_tokens + 1) over the kept requests, capped at 1."""
         generated = total = n = 0

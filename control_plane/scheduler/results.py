@@ -19,42 +19,36 @@ import numpy as np
 
 from control_plane.request import FinishReason, Request
 from control_plane.scheduler.batch import ScheduledBatch
-from control_plane.scheduler.planning import Planning
-from protos.worker import StepResult
+from control_plane.scheduler.books import SequenceBooks
+from control_plane.scheduler.exits import Exits
+from control_plane.scheduler.kv import KvManager
+from control_plane.scheduler.registry import Registry
 
 MAX_NEW_TOKENS = FinishReason.length("max_new_tokens")
 EOS = FinishReason.stop("eos")
 
 
-class Results(Planning):
+class ResultApplier:
     """The worker's sampled tokens applied to the requests (SGLang's process_batch_result)."""
 
-    def apply_result(self, result: StepResult) -> None:
-        """Apply `result` to the oldest plan in flight: append sampled tokens, run finish checks,
-        cache or free the KV of finished requests. ValueError (nothing changed) when it is not that
-        plan's result or does not carry one token per sampled entry."""
-        batch = self._oldest_in_flight(result)
-        tokens = np.asarray(result.token_ids, dtype=np.int32)
-        self._in_flight.popleft()
+    def __init__(
+        self, kv: KvManager, registry: Registry, books: SequenceBooks, exits: Exits, eos_ids: frozenset[int]
+    ) -> None:
+        self.kv = kv
+        self.registry = registry
+        self.books = books
+        self.exits = exits
+        self._eos_ids = np.array(sorted(eos_ids), dtype=np.int32)
+
+    def process_batch_result(self, batch: ScheduledBatch, token_ids: np.ndarray) -> None:
+        """Append the sampled tokens of `batch`'s result (one per sampled extend, then one per decode,
+        already checked against the batch), run finish checks, cache or free the KV of finished
+        requests."""
+        tokens = np.asarray(token_ids, dtype=np.int32)
         sampled = sum(batch.extend_sampled)
         self._apply_extends(batch, tokens[:sampled])
         if len(batch.decode_rows):
             self._apply_decodes(batch, tokens[sampled:])
-
-    def _oldest_in_flight(self, result: StepResult) -> ScheduledBatch:
-        if not self._in_flight:
-            raise ValueError(f"result for step {result.step_id}, but no plan is in flight")
-        batch = self._in_flight[0]
-        if result.step_id != batch.step_id:
-            raise ValueError(
-                f"result for step {result.step_id}, but the oldest plan in flight is {batch.step_id}"
-            )
-        if len(result.token_ids) != batch.sampled_tokens:
-            raise ValueError(
-                f"step {batch.step_id}: result carries {len(result.token_ids)} tokens, "
-                f"the plan sampled {batch.sampled_tokens}"
-            )
-        return batch
 
     def _apply_extends(self, batch: ScheduledBatch, tokens: np.ndarray) -> None:
         columns = self.kv.columns
@@ -83,9 +77,9 @@ class Results(Planning):
         for i, req in enumerate(applied):
             reason = MAX_NEW_TOKENS if sampled_at[i] < 0 else ended.get(i)
             if reason is None:
-                self._push_remap(self.kv.cache_unfinished_req(req))
+                self.books.remap(self.kv.cache_unfinished_req(req))
             else:
-                self._end(req, reason)
+                self.exits.end(req, reason)
 
     def _apply_decodes(self, batch: ScheduledBatch, tokens: np.ndarray) -> None:
         columns = self.kv.columns
@@ -95,9 +89,9 @@ class Results(Planning):
             rows, tokens = rows[held], tokens[held]
             if not len(rows):
                 return
-        columns.committed[rows] += 1  # the decode wrote its input token's KV
+        columns.commit_decode(rows)
         for i, reason in self._append_tokens(rows, tokens):
-            self._end(columns.reqs[rows[i]], reason)
+            self.exits.end(columns.reqs[rows[i]], reason)
 
     def _append_tokens(self, rows: np.ndarray, tokens: np.ndarray) -> list[tuple[int, FinishReason]]:
         """Append one token per row, stream the visible ones, and return (index, reason) of the rows
@@ -113,7 +107,7 @@ class Results(Planning):
         counts = n_out >= columns.min_new[rows]
         finished = length | (matched & counts)
         visible = ~(matched & (length | counts))
-        self._stream(columns.uid[rows][visible], tokens[visible])
+        self.registry.stream(columns.uid[rows][visible], tokens[visible])
         return [
             (i, self._reason(bool(length[i]), bool(stop_hit[i]), int(tokens[i])))
             for i in np.flatnonzero(finished).tolist()
@@ -138,7 +132,3 @@ class Results(Planning):
         if len(eos) == 1:
             return tokens == eos[0]
         return np.isin(tokens, eos)
-
-    def _end(self, req: Request, reason: FinishReason) -> None:
-        self.kv.cache_finished_req(req, insert=True)
-        self._finish(req, reason)

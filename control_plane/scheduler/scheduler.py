@@ -22,15 +22,28 @@ exactly the non-overlap one (`--disable-overlap-schedule`).
 
 from __future__ import annotations
 
-import math
+from collections import deque
+from collections.abc import Sequence
 
-from control_plane.request import Request
-from control_plane.scheduler.batch import ScheduledBatch
-from control_plane.scheduler.intake import PRIORITY_EVICTED, QUEUE_FULL
-from control_plane.scheduler.results import Results
-from control_plane.scheduler.retraction import HOST_POOL_FULL, OOM_LAST_REQUEST
-from control_plane.scheduler.sizing import clamp_max_new_tokens, resolve_max_running_requests
-from control_plane.scheduler.state import (
+import numpy as np
+
+from control_plane.config import SchedulerConfig
+from control_plane.request import FinishReason, Request, RequestParams
+from control_plane.scheduler.adder import AdderLimits
+from control_plane.scheduler.admission import Admission
+from control_plane.scheduler.batch import RunningBatch, ScheduledBatch
+from control_plane.scheduler.books import SequenceBooks
+from control_plane.scheduler.chunk import ChunkInProgress
+from control_plane.scheduler.decode import Decode
+from control_plane.scheduler.exits import Exits
+from control_plane.scheduler.intake import PRIORITY_EVICTED, QUEUE_FULL, Intake
+from control_plane.scheduler.kv import KvManager
+from control_plane.scheduler.planning import PlanBuilder
+from control_plane.scheduler.policy import make_policy
+from control_plane.scheduler.preemption import Preemption
+from control_plane.scheduler.priority import priority_sign
+from control_plane.scheduler.ratio import NewTokenRatioTracker
+from control_plane.scheduler.records import (
     MAX_INT,
     QueueFull,
     RequestFinished,
@@ -39,7 +52,11 @@ from control_plane.scheduler.state import (
     StepUpdates,
     TokenBatch,
 )
-from protos.worker import StepKind, StepPlan
+from control_plane.scheduler.registry import Registry
+from control_plane.scheduler.results import ResultApplier
+from control_plane.scheduler.retraction import HOST_POOL_FULL, OOM_LAST_REQUEST, Retraction
+from control_plane.scheduler.sizing import PoolSizes, clamp_max_new_tokens, resolve_max_running_requests
+from protos.worker import StepKind, StepPlan, StepResult, WorkerLimits
 
 __all__ = [
     "HOST_POOL_FULL",
@@ -59,37 +76,245 @@ __all__ = [
 ]
 
 
-class Scheduler(Results):
+class Scheduler:
     """SGLang's scheduler for one worker's pool. Every public method is deterministic given the call
-    sequence. Each rule lives in the module of its seam (see control_plane/scheduler/state.py)."""
+    sequence.
+
+    It is composed of one object per piece of state, each the only writer of its own attributes
+    (tests/control_plane/test_scheduler_ownership.py): the running batch (batch.py, with its
+    batch_is_full), the waiting queue (intake.py), the chunk in progress (chunk.py), the live requests
+    and the updates to publish (registry.py), the books of what the worker holds (books.py), and the
+    KV pool (kv.py). The rules act on them: admission (admission.py, with the PrefillAdder of
+    adder.py and priority preemption, preemption.py), the decode step (decode.py) and retraction
+    (retraction.py), ending requests (exits.py), the plan (planning.py) and applying a result
+    (results.py). The step itself, SGLang's get_next_batch_to_run, is `next_plan` here."""
+
+    def __init__(self, config: SchedulerConfig, limits: WorkerLimits) -> None:
+        self.config = config
+        self.limits = limits
+        self.sizes = sizes = PoolSizes.of(config, limits)
+        self.kv = KvManager(
+            sizes.capacity,
+            sizes.page_size,
+            sizes.max_running_requests,
+            limits.max_context,
+            disable_radix_cache=config.disable_radix_cache,
+            eviction_policy=config.radix_eviction_policy,
+            low_priority_values_first=config.schedule_low_priority_values_first,
+        )
+        self.policy = make_policy(config, self.kv)
+        self.ratio = NewTokenRatioTracker.from_config(config)
+        self.adder_limits = AdderLimits(
+            page_size=sizes.page_size,
+            max_prefill_tokens=config.max_prefill_tokens,
+            chunked_prefill_size=config.chunked_prefill_size if config.chunking_enabled else None,
+            clip_max_new_tokens=config.clip_max_new_tokens,
+            prefill_max_requests=config.prefill_max_requests,
+            priority_threshold=config.priority_scheduling_preemption_threshold,
+            low_priority_values_first=config.schedule_low_priority_values_first,
+        )
+        sign = priority_sign(config.schedule_low_priority_values_first)
+        self.running = RunningBatch(self.kv.columns)
+        self.seq_books = SequenceBooks(limits.host_pool_capacity_tokens)
+        self.registry = Registry(self.seq_books)
+        self.intake = Intake(config, sizes, self.registry, sign)
+        self.chunk = ChunkInProgress()
+        self.exits = Exits(self.kv, self.registry, self.intake, self.chunk)
+        self.retraction = Retraction(
+            config,
+            self.kv,
+            self.seq_books,
+            self.registry,
+            self.intake,
+            self.exits,
+            self.running,
+            self.ratio,
+            sign,
+        )
+        self.decode = Decode(config, self.kv, self.seq_books, self.running, self.retraction, self.ratio)
+        self.admission = Admission(
+            config,
+            self.adder_limits,
+            sizes.max_running_requests,
+            self.kv,
+            self.policy,
+            self.ratio,
+            self.running,
+            self.intake,
+            self.seq_books,
+            self.exits,
+            self.chunk,
+            Preemption(self.running, self.retraction, sign),
+            self.decode,
+        )
+        self.planner = PlanBuilder(self.kv, self.seq_books)
+        self.results = ResultApplier(self.kv, self.registry, self.seq_books, self.exits, limits.eos_token_ids)
+        # The batch most recently planned (docs/scheduler.md#step-loop step 4 merges it), and every planned
+        # batch whose result is not applied yet, oldest first (overlap scheduling keeps more than one,
+        # docs/scheduler.md#overlap).
+        self.last_batch: ScheduledBatch | None = None
+        self._in_flight: deque[ScheduledBatch] = deque()
+        # Batches launched (SGLang's forward_ct: TEST_RETRACT retracts every interval-th), and plans made.
+        self.forward_ct = 0
+        self.step_id = 0
+        self.last_stats: StepStats | None = None
+
+    # --- the step (docs/scheduler.md#step-loop get_next_batch_to_run) ------------------------------------
 
     def next_plan(self) -> StepPlan | None:
         """Decide the next step. Returns None when there is nothing to do (not even a release).
 
         Earlier plans may still be in flight; every plan returned must get its result applied, in
         plan order."""
-        self._apply_pending_chunked_abort()
-        if self.chunked_req is not None:
-            self._stash_chunked_req(self.chunked_req)
+        self.admission.process_pending_chunked_abort()
+        self.admission.stash_chunked_req()
         self._merge_last_batch()
         stats = StepStats(step_id=self.step_id + 1, kind=StepKind.PREFILL)
-        batch = self._get_new_batch_prefill(stats)
+        batch = self.admission.get_new_batch_prefill(stats)
         if batch is None and len(self.running):
-            batch = self._update_running_batch(stats)
+            batch = self.decode.update_running_batch(stats, self.forward_ct)
         self.last_batch = batch
-        if batch is None and not (self._releases or self._remaps or self._offloads):
+        if batch is None and not self.seq_books.has_deltas:
             return None
         self.step_id += 1
         if batch is not None:
             self.forward_ct += 1
-        stats.queued = len(self.waiting)
+        stats.queued = len(self.intake.waiting)
         stats.new_token_ratio = self.ratio.current
         self.last_stats = stats
-        plan = self._build_plan(batch, stats)
-        in_flight = batch if batch is not None else ScheduledBatch(plan.kind)
-        in_flight.step_id = plan.step_id
-        self._in_flight.append(in_flight)
+        plan = self.planner.build(self.step_id, batch)
+        self._in_flight.append(batch if batch is not None else ScheduledBatch(plan.kind, plan.step_id))
         return plan
+
+    def _merge_last_batch(self) -> None:
+        """docs/scheduler.md#step-loop step 4: the last extend batch's requests join the running
+        batch, unless finished or still mid-chunk. Under overlap their prefill may still be in flight:
+        they are decoded before their first token is known (docs/scheduler.md#overlap (c)). A request
+        with max_new_tokens 0 only needs its prefill (SGLang never decodes a prefill-only batch): it
+        ends when that result is applied."""
+        last = self.last_batch
+        if last is None or not last.is_extend:
+            return
+        chunked = self.chunk.req
+        extended = [
+            r for r in last.extend_reqs if not r.finished and r is not chunked and r.max_new_tokens > 0
+        ]
+        decoded = self.kv.columns.serial[last.decode_rows] == last.decode_serials
+        survivors = len(extended) + int(np.count_nonzero(decoded))
+        # batch_is_full belongs to the batch (docs/scheduler.md#batch-is-full): it is cleared when the
+        # last batch lost members, and when the running batch is empty, since SGLang then makes the last
+        # batch the running batch and with it that batch's own flag, which is False (after every mixed
+        # step, too: a mixed step empties the running batch, docs/scheduler.md#mixed-chunk).
+        if not len(self.running) or survivors != len(last.extend_reqs) + len(last.decode_rows):
+            self.running.clear_full()
+        if extended:
+            self.running.merge(extended)
+        if decoded.any():
+            self.running.append(
+                last.decode_reqs[decoded], last.decode_rows[decoded], last.decode_serials[decoded]
+            )
+
+    def apply_result(self, result: StepResult) -> None:
+        """Apply `result` to the oldest plan in flight: append sampled tokens, run finish checks,
+        cache or free the KV of finished requests. ValueError (nothing changed) when it is not that
+        plan's result or does not carry one token per sampled entry."""
+        batch = self._oldest_in_flight(result)
+        self._in_flight.popleft()
+        self.results.process_batch_result(batch, result.token_ids)
+
+    def _oldest_in_flight(self, result: StepResult) -> ScheduledBatch:
+        if not self._in_flight:
+            raise ValueError(f"result for step {result.step_id}, but no plan is in flight")
+        batch = self._in_flight[0]
+        if result.step_id != batch.step_id:
+            raise ValueError(
+                f"result for step {result.step_id}, but the oldest plan in flight is {batch.step_id}"
+            )
+        if len(result.token_ids) != batch.sampled_tokens:
+            raise ValueError(
+                f"step {batch.step_id}: result carries {len(result.token_ids)} tokens, "
+                f"the plan sampled {batch.sampled_tokens}"
+            )
+        return batch
+
+    # --- requests in and out -------------------------------------------------------------------------------
+
+    def input_length_error(self, input_len: int) -> str | None:
+        return self.intake.input_length_error(input_len)
+
+    def add_request(self, rid: str, input_ids: Sequence[int], params: RequestParams, uid: int = 0) -> Request:
+        """Queue a new request. Raises QueueFull / RequestRejected; ValueError for a duplicate rid.
+
+        `uid` is the engine's opaque unsigned 64-bit key for the request's stream: it only labels the
+        request's tokens in `take_updates` (not a scheduling input; replays pass 0)."""
+        return self.intake.add_request(rid, input_ids, params, uid)
+
+    def abort(self, rid: str, reason: FinishReason) -> bool:
+        """Abort a live request; its KV is freed now and its handle released in the next plan."""
+        return self.exits.abort(rid, reason)
+
+    def finish(self, rid: str, reason: FinishReason) -> bool:
+        """Finish a running request for a reason decided outside (a stop string); caches its KV."""
+        return self.exits.finish(rid, reason)
+
+    def take_updates(self) -> StepUpdates:
+        """Tokens and finishes since the last call (tokens first: see StepUpdates)."""
+        return self.registry.take_updates()
+
+    # --- state, read-only ----------------------------------------------------------------------------------
+
+    @property
+    def waiting(self) -> list[Request]:
+        return self.intake.waiting
+
+    @property
+    def requests(self) -> dict[str, Request]:
+        return self.registry.requests
+
+    @property
+    def chunked_req(self) -> Request | None:
+        return self.chunk.req
+
+    @property
+    def batch_is_full(self) -> bool:
+        return self.running.batch_is_full
+
+    @property
+    def page_size(self) -> int:
+        return self.sizes.page_size
+
+    @property
+    def capacity(self) -> int:
+        return self.sizes.capacity
+
+    @property
+    def max_req_len(self) -> int:
+        return self.sizes.max_req_len
+
+    @property
+    def max_req_input_len(self) -> int:
+        return self.sizes.max_req_input_len
+
+    @property
+    def max_running_requests(self) -> int:
+        return self.sizes.max_running_requests
+
+    @property
+    def by_handle(self) -> dict[int, Request]:
+        return self.seq_books.by_handle
+
+    @property
+    def host_used(self) -> int:
+        return self.seq_books.host_used
+
+    @property
+    def offloaded(self) -> dict[int, Request]:
+        return self.seq_books.offloaded
+
+    @property
+    def num_retracted_total(self) -> int:
+        """Requests retracted so far (GetServerInfo)."""
+        return self.retraction.num_retracted_total
 
     @property
     def in_flight(self) -> int:
@@ -99,10 +324,10 @@ class Scheduler(Results):
     @property
     def is_idle(self) -> bool:
         return (
-            not self.waiting
+            not self.intake.waiting
             and not len(self.running)
-            and self.chunked_req is None
-            and not self.requests
+            and self.chunk.req is None
+            and not self.registry.requests
             and not self._in_flight
         )
 
@@ -113,31 +338,26 @@ class Scheduler(Results):
     def books(self) -> tuple[int, int]:
         """(live sequences, Σ slots in their slot tables) that the worker must report after running
         the most recently planned plan. Valid right after next_plan returned a plan; O(1)."""
-        return len(self.by_handle), self._seq_slots
+        return len(self.seq_books.by_handle), self.seq_books.seq_slots
 
     def live_handles(self) -> int:
-        return len(self.by_handle)
+        return len(self.seq_books.by_handle)
 
     def live_seq_slots(self) -> int:
         """Σ slots in the worker's tables of live sequences, after the most recent plan (books()[1])."""
-        return self._seq_slots
+        return self.seq_books.seq_slots
 
     def private_slots(self) -> int:
         """Slots held by live requests and not owned by the tree (whole pages), decodes in flight
         included. O(live requests): for invariant checks."""
-        page = self.page_size
-        return sum(
-            math.ceil(r.kv_allocated_len / page) * page - r.cache_protected_len
-            for r in self.by_handle.values()
-        )
+        return self.seq_books.private_slots(self.sizes.page_size)
 
     def pending_tokens(self) -> int:
-        waiting = sum(r.seqlen for r in self.waiting)
-        chunked = self.chunked_req
-        return waiting + (chunked.seqlen - chunked.extend_range[1] if chunked is not None else 0)
+        chunked = self.chunk.req
+        return self.intake.pending_tokens() + (chunked.seqlen - chunked.extend_range[1] if chunked else 0)
 
     def live_requests(self) -> list[Request]:
         """Every request not yet finished, with its output_ids synced (failover continues each one
         from prompt + output_ids)."""
         self.kv.columns.sync_all()
-        return list(self.requests.values())
+        return list(self.registry.requests.values())

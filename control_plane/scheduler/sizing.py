@@ -1,8 +1,41 @@
-"""Sizes the scheduler derives from its worker: the running-request cap (docs/scheduler.md#defaults) and the
-clamp on
-max_new_tokens at intake (docs/scheduler.md#intake)."""
+"""Sizes the scheduler derives from its worker: the pool and request limits, the running-request cap
+(docs/scheduler.md#defaults) and the clamp on max_new_tokens at intake (docs/scheduler.md#intake)."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+
+from control_plane.config import SchedulerConfig
+from protos.worker import WorkerLimits
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSizes:
+    """One worker's pool as the scheduler sizes it (T, the page, the request length limits)."""
+
+    page_size: int
+    capacity: int
+    max_req_len: int
+    max_req_input_len: int
+    max_running_requests: int
+
+    @classmethod
+    def of(cls, config: SchedulerConfig, limits: WorkerLimits) -> PoolSizes:
+        page_size = config.page_size or limits.page_size
+        capacity = limits.kv_capacity_tokens
+        max_req_len = min(limits.max_context - 1, capacity - 1)
+        return cls(
+            page_size=page_size,
+            capacity=capacity,
+            max_req_len=max_req_len,
+            # SGLang's max_req_len - 5, and with large pages also short of a page below the pool: a
+            # longer prompt passes the length check but never the adder's gate (input + page < pool),
+            # so it would wait forever; it is refused at intake instead.
+            max_req_input_len=min(max_req_len - 5, capacity - page_size),
+            max_running_requests=resolve_max_running_requests(
+                config.max_running_requests, capacity, limits.max_context
+            ),
+        )
 
 
 def resolve_max_running_requests(configured: int | None, capacity: int, context_len: int) -> int:

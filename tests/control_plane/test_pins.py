@@ -62,6 +62,17 @@ class Stepper:
     def waiting(self) -> list[str]:
         return [r.rid for r in self.sched.waiting]
 
+    def extend_ranges(self, plan: StepPlan) -> dict[str, tuple[int, int]]:
+        ext = plan.extends
+        return {
+            self.rid_of[h]: (start, start + n)
+            for h, start, n in zip(ext.handles.tolist(), ext.starts.tolist(), ext.lens.tolist(), strict=True)
+        }
+
+    def preempted(self, plan: StepPlan) -> list[str]:
+        """Released in this plan and back in the queue (with no retraction: preempted)."""
+        return [rid for rid in self.released(plan) if rid not in self.finished and rid in self.waiting()]
+
     def run_to_end(self, max_steps: int = 2000) -> None:
         for _ in range(max_steps):
             if self.sched.is_idle:
@@ -150,6 +161,178 @@ def test_after_no_token_a_retraction_lets_admission_resume() -> None:
     # Step 5: the attempt runs. LOF order: c (50), b (40), a (30). c (56) fits; b (191) does not.
     plan = s.step()
     assert s.extended(plan) == ["c"] and s.sched.batch_is_full and s.waiting() == ["b", "a"]
+
+
+def test_a_prefill_batch_merged_into_an_empty_running_batch_brings_a_fresh_flag() -> None:
+    """docs/scheduler.md#batch-is-full / docs/scheduler.md#step-loop step 4: batch_is_full belongs to the
+    batch. When the running batch is empty, the last prefill batch becomes the running batch and brings
+    its own flag, which is False: the NO_TOKEN verdict of the pass that built it is forgotten and the
+    next step attempts admission again."""
+    s = Stepper(make_scheduler(capacity=200, chunked_prefill_size=None))
+    s.add("a", prompt(20, 1), params(100))
+    s.add("b", prompt(50, 2), params(40))
+
+    # Step 1. Nothing runs, nothing is cached: A + E = 200, offsets 0
+    # (docs/scheduler.md#prefill-adder-budgets). a: total = 20 + min(100, 4096) + 1 = 121 < 200, admitted;
+    # rem_total_token_offset = 20 + 100 + 1 = 121, so rem_total = 200 - 121 = 79 and cur_rem = 200 - 21 =
+    # 179: CONTINUE. b: 50 + 40 + 1 = 91 >= 79 -> NO_TOKEN (docs/scheduler.md#add-one-req step 6), which
+    # sets the flag (docs/scheduler.md#admission-loop step 9g).
+    plan = s.step()
+    assert s.extended(plan) == ["a"] and s.sched.batch_is_full and s.waiting() == ["b"]
+
+    # Step 2. The running batch is empty, so step 1's batch becomes it, with a fresh flag. a's prompt is
+    # cached and locked: A = 200 - 20 = 180, E = 0; a has 1 of 100 tokens, offset(a) = min(100 - 1, 4096)
+    # · 0.7 = 69.3 (the ratio has not decayed: no decode step yet), rem_total = 180 - 69.3 = 110.7.
+    # b: 91 < 110.7, admitted. (With the flag kept, b would wait for a's 100 tokens: a finishes with the
+    # result of step 100, is filtered at step 101 and b would be admitted at step 102.)
+    plan = s.step()
+    assert s.extended(plan) == ["b"] and s.decoded(plan) == [] and s.waiting() == []
+    assert not s.sched.batch_is_full
+    s.run_to_end()
+    assert s.tokens == {"a": 100, "b": 40}
+
+
+def test_after_a_mixed_step_the_running_batch_is_the_mixed_batch_with_a_fresh_flag() -> None:
+    """docs/scheduler.md#mixed-chunk / #batch-is-full: a mixed step leaves an empty running batch that
+    carries the flag, and the next step's merge replaces it by the mixed batch, whose flag is False. So
+    a NO_TOKEN verdict in a mixed step never outlives the step: the next one attempts admission again."""
+    s = Stepper(make_scheduler(capacity=200, chunked_prefill_size=64, enable_mixed_chunk=True))
+    s.add("a", prompt(10, 1), params(50))
+    assert s.extended(s.step()) == ["a"]  # step 1: alone (10 + 50 + 1 = 61 < 200)
+
+    # Step 2: a runs, so the prefill mixes its decode in (docs/scheduler.md#mixed-chunk); the adder charges it
+    # (docs/scheduler.md#prefill-adder-budgets): rem_chunk = 64 - 1 = 63, rem_total_token_offset = 1 +
+    # offset(a) = 1 + min(50 - 1, 4096) · 0.7 = 35.3. A = 200 - 10 = 190 (a's prompt locked), E = 0:
+    # rem_total = 190 - 35.3 = 154.7. b: 30 + 60 + 1 = 91 < 154.7, admitted whole (30 <= 63); the offset
+    # grows by 30 + 60 + 1 to 126.3, rem_total = 63.7. c: 20 + 50 + 1 = 71 >= 63.7 -> NO_TOKEN, the flag is
+    # set. The step extends b and decodes a; the running batch is left empty, carrying the flag.
+    s.add("b", prompt(30, 2), params(60))
+    s.add("c", prompt(20, 3), params(50))
+    plan = s.step()
+    assert plan.kind.value == "mixed" and s.extended(plan) == ["b"] and s.decoded(plan) == ["a"]
+    assert s.sched.batch_is_full and s.waiting() == ["c"]
+
+    # Step 3: nothing left the mixed batch, but it becomes the running batch [b, a] with a fresh flag,
+    # so admission is attempted. A = 200 - 11 (a: prompt + its decode's slot) - 30 (b's prompt, locked)
+    # = 159, E = 0. Mixed again with 2 decodes: offset = 2 + min(50 - 2, 4096) · 0.7 + min(60 - 1, 4096)
+    # · 0.7 = 2 + 33.6 + 41.3 = 76.9, rem_total = 159 - 76.9 = 82.1. c: 71 < 82.1, admitted. (With the
+    # flag kept, c would wait until a finishes: its 50th token comes with the result of step 50, it is
+    # filtered at step 51 and c would be admitted at step 52.)
+    plan = s.step()
+    assert plan.kind.value == "mixed" and s.extended(plan) == ["c"] and s.decoded(plan) == ["b", "a"]
+    assert not s.sched.batch_is_full and s.waiting() == []
+    s.run_to_end()
+    assert s.tokens == {"a": 50, "b": 60, "c": 50}
+
+
+# --- docs/scheduler.md#priority-preemption the order: preempt, then match
+# -----------------------------------------------------------------------------
+
+
+def priority_stepper() -> Stepper:
+    return Stepper(
+        make_scheduler(
+            capacity=200, chunked_prefill_size=None, enable_priority_scheduling=True, max_running_requests=2
+        )
+    )
+
+
+def test_a_request_blocked_on_the_running_cap_is_not_matched_so_its_cached_prompt_ages() -> None:
+    """docs/scheduler.md#priority-preemption / #admission-loop step 9c-e: a request that finds the
+    running batch full tries to preempt before it is matched, and a failed attempt ends the pass. So
+    while the cap binds, the queue's head is never matched: its cached prompt is not touched and ages
+    in the LRU order (docs/scheduler.md#locks-and-eviction), and the tree evicts it before younger
+    content. Preemption threshold 10; the ratio stays 0.7 until the first decode step."""
+    s = priority_stepper()
+    s.add("v", prompt(40, 1), params(50, priority=0))
+    s.add("x", prompt(30, 2), params(1, priority=0))
+    # Step 1: v (40 + 50 + 1 = 91 < 200) and x (30 + 1 + 1 = 32 < 200 - 91 = 109) are admitted. Their
+    # results cache v's prompt (inserted first: older) and x's (x is done after its one token, unlocked).
+    assert s.extended(s.step()) == ["v", "x"]
+
+    # Step 2: h1 and h2 (priority 50) arrive; running [v], one free place under the cap of 2. A = 200 -
+    # 40 - 30 = 130, E = 30 (x), offset(v) = min(50 - 1, 4096) · 0.7 = 34.3: rem_total = 125.7. h1: 50 + 20
+    # + 1 = 71 < 125.7, admitted (rem_total 54.7). h2 finds the batch full: need = 50 + 20 - 54.7 = 15.3;
+    # v (priority 0: 50 - 0 > 10) frees offset 34.3 -> need -19 <= 0, v is preempted. Its prompt becomes
+    # evictable (E = 70), its offset is returned: rem_total = 130 + 70 - 71 = 129 > 71, h2 is admitted.
+    s.add("h1", prompt(50, 3), params(20, priority=50))
+    s.add("h2", prompt(50, 4), params(20, priority=50))
+    plan = s.step()
+    assert s.extended(plan) == ["h1", "h2"] and s.preempted(plan) == ["v"] and s.waiting() == ["v"]
+    assert s.sched.kv.available_size() == 30 and s.sched.kv.evictable_size() == 70
+
+    # Steps 3..22: the cap binds (2 running). v, first in the queue, cannot preempt h1 or h2 (0 - 50 is
+    # not > 10), so every pass ends there, before v is matched. h1 and h2 decode 2 slots a step: after
+    # steps 3..17 the 30 free slots are gone; at step 18 the decode check evicts (at least 2 tokens: one
+    # leaf, docs/scheduler.md#decode-memory-check) the least recently used leaf, v's prompt (40), not x's
+    # (30), and nothing more is evicted: 40 - 2 · 4 = 32 slots are free after step 21. (Matching v on each
+    # attempt would have kept its prompt the freshest leaf: x's would have gone.) h1 and h2 finish with
+    # step 21's result (1 + 19 tokens); step 22 releases them.
+    for step in range(3, 23):
+        plan = s.step()
+        assert s.preempted(plan) == [] and s.extended(plan) == [] and s.waiting() == ["v"], step
+        assert s.decoded(plan) == (["h1", "h2"] if step <= 21 else []), step
+    assert s.released(plan) == ["h1", "h2"] and s.sched.kv.available_size() == 32
+
+    # Step 23: v is re-admitted and matched now: its prompt is gone, the whole of prompt + its 1 output
+    # is prefilled.
+    plan = s.step()
+    assert s.extend_ranges(plan) == {"v": (0, 41)}
+    s.run_to_end()
+    assert s.tokens == {"v": 50, "x": 1, "h1": 20, "h2": 20} and s.sched.num_retracted_total == 0
+
+
+def test_a_newcomer_reckons_the_room_to_free_without_its_cached_prefix() -> None:
+    """docs/scheduler.md#priority-preemption step 2: need = (len(fill_ids) - len(prefix_indices)) +
+    min(max_new_tokens, 4096) - rem_total_tokens, with the prefix the request's previous round left: none
+    for a newcomer, even when most of its prompt is cached. So it preempts for its whole prompt."""
+    s = priority_stepper()
+    cached = prompt(60, 1)
+    s.add("p", cached, params(1, priority=0))
+    assert s.extended(s.step()) == ["p"]  # step 1: done after one token; its 60 tokens stay cached
+    s.add("l1", prompt(10, 2), params(50, priority=0))
+    s.add("l2", prompt(10, 3), params(50, priority=0))
+    assert s.extended(s.step()) == ["l1", "l2"]  # step 2: 61 < 200, then 61 < 139
+
+    # Step 3: n (priority 100) shares p's 60 tokens and finds the batch full. A = 200 - 60 - 20 = 120,
+    # E = 60 (p), offsets 2 · min(50 - 1, 4096) · 0.7 = 68.6: rem_total = 111.4. need = (70 - 0) + 100 -
+    # 111.4 = 58.6. Least important first, the later queued first among equals: l2 (need 58.6 - 34.3 =
+    # 24.3 > 0), then l1 (-10 <= 0): both are preempted, in batch order. (With n matched first, need = 10 +
+    # 100 - 111.4 would be covered by l2 alone.) Their prompts become evictable (E = 80) and their offsets
+    # are returned: rem_total = 200. Now n is matched (60 cached) and locks them (E = 20): 10 + 100 + 1 = 111
+    # < 120 + 20 = 140, admitted, extending [60, 70).
+    s.add("n", cached + prompt(10, 4), params(100, priority=100))
+    plan = s.step()
+    assert s.preempted(plan) == ["l1", "l2"] and s.extend_ranges(plan) == {"n": (60, 70)}
+    assert s.waiting() == ["l1", "l2"]
+    s.run_to_end()
+    assert s.tokens == {"p": 1, "l1": 50, "l2": 50, "n": 100} and s.sched.num_retracted_total == 0
+
+
+def test_requests_preempted_for_a_newcomer_that_then_does_not_fit_go_back_to_the_queue() -> None:
+    """docs/scheduler.md#priority-preemption: preemption only checks need <= 0, but admission wants
+    input + max_new + page < rem_total, so the newcomer can still be refused after its victims were
+    released. SGLang re-queues the victims only when the pass admitted something (they would be lost:
+    released, in no queue, never finished); they go back to the queue in any case."""
+    s = priority_stepper()
+    shared = prompt(20, 1)
+    s.add("l1", shared, params(50, priority=0))
+    s.add("l2", shared, params(50, priority=0))
+    # Step 1: both admitted (20 + 50 + 1 = 71 < 200, then 71 < 129). l2's copy of the prompt is freed for the
+    # tree's: the 20 slots are the tree's, locked by both; A = 180, E = 0.
+    assert s.extended(s.step()) == ["l1", "l2"]
+
+    # Step 2: n (priority 100, 45 tokens, 100 new) finds the batch full. offsets 2 · min(50 - 1, 4096) ·
+    # 0.7 = 68.6, rem_total = 180 - 68.6 = 111.4; need = 45 + 100 - 111.4 = 33.6. l2 (queued last) frees
+    # its offset: 33.6 - 34.3 = -0.7 <= 0, it is preempted. Its prompt stays locked by l1 and it held no
+    # slot of its own: rem_total = 180 - 34.3 = 145.7, and n's total 45 + 100 + 1 = 146 >= 145.7 -> NO_TOKEN.
+    # Nothing is admitted; l1 decodes and l2 waits behind n.
+    s.add("n", prompt(45, 2), params(100, priority=100))
+    plan = s.step()
+    assert s.extended(plan) == [] and s.decoded(plan) == ["l1"] and s.released(plan) == ["l2"]
+    assert s.waiting() == ["n", "l2"]
+    s.run_to_end()
+    assert s.tokens == {"l1": 50, "l2": 50, "n": 100}
 
 
 # --- docs/scheduler.md#add-one-req-ignore-eos add_one_req_ignore_eos

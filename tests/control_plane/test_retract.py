@@ -46,7 +46,7 @@ def fake_running(
 
 
 def popped_first_to_last(sched: Scheduler) -> list[str]:
-    return [sched.running.reqs[i].rid for i in reversed(sched._retraction_order())]
+    return [sched.running.reqs[i].rid for i in reversed(sched.retraction._retraction_order())]
 
 
 # --- order (docs/scheduler.md#retraction)
@@ -112,11 +112,11 @@ def test_single_running_request_is_never_retracted() -> None:
 
 
 def test_retracted_requests_requeue_at_the_back_with_their_outputs() -> None:
-    sched = make_scheduler(test_retract=True)
+    # The running cap (2) keeps "queued" waiting, so that this step decodes.
+    sched = make_scheduler(test_retract=True, max_running_requests=2)
     worker = FakeWorker(4096, eos=EOS)
     start(sched, worker, [("short", prompt(5, 1), 50), ("long", prompt(40, 2), 50)])
     sched.add_request("queued", prompt(8, 3), params(4))
-    sched.batch_is_full = True  # keep "queued" waiting so that this step decodes
     sched.forward_ct = 3
     plan, stats = step(sched, worker)
     assert stats is not None and stats.retracted == ["long"]

@@ -12,12 +12,15 @@ import pytest
 
 from control_plane.config import SchedulerConfig
 from control_plane.record import codec
-from control_plane.record.entries import AddRequest, ApplyResult, Entry, Header, NextPlan
+from control_plane.record.entries import Abort, AddRequest, ApplyResult, Entry, Header, NextPlan
 from control_plane.record.files import TruncatedRecording, read_entries, recording_parts, varint
+from control_plane.record.recorder import RecordingScheduler, recording_header
 from control_plane.record.replay import first_difference, replay_scheduler
 from control_plane.request import RequestParams
 from protos.worker import SamplerParams, WorkerLimits
 from stepwise import replay, simulate
+from tests.control_plane.factories import make_config, params, prompt, run_plan
+from tests.control_plane.fake_worker import FakeWorker
 from tests.record.conftest import write_trace
 
 pytestmark = pytest.mark.timeout(120)
@@ -197,3 +200,44 @@ def test_every_request_parameter_survives_the_record() -> None:
     )
     entry = AddRequest(3, "r", (1, 2, 3), params)
     assert codec.decode(codec.encode(entry)) == entry
+
+
+class _ListSink:
+    def __init__(self) -> None:
+        self.entries: list[Entry] = []
+
+    def write(self, entry: Entry) -> None:
+        self.entries.append(entry)
+
+    def end_step(self, step: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_group_aborted_by_retraction_replays_identically() -> None:
+    """A retraction that aborts a sample group takes the member still waiting with it, inside
+    next_plan. That abort is the scheduler's own decision, not a call to record: recorded as one (it
+    went through the public abort, which RecordingScheduler wraps), the replay applied it before the
+    plan and finished the members in another order. The scenario is test_pins.py's group under real
+    KV pressure: the group is aborted at step 57."""
+    config = make_config(chunked_prefill_size=None, disable_radix_cache=True, init_new_token_ratio=0.02)
+    limits = WorkerLimits("w0", kv_capacity_tokens=128, page_size=1, max_context=2048, vocab_size=1000)
+    sink = _ListSink()
+    sched = RecordingScheduler(config, limits, sink)
+    worker = FakeWorker(128)
+    sched.add_request("x", prompt(5, 9), params(1))
+    for j in range(3):
+        sched.add_request(f"g/{j}", prompt(10, 5), params(100, group="g"))
+    for _ in range(100):
+        if sched.is_idle:
+            break
+        plan = sched.next_plan()
+        assert plan is not None
+        sched.apply_result(run_plan(sched, worker, plan))
+        sched.take_updates()
+    assert sched.is_idle and sched.step_id == 57
+    assert not [e for e in sink.entries if isinstance(e, Abort)]
+    report = replay_scheduler([recording_header(config, limits, "test"), *sink.entries])
+    assert report.identical, report.describe()
