@@ -259,38 +259,65 @@ def _quiet_grpc() -> None:
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 
-def cmd_generate(argv: Sequence[str]) -> int:
-    _quiet_grpc()
+def _generate_parser() -> argparse.ArgumentParser:
     from clients import generate
 
     parser = _parser("stepwise generate", COMMANDS["generate"].summary)
     generate.add_arguments(parser)
     flags.apply_env_defaults(parser)
-    ns = parser.parse_args(argv)
+    return parser
+
+
+def cmd_generate(argv: Sequence[str]) -> int:
+    _quiet_grpc()
+    from clients import generate
+
+    ns = _generate_parser().parse_args(argv)
     gen = asyncio.run(generate.run(ns))
     return 0 if gen.finish_reason in ("stop", "length") else 1
+
+
+def _bench_parser() -> argparse.ArgumentParser:
+    from clients import bench
+
+    parser = _parser("stepwise bench", COMMANDS["bench"].summary)
+    bench.add_arguments(parser)
+    flags.apply_env_defaults(parser)
+    return parser
 
 
 def cmd_bench(argv: Sequence[str]) -> int:
     _quiet_grpc()
     from clients import bench
 
-    parser = _parser("stepwise bench", COMMANDS["bench"].summary)
-    bench.add_arguments(parser)
-    flags.apply_env_defaults(parser)
-    report = asyncio.run(bench.run(parser.parse_args(argv)))
+    report = asyncio.run(bench.run(_bench_parser().parse_args(argv)))
     return 0 if report["completed"] == report["requests"] else 1
+
+
+def _compare_parser() -> argparse.ArgumentParser:
+    from stepwise import compare
+
+    parser = _parser("stepwise compare", COMMANDS["compare"].summary)
+    compare.add_arguments(parser)
+    flags.apply_env_defaults(parser)
+    return parser
 
 
 def cmd_compare(argv: Sequence[str]) -> int:
     _quiet_grpc()
     from stepwise import compare
 
-    parser = _parser("stepwise compare", COMMANDS["compare"].summary)
-    compare.add_arguments(parser)
-    flags.apply_env_defaults(parser)
-    asyncio.run(compare.run(parser.parse_args(argv)))
+    asyncio.run(compare.run(_compare_parser().parse_args(argv)))
     return 0
+
+
+def _demo_parser() -> argparse.ArgumentParser:
+    parser = _parser("stepwise demo", COMMANDS["demo"].summary)
+    parser.add_argument(
+        "prompt", nargs="?", default=DEMO_PROMPT, help=f"prompt text (default: {DEMO_PROMPT!r})"
+    )
+    parser.add_argument("--max-new-tokens", type=int, default=80, help="stop after this many new tokens")
+    return parser
 
 
 def cmd_demo(argv: Sequence[str]) -> int:
@@ -298,12 +325,7 @@ def cmd_demo(argv: Sequence[str]) -> int:
     from clients import generate
     from stepwise.up import Stack
 
-    parser = _parser("stepwise demo", COMMANDS["demo"].summary)
-    parser.add_argument(
-        "prompt", nargs="?", default=DEMO_PROMPT, help=f"prompt text (default: {DEMO_PROMPT!r})"
-    )
-    parser.add_argument("--max-new-tokens", type=int, default=80, help="stop after this many new tokens")
-    ns = parser.parse_args(argv)
+    ns = _demo_parser().parse_args(argv)
 
     async def demo() -> int:
         stack = Stack(
@@ -342,29 +364,55 @@ def cmd_replay(argv: Sequence[str]) -> int:
     return replay.main(argv)
 
 
+def _replay_parser() -> argparse.ArgumentParser:
+    from stepwise import replay
+
+    return replay.build_parser()
+
+
 def cmd_simulate(argv: Sequence[str]) -> int:
     from stepwise import simulate
 
     return simulate.main(argv)
 
 
+def _simulate_parser() -> argparse.ArgumentParser:
+    from stepwise import simulate
+
+    return simulate.build_parser()
+
+
 @dataclass(frozen=True, slots=True)
 class Command:
     run: Callable[[Sequence[str]], int]
     summary: str
+    # The command's flags (with their STEPWISE_* defaults applied): what `run` parses its argv with.
+    parser: Callable[[], argparse.ArgumentParser]
 
 
 COMMANDS = {
-    "control": Command(cmd_control, "the control plane: schedules requests, serves clients and workers"),
-    "worker": Command(cmd_worker, "a data-plane worker: runs the model for a control plane"),
-    "up": Command(cmd_up, "a control plane and N workers as child processes"),
-    "gateway": Command(cmd_gateway, "an OpenAI-compatible HTTP gateway in front of control planes"),
-    "generate": Command(cmd_generate, "stream one generation to the terminal"),
-    "bench": Command(cmd_bench, "load generator with serving metrics"),
-    "compare": Command(cmd_compare, "stepwise against static batching and transformers on one workload"),
-    "demo": Command(cmd_demo, "start the stack on the embedded model, stream one generation, stop"),
-    "replay": Command(cmd_replay, "replay a recording against a fresh worker or scheduler, or show it"),
-    "simulate": Command(cmd_simulate, "the real scheduler on a request trace, on a simulated clock"),
+    "control": Command(
+        cmd_control, "the control plane: schedules requests, serves clients and workers", _control_parser
+    ),
+    "worker": Command(cmd_worker, "a data-plane worker: runs the model for a control plane", _worker_parser),
+    "up": Command(cmd_up, "a control plane and N workers as child processes", _up_parser),
+    "gateway": Command(
+        cmd_gateway, "an OpenAI-compatible HTTP gateway in front of control planes", _gateway_parser
+    ),
+    "generate": Command(cmd_generate, "stream one generation to the terminal", _generate_parser),
+    "bench": Command(cmd_bench, "load generator with serving metrics", _bench_parser),
+    "compare": Command(
+        cmd_compare, "stepwise against static batching and transformers on one workload", _compare_parser
+    ),
+    "demo": Command(
+        cmd_demo, "start the stack on the embedded model, stream one generation, stop", _demo_parser
+    ),
+    "replay": Command(
+        cmd_replay, "replay a recording against a fresh worker or scheduler, or show it", _replay_parser
+    ),
+    "simulate": Command(
+        cmd_simulate, "the real scheduler on a request trace, on a simulated clock", _simulate_parser
+    ),
 }
 USAGE = f"usage: stepwise {{{', '.join(COMMANDS)}}} [flags]"
 

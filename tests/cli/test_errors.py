@@ -8,6 +8,7 @@ from __future__ import annotations
 import socket
 import subprocess
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -147,7 +148,7 @@ def test_a_bug_keeps_its_traceback(monkeypatch: pytest.MonkeyPatch) -> None:
     def broken(argv: Sequence[str]) -> int:
         raise KeyError("a bug, not a routine failure")
 
-    monkeypatch.setitem(cli.COMMANDS, "generate", cli.Command(broken, "broken"))
+    monkeypatch.setitem(cli.COMMANDS, "generate", replace(cli.COMMANDS["generate"], run=broken))
     with pytest.raises(KeyError, match="a bug"):
         cli.main(["generate", "hi"])
 
@@ -158,6 +159,6 @@ def test_routine_error_maps_to_one_line(
     def routine(argv: Sequence[str]) -> int:
         raise cli.RoutineError("--model: model directory /x\ndoes not exist")
 
-    monkeypatch.setitem(cli.COMMANDS, "generate", cli.Command(routine, "routine"))
+    monkeypatch.setitem(cli.COMMANDS, "generate", replace(cli.COMMANDS["generate"], run=routine))
     assert cli.main(["generate"]) == 2
     assert capsys.readouterr().err == "stepwise generate: --model: model directory /x does not exist\n"
