@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from clients.errors import RoutineError
+from flagtypes import INT32_MAX, MAX_PROCESSES, PORT, Int
 from stepwise import flags, logs
 
 if TYPE_CHECKING:
@@ -31,7 +32,6 @@ if TYPE_CHECKING:
     from control_plane.core.server import ControlPlane
 
 DEMO_PROMPT = "Once upon a time"
-LOG_LEVEL_HELP = "debug, info, warning or error"
 # gRPC status codes that mean the control plane answered and said no: the caller's to fix.
 REFUSED_CODES = frozenset(
     {
@@ -46,8 +46,24 @@ REFUSED_CODES = frozenset(
 )
 
 
-def _parser(prog: str, description: str) -> flags.ArgumentParser:
-    return flags.ArgumentParser(prog=prog, description=description)
+def _parser(prog: str, description: str, allow_abbrev: bool = True) -> flags.ArgumentParser:
+    return flags.ArgumentParser(prog=prog, description=description, allow_abbrev=allow_abbrev)
+
+
+def _log_level(text: str) -> str:
+    """argparse type: a level of logs.LEVELS, in any case."""
+    if text.lower() not in logs.LEVELS:
+        raise argparse.ArgumentTypeError(f"expected one of {', '.join(logs.LEVELS)}, got {text!r}")
+    return text.lower()
+
+
+def _add_log_level(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--log-level",
+        type=_log_level,
+        default="info",
+        help=f"the least severe lines logged: {', '.join(logs.LEVELS)} (any case)",
+    )
 
 
 def _control_parser() -> argparse.ArgumentParser:
@@ -56,7 +72,7 @@ def _control_parser() -> argparse.ArgumentParser:
     parser = _parser("stepwise control", COMMANDS["control"].summary)
     config.add_arguments(parser)
     parser.add_argument("--ready-file", type=Path, default=None, help="write the bound ports here as JSON")
-    parser.add_argument("--log-level", default="info", help=LOG_LEVEL_HELP)
+    _add_log_level(parser)
     flags.apply_env_defaults(parser)
     return parser
 
@@ -66,7 +82,7 @@ def _worker_parser() -> argparse.ArgumentParser:
 
     parser = _parser("stepwise worker", COMMANDS["worker"].summary)
     config.add_arguments(parser)
-    parser.add_argument("--log-level", default="info", help=LOG_LEVEL_HELP)
+    _add_log_level(parser)
     for action in parser._actions:
         if action.dest == "model":
             action.required, action.default, action.type = False, "embedded", str
@@ -174,23 +190,38 @@ def cmd_worker(argv: Sequence[str]) -> int:
 
 
 def _up_parser() -> argparse.ArgumentParser:
-    parser = _parser("stepwise up", COMMANDS["up"].summary + "; every other flag is passed on")
+    from stepwise.up import MAX_CONTROL_PLANES, passed_on_sections
+
+    # No abbreviations: the flags up passes on are not its own, and `--control` (a worker's) would
+    # otherwise be taken for `--control-planes`.
+    parser = _parser(
+        "stepwise up",
+        COMMANDS["up"].summary + "; every other flag goes to the child that knows it, as listed below",
+        allow_abbrev=False,
+    )
     parser.add_argument(
-        "--workers", type=int, default=1, help="how many workers to start (each restarted if it exits)"
+        "--workers",
+        type=Int(0, MAX_PROCESSES),
+        default=1,
+        help="how many workers to start (each restarted if it exits)",
     )
     parser.add_argument(
         "--control-planes",
-        type=int,
+        type=Int(1, MAX_CONTROL_PLANES),
         default=1,
         help="how many control planes to start (each with its own ports; workers balance over them "
         "and the client address lists them all)",
     )
     parser.add_argument(
-        "--gateway-port", type=int, default=None, help="also start the OpenAI gateway on this port (0: any)"
+        "--gateway-port", type=PORT, default=None, help="also start the OpenAI gateway on this port (0: any)"
     )
     parser.add_argument("--gateway-host", default="127.0.0.1", help="the gateway's HTTP bind address")
     parser.add_argument(
         "--ready-file", type=Path, default=None, help="write the client and gateway addresses here as JSON"
+    )
+    # Built from the children's own parsers when --help asks, so the list cannot drift from them.
+    parser.help_sections = lambda: passed_on_sections(
+        parser, _control_parser(), _worker_parser(), _gateway_parser()
     )
     flags.apply_env_defaults(parser)
     return parser
@@ -209,8 +240,6 @@ def cmd_up(argv: Sequence[str]) -> int:
     # line and then `up`'s own complaint that the child exited.
     control.parse_args(to_control)
     worker.parse_args(to_worker)
-    if ns.workers < 0 or ns.control_planes < 1:
-        raise RoutineError("--workers must be >= 0 and --control-planes >= 1")
     gateway = None
     if ns.gateway_port is not None:
         gateway = gateway_args(to_control, ns.gateway_host, ns.gateway_port)
@@ -223,7 +252,7 @@ def _gateway_parser() -> argparse.ArgumentParser:
 
     parser = _parser("stepwise gateway", COMMANDS["gateway"].summary)
     server.add_arguments(parser)
-    parser.add_argument("--log-level", default="info", help=LOG_LEVEL_HELP)
+    _add_log_level(parser)
     flags.apply_env_defaults(parser)
     return parser
 
@@ -316,7 +345,10 @@ def _demo_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "prompt", nargs="?", default=DEMO_PROMPT, help=f"prompt text (default: {DEMO_PROMPT!r})"
     )
-    parser.add_argument("--max-new-tokens", type=int, default=80, help="stop after this many new tokens")
+    parser.add_argument(
+        "--max-new-tokens", type=Int(0, INT32_MAX), default=80, help="stop after this many new tokens"
+    )
+    flags.apply_env_defaults(parser)
     return parser
 
 

@@ -43,6 +43,7 @@ from control_plane.request import RequestParams, SamplerSpec
 from control_plane.scheduler.plan import StepResult, WorkerLimits
 from control_plane.scheduler.scheduler import QueueFull, RequestRejected, Scheduler
 from data_plane.sim import TOKEN_FLOOR, CostModel, SimExecutor
+from flagtypes import INT32_MAX, SEED, Int
 from stepwise import flags
 from stepwise.wire import step_through_wire
 
@@ -276,12 +277,20 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("trace", type=Path, help="JSON lines, one request each, sorted by arrival")
     control_config.add_arguments(parser)
     add = parser.add_argument
-    add("--kv-tokens", type=int, default=DEFAULT_KV_TOKENS, help="the simulated worker's KV capacity")
-    add("--max-context", type=int, default=32768)
-    add("--vocab-size", type=int, default=32000)
-    add("--eos-token-id", type=int, default=2)
+    # The simulated pool is allocated in this process: its cap keeps that to a few GiB at most.
+    add(
+        "--kv-tokens",
+        type=Int(1, 1 << 27),
+        default=DEFAULT_KV_TOKENS,
+        help="the simulated worker's KV capacity",
+    )
+    add("--max-context", type=Int(2, 1 << 24), default=32768, help="the simulated model's context in tokens")
+    add("--vocab-size", type=Int(4, INT32_MAX), default=32000, help="the simulated model's vocabulary size")
+    add(
+        "--eos-token-id", type=Int(0, INT32_MAX), default=2, help="the token id the simulated model ends with"
+    )
     add("--cost", default=DEFAULT_COST, help="step time a,b,c: a + b·new tokens + c·context (seconds)")
-    add("--sim-seed", type=int, default=0, help="seed of the simulated tokens")
+    add("--sim-seed", type=SEED, default=0, help="seed of the simulated tokens")
     add("--json", action="store_true", help="one JSON object per step, then {'summary': ...}")
     add("--summary-only", action="store_true", help="print the summary only (no timeline)")
     flags.apply_env_defaults(parser)
