@@ -6,6 +6,8 @@ neither plane.
 Routine failures (a bad flag or environment value, a missing model directory, a busy port, no
 server at the address, a call the control plane refused) print one line, `stepwise CMD: what`,
 and exit 2; `main()` maps them in one place. Anything else is a bug and keeps its traceback.
+A closed stdout (`stepwise replay show REC | head -1`) ends any command quietly with 141, as SIGPIPE
+ends `cat` (EXIT_READER_LEFT).
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ if TYPE_CHECKING:
     from control_plane.core.server import ControlPlane
 
 DEMO_PROMPT = "Once upon a time"
+# The exit status when stdout's reader went away: a shell's for a process ended by SIGPIPE.
+EXIT_READER_LEFT = 128 + signal.SIGPIPE
 # gRPC status codes that mean the control plane answered and said no: the caller's to fix.
 REFUSED_CODES = frozenset(
     {
@@ -475,8 +479,31 @@ def _routine_message(exc: Exception) -> str | None:
     return None
 
 
+def _reader_left() -> int:
+    """Whoever read stdout closed it (`stepwise replay show REC | head`): stop quietly with 141, the
+    status a shell reports for a process that SIGPIPE ended (128 + 13), as `cat` would give.
+
+    stdout now points at /dev/null, so that the interpreter's own flush at exit cannot fail again."""
+    with contextlib.suppress(OSError):
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return EXIT_READER_LEFT
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
+    try:
+        try:
+            code = _dispatch(args)
+        except SystemExit:  # --help, or a usage error: what it printed is flushed here too
+            sys.stdout.flush()
+            raise
+        sys.stdout.flush()  # here, not at exit, so that a reader gone by now is caught below
+        return code
+    except BrokenPipeError:
+        return _reader_left()
+
+
+def _dispatch(args: list[str]) -> int:
     if args and args[0] in ("-h", "--help"):
         print(_help())
         return 0
@@ -492,6 +519,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return COMMANDS[name].run(args[1:])
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        raise  # an OSError, yet no routine failure to report: main() ends the command quietly
     except Exception as exc:
         message = _routine_message(exc)
         if message is None:

@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import flagtypes
+
+if TYPE_CHECKING:
+    from _typeshed import SupportsWrite
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +65,12 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: {' '.join(message.split())}\n")
+
+    def _print_message(self, message: str, file: SupportsWrite[str] | None = None) -> None:
+        # argparse swallows a failed write (`stepwise control --help | head -1`); let it reach
+        # stepwise.cli.main, which ends every command whose reader left the same way.
+        if message:
+            (file or sys.stderr).write(message)
 
     def format_help(self) -> str:
         text = super().format_help()

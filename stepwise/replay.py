@@ -13,6 +13,7 @@ identical / shown, 1 diverged, 2 unreadable input.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import sys
 import warnings
@@ -102,7 +103,13 @@ def print_table(lines: Sequence[StepLine]) -> None:
         table.add_column(name, justify="right")
     for line in lines:
         table.add_row(*_row(line))
-    Console(width=200).print(table)
+
+    class ToStdout(Console):
+        def on_broken_pipe(self) -> None:
+            # rich would exit 1 here; stepwise.cli.main ends every command the same way instead.
+            raise BrokenPipeError(errno.EPIPE, "the reader of stdout left")
+
+    ToStdout(width=200).print(table)
 
 
 def _row(line: StepLine) -> list[str]:
@@ -195,6 +202,8 @@ def main(argv: Sequence[str]) -> int:
     warnings.showwarning = _print_warning
     try:
         return _run(ns)
+    except BrokenPipeError:  # the reader left (`| head`): stepwise.cli.main ends the command
+        raise
     except (RecordingError, OSError, ValueError) as exc:
         print(f"stepwise replay: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -20,7 +20,6 @@ import argparse
 import contextlib
 import hashlib
 import json
-import os
 import sys
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
@@ -320,11 +319,12 @@ def setup_from_args(ns: argparse.Namespace) -> SimSetup:
 
 def _sink(ns: argparse.Namespace, setup: SimSetup, emit: Callable[[StepLine], None]) -> Sink | None:
     sinks: list[Sink] = []
-    if not ns.summary_only:
-        sinks.append(TimelineSink(emit))
+    # The recording first: a closed stdout (the timeline's) must not keep it from being closed.
     if ns.record is not None:
         header = recording_header(setup.config, setup.limits, "stepwise simulate", **{"sim.seed": setup.seed})
         sinks.append(open_file_sink(ns.record, header, ns.record_max_bytes))
+    if not ns.summary_only:
+        sinks.append(TimelineSink(emit))
     return Tee(sinks) if sinks else None
 
 
@@ -346,9 +346,6 @@ def main(argv: Sequence[str]) -> int:
     except SimulationStuck as exc:
         print(f"stepwise simulate: stuck: {exc}", file=sys.stderr)
         return 1
-    except BrokenPipeError:  # `simulate ... | head`: the reader left; stop quietly
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
     finally:
         if sink is not None:
             with contextlib.suppress(BrokenPipeError):
