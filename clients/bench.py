@@ -39,11 +39,16 @@ from clients.client import (
 )
 from clients.datasets import BenchRequest
 from clients.errors import RoutineError
+from flagtypes import INT32_MAX, SEED, Float, Int, IntPair
 from protos.stepwise.v1 import generation_pb2 as gen_pb
 
 __all__ = ["Report", "Sample", "add_arguments", "render", "run", "summarize", "workload"]
 
 DATASETS = ("uniform", "random", "generated-shared-prefix")
+# Bounds of the workload's flags: a typo must not build a workload that fills the memory.
+MAX_REQUESTS = 1_000_000
+MAX_LEN = 1 << 20
+LENGTHS = IntPair(1, MAX_LEN)
 SECRET_FLAGS = ("api_key",)  # never written to --output-file
 
 
@@ -51,7 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_connection_arguments(parser)
     _add_load_arguments(parser)
     _add_dataset_arguments(parser)
-    parser.add_argument("--seed", type=int, default=0, help="seed of the prompts and arrival times")
+    parser.add_argument("--seed", type=SEED, default=0, help="seed of the prompts and arrival times")
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.add_argument(
@@ -66,15 +71,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _add_load_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--num-prompts", "--requests", dest="requests", type=int, default=64,
+        "--num-prompts", "--requests", dest="requests", type=Int(1, MAX_REQUESTS), default=64,
         help="generations to send (generated-shared-prefix sends groups x prompts per group)",
     )  # fmt: skip
     parser.add_argument(
-        "--max-concurrency", "--concurrency", dest="concurrency", type=int, default=16,
+        "--max-concurrency", "--concurrency", dest="concurrency", type=Int(0, MAX_REQUESTS), default=16,
         help="requests in flight at most (0: no limit)",
     )  # fmt: skip
     parser.add_argument(
-        "--request-rate", "--rate", dest="rate", type=float, default=math.inf,
+        "--request-rate", "--rate", dest="rate", type=Float(0.0, math.inf), default=math.inf,
         help="Poisson arrivals per second (inf or 0: all at once)",
     )  # fmt: skip
 
@@ -82,19 +87,35 @@ def _add_load_arguments(parser: argparse.ArgumentParser) -> None:
 def _add_dataset_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--dataset", choices=DATASETS, default="uniform", help="the workload (SGLang's names)")
-    add("--prompt-len", default="32,256", help="uniform: min,max prompt tokens")
-    add("--output-len", default="16,128", help="uniform: min,max new tokens")
-    add("--shared-prefix", type=int, default=0, help="uniform: tokens shared by each group's prompts")
-    add("--groups", type=int, default=4, help="uniform: prefix groups (with --shared-prefix)")
-    add("--random-input-len", type=int, default=256, help="random: prompt tokens at most")
-    add("--random-output-len", type=int, default=128, help="random: new tokens at most")
-    add("--random-range-ratio", type=float, default=1.0, help="random: lengths from ratio x len to len")
-    add("--gsp-num-groups", type=int, default=4, help="generated-shared-prefix: groups")
-    add("--gsp-prompts-per-group", type=int, default=8, help="generated-shared-prefix: prompts per group")
-    add("--gsp-system-prompt-len", type=int, default=256, help="generated-shared-prefix: prefix tokens")
-    add("--gsp-question-len", type=int, default=32, help="generated-shared-prefix: question tokens")
-    add("--gsp-output-len", type=int, default=64, help="generated-shared-prefix: new tokens")
-    add("--vocab", type=int, default=1000, help="token ids are drawn from [3, vocab)")
+    tokens, groups = Int(1, MAX_LEN), Int(1, MAX_REQUESTS)
+    add("--prompt-len", type=LENGTHS, default=(32, 256), help="uniform: min,max prompt tokens")
+    add("--output-len", type=LENGTHS, default=(16, 128), help="uniform: min,max new tokens")
+    add(
+        "--shared-prefix",
+        type=Int(0, MAX_LEN),
+        default=0,
+        help="uniform: tokens shared by each group's prompts",
+    )
+    add("--groups", type=groups, default=4, help="uniform: prefix groups (with --shared-prefix)")
+    add("--random-input-len", type=tokens, default=256, help="random: prompt tokens at most")
+    add("--random-output-len", type=tokens, default=128, help="random: new tokens at most")
+    add(
+        "--random-range-ratio",
+        type=Float(0.0, 1.0),
+        default=1.0,
+        help="random: lengths from ratio x len to len",
+    )
+    add("--gsp-num-groups", type=groups, default=4, help="generated-shared-prefix: groups")
+    add("--gsp-prompts-per-group", type=groups, default=8, help="generated-shared-prefix: prompts per group")
+    add(
+        "--gsp-system-prompt-len",
+        type=Int(0, MAX_LEN),
+        default=256,
+        help="generated-shared-prefix: prefix tokens",
+    )
+    add("--gsp-question-len", type=tokens, default=32, help="generated-shared-prefix: question tokens")
+    add("--gsp-output-len", type=tokens, default=64, help="generated-shared-prefix: new tokens")
+    add("--vocab", type=Int(4, INT32_MAX), default=1000, help="token ids are drawn from [3, vocab)")
 
 
 def _complete(ns: argparse.Namespace) -> argparse.Namespace:
@@ -105,9 +126,9 @@ def _complete(ns: argparse.Namespace) -> argparse.Namespace:
     return argparse.Namespace(**{**vars(parser.parse_args([])), **vars(ns)})
 
 
-def _range(text: str) -> tuple[int, int]:
-    lo, hi = (int(x) for x in text.split(","))
-    return lo, max(lo, hi)
+def _range(value: str | tuple[int, int]) -> tuple[int, int]:
+    """A `--prompt-len` value: parsed already, or `MIN,MAX` text from a namespace built by hand."""
+    return value if isinstance(value, tuple) else LENGTHS(value)
 
 
 def workload(ns: argparse.Namespace) -> list[BenchRequest]:
@@ -297,6 +318,8 @@ def parameters(ns: argparse.Namespace) -> dict[str, Any]:
 
 
 def _json_value(value: object) -> object:
+    if isinstance(value, tuple):  # --prompt-len and --output-len: [MIN, MAX]
+        return [_json_value(v) for v in value]
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
     if value is None or isinstance(value, bool | int | float | str):

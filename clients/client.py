@@ -15,6 +15,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from flagtypes import seconds
 from protos.stepwise.v1 import generation_pb2 as gen_pb
 from protos.stepwise.v1 import generation_pb2_grpc as gen_grpc
 from protos.targets import parse_targets
@@ -326,7 +327,7 @@ def add_connection_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", default=None, help="bearer token; also STEPWISE_API_KEY")
     add_tls_ca_argument(parser)
     parser.add_argument(
-        "--wait", type=float, default=30.0, help="seconds to wait for a serving control plane"
+        "--wait", type=seconds(), default=30.0, help="seconds to wait for a serving control plane"
     )
 
 

@@ -14,18 +14,33 @@ from clients.client import (
     generate_request,
     sampling_params,
 )
+from flagtypes import Float, Int, count
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompt", help="prompt text")
     add_connection_arguments(parser)
-    parser.add_argument("--max-new-tokens", type=int, default=64, help="stop after this many new tokens")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    parser.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass (default: 1.0)")
+    add_sampling_arguments(parser)
+
+
+def add_sampling_arguments(parser: argparse.ArgumentParser, max_new_tokens: int = 64) -> None:
+    """--max-new-tokens, --temperature, --top-p, --top-k and --seed, in the ranges the server takes."""
     parser.add_argument(
-        "--top-k", type=int, default=None, help="sample among the k likeliest (default: no limit)"
+        "--max-new-tokens",
+        type=count(0),
+        default=max_new_tokens,
+        help="stop after this many new tokens",
     )
-    parser.add_argument("--seed", type=int, default=None, help="sampling seed (default: the server's)")
+    parser.add_argument("--temperature", type=Float(0.0, 100.0), default=0.0, help="0: greedy")
+    parser.add_argument(
+        "--top-p", type=Float(1e-6, 1.0), default=None, help="nucleus sampling mass (default: 1.0)"
+    )
+    parser.add_argument(
+        "--top-k", type=count(0), default=None, help="sample among the k likeliest (default or 0: no limit)"
+    )
+    parser.add_argument(
+        "--seed", type=Int(0, 2**64 - 1), default=None, help="sampling seed (default: the server's)"
+    )
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
 

@@ -10,14 +10,19 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from flagtypes import INT32_MAX, MAX_PROCESSES, MAX_TOKENS, PORT, SEED, Float, Int, count, seconds, switch
 
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random", "routing-key")
 EVICTION_POLICIES = ("lru", "lfu", "fifo", "mru", "filo", "priority", "slru")
 RETRACTION_POLICIES = ("length", "priority")
 DEFAULT_RECORD_MAX_BYTES = 256 * 1024 * 1024
+# A part smaller than a few steps' records would mean a file per step.
+MIN_RECORD_BYTES = 1024
+MAX_RECORD_BYTES = 2**40
 LOOPBACK_HOSTS = ("127.0.0.1", "::1", "localhost", "[::1]")
 
 
@@ -161,7 +166,8 @@ class ControlConfig:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the control plane's flags (names follow SGLang's server arguments)."""
+    """Add the control plane's flags (names and meanings follow SGLang's server arguments); every
+    numeric flag states its range in its type (flagtypes)."""
     add = parser.add_argument
     add("--model", default="embedded", help="model directory (tokenizer and config), or 'embedded'")
     add(
@@ -169,34 +175,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="127.0.0.1",
         help="address both servers bind (default: this machine only; 0.0.0.0 for every interface)",
     )
-    add("--port", type=int, default=50051, help="client (Generation) port; 0 picks a free one")
-    add("--worker-port", type=int, default=50052, help="worker dial-in port; 0 picks a free one")
-    add("--schedule-policy", choices=SCHEDULE_POLICIES, default="fcfs")
-    add("--chunked-prefill-size", type=int, default=2048, help="-1 disables chunked prefill")
-    add("--max-prefill-tokens", type=int, default=16384)
-    add("--schedule-conservativeness", type=float, default=1.0)
-    add("--page-size", type=int, default=None, help="default: the worker's page size")
-    add("--max-running-requests", type=int, default=None)
-    add("--max-queued-requests", type=int, default=None)
-    add("--prefill-max-requests", type=int, default=None)
-    add("--enable-mixed-chunk", action="store_true")
-    add("--enable-priority-scheduling", action="store_true")
-    add("--schedule-low-priority-values-first", action="store_true")
-    add("--priority-scheduling-preemption-threshold", type=int, default=10)
-    add("--disable-priority-preemption", action="store_true")
-    add("--abort-on-priority-when-disabled", action="store_true")
-    add("--radix-eviction-policy", choices=EVICTION_POLICIES, default="lru")
-    add("--disable-radix-cache", action="store_true")
-    add("--retraction-policy", choices=RETRACTION_POLICIES, default="length")
-    add("--allow-auto-truncate", action="store_true")
-    add("--decode-log-interval", type=int, default=40)
-    add("--waiting-timeout", type=float, default=-1.0, help="seconds a request may wait; <=0: off")
-    add("--running-timeout", type=float, default=-1.0, help="seconds a request may run; <=0: off")
-    add("--random-seed", type=int, default=0)
-    add("--strict-invariants", action="store_true", help="check KV pool invariants after every step")
-    add("--metrics-port", type=int, default=0, help="serve Prometheus /metrics on this port (0: off)")
-    add("--record", type=Path, default=None, metavar="DIR", help="record every scheduler call per worker")
-    add("--record-max-bytes", type=int, default=DEFAULT_RECORD_MAX_BYTES, help="rotate recording files")
+    add("--port", type=PORT, default=50051, help="client (Generation) port; 0 picks a free one")
+    add("--worker-port", type=PORT, default=50052, help="worker dial-in port; 0 picks a free one")
+    add("--metrics-port", type=PORT, default=0, help="serve Prometheus /metrics on this port (0: off)")
+    _add_scheduler_arguments(parser)
+    _add_priority_arguments(parser)
+    _add_cache_arguments(parser)
+    _add_timeout_arguments(parser)
+    _add_record_arguments(parser)
     _add_process_arguments(parser)
     _add_peer_arguments(parser)
     _add_routing_arguments(parser)
@@ -204,17 +190,176 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _add_security_arguments(parser)
 
 
+def _add_scheduler_arguments(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add(
+        "--schedule-policy",
+        choices=SCHEDULE_POLICIES,
+        default="fcfs",
+        help="order of the waiting queue: fcfs (arrival), lpm (longest cached prefix first), dfs-weight "
+        "(depth-first over the prefix tree), lof (longest output first), random, routing-key",
+    )
+    add(
+        "--chunked-prefill-size",
+        type=Int(-1, INT32_MAX),
+        default=2048,
+        help="prompt tokens one request may prefill per step (a longer prompt goes in chunks); -1 or 0 "
+        "disables chunked prefill",
+    )
+    add(
+        "--max-prefill-tokens",
+        type=count(1),
+        default=16384,
+        help="prompt tokens one prefill step admits (the first request of a batch may exceed it)",
+    )
+    add(
+        "--schedule-conservativeness",
+        type=Float(0.0, 100.0),
+        default=1.0,
+        help="scales the decode tokens reserved per running request before admitting more (larger: "
+        "fewer retractions, smaller batches)",
+    )
+    add("--page-size", type=Int(1, 65536), default=None, help="tokens per KV page (default: the worker's)")
+    add(
+        "--max-running-requests",
+        type=count(1),
+        default=None,
+        help="requests running at once (default: from the worker's KV capacity, as SGLang)",
+    )
+    add(
+        "--max-queued-requests",
+        type=count(1),
+        default=None,
+        help="requests waiting at once; more are refused with RESOURCE_EXHAUSTED (default: no limit)",
+    )
+    add(
+        "--prefill-max-requests",
+        type=count(1),
+        default=None,
+        help="requests one prefill step admits (default: no limit)",
+    )
+    add(
+        "--enable-mixed-chunk",
+        action="store_true",
+        help="run a chunked prefill and the running decodes in one step (needs chunked prefill)",
+    )
+    add(
+        "--random-seed",
+        type=SEED,
+        default=0,
+        help="seed of the random schedule policy's shuffles",
+    )
+    add(
+        "--strict-invariants",
+        action="store_true",
+        help="check the KV pool invariants after every step (not only when idle)",
+    )
+    add(
+        "--decode-log-interval",
+        type=count(1),
+        default=40,
+        help="log one decode line per this many decode steps of a worker",
+    )
+
+
+def _add_priority_arguments(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add(
+        "--enable-priority-scheduling",
+        action="store_true",
+        help="order the queue by each request's priority first (with fcfs or lof), and let a higher "
+        "priority preempt a running request",
+    )
+    add(
+        "--schedule-low-priority-values-first",
+        action="store_true",
+        help="with priority scheduling, a lower priority value is more urgent (default: higher)",
+    )
+    add(
+        "--priority-scheduling-preemption-threshold",
+        type=count(0),
+        default=10,
+        help="a waiting request preempts a running one only when its priority is more than this "
+        "much more urgent",
+    )
+    add(
+        "--disable-priority-preemption",
+        action="store_true",
+        help="with priority scheduling, never preempt a running request for a more urgent one",
+    )
+    add(
+        "--abort-on-priority-when-disabled",
+        action="store_true",
+        help="without priority scheduling, refuse a request that sets a priority (default: ignore it)",
+    )
+
+
+def _add_cache_arguments(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add(
+        "--radix-eviction-policy",
+        choices=EVICTION_POLICIES,
+        default="lru",
+        help="which cached prefix the radix cache evicts first when the KV pool is full",
+    )
+    add(
+        "--disable-radix-cache",
+        action="store_true",
+        help="no prefix caching: every prompt is computed in full and freed when its request ends",
+    )
+    add(
+        "--retraction-policy",
+        choices=RETRACTION_POLICIES,
+        default="length",
+        help="which running request goes back to the queue when decode runs out of KV: length (the "
+        "one with the most tokens left, as SGLang) or priority (the least urgent; needs priority "
+        "scheduling)",
+    )
+    add(
+        "--allow-auto-truncate",
+        action="store_true",
+        help="cut a prompt longer than the model's context to fit (default: refuse the request)",
+    )
+
+
+def _add_timeout_arguments(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add(
+        "--waiting-timeout",
+        type=seconds(-1.0),
+        default=-1.0,
+        help="seconds a request may wait in the queue, then it is aborted; <= 0: off",
+    )
+    add(
+        "--running-timeout",
+        type=seconds(-1.0),
+        default=-1.0,
+        help="seconds a request may run after its first forward, then it finishes; <= 0: off",
+    )
+
+
+def _add_record_arguments(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add("--record", type=Path, default=None, metavar="DIR", help="record every scheduler call per worker")
+    add(
+        "--record-max-bytes",
+        type=Int(MIN_RECORD_BYTES, MAX_RECORD_BYTES),
+        default=DEFAULT_RECORD_MAX_BYTES,
+        help="a recording part is closed and the next begun past this size",
+    )
+
+
 def _add_process_arguments(parser: argparse.ArgumentParser) -> None:
     add, d = parser.add_argument, ControlConfig(Path("."))
     add(
         "--frontends",
-        type=int,
+        type=Int(1, MAX_PROCESSES),
         default=d.frontends,
         help="client-facing processes sharing the client port (validation, tokenizing, streaming)",
     )
     add(
         "--stream-interval",
-        type=int,
+        type=count(1),
         default=d.stream_interval,
         help="output tokens per client message after the first (larger: fewer, bigger messages)",
     )
@@ -225,7 +370,7 @@ def _add_process_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add(
         "--max-concurrent-streams",
-        type=int,
+        type=count(1),
         default=d.max_concurrent_streams,
         help="Generate calls one frontend serves at once; more get RESOURCE_EXHAUSTED",
     )
@@ -235,7 +380,7 @@ def _add_peer_arguments(parser: argparse.ArgumentParser) -> None:
     add, d = parser.add_argument, ControlConfig(Path("."))
     add(
         "--drain-timeout",
-        type=float,
+        type=seconds(),
         default=d.drain_timeout_s,
         help="seconds a draining worker's running requests may take before they continue on another "
         "worker; on SIGTERM, seconds this control plane's streams may take before they are aborted",
@@ -252,16 +397,10 @@ def _add_peer_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add(
         "--rebalance-interval",
-        type=float,
+        type=seconds(0.01),
         default=d.rebalance_interval_s,
         help="seconds between two looks at the peers (jittered by 20%%)",
     )
-
-
-def _drain_timeout(ns: argparse.Namespace) -> float:
-    if not 0 <= ns.drain_timeout < float("inf"):  # NaN fails too
-        raise ValueError(f"--drain-timeout must be >= 0, got {ns.drain_timeout}")
-    return float(ns.drain_timeout)
 
 
 def _peers(ns: argparse.Namespace) -> str:
@@ -271,12 +410,6 @@ def _peers(ns: argparse.Namespace) -> str:
     if peers:
         parse_targets(peers, "--peers")  # a malformed target fails at start
     return peers
-
-
-def _rebalance_interval(ns: argparse.Namespace) -> float:
-    if not 0 < ns.rebalance_interval < float("inf"):
-        raise ValueError(f"--rebalance-interval must be > 0, got {ns.rebalance_interval}")
-    return float(ns.rebalance_interval)
 
 
 ROUTING_POLICIES = ("cache-aware", "least-loaded")
@@ -293,24 +426,20 @@ def _add_routing_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add(
         "--balance-abs-threshold",
-        type=int,
+        type=count(0),
         default=d.balance_abs_threshold,
         help="cache-aware routing turns to the least loaded worker when the busiest has this many "
         "more requests (queued + running) than the idlest ...",
     )
     add(
         "--balance-rel-threshold",
-        type=float,
+        type=Float(1.0, 1e6),
         default=d.balance_rel_threshold,
         help="... and more than this many times its load",
     )
 
 
 def routing_from_args(ns: argparse.Namespace) -> RoutingConfig:
-    if ns.balance_abs_threshold < 0:
-        raise ValueError("--balance-abs-threshold must be >= 0")
-    if ns.balance_rel_threshold < 1.0:
-        raise ValueError("--balance-rel-threshold must be >= 1")
     return RoutingConfig(
         cache_aware=ns.routing_policy == "cache-aware",
         balance_abs_threshold=ns.balance_abs_threshold,
@@ -320,25 +449,27 @@ def routing_from_args(ns: argparse.Namespace) -> RoutingConfig:
 
 def _add_limit_arguments(parser: argparse.ArgumentParser) -> None:
     add, d = parser.add_argument, Limits()
-    add("--max-stop-strings", type=int, default=d.max_stop_strings, help="stop strings per request")
-    add("--max-stop-chars", type=int, default=d.max_stop_chars, help="characters of all stop strings")
-    add("--max-stop-token-ids", type=int, default=d.max_stop_token_ids, help="stop token ids per request")
-    add("--max-prompt-bytes", type=int, default=d.max_prompt_bytes, help="UTF-8 bytes of a text prompt")
+    add("--max-stop-strings", type=count(0), default=d.max_stop_strings, help="stop strings per request")
+    add("--max-stop-chars", type=count(0), default=d.max_stop_chars, help="characters of all stop strings")
+    add(
+        "--max-stop-token-ids", type=count(0), default=d.max_stop_token_ids, help="stop token ids per request"
+    )
+    add("--max-prompt-bytes", type=count(0), default=d.max_prompt_bytes, help="UTF-8 bytes of a text prompt")
     add(
         "--max-worker-kv-tokens",
-        type=int,
+        type=Int(1, MAX_TOKENS),
         default=d.max_worker_kv_tokens,
         help="largest KV pool a worker may claim",
     )
     add(
         "--worker-step-timeout",
-        type=float,
+        type=seconds(0.01),
         default=d.worker_step_timeout_s,
         help="seconds a worker may take for a step (plus the per-token part) before it counts as lost",
     )
     add(
         "--worker-step-timeout-per-token",
-        type=float,
+        type=seconds(0.0, 60.0),
         default=d.worker_step_timeout_per_token_s,
         help="seconds added to the step deadline per token in the plan",
     )
@@ -368,28 +499,25 @@ def _add_security_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-# SGLang's environment-only knobs, read under our prefix (docs/scheduler.md#defaults).
-_ENV_KNOBS: Mapping[str, tuple[str, type]] = {
-    "STEPWISE_INIT_NEW_TOKEN_RATIO": ("init_new_token_ratio", float),
-    "STEPWISE_MIN_NEW_TOKEN_RATIO_FACTOR": ("min_new_token_ratio_factor", float),
-    "STEPWISE_NEW_TOKEN_RATIO_DECAY_STEPS": ("new_token_ratio_decay_steps", int),
-    "STEPWISE_RETRACT_DECODE_STEPS": ("retract_decode_steps", int),
-    "STEPWISE_CLIP_MAX_NEW_TOKENS_ESTIMATION": ("clip_max_new_tokens", int),
-    "STEPWISE_MAX_NEW_TOKENS_LIMIT": ("max_new_tokens_limit", int),
-    "STEPWISE_IN_BATCH_PREFIX_CACHING_CHECK_THRESHOLD": ("in_batch_prefix_check_threshold", int),
+# SGLang's environment-only knobs, read under our prefix (docs/scheduler.md#defaults), each with its
+# range as a flag type: the same checks and words as a flag's STEPWISE_* variable.
+_ENV_KNOBS: Mapping[str, tuple[str, Callable[[str], object]]] = {
+    "STEPWISE_INIT_NEW_TOKEN_RATIO": ("init_new_token_ratio", Float(0.0, 1.0)),
+    "STEPWISE_MIN_NEW_TOKEN_RATIO_FACTOR": ("min_new_token_ratio_factor", Float(0.0, 1.0)),
+    # The ratio decays by (init - floor) / steps per decode step: 0 steps would divide by zero.
+    "STEPWISE_NEW_TOKEN_RATIO_DECAY_STEPS": ("new_token_ratio_decay_steps", count(1)),
+    "STEPWISE_RETRACT_DECODE_STEPS": ("retract_decode_steps", count(0)),
+    "STEPWISE_CLIP_MAX_NEW_TOKENS_ESTIMATION": ("clip_max_new_tokens", count(0)),
+    # 0: no limit (as SGLang's unset).
+    "STEPWISE_MAX_NEW_TOKENS_LIMIT": ("max_new_tokens_limit", count(0)),
+    "STEPWISE_IN_BATCH_PREFIX_CACHING_CHECK_THRESHOLD": ("in_batch_prefix_check_threshold", count(0)),
     "STEPWISE_IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD": (
         "in_batch_prefix_deprioritize_threshold",
-        int,
+        count(0),
     ),
-    "STEPWISE_TEST_RETRACT": ("test_retract", bool),
-    "STEPWISE_TEST_RETRACT_INTERVAL": ("test_retract_interval", int),
+    "STEPWISE_TEST_RETRACT": ("test_retract", switch),
+    "STEPWISE_TEST_RETRACT_INTERVAL": ("test_retract_interval", count(1)),
 }
-
-
-def _parse_env_value(raw: str, kind: type) -> object:
-    if kind is bool:
-        return raw.strip().lower() in ("1", "true", "yes", "on")
-    return kind(raw)
 
 
 def scheduler_config_from_args(
@@ -419,12 +547,12 @@ def scheduler_config_from_args(
         "random_seed": ns.random_seed,
         "strict_invariants": ns.strict_invariants,
     }
-    for name, (attr, kind) in _ENV_KNOBS.items():
+    for name, (attr, parse) in _ENV_KNOBS.items():
         if env.get(name):
             try:
-                values[attr] = _parse_env_value(env[name], kind)
-            except ValueError:
-                raise ValueError(f"{name}={env[name]}: not a valid {kind.__name__}") from None
+                values[attr] = parse(env[name])
+            except (argparse.ArgumentTypeError, ValueError) as exc:
+                raise ValueError(f"{name}={env[name]}: {exc}") from None
     config = SchedulerConfig(**values)  # type: ignore[arg-type]
     validate_scheduler_config(config)
     return config
@@ -438,14 +566,12 @@ def validate_scheduler_config(config: SchedulerConfig) -> None:
         raise ValueError("--retraction-policy priority requires --enable-priority-scheduling")
     if config.enable_mixed_chunk and not config.chunking_enabled:
         raise ValueError("--enable-mixed-chunk requires chunked prefill (--chunked-prefill-size > 0)")
-    if config.page_size is not None and config.page_size < 1:
-        raise ValueError("--page-size must be >= 1")
     if config.page_size and config.chunked_prefill_size and config.chunked_prefill_size % config.page_size:
         raise ValueError("--chunked-prefill-size must be a multiple of --page-size")
 
 
 def limits_from_args(ns: argparse.Namespace) -> Limits:
-    limits = Limits(
+    return Limits(
         max_stop_strings=ns.max_stop_strings,
         max_stop_chars=ns.max_stop_chars,
         max_stop_token_ids=ns.max_stop_token_ids,
@@ -454,14 +580,6 @@ def limits_from_args(ns: argparse.Namespace) -> Limits:
         worker_step_timeout_s=ns.worker_step_timeout,
         worker_step_timeout_per_token_s=ns.worker_step_timeout_per_token,
     )
-    for name in ("max_stop_strings", "max_stop_chars", "max_stop_token_ids", "max_prompt_bytes"):
-        if getattr(limits, name) < 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
-    if limits.max_worker_kv_tokens < 1:
-        raise ValueError("--max-worker-kv-tokens must be >= 1")
-    if limits.worker_step_timeout_s <= 0 or limits.worker_step_timeout_per_token_s < 0:
-        raise ValueError("--worker-step-timeout must be > 0 and --worker-step-timeout-per-token >= 0")
-    return limits
 
 
 def read_api_keys(path: Path) -> list[str]:
@@ -516,19 +634,12 @@ def control_config_from_args(ns: argparse.Namespace, model_dir: Path) -> Control
         record_max_bytes=getattr(ns, "record_max_bytes", DEFAULT_RECORD_MAX_BYTES),
         limits=limits_from_args(ns),
         security=security_from_args(ns, ns.host),
-        frontends=_at_least_one(ns, "frontends"),
-        stream_interval=_at_least_one(ns, "stream_interval"),
+        frontends=ns.frontends,
+        stream_interval=ns.stream_interval,
         overlap=not ns.disable_overlap_schedule,
-        max_concurrent_streams=_at_least_one(ns, "max_concurrent_streams"),
+        max_concurrent_streams=ns.max_concurrent_streams,
         routing=routing_from_args(ns),
-        drain_timeout_s=_drain_timeout(ns),
+        drain_timeout_s=ns.drain_timeout,
         peers=_peers(ns),
-        rebalance_interval_s=_rebalance_interval(ns),
+        rebalance_interval_s=ns.rebalance_interval,
     )
-
-
-def _at_least_one(ns: argparse.Namespace, name: str) -> int:
-    value = int(getattr(ns, name))
-    if value < 1:
-        raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
-    return value

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import pathlib
 import socket
 from dataclasses import dataclass
 
+from flagtypes import MAX_TOKENS, PORT, Int, seconds
 from protos.targets import parse_targets
 
 DEFAULT_CONTROL = "127.0.0.1:50052"
@@ -83,14 +83,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dtype", default="auto", choices=DTYPES, help="auto: float32 on cpu, bfloat16 on cuda"
     )
-    parser.add_argument("--kv-tokens", type=int, default=None, help="KV pool capacity in tokens")
-    parser.add_argument("--kv-bytes", type=int, default=None, help="KV pool budget in bytes")
     parser.add_argument(
-        "--page-size", type=int, default=1, help="tokens per KV page (reported to the control plane)"
+        "--kv-tokens", type=Int(1, MAX_TOKENS), default=None, help="KV pool capacity in tokens"
+    )
+    parser.add_argument("--kv-bytes", type=Int(1, 2**50), default=None, help="KV pool budget in bytes")
+    parser.add_argument(
+        "--page-size",
+        type=Int(1, 65536),
+        default=1,
+        help="tokens per KV page (reported to the control plane)",
     )
     parser.add_argument("--worker-id", default="", help="default: hostname-pid")
     parser.add_argument(
-        "--host-pool-tokens", type=int, default=0, help="host offload pool in tokens (0: none)"
+        "--host-pool-tokens", type=Int(0, MAX_TOKENS), default=0, help="host offload pool in tokens (0: none)"
     )
     parser.add_argument(
         "--disable-decode-cache",
@@ -108,27 +113,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--connect-timeout",
-        type=float,
+        type=seconds(0.01),
         default=60.0,
         help="seconds to look for a first control plane before giving up (exit 3); once attached, the "
         "worker looks again forever when it loses one",
     )
     parser.add_argument(
         "--reconnect-max-backoff",
-        type=float,
+        type=seconds(0.01),
         default=5.0,
         help="longest wait in seconds between searches for a control plane (the wait doubles from 0.1 s)",
     )
     parser.add_argument(
         "--drain-timeout",
-        type=float,
+        type=seconds(),
         default=30.0,
         help="after SIGTERM, seconds to keep running plans until the control plane sends Shutdown "
         "(plus 10 s of grace; then the worker exits anyway)",
     )
     parser.add_argument(
         "--health-port",
-        type=int,
+        type=PORT,
         default=0,
         help="gRPC health service port (0: none): '' is SERVING once the model is loaded, "
         "'stepwise.v1.WorkerLink' while attached to a control plane and not draining",
@@ -153,15 +158,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(ns: argparse.Namespace) -> WorkerConfig:
-    """Build the frozen config from parsed flags; ValueError for values that cannot work."""
-    if ns.page_size < 1:
-        raise ValueError(f"--page-size must be >= 1, got {ns.page_size}")
-    for name in ("kv_tokens", "kv_bytes"):
-        value = getattr(ns, name)
-        if value is not None and value <= 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
+    """Build the frozen config from parsed flags (each value already in its flag's range); ValueError
+    for flags that cannot work together, or a --control that is not a target."""
     _check_tls(ns)
-    _check_link(ns)
+    parse_targets(ns.control, "--control")  # ValueError naming --control
+    if ns.backend == "sim":
+        from data_plane.sim import CostModel
+
+        CostModel.parse(ns.sim_cost)  # ValueError naming --sim-cost, now rather than at the first step
     return WorkerConfig(
         control=ns.control,
         model=pathlib.Path(ns.model),
@@ -171,7 +175,7 @@ def config_from_args(ns: argparse.Namespace) -> WorkerConfig:
         kv_bytes=ns.kv_bytes,
         page_size=ns.page_size,
         worker_id=ns.worker_id or default_worker_id(),
-        host_pool_tokens=max(0, ns.host_pool_tokens),
+        host_pool_tokens=ns.host_pool_tokens,
         decode_cache=not ns.disable_decode_cache,
         attention_backend=ns.attention_backend,
         connect_timeout_s=ns.connect_timeout,
@@ -186,21 +190,6 @@ def config_from_args(ns: argparse.Namespace) -> WorkerConfig:
         tls_key=ns.tls_key,
         tls_server_name=ns.tls_server_name,
     )
-
-
-def _check_link(ns: argparse.Namespace) -> None:
-    parse_targets(ns.control, "--control")  # ValueError naming --control
-    # `not 0 <= x < inf` also refuses NaN, which every comparison lets through.
-    if not 0 <= ns.drain_timeout < math.inf:
-        raise ValueError(f"--drain-timeout must be a number >= 0, got {ns.drain_timeout}")
-    for flag, value in (
-        ("--reconnect-max-backoff", ns.reconnect_max_backoff),
-        ("--connect-timeout", ns.connect_timeout),
-    ):
-        if not 0 < value < math.inf:
-            raise ValueError(f"{flag} must be a number > 0, got {value}")
-    if not 0 <= ns.health_port <= 65535:
-        raise ValueError(f"--health-port must be in 0..65535, got {ns.health_port}")
 
 
 def _check_tls(ns: argparse.Namespace) -> None:

@@ -16,6 +16,7 @@ arrays, found by one binary search per step, and the KV report is kept up to dat
 from __future__ import annotations
 
 import hashlib
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -47,8 +48,8 @@ class CostModel:
             a, b, c = (float(x) for x in text.split(","))
         except ValueError:
             raise ValueError(f"--sim-cost wants 'a,b,c' in seconds, got {text!r}") from None
-        if min(a, b, c) < 0:
-            raise ValueError(f"--sim-cost values must be >= 0, got {text!r}")
+        if not all(0 <= x < math.inf for x in (a, b, c)):  # NaN fails too
+            raise ValueError(f"--sim-cost values must be finite and >= 0, got {text!r}")
         return cls(a, b, c)
 
     def step_seconds(self, new_tokens: int, context_tokens: int) -> float:

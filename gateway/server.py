@@ -15,6 +15,7 @@ from pathlib import Path
 import uvicorn
 
 from clients.client import add_tls_ca_argument
+from flagtypes import PORT
 from gateway.app import GatewayConfig, create_app
 
 
@@ -25,7 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="control plane client address: HOST:PORT or a gRPC target such as dns:///NAME:PORT",
     )
     parser.add_argument("--host", default="127.0.0.1", help="HTTP bind address")
-    parser.add_argument("--port", type=int, default=8000, help="HTTP port (0: any free port)")
+    parser.add_argument("--port", type=PORT, default=8000, help="HTTP port (0: any free port)")
     parser.add_argument("--model", default="embedded", help="model directory (its chat template) or embedded")
     parser.add_argument(
         "--served-model-name", default=None, help="the model id clients see (default: the directory name)"

@@ -6,6 +6,8 @@ neither plane.
 Routine failures (a bad flag or environment value, a missing model directory, a busy port, no
 server at the address, a call the control plane refused) print one line, `stepwise CMD: what`,
 and exit 2; `main()` maps them in one place. Anything else is a bug and keeps its traceback.
+A closed stdout (`stepwise replay show REC | head -1`) ends any command quietly with 141, as SIGPIPE
+ends `cat` (EXIT_READER_LEFT).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from clients.errors import RoutineError
+from flagtypes import INT32_MAX, MAX_PROCESSES, PORT, Int
 from stepwise import flags, logs
 
 if TYPE_CHECKING:
@@ -31,7 +34,8 @@ if TYPE_CHECKING:
     from control_plane.core.server import ControlPlane
 
 DEMO_PROMPT = "Once upon a time"
-LOG_LEVEL_HELP = "debug, info, warning or error"
+# The exit status when stdout's reader went away: a shell's for a process ended by SIGPIPE.
+EXIT_READER_LEFT = 128 + signal.SIGPIPE
 # gRPC status codes that mean the control plane answered and said no: the caller's to fix.
 REFUSED_CODES = frozenset(
     {
@@ -46,8 +50,24 @@ REFUSED_CODES = frozenset(
 )
 
 
-def _parser(prog: str, description: str) -> flags.ArgumentParser:
-    return flags.ArgumentParser(prog=prog, description=description)
+def _parser(prog: str, description: str, allow_abbrev: bool = True) -> flags.ArgumentParser:
+    return flags.ArgumentParser(prog=prog, description=description, allow_abbrev=allow_abbrev)
+
+
+def _log_level(text: str) -> str:
+    """argparse type: a level of logs.LEVELS, in any case."""
+    if text.lower() not in logs.LEVELS:
+        raise argparse.ArgumentTypeError(f"expected one of {', '.join(logs.LEVELS)}, got {text!r}")
+    return text.lower()
+
+
+def _add_log_level(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--log-level",
+        type=_log_level,
+        default="info",
+        help=f"the least severe lines logged: {', '.join(logs.LEVELS)} (any case)",
+    )
 
 
 def _control_parser() -> argparse.ArgumentParser:
@@ -56,7 +76,7 @@ def _control_parser() -> argparse.ArgumentParser:
     parser = _parser("stepwise control", COMMANDS["control"].summary)
     config.add_arguments(parser)
     parser.add_argument("--ready-file", type=Path, default=None, help="write the bound ports here as JSON")
-    parser.add_argument("--log-level", default="info", help=LOG_LEVEL_HELP)
+    _add_log_level(parser)
     flags.apply_env_defaults(parser)
     return parser
 
@@ -66,7 +86,7 @@ def _worker_parser() -> argparse.ArgumentParser:
 
     parser = _parser("stepwise worker", COMMANDS["worker"].summary)
     config.add_arguments(parser)
-    parser.add_argument("--log-level", default="info", help=LOG_LEVEL_HELP)
+    _add_log_level(parser)
     for action in parser._actions:
         if action.dest == "model":
             action.required, action.default, action.type = False, "embedded", str
@@ -181,23 +201,38 @@ def cmd_worker(argv: Sequence[str]) -> int:
 
 
 def _up_parser() -> argparse.ArgumentParser:
-    parser = _parser("stepwise up", COMMANDS["up"].summary + "; every other flag is passed on")
+    from stepwise.up import MAX_CONTROL_PLANES, passed_on_sections
+
+    # No abbreviations: the flags up passes on are not its own, and `--control` (a worker's) would
+    # otherwise be taken for `--control-planes`.
+    parser = _parser(
+        "stepwise up",
+        COMMANDS["up"].summary + "; every other flag goes to the child that knows it, as listed below",
+        allow_abbrev=False,
+    )
     parser.add_argument(
-        "--workers", type=int, default=1, help="how many workers to start (each restarted if it exits)"
+        "--workers",
+        type=Int(0, MAX_PROCESSES),
+        default=1,
+        help="how many workers to start (each restarted if it exits)",
     )
     parser.add_argument(
         "--control-planes",
-        type=int,
+        type=Int(1, MAX_CONTROL_PLANES),
         default=1,
         help="how many control planes to start (each with its own ports; workers balance over them "
         "and the client address lists them all)",
     )
     parser.add_argument(
-        "--gateway-port", type=int, default=None, help="also start the OpenAI gateway on this port (0: any)"
+        "--gateway-port", type=PORT, default=None, help="also start the OpenAI gateway on this port (0: any)"
     )
     parser.add_argument("--gateway-host", default="127.0.0.1", help="the gateway's HTTP bind address")
     parser.add_argument(
         "--ready-file", type=Path, default=None, help="write the client and gateway addresses here as JSON"
+    )
+    # Built from the children's own parsers when --help asks, so the list cannot drift from them.
+    parser.help_sections = lambda: passed_on_sections(
+        parser, _control_parser(), _worker_parser(), _gateway_parser()
     )
     flags.apply_env_defaults(parser)
     return parser
@@ -216,8 +251,6 @@ def cmd_up(argv: Sequence[str]) -> int:
     # line and then `up`'s own complaint that the child exited.
     control.parse_args(to_control)
     worker.parse_args(to_worker)
-    if ns.workers < 0 or ns.control_planes < 1:
-        raise RoutineError("--workers must be >= 0 and --control-planes >= 1")
     gateway = None
     if ns.gateway_port is not None:
         gateway = gateway_args(to_control, ns.gateway_host, ns.gateway_port)
@@ -230,7 +263,7 @@ def _gateway_parser() -> argparse.ArgumentParser:
 
     parser = _parser("stepwise gateway", COMMANDS["gateway"].summary)
     server.add_arguments(parser)
-    parser.add_argument("--log-level", default="info", help=LOG_LEVEL_HELP)
+    _add_log_level(parser)
     flags.apply_env_defaults(parser)
     return parser
 
@@ -266,38 +299,68 @@ def _quiet_grpc() -> None:
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 
-def cmd_generate(argv: Sequence[str]) -> int:
-    _quiet_grpc()
+def _generate_parser() -> argparse.ArgumentParser:
     from clients import generate
 
     parser = _parser("stepwise generate", COMMANDS["generate"].summary)
     generate.add_arguments(parser)
     flags.apply_env_defaults(parser)
-    ns = parser.parse_args(argv)
+    return parser
+
+
+def cmd_generate(argv: Sequence[str]) -> int:
+    _quiet_grpc()
+    from clients import generate
+
+    ns = _generate_parser().parse_args(argv)
     gen = asyncio.run(generate.run(ns))
     return 0 if gen.finish_reason in ("stop", "length") else 1
+
+
+def _bench_parser() -> argparse.ArgumentParser:
+    from clients import bench
+
+    parser = _parser("stepwise bench", COMMANDS["bench"].summary)
+    bench.add_arguments(parser)
+    flags.apply_env_defaults(parser)
+    return parser
 
 
 def cmd_bench(argv: Sequence[str]) -> int:
     _quiet_grpc()
     from clients import bench
 
-    parser = _parser("stepwise bench", COMMANDS["bench"].summary)
-    bench.add_arguments(parser)
-    flags.apply_env_defaults(parser)
-    report = asyncio.run(bench.run(parser.parse_args(argv)))
+    report = asyncio.run(bench.run(_bench_parser().parse_args(argv)))
     return 0 if report["completed"] == report["requests"] else 1
+
+
+def _compare_parser() -> argparse.ArgumentParser:
+    from stepwise import compare
+
+    parser = _parser("stepwise compare", COMMANDS["compare"].summary)
+    compare.add_arguments(parser)
+    flags.apply_env_defaults(parser)
+    return parser
 
 
 def cmd_compare(argv: Sequence[str]) -> int:
     _quiet_grpc()
     from stepwise import compare
 
-    parser = _parser("stepwise compare", COMMANDS["compare"].summary)
-    compare.add_arguments(parser)
-    flags.apply_env_defaults(parser)
-    asyncio.run(compare.run(parser.parse_args(argv)))
+    asyncio.run(compare.run(_compare_parser().parse_args(argv)))
     return 0
+
+
+def _demo_parser() -> argparse.ArgumentParser:
+    parser = _parser("stepwise demo", COMMANDS["demo"].summary)
+    parser.add_argument(
+        "prompt", nargs="?", default=DEMO_PROMPT, help=f"prompt text (default: {DEMO_PROMPT!r})"
+    )
+    parser.add_argument(
+        "--max-new-tokens", type=Int(0, INT32_MAX), default=80, help="stop after this many new tokens"
+    )
+    flags.apply_env_defaults(parser)
+    return parser
 
 
 def cmd_demo(argv: Sequence[str]) -> int:
@@ -305,12 +368,7 @@ def cmd_demo(argv: Sequence[str]) -> int:
     from clients import generate
     from stepwise.up import Stack
 
-    parser = _parser("stepwise demo", COMMANDS["demo"].summary)
-    parser.add_argument(
-        "prompt", nargs="?", default=DEMO_PROMPT, help=f"prompt text (default: {DEMO_PROMPT!r})"
-    )
-    parser.add_argument("--max-new-tokens", type=int, default=80, help="stop after this many new tokens")
-    ns = parser.parse_args(argv)
+    ns = _demo_parser().parse_args(argv)
 
     async def demo() -> int:
         stack = Stack(
@@ -349,29 +407,55 @@ def cmd_replay(argv: Sequence[str]) -> int:
     return replay.main(argv)
 
 
+def _replay_parser() -> argparse.ArgumentParser:
+    from stepwise import replay
+
+    return replay.build_parser()
+
+
 def cmd_simulate(argv: Sequence[str]) -> int:
     from stepwise import simulate
 
     return simulate.main(argv)
 
 
+def _simulate_parser() -> argparse.ArgumentParser:
+    from stepwise import simulate
+
+    return simulate.build_parser()
+
+
 @dataclass(frozen=True, slots=True)
 class Command:
     run: Callable[[Sequence[str]], int]
     summary: str
+    # The command's flags (with their STEPWISE_* defaults applied): what `run` parses its argv with.
+    parser: Callable[[], argparse.ArgumentParser]
 
 
 COMMANDS = {
-    "control": Command(cmd_control, "the control plane: schedules requests, serves clients and workers"),
-    "worker": Command(cmd_worker, "a data-plane worker: runs the model for a control plane"),
-    "up": Command(cmd_up, "a control plane and N workers as child processes"),
-    "gateway": Command(cmd_gateway, "an OpenAI-compatible HTTP gateway in front of control planes"),
-    "generate": Command(cmd_generate, "stream one generation to the terminal"),
-    "bench": Command(cmd_bench, "load generator with serving metrics"),
-    "compare": Command(cmd_compare, "stepwise against static batching and transformers on one workload"),
-    "demo": Command(cmd_demo, "start the stack on the embedded model, stream one generation, stop"),
-    "replay": Command(cmd_replay, "replay a recording against a fresh worker or scheduler, or show it"),
-    "simulate": Command(cmd_simulate, "the real scheduler on a request trace, on a simulated clock"),
+    "control": Command(
+        cmd_control, "the control plane: schedules requests, serves clients and workers", _control_parser
+    ),
+    "worker": Command(cmd_worker, "a data-plane worker: runs the model for a control plane", _worker_parser),
+    "up": Command(cmd_up, "a control plane and N workers as child processes", _up_parser),
+    "gateway": Command(
+        cmd_gateway, "an OpenAI-compatible HTTP gateway in front of control planes", _gateway_parser
+    ),
+    "generate": Command(cmd_generate, "stream one generation to the terminal", _generate_parser),
+    "bench": Command(cmd_bench, "load generator with serving metrics", _bench_parser),
+    "compare": Command(
+        cmd_compare, "stepwise against static batching and transformers on one workload", _compare_parser
+    ),
+    "demo": Command(
+        cmd_demo, "start the stack on the embedded model, stream one generation, stop", _demo_parser
+    ),
+    "replay": Command(
+        cmd_replay, "replay a recording against a fresh worker or scheduler, or show it", _replay_parser
+    ),
+    "simulate": Command(
+        cmd_simulate, "the real scheduler on a request trace, on a simulated clock", _simulate_parser
+    ),
 }
 USAGE = f"usage: stepwise {{{', '.join(COMMANDS)}}} [flags]"
 
@@ -402,8 +486,31 @@ def _routine_message(exc: Exception) -> str | None:
     return None
 
 
+def _reader_left() -> int:
+    """Whoever read stdout closed it (`stepwise replay show REC | head`): stop quietly with 141, the
+    status a shell reports for a process that SIGPIPE ended (128 + 13), as `cat` would give.
+
+    stdout now points at /dev/null, so that the interpreter's own flush at exit cannot fail again."""
+    with contextlib.suppress(OSError):
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return EXIT_READER_LEFT
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
+    try:
+        try:
+            code = _dispatch(args)
+        except SystemExit:  # --help, or a usage error: what it printed is flushed here too
+            sys.stdout.flush()
+            raise
+        sys.stdout.flush()  # here, not at exit, so that a reader gone by now is caught below
+        return code
+    except BrokenPipeError:
+        return _reader_left()
+
+
+def _dispatch(args: list[str]) -> int:
     if args and args[0] in ("-h", "--help"):
         print(_help())
         return 0
@@ -419,6 +526,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return COMMANDS[name].run(args[1:])
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        raise  # an OSError, yet no routine failure to report: main() ends the command quietly
     except Exception as exc:
         message = _routine_message(exc)
         if message is None:

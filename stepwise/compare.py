@@ -30,29 +30,34 @@ from dataclasses import asdict, replace
 from typing import Any, TextIO
 
 from clients.datasets import BenchRequest, uniform_requests
+from flagtypes import SEED, Int, IntPair
 from stepwise.baselines import CONTENDER_NAMES, Contender, Measurement, make_contenders
 
+# Prompt and output lengths: at least one token, at most far past any context.
+LENGTHS = IntPair(1, 1 << 20)
 # Warm-up: this many requests of the workload, each cut to this many new tokens.
 WARMUP_REQUESTS = 4
 WARMUP_NEW_TOKENS = 4
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--requests", type=_positive, default=64, help="generations in the workload")
+    parser.add_argument("--requests", type=Int(1, 100_000), default=64, help="generations in the workload")
     parser.add_argument(
-        "--prompt-len", type=_range, default=(16, 128), help="min,max prompt tokens (uniform, inclusive)"
+        "--prompt-len", type=LENGTHS, default=(16, 128), help="min,max prompt tokens (uniform, inclusive)"
     )
     parser.add_argument(
-        "--output-len", type=_range, default=(8, 256), help="min,max new tokens (uniform, inclusive)"
+        "--output-len", type=LENGTHS, default=(8, 256), help="min,max new tokens (uniform, inclusive)"
     )
     parser.add_argument(
         "--concurrency",
-        type=_positive,
+        type=Int(1, 100_000),
         default=32,
         help="requests in flight for the continuous batchers, and the batch size of the static ones",
     )
-    parser.add_argument("--rounds", type=_positive, default=3, help="rounds; each runs every contender once")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the workload's lengths and token ids")
+    parser.add_argument(
+        "--rounds", type=Int(1, 1000), default=3, help="rounds; each runs every contender once"
+    )
+    parser.add_argument("--seed", type=SEED, default=0, help="seed of the workload's lengths and token ids")
     parser.add_argument(
         "--contenders",
         type=_names,
@@ -69,28 +74,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also measure stepwise with these control-plane flags, named NAME (repeatable)",
     )
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
-
-
-def _positive(text: str) -> int:
-    """argparse type: an integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected an integer >= 1")
-    return value
-
-
-def _range(text: str) -> tuple[int, int]:
-    """argparse type: `MIN,MAX` with 1 <= MIN <= MAX."""
-    try:
-        lo, hi = (int(part) for part in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected MIN,MAX") from None
-    if not 1 <= lo <= hi:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected 1 <= MIN <= MAX")
-    return lo, hi
 
 
 def _names(text: str) -> tuple[str, ...]:

@@ -7,6 +7,9 @@ import sys
 
 import structlog
 
+# What --log-level takes (any case): the levels the processes log at.
+LEVELS = ("debug", "info", "warning", "error")
+
 
 def configure(level: str = "info", json: bool | None = None) -> None:
     """Route structlog to stderr; `json=None` picks JSON when stderr is not a TTY."""

@@ -14,6 +14,7 @@ input. The replays' last line says how many of the recording's complete records 
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import sys
 import warnings
@@ -103,7 +104,13 @@ def print_table(lines: Sequence[StepLine]) -> None:
         table.add_column(name, justify="right")
     for line in lines:
         table.add_row(*_row(line))
-    Console(width=200).print(table)
+
+    class ToStdout(Console):
+        def on_broken_pipe(self) -> None:
+            # rich would exit 1 here; stepwise.cli.main ends every command the same way instead.
+            raise BrokenPipeError(errno.EPIPE, "the reader of stdout left")
+
+    ToStdout(width=200).print(table)
 
 
 def _row(line: StepLine) -> list[str]:
@@ -137,21 +144,28 @@ def _clip(text: str, width: int = 60) -> str:
 # --- command line ------------------------------------------------------------------------------------
 
 
+RECORDING_HELP = (
+    "a recording file (WORKER-N.0000.rec; later parts are followed), a session name, or a directory "
+    "holding one session, as --record wrote it"
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = flags.ArgumentParser(prog="stepwise replay", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="what", required=True)
     worker = sub.add_parser("worker", help="recorded plans into a fresh worker; compare results")
-    worker.add_argument("recording", type=Path)
+    worker.add_argument("recording", type=Path, help=RECORDING_HELP)
     worker.add_argument(
         "--model", default="", help="model DIR or 'embedded' (not needed for a sim recording)"
     )
-    worker.add_argument("--device", default="cpu")
+    worker.add_argument("--device", default="cpu", help="where the fresh worker runs: cpu, cuda or cuda:N")
     worker.add_argument("--dtype", default="auto", help="auto: the recorded worker's dtype")
     scheduler = sub.add_parser("scheduler", help="recorded calls into a fresh scheduler; compare plans")
-    scheduler.add_argument("recording", type=Path)
+    scheduler.add_argument("recording", type=Path, help=RECORDING_HELP)
     show = sub.add_parser("show", help="the recording as a timeline")
-    show.add_argument("recording", type=Path)
+    show.add_argument("recording", type=Path, help=RECORDING_HELP)
     show.add_argument("--json", action="store_true", help="one JSON object per step")
+    flags.apply_env_defaults(parser)
     return parser
 
 
@@ -190,6 +204,8 @@ def main(argv: Sequence[str]) -> int:
     warnings.showwarning = _print_warning
     try:
         return _run(ns)
+    except BrokenPipeError:  # the reader left (`| head`): stepwise.cli.main ends the command
+        raise
     except DamagedRecording as exc:
         print(f"stepwise replay: {exc}", file=sys.stderr)
         return EXIT_DIVERGED

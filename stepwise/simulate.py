@@ -20,7 +20,6 @@ import argparse
 import contextlib
 import hashlib
 import json
-import os
 import sys
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
@@ -42,6 +41,7 @@ from control_plane.record.timeline import StepLine, TimelineSink
 from control_plane.request import RequestParams
 from control_plane.scheduler.scheduler import QueueFull, RequestRejected, Scheduler
 from data_plane.sim import TOKEN_FLOOR, CostModel, SimExecutor
+from flagtypes import INT32_MAX, SEED, Int
 from protos.worker import SamplerParams, StepResult, WorkerLimits
 from stepwise import flags
 from stepwise.wire import step_through_wire
@@ -276,12 +276,20 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("trace", type=Path, help="JSON lines, one request each, sorted by arrival")
     control_config.add_arguments(parser)
     add = parser.add_argument
-    add("--kv-tokens", type=int, default=DEFAULT_KV_TOKENS, help="the simulated worker's KV capacity")
-    add("--max-context", type=int, default=32768)
-    add("--vocab-size", type=int, default=32000)
-    add("--eos-token-id", type=int, default=2)
+    # The simulated pool is allocated in this process: its cap keeps that to a few GiB at most.
+    add(
+        "--kv-tokens",
+        type=Int(1, 1 << 27),
+        default=DEFAULT_KV_TOKENS,
+        help="the simulated worker's KV capacity",
+    )
+    add("--max-context", type=Int(2, 1 << 24), default=32768, help="the simulated model's context in tokens")
+    add("--vocab-size", type=Int(4, INT32_MAX), default=32000, help="the simulated model's vocabulary size")
+    add(
+        "--eos-token-id", type=Int(0, INT32_MAX), default=2, help="the token id the simulated model ends with"
+    )
     add("--cost", default=DEFAULT_COST, help="step time a,b,c: a + b·new tokens + c·context (seconds)")
-    add("--sim-seed", type=int, default=0, help="seed of the simulated tokens")
+    add("--sim-seed", type=SEED, default=0, help="seed of the simulated tokens")
     add("--json", action="store_true", help="one JSON object per step, then {'summary': ...}")
     add("--summary-only", action="store_true", help="print the summary only (no timeline)")
     flags.apply_env_defaults(parser)
@@ -311,11 +319,12 @@ def setup_from_args(ns: argparse.Namespace) -> SimSetup:
 
 def _sink(ns: argparse.Namespace, setup: SimSetup, emit: Callable[[StepLine], None]) -> Sink | None:
     sinks: list[Sink] = []
-    if not ns.summary_only:
-        sinks.append(TimelineSink(emit))
+    # The recording first: a closed stdout (the timeline's) must not keep it from being closed.
     if ns.record is not None:
         header = recording_header(setup.config, setup.limits, "stepwise simulate", **{"sim.seed": setup.seed})
         sinks.append(open_file_sink(ns.record, header, ns.record_max_bytes))
+    if not ns.summary_only:
+        sinks.append(TimelineSink(emit))
     return Tee(sinks) if sinks else None
 
 
@@ -337,9 +346,6 @@ def main(argv: Sequence[str]) -> int:
     except SimulationStuck as exc:
         print(f"stepwise simulate: stuck: {exc}", file=sys.stderr)
         return 1
-    except BrokenPipeError:  # `simulate ... | head`: the reader left; stop quietly
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
     finally:
         if sink is not None:
             with contextlib.suppress(BrokenPipeError):

@@ -1,6 +1,7 @@
 """`stepwise up`: control planes and N workers as child processes, supervised.
 
-Every flag given to `up` is passed on to the child that knows it (both when both do). A worker (or
+Every flag given to `up` is passed on to the child that knows it (both when both do; `up --help`
+lists them by child), except the few `up` sets itself (SET_BY_UP), which it refuses. A worker (or
 the gateway) that exits is started again with backoff, and its requests continue on the other
 workers meanwhile; a control plane's exit, Ctrl-C or SIGTERM stops them all. Children die with the
 parent (PR_SET_PDEATHSIG): no orphans. `--control-planes K` runs the many-control-plane shape of a
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import copy
 import json
 import os
 import signal
@@ -25,13 +27,23 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from clients.client import StepwiseClient
+from stepwise.flags import HelpSection, help_text
 from stepwise.parent import PARENT_ENV
+
+# `up --control-planes` at most: each is a core and its frontends, and K of them on one machine only
+# stand for K pods of a deployment (more belong on more machines).
+MAX_CONTROL_PLANES = 16
+# Worker flags `up` sets itself: a value given to `up` would be replaced, so it is refused instead.
+SET_BY_UP = ("--control", "--worker-id")
+# The control plane's flags `up --gateway-port` gives the gateway too (gateway_args).
+GATEWAY_FLAGS = ("--model", "--log-level")
 
 
 def split_flags(
     argv: Sequence[str], control: argparse.ArgumentParser, worker: argparse.ArgumentParser
 ) -> tuple[list[str], list[str]]:
-    """Route each `--flag [value...]` group to the parser(s) that define it."""
+    """Route each `--flag [value...]` group to the parser(s) that define it; ValueError for a flag
+    neither knows, or one `up` sets itself (SET_BY_UP)."""
     control_opts = set(control._option_string_actions)
     worker_opts = set(worker._option_string_actions)
     to_control: list[str] = []
@@ -44,6 +56,8 @@ def split_flags(
         name = group[0].split("=", 1)[0]
         if name not in control_opts and name not in worker_opts:
             raise ValueError(f"unknown flag {name}")
+        if name in SET_BY_UP:
+            raise ValueError(f"{name} is set by up itself for each worker (stepwise up --help)")
         if name in control_opts:
             to_control.extend(group)
         if name in worker_opts:
@@ -58,6 +72,68 @@ def split_flags(
         group.append(token)
     flush()
     return to_control, to_worker
+
+
+def passed_on_sections(
+    up: argparse.ArgumentParser,
+    control: argparse.ArgumentParser,
+    worker: argparse.ArgumentParser,
+    gateway: argparse.ArgumentParser,
+) -> list[HelpSection]:
+    """Where `up` passes each flag it does not parse itself, for its --help: read from the children's
+    own parsers (split_flags routes by the same parsers), so the list cannot drift from them."""
+    own = set(up._option_string_actions)
+    to_control, to_worker = _passed_options(control, own), _passed_options(worker, own)
+    gateway_actions = {s: a for a in gateway._actions for s in a.option_strings}
+    return [
+        HelpSection(
+            "passed to the control plane (stepwise control)",
+            "",
+            tuple(a for name, a in to_control.items() if name not in to_worker),
+        ),
+        HelpSection(
+            "passed to every worker (stepwise worker)",
+            "",
+            tuple(a for name, a in to_worker.items() if name not in to_control),
+        ),
+        HelpSection(
+            "passed to the control plane and every worker",
+            "each reads it as its own flag of that name",
+            tuple(_both(to_control[name], to_worker[name]) for name in to_control if name in to_worker),
+        ),
+        HelpSection(
+            "passed to the gateway too (with --gateway-port)",
+            "as given to the control plane; --gateway-host and --gateway-port become the gateway's --host "
+            "and --port",
+            tuple(gateway_actions[name] for name in GATEWAY_FLAGS),
+        ),
+        HelpSection(
+            "set by up itself",
+            f"each worker's {' and '.join(SET_BY_UP)} (refused if given), each child's --ready-file; with "
+            "--control-planes K > 1 also each control plane's --worker-port and --peers, and --port is "
+            "the first of K consecutive client ports (0: any free ones)",
+            (),
+        ),
+    ]
+
+
+def _passed_options(parser: argparse.ArgumentParser, own: Collection[str]) -> dict[str, argparse.Action]:
+    """`parser`'s long options that `up` passes on: not help, not `up`'s own, not SET_BY_UP."""
+    options: dict[str, argparse.Action] = {}
+    for action in parser._actions:
+        name = next((s for s in action.option_strings if s.startswith("--")), None)
+        if name is not None and name != "--help" and name not in own and name not in SET_BY_UP:
+            options[name] = action
+    return options
+
+
+def _both(control: argparse.Action, worker: argparse.Action) -> argparse.Action:
+    """One entry for a flag both children take, with each one's meaning when they differ."""
+    shown = copy.copy(control)
+    ours, theirs = help_text(control), help_text(worker)
+    shown.help = ours if ours == theirs else f"control plane: {ours}; worker: {theirs}"
+    shown.type = None  # the ranges are in the text already
+    return shown
 
 
 def _is_number(token: str) -> bool:
@@ -291,7 +367,7 @@ def _flag_value(args: Sequence[str], flag: str) -> str | None:
 def gateway_args(control_args: Sequence[str], host: str, port: int) -> list[str]:
     """`stepwise gateway` flags for `up --gateway-port`: the control plane's model and log level."""
     args = ["--host", host, "--port", str(port)]
-    for flag in ("--model", "--log-level"):
+    for flag in GATEWAY_FLAGS:
         value = _flag_value(control_args, flag)
         if value is not None:
             args += [flag, value]

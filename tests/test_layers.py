@@ -8,7 +8,9 @@ A file's folder says which process runs it and what it may import:
 - the shared root of `control_plane/` imports neither core nor frontend;
 - the two planes never import each other: they meet only in `protos/`;
 - `protos/` imports neither plane; no library package imports `stepwise/` (the command line and
-  what composes both planes sits above them all).
+  what composes both planes sits above them all);
+- `flagtypes/` (the flag table's range-checked types, which every command line uses) imports
+  nothing of the project.
 
 Imports inside functions and under TYPE_CHECKING count like any other.
 """
@@ -21,7 +23,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-LIBRARIES = ("protos", "control_plane", "data_plane", "clients", "gateway")
+LIBRARIES = ("protos", "control_plane", "data_plane", "clients", "gateway", "flagtypes")
 
 # (files under this prefix, may not import modules under any of these prefixes)
 RULES: list[tuple[str, tuple[str, ...]]] = [
@@ -35,6 +37,7 @@ RULES: list[tuple[str, tuple[str, ...]]] = [
     ("protos", ("control_plane", "data_plane", "stepwise", "gateway", "clients")),
     ("clients", ("control_plane", "data_plane", "stepwise", "gateway")),
     ("gateway", ("control_plane", "data_plane", "stepwise")),
+    ("flagtypes", ("protos", "control_plane", "data_plane", "clients", "gateway", "stepwise")),
 ]
 # The shared root of control_plane: its own modules, not its sub-packages.
 SHARED_ROOT_FORBIDDEN = ("control_plane.core", "control_plane.frontend")
@@ -124,6 +127,7 @@ def test_no_import_crosses_a_process_or_plane_boundary() -> None:
         ("protos/x.py", "from control_plane import request"),
         ("clients/x.py", "from stepwise.cli import RoutineError"),
         ("gateway/x.py", "import stepwise"),
+        ("flagtypes/x.py", "from clients.errors import RoutineError"),
     ],
 )
 def test_the_check_catches_a_crossing(rel: str, statement: str) -> None:
@@ -143,6 +147,8 @@ def test_allowed_imports_pass() -> None:
         ("control_plane/core/x.py", "from control_plane.scheduler.scheduler import Scheduler"),
         ("control_plane/record/x.py", "from control_plane.scheduler.scheduler import Scheduler"),
         ("data_plane/x.py", "from protos import decode_set"),
+        ("control_plane/x.py", "import flagtypes"),
+        ("data_plane/x.py", "from flagtypes import PORT"),
         ("stepwise/x.py", "from control_plane.core import server\nfrom data_plane import sim"),
     ]
     assert violations(allowed) == []

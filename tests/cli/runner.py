@@ -61,3 +61,49 @@ def assert_one_line(code: int, stderr: str, *names: str) -> str:
         assert name in lines[0], lines[0]
     assert code == 2, (code, stderr)
     return lines[0]
+
+
+def closed_pipe() -> int:
+    """The write end of a pipe whose reader is already gone: every write to it fails with EPIPE,
+    as `| head -1` does once head has read its line (without the race of when it reads)."""
+    read, write = os.pipe()
+    os.close(read)
+    return write
+
+
+def run_cli_into_closed_pipe(args: Sequence[str]) -> subprocess.CompletedProcess[str]:
+    """run_cli with stdout a pipe nobody reads (stderr captured)."""
+    stdout = closed_pipe()
+    try:
+        return subprocess.run(
+            [sys.executable, "-m", "stepwise.cli", *args],
+            cwd=ROOT,
+            env=_env(),
+            stdout=stdout,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=TIMEOUT_S,
+            check=False,
+        )
+    finally:
+        os.close(stdout)
+
+
+async def run_cli_into_closed_pipe_async(args: Sequence[str]) -> tuple[int, str]:
+    """run_cli_into_closed_pipe without blocking the event loop: (exit code, stderr)."""
+    stdout = closed_pipe()
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "stepwise.cli", *args, cwd=ROOT, env=_env(), stdout=stdout,
+            stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+    finally:
+        os.close(stdout)
+    try:
+        _, err = await asyncio.wait_for(proc.communicate(), TIMEOUT_S)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    assert proc.returncode is not None
+    return proc.returncode, err.decode()

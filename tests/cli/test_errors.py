@@ -8,6 +8,7 @@ from __future__ import annotations
 import socket
 import subprocess
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -41,10 +42,64 @@ def test_bad_flag_value(args: list[str], names: list[str]) -> None:
     assert_one_line(result.returncode, result.stderr, *names)
 
 
+FREE = ["--port", "0", "--worker-port", "0"]
+
+
+@pytest.mark.parametrize(
+    ("args", "names"),
+    [
+        # Each of these was a traceback (or, the last, a frontend that crashed again and again).
+        (["control", "--port", "-1", "--worker-port", "0"], ["stepwise control:", "--port", "-1"]),
+        (["control", "--port", "65536", "--worker-port", "0"], ["stepwise control:", "--port", "65536"]),
+        (["control", "--port", "0", "--worker-port", "99999"], ["stepwise control:", "--worker-port"]),
+        (["control", "--metrics-port", "70000", *FREE], ["stepwise control:", "--metrics-port", "70000"]),
+        (["control", "--log-level", "LOUD", *FREE], ["stepwise control:", "--log-level", "LOUD"]),
+        (["worker", "--backend", "sim", "--log-level", "LOUD"], ["stepwise worker:", "--log-level"]),
+        (["worker", "--backend", "sim", "--health-port", "65536"], ["stepwise worker:", "--health-port"]),
+        (["gateway", "--port", "-1"], ["stepwise gateway:", "--port", "-1"]),
+        (["gateway", "--port", "65536"], ["stepwise gateway:", "--port", "65536"]),
+        (["gateway", "--port", "0", "--log-level", "LOUD"], ["stepwise gateway:", "--log-level"]),
+        (["control", "--max-concurrent-streams", "4294967296", *FREE], ["--max-concurrent-streams"]),
+        (["up", "--port", "-1"], ["stepwise control:", "--port", "-1"]),
+        (["up", "--control-planes", "1000"], ["stepwise up:", "--control-planes", "1000"]),
+        (["up", "--gateway-port", "65536"], ["stepwise up:", "--gateway-port"]),
+        # up sets these itself: a value given to it would have been replaced without a word.
+        (["up", "--control", "10.0.0.1:50052"], ["stepwise up:", "--control", "set by up"]),
+        (["up", "--worker-id", "w"], ["stepwise up:", "--worker-id", "set by up"]),
+    ],
+)
+def test_out_of_range_value_is_one_line(args: list[str], names: list[str]) -> None:
+    result = run_cli(args)
+    assert_one_line(result.returncode, result.stderr, *names)
+
+
 @pytest.mark.parametrize(
     ("args", "env", "names"),
     [
-        (["control"], {"STEPWISE_PORT": "abc"}, ["stepwise control:", "STEPWISE_PORT=abc", "invalid int"]),
+        (
+            ["control", *FREE],
+            {"STEPWISE_METRICS_PORT": "70000"},
+            ["STEPWISE_METRICS_PORT=70000", "--metrics"],
+        ),
+        (
+            ["worker"],
+            {"STEPWISE_CONNECT_TIMEOUT": "nan"},
+            ["STEPWISE_CONNECT_TIMEOUT=nan", "--connect-timeout"],
+        ),
+        (["up"], {"STEPWISE_FRONTENDS": "65"}, ["stepwise control:", "STEPWISE_FRONTENDS=65", "--frontends"]),
+    ],
+)
+def test_out_of_range_environment_value_is_one_line(
+    args: list[str], env: dict[str, str], names: list[str]
+) -> None:
+    result = run_cli(args, env)
+    assert_one_line(result.returncode, result.stderr, *names)
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "names"),
+    [
+        (["control"], {"STEPWISE_PORT": "abc"}, ["stepwise control:", "STEPWISE_PORT=abc", "an integer"]),
         (["control"], {"STEPWISE_MAX_QUEUED_REQUESTS": "x"}, ["STEPWISE_MAX_QUEUED_REQUESTS=x"]),
         (["control"], {"STEPWISE_SCHEDULE_POLICY": "nope"}, ["STEPWISE_SCHEDULE_POLICY=nope", "choice"]),
         (["control"], {"STEPWISE_ENABLE_MIXED_CHUNK": "maybe"}, ["STEPWISE_ENABLE_MIXED_CHUNK=maybe"]),
@@ -147,7 +202,7 @@ def test_a_bug_keeps_its_traceback(monkeypatch: pytest.MonkeyPatch) -> None:
     def broken(argv: Sequence[str]) -> int:
         raise KeyError("a bug, not a routine failure")
 
-    monkeypatch.setitem(cli.COMMANDS, "generate", cli.Command(broken, "broken"))
+    monkeypatch.setitem(cli.COMMANDS, "generate", replace(cli.COMMANDS["generate"], run=broken))
     with pytest.raises(KeyError, match="a bug"):
         cli.main(["generate", "hi"])
 
@@ -158,6 +213,6 @@ def test_routine_error_maps_to_one_line(
     def routine(argv: Sequence[str]) -> int:
         raise cli.RoutineError("--model: model directory /x\ndoes not exist")
 
-    monkeypatch.setitem(cli.COMMANDS, "generate", cli.Command(routine, "routine"))
+    monkeypatch.setitem(cli.COMMANDS, "generate", replace(cli.COMMANDS["generate"], run=routine))
     assert cli.main(["generate"]) == 2
     assert capsys.readouterr().err == "stepwise generate: --model: model directory /x does not exist\n"

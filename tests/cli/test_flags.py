@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from stepwise.cli import _control_parser, _worker_parser
+from stepwise.cli import _control_parser, _up_parser, _worker_parser
 from stepwise.flags import apply_env_defaults, env_name
 from stepwise.up import split_flags
 
@@ -81,8 +81,11 @@ def test_env_values_are_checked_like_flags(capsys: pytest.CaptureFixture[str]) -
     parser.add_argument("--n", type=int, default=1)
     parser.add_argument("--policy", choices=("a", "b"), default="a")
     for env, complaint in (
-        ({"STEPWISE_N": "abc"}, "stepwise x: STEPWISE_N=abc: invalid int value\n"),
-        ({"STEPWISE_POLICY": "c"}, "stepwise x: STEPWISE_POLICY=c: invalid choice (choose from a, b)\n"),
+        ({"STEPWISE_N": "abc"}, "stepwise x: STEPWISE_N=abc (--n): invalid int value\n"),
+        (
+            {"STEPWISE_POLICY": "c"},
+            "stepwise x: STEPWISE_POLICY=c (--policy): invalid choice (choose from a, b)\n",
+        ),
     ):
         with pytest.raises(SystemExit) as exited:
             apply_env_defaults(parser, env)
@@ -114,3 +117,46 @@ def test_one_line_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
         parser.parse_args(["--port", "abc"])
     assert exited.value.code == 2
     assert capsys.readouterr().err == "stepwise x: argument --port: invalid int value: 'abc'\n"
+
+
+def _sections(help_text: str) -> dict[str, str]:
+    """`--help`'s text by section title (a line that ends with ':' and starts a section)."""
+    sections: dict[str, str] = {}
+    title = ""
+    for line in help_text.splitlines():
+        if line and not line.startswith(" ") and line.endswith(":"):
+            title = line[:-1]
+            sections[title] = ""
+        elif title:
+            sections[title] += line + "\n"
+    return sections
+
+
+def _longs(parser) -> set[str]:  # type: ignore[no-untyped-def]
+    return {s for action in parser._actions for s in action.option_strings if s.startswith("--")}
+
+
+def test_up_help_says_which_child_gets_each_flag() -> None:
+    """`up --help` lists every flag it passes on, grouped by the child (or children) that take it."""
+    from stepwise.cli import _gateway_parser
+    from stepwise.up import GATEWAY_FLAGS, SET_BY_UP
+
+    sections = _sections(_up_parser().format_help())
+    own = _longs(_up_parser())
+    control, worker = _longs(_control_parser()) - own, _longs(_worker_parser()) - own - set(SET_BY_UP)
+    expected = {
+        "passed to the control plane (stepwise control)": control - worker,
+        "passed to every worker (stepwise worker)": worker - control,
+        "passed to the control plane and every worker": control & worker,
+        "passed to the gateway too (with --gateway-port)": set(GATEWAY_FLAGS),
+    }
+    for title, names in expected.items():
+        listed = {line.split()[0] for line in sections[title].splitlines() if line.startswith("  --")}
+        assert listed == names, title
+    assert set(GATEWAY_FLAGS) <= _longs(_gateway_parser()) and set(GATEWAY_FLAGS) <= control
+    assert all(name in sections["set by up itself"] for name in SET_BY_UP)
+
+
+def test_up_refuses_the_flags_it_sets_itself() -> None:
+    with pytest.raises(ValueError, match="--worker-id is set by up itself"):
+        split_flags(["--worker-id", "w"], _control_parser(), _worker_parser())
