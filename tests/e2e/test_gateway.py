@@ -218,6 +218,107 @@ def test_bad_requests_are_400_in_openai_shape_and_the_gateway_keeps_serving(up: 
         up.openai().completions.create(model="embedded", prompt=PROMPT, max_tokens=-1)
 
 
+INT32_PAST = 2**31
+LONE = '"\\ud800"'  # a lone surrogate, as JSON escapes it: valid JSON, but no UTF-8 string
+CHAT = '"messages": [{"role": "user", "content": "hi"}]'
+
+
+def _nested(depth: int) -> str:
+    return "[" * depth + "]" * depth
+
+
+# (path, JSON body as text, the param the 400 must name). Each got a plain-text 500 before: the
+# protocol's int32/uint64 fields refused the value, UTF-8 encoding refused the surrogate, or the
+# JSON decoder ran out of recursion.
+OUT_OF_RANGE = [
+    ("completions", f'{{"prompt": "x", "max_tokens": {INT32_PAST}}}', "max_tokens"),
+    ("completions", f'{{"prompt": "x", "max_tokens": {2**64}}}', "max_tokens"),
+    ("completions", f'{{"prompt": "x", "top_k": {INT32_PAST}}}', "top_k"),
+    ("completions", f'{{"prompt": "x", "min_tokens": {2**40}}}', "min_tokens"),
+    ("completions", f'{{"prompt": "x", "n": {2**40}}}', "n"),
+    ("completions", f'{{"prompt": "x", "priority": {INT32_PAST}}}', "priority"),
+    ("completions", f'{{"prompt": "x", "priority": {-INT32_PAST - 1}}}', "priority"),
+    ("completions", f'{{"prompt": "x", "seed": {2**64}}}', "seed"),
+    ("completions", f'{{"prompt": "x", "seed": {10**30}}}', "seed"),
+    ("completions", f'{{"prompt": "x", "stop_token_ids": [1, {2**40}]}}', "stop_token_ids.1"),
+    ("completions", f'{{"prompt": "x", "stop_token_ids": [{-INT32_PAST - 1}]}}', "stop_token_ids.0"),
+    ("completions", f'{{"prompt": [{2**40}]}}', "prompt.0"),
+    ("completions", f'{{"prompt": [1, {2**64}]}}', "prompt.1"),
+    ("completions", f'{{"prompt": [[{INT32_PAST}]]}}', "prompt.0.0"),
+    ("chat/completions", f'{{{CHAT}, "max_completion_tokens": {INT32_PAST}}}', "max_completion_tokens"),
+    ("chat/completions", f'{{{CHAT}, "max_tokens": {2**64}}}', "max_tokens"),
+    ("chat/completions", f'{{{CHAT}, "n": {2**40}}}', "n"),
+    ("chat/completions", f'{{{CHAT}, "seed": {2**64}}}', "seed"),
+]
+SURROGATES = [
+    ("completions", f'{{"prompt": {LONE}}}', "prompt"),
+    ("completions", f'{{"prompt": ["a{LONE[1:]}]}}', "prompt.0"),
+    ("completions", f'{{"prompt": "x", "stop": {LONE}}}', "stop"),
+    ("completions", f'{{"prompt": "x", "stop": ["ok", {LONE}]}}', "stop.1"),
+    ("completions", f'{{"prompt": "x", "user": {LONE}}}', "user"),
+    ("completions", f'{{"prompt": "x", "model": {LONE}}}', "model"),
+    ("chat/completions", f'{{"messages": [{{"role": "user", "content": {LONE}}}]}}', "messages.0.content"),
+    (
+        "chat/completions",
+        f'{{"messages": [{{"role": "user", "content": [{{"type": "text", "text": {LONE}}}]}}]}}',
+        "messages.0.content.0.text",
+    ),
+    ("chat/completions", f'{{{CHAT}, "model": {LONE}}}', "model"),
+    ("chat/completions", f'{{{CHAT}, "stop": [{LONE}]}}', "stop.0"),
+]
+# No field to name: the decoder gives up before there are fields.
+DEEP = [
+    ("completions", f'{{"prompt": "x", "extra": {_nested(1000)}}}', None),
+    ("completions", f'{{"prompt": {_nested(5000)}}}', None),
+    ("completions", f'{{"prompt": "x", "extra": {_nested(100_000)}}}', None),
+    (
+        "chat/completions",
+        f'{{"messages": [{{"role": "user", "content": "hi", "x": {_nested(1000)}}}]}}',
+        None,
+    ),
+    ("completions", f'{{"prompt": "x", "max_tokens": {"9" * 5000}}}', None),
+]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    OUT_OF_RANGE + SURROGATES + DEEP,
+    ids=[f"{p}:{param or body[:40]}" for p, body, param in OUT_OF_RANGE + SURROGATES + DEEP],
+)
+def test_absurd_values_are_a_400_naming_the_field(up: Up, path: str, body: str, param: str | None) -> None:
+    with httpx.Client(base_url=up.base_url, timeout=30) as http:
+        reply = http.post(f"/{path}", content=body.encode(), headers={"content-type": "application/json"})
+        assert reply.status_code == 400, reply.text[:300]
+        error = reply.json()["error"]
+        assert error["type"] == "invalid_request_error", error
+        assert error["param"] == param, error
+        if param is not None:
+            assert error["message"].startswith(f"{param}:"), error
+        assert http.post("/completions", json={"prompt": PROMPT, "max_tokens": 2}).status_code == 200
+
+
+# Each was a 500 ("Invalid metadata"): gRPC metadata carries printable ASCII only.
+BAD_KEYS = [b"Bearer k\xc3\xa9y", b"Bearer k\xe9y", b"Bearer a\tb", b"Bearer a\x01b", b"Bearer \x7fkey"]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("authorization", BAD_KEYS, ids=repr)
+def test_a_key_no_control_plane_can_hold_is_a_401(up: Up, authorization: bytes) -> None:
+    with httpx.Client(base_url=up.base_url, timeout=30) as http:
+        for reply in (
+            http.post(
+                "/completions",
+                json={"prompt": PROMPT, "max_tokens": 2},
+                headers={"authorization": authorization},
+            ),
+            http.get("/models", headers={"authorization": authorization}),
+        ):
+            assert reply.status_code == 401, reply.text[:300]
+            error = reply.json()["error"]
+            assert error["type"] == "authentication_error" and "Authorization" in error["message"], error
+
+
 @pytest.mark.timeout(120)
 def test_disconnecting_a_stream_aborts_the_request_and_frees_its_kv(up: Up) -> None:
     body = {"model": "embedded", "prompt": PROMPT, "max_tokens": 1900, "ignore_eos": True, "stream": True}
