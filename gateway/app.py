@@ -12,7 +12,7 @@ import contextlib
 import json
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,7 @@ from clients.client import StepwiseClient
 from gateway.chat import ChatTemplate
 from gateway.errors import GatewayError, from_grpc, invalid
 from gateway.formats import ChatFormat, Collected, CompletionFormat
+from gateway.limits import HttpLimits, read_body
 from gateway.metrics import GatewayMetrics
 from gateway.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields, parse_body, utf8_text
 from protos.stepwise.v1 import generation_pb2 as gen_pb
@@ -42,6 +43,7 @@ class GatewayConfig:
     model_name: str
     template: ChatTemplate | None = None
     tls_ca: Path | None = None
+    limits: HttpLimits = field(default_factory=HttpLimits)
 
 
 def create_app(config: GatewayConfig) -> FastAPI:
@@ -114,7 +116,7 @@ class Gateway:
     async def completions(self, request: Request) -> Response:
         started = time.monotonic()
         try:
-            body = parse_body(await request.body(), CompletionRequest)
+            body = parse_body(await read_body(request, self.config.limits), CompletionRequest)
             body.refuse_unsupported()
             fmt = CompletionFormat(self._model(body))
             return await self._generate(request, body, body.single_prompt(), fmt, "completions", started)
@@ -124,7 +126,7 @@ class Gateway:
     async def chat_completions(self, request: Request) -> Response:
         started = time.monotonic()
         try:
-            body = parse_body(await request.body(), ChatCompletionRequest)
+            body = parse_body(await read_body(request, self.config.limits), ChatCompletionRequest)
             body.refuse_unsupported()
             prompt = self.render_chat(body)
             fmt = ChatFormat(self._model(body))
