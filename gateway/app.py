@@ -12,7 +12,7 @@ import contextlib
 import json
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,10 +25,11 @@ from starlette.exceptions import HTTPException
 
 from clients.client import StepwiseClient
 from gateway.chat import ChatTemplate
-from gateway.errors import GatewayError, from_grpc
+from gateway.errors import GatewayError, from_grpc, invalid
 from gateway.formats import ChatFormat, Collected, CompletionFormat
+from gateway.limits import HttpLimits, read_body
 from gateway.metrics import GatewayMetrics
-from gateway.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields, parse_body
+from gateway.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields, parse_body, utf8_text
 from protos.stepwise.v1 import generation_pb2 as gen_pb
 
 HEALTH_TIMEOUT_S = 2.0
@@ -42,6 +43,7 @@ class GatewayConfig:
     model_name: str
     template: ChatTemplate | None = None
     tls_ca: Path | None = None
+    limits: HttpLimits = field(default_factory=HttpLimits)
 
 
 def create_app(config: GatewayConfig) -> FastAPI:
@@ -69,9 +71,17 @@ def error_response(error: GatewayError) -> JSONResponse:
 
 
 def bearer_key(request: Request) -> str | None:
-    """The caller's API key from `Authorization: Bearer KEY`, forwarded to the control plane."""
+    """The caller's API key from `Authorization: Bearer KEY`, forwarded to the control plane.
+
+    A 401 for a key gRPC metadata cannot carry (printable ASCII only): no control plane holds it."""
     scheme, _, key = request.headers.get("authorization", "").partition(" ")
-    return key.strip() or None if scheme.lower() == "bearer" else None
+    key = key.strip()
+    if scheme.lower() != "bearer" or not key:
+        return None
+    if not (key.isascii() and key.isprintable()):
+        message = "Authorization: the bearer token must be printable ASCII"
+        raise GatewayError(401, message, code="invalid_api_key")
+    return key
 
 
 def sse(data: dict[str, Any]) -> str:
@@ -106,7 +116,7 @@ class Gateway:
     async def completions(self, request: Request) -> Response:
         started = time.monotonic()
         try:
-            body = parse_body(await request.body(), CompletionRequest)
+            body = parse_body(await read_body(request, self.config.limits), CompletionRequest)
             body.refuse_unsupported()
             fmt = CompletionFormat(self._model(body))
             return await self._generate(request, body, body.single_prompt(), fmt, "completions", started)
@@ -116,7 +126,7 @@ class Gateway:
     async def chat_completions(self, request: Request) -> Response:
         started = time.monotonic()
         try:
-            body = parse_body(await request.body(), ChatCompletionRequest)
+            body = parse_body(await read_body(request, self.config.limits), ChatCompletionRequest)
             body.refuse_unsupported()
             prompt = self.render_chat(body)
             fmt = ChatFormat(self._model(body))
@@ -130,12 +140,18 @@ class Gateway:
             problem = "messages: the model has no chat template; use /v1/completions"
             raise GatewayError(400, problem, "messages")
         messages = [m.template_dict() for m in body.messages]
-        return self.config.template.render(messages, body.add_generation_prompt)
+        prompt = self.config.template.render(messages, body.add_generation_prompt)
+        try:  # the typed fields are checked already; this catches a surrogate in an extra field
+            return utf8_text(prompt)
+        except ValueError as exc:
+            raise invalid("messages", f"the rendered prompt is {exc}") from None
 
     async def models(self, request: Request) -> Response:
         started = time.monotonic()
         try:
             info = await self.client.server_info(api_key=bearer_key(request))
+        except GatewayError as exc:
+            return self._refused("models", exc, started)
         except grpc.aio.AioRpcError as exc:
             return self._refused("models", from_grpc(exc), started)
         model = {

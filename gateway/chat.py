@@ -39,6 +39,11 @@ class ChatTemplate:
             )
         except jinja2.TemplateError as exc:
             raise GatewayError(400, f"messages: {exc}", param="messages") from None
+        except Exception as exc:
+            # The template runs on the caller's messages, extra fields included (a `tool_calls` that
+            # is a string, a list nested a thousand deep): whatever it trips over, they brought.
+            problem = f"messages: the chat template cannot render them: {type(exc).__name__}: {exc}"
+            raise GatewayError(400, problem, param="messages") from None
 
 
 def load_template(model_dir: Path) -> ChatTemplate | None:

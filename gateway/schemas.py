@@ -8,9 +8,11 @@ meaning the gRPC protocol cannot carry (log probabilities, echo, suffix, best_of
 from __future__ import annotations
 
 import json
-from typing import Any, Literal, TypeVar
+import reprlib
+from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
+from pydantic_core import ErrorDetails
 
 from clients.client import generate_request, sampling_params
 from gateway.errors import GatewayError, invalid
@@ -18,6 +20,24 @@ from protos.stepwise.v1 import generation_pb2 as gen_pb
 
 M = TypeVar("M", bound=BaseModel)
 Role = Literal["system", "developer", "user", "assistant", "tool"]
+
+# The protocol's field widths: past them protobuf refuses the value, so the schema must first.
+INT32_MIN, INT32_MAX, UINT64_MAX = -(2**31), 2**31 - 1, 2**64 - 1
+
+
+def utf8_text(text: str) -> str:
+    """JSON may escape a lone surrogate (`"\\ud800"`), which no UTF-8 string (and so no protobuf
+    string) can hold."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"not valid UTF-8: a lone surrogate at index {exc.start}") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(utf8_text)]
+Int32 = Annotated[int, Field(ge=INT32_MIN, le=INT32_MAX)]
+Count = Annotated[int, Field(ge=0, le=INT32_MAX)]
 
 
 class StreamOptions(BaseModel):
@@ -29,25 +49,25 @@ class SamplingFields(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=0)
+    model: Text | None = None
+    max_tokens: Count | None = None
     temperature: float | None = Field(default=None, ge=0)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    top_k: int | None = Field(default=None, ge=-1)
+    top_k: int | None = Field(default=None, ge=-1, le=INT32_MAX)
     min_p: float | None = Field(default=None, ge=0, le=1)
     repetition_penalty: float | None = Field(default=None, gt=0)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
-    min_tokens: int | None = Field(default=None, ge=0)
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    min_tokens: Count | None = None
+    stop: Text | list[Text] | None = None
+    stop_token_ids: list[Int32] | None = None
     ignore_eos: bool = False
-    seed: int | None = Field(default=None, ge=0)
-    n: int = Field(default=1, ge=1)
+    seed: int | None = Field(default=None, ge=0, le=UINT64_MAX)
+    n: int = Field(default=1, ge=1, le=INT32_MAX)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
-    priority: int | None = None
+    user: Text | None = None
+    priority: Int32 | None = None
 
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
@@ -77,7 +97,7 @@ class SamplingFields(BaseModel):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: Text | list[Int32] | list[Text] | list[list[Int32]]
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
@@ -105,14 +125,14 @@ class CompletionRequest(SamplingFields):
 
 class TextPart(BaseModel):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: Role
-    content: str | list[TextPart] | None = None
+    content: Text | list[TextPart] | None = None
 
     def template_dict(self) -> dict[str, Any]:
         """The message as a chat template sees it: text parts joined into one string."""
@@ -125,7 +145,7 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=0)
+    max_completion_tokens: Count | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
@@ -140,20 +160,39 @@ class ChatCompletionRequest(SamplingFields):
 
 
 def parse_body(raw: bytes, model: type[M]) -> M:
-    """The request body as `model`; a 400 naming the first bad field otherwise."""
+    """The request body as `model`; a 400 naming the most specific bad field otherwise."""
     try:
         data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except ValueError as exc:  # bad JSON or UTF-8, or an integer of over 4,300 digits
         raise GatewayError(400, f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise GatewayError(400, "the request body is not valid JSON: nested too deeply") from None
     if not isinstance(data, dict):
         raise GatewayError(400, "the request body must be a JSON object")
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        param = ".".join(str(part) for part in first["loc"] if not _is_union_branch(part)) or None
-        got = f", got {first['input']!r}" if "input" in first and param else ""
-        raise GatewayError(400, f"{param}: {first['msg']}{got}", param=param) from None
+        raise _invalid_field(exc.errors()) from None
+
+
+# An input is quoted in the message cut short (a few levels, a few items, a few dozen characters):
+# a prompt can be megabytes, a list a thousand levels deep.
+_QUOTE = reprlib.Repr()
+_QUOTE.maxlevel, _QUOTE.maxstring, _QUOTE.maxother, _QUOTE.maxlist, _QUOTE.maxdict = 3, 60, 60, 4, 4
+
+
+def _invalid_field(errors: list[ErrorDetails]) -> GatewayError:
+    """Of a union's errors, the branch that got furthest into the input says what is wrong
+    (`prompt.0: must be <= 2147483647`, not `prompt: should be a valid string`); within one depth a
+    bad value beats a wrong type."""
+    error = max(errors, key=lambda e: (len(_field_path(e)), not e["type"].endswith("_type")))
+    param = ".".join(_field_path(error)) or None
+    got = f", got {_QUOTE.repr(error['input'])}" if "input" in error and param else ""
+    return GatewayError(400, f"{param}: {error['msg']}{got}", param=param)
+
+
+def _field_path(error: ErrorDetails) -> list[str]:
+    return [str(part) for part in error["loc"] if not _is_union_branch(part)]
 
 
 def _is_union_branch(part: object) -> bool:

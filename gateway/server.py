@@ -15,8 +15,16 @@ from pathlib import Path
 import uvicorn
 
 from clients.client import add_tls_ca_argument
-from flagtypes import PORT
+from flagtypes import PORT, Int, count, seconds
 from gateway.app import GatewayConfig, create_app
+from gateway.connections import AcceptErrorLog, protocol_class
+from gateway.limits import (
+    DEFAULT_MAX_CONNECTIONS,
+    HttpLimits,
+    check_max_connections,
+    default_max_connections,
+    open_files_limit,
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -33,6 +41,49 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_tls_ca_argument(parser)
     parser.add_argument("--ready-file", type=Path, default=None, help="write the bound port here as JSON")
+    add_limit_arguments(parser)
+
+
+def add_limit_arguments(parser: argparse.ArgumentParser) -> None:
+    d = HttpLimits()
+    parser.add_argument(
+        "--max-body-bytes",
+        type=Int(1, 2**40),
+        default=d.max_body_bytes,
+        help=f"a request body past this many bytes is a 413, before it is read whole ({d.max_body_bytes})",
+    )
+    parser.add_argument(
+        "--header-timeout",
+        type=seconds(0.001),
+        default=d.header_timeout_s,
+        help="seconds a connection has to send a whole request head, from its opening or its previous "
+        f"response's end; then it is closed ({d.header_timeout_s:g})",
+    )
+    parser.add_argument(
+        "--body-timeout",
+        type=seconds(0.001),
+        default=d.body_timeout_s,
+        help="seconds a request has to send its whole body once its head is in; then 408 "
+        f"({d.body_timeout_s:g})",
+    )
+    parser.add_argument(
+        "--max-connections",
+        type=count(1),
+        default=None,
+        help="open HTTP connections at most; one more is answered 503 (Retry-After: 1) and closed "
+        f"(default {DEFAULT_MAX_CONNECTIONS}, or the open-file limit less the process's own files)",
+    )
+
+
+def limits_from_args(ns: argparse.Namespace) -> HttpLimits:
+    """The flags as HttpLimits; ValueError naming the flag for a value that cannot work."""
+    open_files = open_files_limit()
+    max_connections = ns.max_connections
+    if max_connections is None:
+        max_connections = default_max_connections(open_files)
+    else:
+        check_max_connections(max_connections, open_files)
+    return HttpLimits(ns.max_body_bytes, ns.header_timeout, ns.body_timeout, max_connections)
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -49,9 +100,11 @@ def bind(host: str, port: int) -> socket.socket:
 
 async def serve(config: GatewayConfig, sock: socket.socket, log_level: str, ready_file: Path | None) -> int:
     """Serve until SIGINT or SIGTERM (uvicorn's handlers); write `ready_file` once accepting."""
+    asyncio.get_running_loop().set_exception_handler(AcceptErrorLog())
     app = create_app(config)
+    http = protocol_class(config.limits)
     server = uvicorn.Server(
-        uvicorn.Config(app, log_level=log_level, access_log=False, timeout_graceful_shutdown=5)
+        uvicorn.Config(app, http=http, log_level=log_level, access_log=False, timeout_graceful_shutdown=5)
     )
     task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started and not task.done():

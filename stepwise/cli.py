@@ -282,7 +282,11 @@ def cmd_gateway(argv: Sequence[str]) -> int:
     except (OSError, ValueError) as exc:
         raise RoutineError(f"--model: cannot read the chat template of {model_dir}: {exc}") from exc
     name = ns.served_model_name or (ns.model if ns.model == "embedded" else model_dir.name)
-    config = GatewayConfig(ns.control, name, template, ns.tls_ca)
+    try:
+        limits = server.limits_from_args(ns)
+    except ValueError as exc:
+        raise RoutineError(str(exc)) from exc
+    config = GatewayConfig(ns.control, name, template, ns.tls_ca, limits)
     try:
         sock = server.bind(ns.host, ns.port)
     except OSError as exc:

@@ -35,6 +35,10 @@ from tests.cli.runner import assert_one_line, run_cli, run_cli_async
         (["simulate"], ["stepwise simulate:", "trace"]),
         (["simulate", "t.jsonl", "--kv-tokens", "x"], ["stepwise simulate:", "--kv-tokens"]),
         (["up", "--nope"], ["stepwise up:", "--nope"]),
+        (["gateway", "--max-body-bytes", "0"], ["stepwise gateway:", "--max-body-bytes"]),
+        (["gateway", "--header-timeout", "0"], ["stepwise gateway:", "--header-timeout"]),
+        (["gateway", "--max-connections", "0"], ["stepwise gateway:", "--max-connections", "1.."]),
+        (["gateway", "--max-connections", "999999999"], ["stepwise gateway:", "--max-connections", "ulimit"]),
     ],
 )
 def test_bad_flag_value(args: list[str], names: list[str]) -> None:

@@ -101,9 +101,10 @@ async def start_stack() -> AsyncIterator[Callable[..., object]]:
 class ControlProcess:
     """One `stepwise control` child plus any workers a test adds; `stop()` ends them all."""
 
-    def __init__(self, flags: Sequence[str], tmp: Path) -> None:
+    def __init__(self, flags: Sequence[str], tmp: Path, env: dict[str, str] | None = None) -> None:
         self.flags = list(flags)
         self.tmp = tmp
+        self.env = env  # the control plane's environment, beyond this process's
         self.procs: list[subprocess.Popen[bytes]] = []
         self.address = ""
         self.worker_address = ""
@@ -119,7 +120,7 @@ class ControlProcess:
 
     async def start(self, timeout: float = 60.0) -> ControlProcess:
         ready = self.tmp / f"ready-{len(self.procs)}.json"
-        control = self.spawn("control", *CONTROL_BASE, *self.flags, "--ready-file", str(ready))
+        control = self.spawn("control", *CONTROL_BASE, *self.flags, "--ready-file", str(ready), env=self.env)
         deadline = time.monotonic() + timeout
         while not ready.exists():
             assert control.poll() is None, f"control plane exited with {control.returncode}"

@@ -3,17 +3,24 @@
 Clients: any GenerateRequest hypothesis can build, every field and absurd sizes included, and raw
 bytes that are no request at all, must get a stream that ends properly or a clean status: never
 UNKNOWN or INTERNAL, never a hang. Workers: any hello and any StepResult a rogue worker sends must
-cost at most that worker. After each example a good request must still be served.
+cost at most that worker. The gateway in front of it: any OpenAI body (every field of both request
+schemas, absurd sizes, surrogates, deep nesting, wrong types) must get a 2xx or an OpenAI-shaped
+4xx, never a 5xx. After each example a good request must still be served.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
 
 import grpc
+import httpx
 import pytest
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from clients.client import StepwiseClient
@@ -22,6 +29,7 @@ from protos.stepwise.v1 import generation_pb2 as gen_pb
 from protos.stepwise.v1 import worker_pb2 as wk_pb
 from protos.worker import StepPlan
 from stepwise.embedded import resolve_model
+from stepwise.up import stop_processes
 from tests.e2e.conftest import ControlProcess
 from tests.e2e.rogue import RogueWorker, hello, honest_result, tokens_bytes
 
@@ -48,7 +56,11 @@ def plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlProcess]:
     # Least-loaded routing: a tie in load goes to the rogue (see hellos()). Cache-aware routing would
     # send every round's prompt to the real worker, which caches it, and the rogue would get no plan.
     flags = ["--max-queued-requests", "64", "--routing-policy", "least-loaded"]
-    control = ControlProcess(flags, tmp_path_factory.mktemp("fuzz"))
+    # No request generates more than 16 tokens (SGLang's env knob clamps max_new_tokens): the gateway
+    # fuzz's absurd max_tokens and n would otherwise run to the context's end, and a whole (not
+    # streamed) answer comes only then.
+    env = {"STEPWISE_MAX_NEW_TOKENS_LIMIT": "16"}
+    control = ControlProcess(flags, tmp_path_factory.mktemp("fuzz"), env)
     try:
         asyncio.run(control.start())
         control.add_worker("real")
@@ -247,3 +259,223 @@ def test_any_hello_or_result_costs_at_most_that_worker(
 
     asyncio.run(round_trip())
     assert plane.control.poll() is None
+
+
+# --- the gateway: any OpenAI body gets a 2xx or an OpenAI-shaped 4xx, never a 5xx ---------------
+
+
+@pytest.fixture(scope="module")
+def gateway(plane: ControlProcess, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """`stepwise gateway` (the embedded model's chat template) in front of the plane; its base URL.
+    Its log goes to a file, read by the test for tracebacks."""
+    tmp = tmp_path_factory.mktemp("fuzz-gateway")
+    ready, log = tmp / "gateway.json", tmp / "gateway.log"
+    args = ["gateway", "--control", plane.address, "--port", "0", "--ready-file", str(ready)]
+    with log.open("wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "stepwise.cli", *args], stdout=out, stderr=out)
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.exists():
+            assert proc.poll() is None, f"the gateway exited with {proc.returncode}: {log.read_text()}"
+            assert time.monotonic() < deadline, "the gateway did not start"
+            time.sleep(0.05)
+        yield f"http://127.0.0.1:{json.loads(ready.read_text())['port']}"
+        assert "Traceback" not in log.read_text(), log.read_text()[-5000:]
+    finally:
+        stop_processes([proc])
+
+
+# Any JSON value: surrogates (one alone is valid JSON but no UTF-8 string), integers of any size,
+# NaN and infinities (Python's JSON reads them), nested lists and objects.
+SURROGATES = st.text(st.characters(categories=["Cs"]), min_size=1, max_size=3)
+ABSURD_INTS = st.sampled_from([2**31, -(2**31) - 1, 2**63, 2**64, -(2**64), 10**30]) | st.integers()
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | ABSURD_INTS | st.floats() | st.text(max_size=8) | SURROGATES,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+    max_leaves=6,
+)
+
+
+@st.composite
+def json_fragments(draw: st.DrawFn) -> str:
+    """Any JSON value as text, or what json.dumps cannot write: nesting past the decoder's
+    recursion, integers past Python's 4,300 digits, a float past the double range."""
+    kind = draw(st.sampled_from(["value"] * 6 + ["deep", "digits", "overflow"]))
+    if kind == "deep":
+        depth = draw(st.sampled_from([200, 999, 1000, 20_000]))
+        return "[" * depth + "]" * depth
+    if kind == "digits":
+        return "9" * draw(st.sampled_from([19, 20, 4300, 4301, 10_000]))
+    if kind == "overflow":
+        return "1e400"
+    return json.dumps(draw(JSON_VALUES))
+
+
+def _as_json(strategy: st.SearchStrategy[object]) -> st.SearchStrategy[str]:
+    return strategy.map(json.dumps)
+
+
+def _sized(make: Callable[[int], object], sizes: list[int]) -> st.SearchStrategy[str]:
+    """A value of absurd size (past the control plane's limits, past the gateway's body limit)."""
+    return st.sampled_from(sizes).map(lambda n: json.dumps(make(n)))
+
+
+TEXT = st.text(max_size=12)
+IDS = st.lists(st.integers(0, 1100), min_size=1, max_size=8)
+FEW, REAL = st.integers(0, 8), st.floats(0, 1.5)
+MESSAGES = st.lists(
+    st.fixed_dictionaries(
+        {"role": st.sampled_from(["system", "user", "assistant"])},
+        optional={"content": TEXT | st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": TEXT}))},
+    ),
+    min_size=1,
+    max_size=3,
+)
+# Every field of both request schemas, as a value a client would send (SENSIBLE) and as one meant
+# to break something (ODD: past the protocol's int32 and uint64, lone surrogates, sizes past the
+# control plane's and the gateway's limits, refused options); ODD_OR_ANY adds wrong types.
+SENSIBLE: dict[str, st.SearchStrategy[str]] = {
+    "prompt": _as_json(TEXT.filter(bool) | IDS | st.lists(TEXT.filter(bool), min_size=1, max_size=1)),
+    "messages": _as_json(MESSAGES),
+    "model": _as_json(st.just("embedded")),
+    "max_tokens": _as_json(FEW),
+    "max_completion_tokens": _as_json(FEW),
+    "min_tokens": _as_json(FEW),
+    "temperature": _as_json(REAL),
+    "top_p": _as_json(st.floats(0.1, 1)),
+    "top_k": _as_json(st.integers(-1, 8)),
+    "min_p": _as_json(st.floats(0, 1)),
+    "repetition_penalty": _as_json(st.floats(0.5, 2)),
+    "frequency_penalty": _as_json(st.floats(-2, 2)),
+    "presence_penalty": _as_json(st.floats(-2, 2)),
+    "stop": _as_json(TEXT.filter(bool) | st.lists(TEXT.filter(bool), max_size=3)),
+    "stop_token_ids": _as_json(st.lists(st.integers(0, 1100), max_size=3)),
+    "ignore_eos": _as_json(st.booleans()),
+    "seed": _as_json(st.integers(0, 2**64 - 1)),
+    "n": _as_json(st.integers(1, 4)),
+    "stream": _as_json(st.booleans()),
+    "stream_options": _as_json(st.fixed_dictionaries({"include_usage": st.booleans()})),
+    "user": _as_json(TEXT),
+    "priority": _as_json(FEW),
+    "logprobs": _as_json(st.none()),
+    "top_logprobs": _as_json(st.none()),
+    "echo": _as_json(st.just(False)),
+    "suffix": _as_json(st.none()),
+    "best_of": _as_json(st.none()),
+    "add_generation_prompt": _as_json(st.booleans()),
+}
+ODD_TEXT = _as_json(SURROGATES | st.text().map(lambda t: t + "\ud800"))
+ODD_INT = _as_json(ABSURD_INTS | st.integers(-3, -1))
+ODD_REAL = _as_json(st.floats())
+ODD: dict[str, st.SearchStrategy[str]] = {
+    "prompt": ODD_TEXT
+    | _as_json(st.just([]) | st.lists(ABSURD_INTS, min_size=1, max_size=3))
+    | _as_json(st.lists(st.lists(ABSURD_INTS, max_size=2), min_size=1, max_size=3))
+    # 4 MiB of text is the control plane's --max-prompt-bytes; 8 MiB of body the gateway's limit.
+    | _sized(lambda n: "Once upon a time " * n, [250_000, 600_000])
+    | _sized(lambda n: [5] * n, [5000, 3_000_000]),
+    "messages": _as_json(
+        st.just([]) | st.lists(st.fixed_dictionaries({"role": TEXT, "content": JSON_VALUES}))
+    )
+    | ODD_TEXT.map(lambda t: f'[{{"role": "user", "content": {t}}}]')
+    | ODD_TEXT.map(lambda t: f'[{{"role": "user", "content": "x", "name": {t}}}]'),
+    "stop": ODD_TEXT | _sized(lambda n: ["x"] * n, [65, 3000]),
+    "stop_token_ids": _as_json(st.lists(ABSURD_INTS, min_size=1, max_size=3))
+    | _sized(lambda n: list(range(n)), [1025, 3000]),
+    "seed": _as_json(st.sampled_from([-1, 2**64, 10**30])),
+    "user": ODD_TEXT | _sized(lambda n: "u" * n, [257, 100_000]),
+    "model": ODD_TEXT,
+    "logprobs": _as_json(st.booleans() | FEW),
+    "top_logprobs": _as_json(FEW),
+    "echo": _as_json(st.just(True)),
+    "suffix": ODD_TEXT | _as_json(TEXT.filter(bool)),
+    "best_of": _as_json(FEW),
+    **{
+        name: ODD_INT
+        for name in ("max_tokens", "max_completion_tokens", "min_tokens", "top_k", "n", "priority")
+    },
+    **{
+        name: ODD_REAL
+        for name in (
+            "temperature",
+            "top_p",
+            "min_p",
+            "repetition_penalty",
+            "frequency_penalty",
+            "presence_penalty",
+        )
+    },
+}
+AUTHORIZATION = st.none() | st.sampled_from([b"Bearer ok", b"Bearer k\xc3\xa9y", b"Bearer a\tb", b"Basic x"])
+
+
+@st.composite
+def openai_bodies(draw: st.DrawFn) -> tuple[str, bytes, bytes | None]:
+    """(path, body, Authorization): a few fields of either schema, sensible but for zero to two odd
+    ones (or of any type at all); now and then no object at all, or bytes that are no JSON. A body
+    with every field odd would be refused for its first, and the others never reached."""
+    path = draw(st.sampled_from(["/v1/completions", "/v1/chat/completions"]))
+    required = "prompt" if path == "/v1/completions" else "messages"
+    names = [required, *draw(st.lists(st.sampled_from(sorted(SENSIBLE)), max_size=6, unique=True))]
+    odd = draw(st.lists(st.sampled_from(names), max_size=2, unique=True))
+    fields = {}
+    for name in names:
+        odd_or_any = ODD.get(name, json_fragments()) | json_fragments()
+        fields[name] = draw(odd_or_any if name in odd else SENSIBLE[name])
+    if draw(st.integers(0, 19)) == 0:
+        del fields[required]
+    if draw(st.integers(0, 9)) == 0:
+        fields[draw(TEXT | SURROGATES)] = draw(json_fragments())  # a field no schema has
+    body = "{" + ", ".join(f"{json.dumps(name)}: {value}" for name, value in fields.items()) + "}"
+    shape = draw(st.sampled_from(["object"] * 18 + ["other", "bytes"]))
+    if shape == "other":
+        return path, draw(json_fragments()).encode(), None
+    if shape == "bytes":
+        return path, draw(st.binary(max_size=64)), None
+    return path, body.encode(), draw(AUTHORIZATION)
+
+
+async def _gateway_call(http: httpx.AsyncClient, path: str, body: bytes, authorization: bytes | None) -> None:
+    """A 2xx or an OpenAI-shaped 4xx; a 200 stream is read a few events in, then left."""
+    headers = {b"content-type": b"application/json"}
+    if authorization is not None:
+        headers[b"authorization"] = authorization
+    async with http.stream("POST", path, content=body, headers=headers) as reply:
+        event(f"HTTP {reply.status_code}")
+        assert reply.status_code < 500, (reply.status_code, (await reply.aread())[:300])
+        if reply.status_code >= 400:
+            error = json.loads(await reply.aread())["error"]
+            assert set(error) == {"message", "type", "param", "code"} and error["message"], error
+        elif reply.headers["content-type"].startswith("text/event-stream"):
+            lines = reply.aiter_lines()
+            async for line in lines:
+                if line.startswith("data: [DONE]"):
+                    break
+        else:
+            assert "choices" in json.loads(await reply.aread())
+
+
+async def _good_gateway(http: httpx.AsyncClient) -> None:
+    good = {"prompt": [5, 6, 7], "max_tokens": 3, "ignore_eos": True}
+    reply = await http.post("/v1/completions", json=good)
+    assert reply.status_code == 200, reply.text[:300]
+    assert reply.json()["usage"]["completion_tokens"] == 3
+
+
+# Past the body limit, as text and as token ids, at once: the draws reach these sizes seldom.
+HUGE = [
+    ("/v1/completions", json.dumps({"prompt": "Once upon a time " * 600_000}).encode(), None),
+    ("/v1/completions", json.dumps({"prompt": [5] * 3_000_000, "stream": True}).encode(), b"Bearer ok"),
+]
+
+
+@settings(FUZZ, max_examples=60)
+@given(bodies=st.lists(openai_bodies(), min_size=1, max_size=3))
+@example(bodies=HUGE)
+def test_any_openai_body_gets_a_2xx_or_an_openai_shaped_4xx(gateway: str, bodies) -> None:  # type: ignore[no-untyped-def]
+    async def batch() -> None:
+        async with httpx.AsyncClient(base_url=gateway, timeout=30) as http:
+            await asyncio.gather(*(_gateway_call(http, *body) for body in bodies))
+            await _good_gateway(http)
+
+    asyncio.run(batch())

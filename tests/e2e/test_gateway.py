@@ -4,12 +4,16 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
+import resource
+import socket
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -218,6 +222,107 @@ def test_bad_requests_are_400_in_openai_shape_and_the_gateway_keeps_serving(up: 
         up.openai().completions.create(model="embedded", prompt=PROMPT, max_tokens=-1)
 
 
+INT32_PAST = 2**31
+LONE = '"\\ud800"'  # a lone surrogate, as JSON escapes it: valid JSON, but no UTF-8 string
+CHAT = '"messages": [{"role": "user", "content": "hi"}]'
+
+
+def _nested(depth: int) -> str:
+    return "[" * depth + "]" * depth
+
+
+# (path, JSON body as text, the param the 400 must name). Each got a plain-text 500 before: the
+# protocol's int32/uint64 fields refused the value, UTF-8 encoding refused the surrogate, or the
+# JSON decoder ran out of recursion.
+OUT_OF_RANGE = [
+    ("completions", f'{{"prompt": "x", "max_tokens": {INT32_PAST}}}', "max_tokens"),
+    ("completions", f'{{"prompt": "x", "max_tokens": {2**64}}}', "max_tokens"),
+    ("completions", f'{{"prompt": "x", "top_k": {INT32_PAST}}}', "top_k"),
+    ("completions", f'{{"prompt": "x", "min_tokens": {2**40}}}', "min_tokens"),
+    ("completions", f'{{"prompt": "x", "n": {2**40}}}', "n"),
+    ("completions", f'{{"prompt": "x", "priority": {INT32_PAST}}}', "priority"),
+    ("completions", f'{{"prompt": "x", "priority": {-INT32_PAST - 1}}}', "priority"),
+    ("completions", f'{{"prompt": "x", "seed": {2**64}}}', "seed"),
+    ("completions", f'{{"prompt": "x", "seed": {10**30}}}', "seed"),
+    ("completions", f'{{"prompt": "x", "stop_token_ids": [1, {2**40}]}}', "stop_token_ids.1"),
+    ("completions", f'{{"prompt": "x", "stop_token_ids": [{-INT32_PAST - 1}]}}', "stop_token_ids.0"),
+    ("completions", f'{{"prompt": [{2**40}]}}', "prompt.0"),
+    ("completions", f'{{"prompt": [1, {2**64}]}}', "prompt.1"),
+    ("completions", f'{{"prompt": [[{INT32_PAST}]]}}', "prompt.0.0"),
+    ("chat/completions", f'{{{CHAT}, "max_completion_tokens": {INT32_PAST}}}', "max_completion_tokens"),
+    ("chat/completions", f'{{{CHAT}, "max_tokens": {2**64}}}', "max_tokens"),
+    ("chat/completions", f'{{{CHAT}, "n": {2**40}}}', "n"),
+    ("chat/completions", f'{{{CHAT}, "seed": {2**64}}}', "seed"),
+]
+SURROGATES = [
+    ("completions", f'{{"prompt": {LONE}}}', "prompt"),
+    ("completions", f'{{"prompt": ["a{LONE[1:]}]}}', "prompt.0"),
+    ("completions", f'{{"prompt": "x", "stop": {LONE}}}', "stop"),
+    ("completions", f'{{"prompt": "x", "stop": ["ok", {LONE}]}}', "stop.1"),
+    ("completions", f'{{"prompt": "x", "user": {LONE}}}', "user"),
+    ("completions", f'{{"prompt": "x", "model": {LONE}}}', "model"),
+    ("chat/completions", f'{{"messages": [{{"role": "user", "content": {LONE}}}]}}', "messages.0.content"),
+    (
+        "chat/completions",
+        f'{{"messages": [{{"role": "user", "content": [{{"type": "text", "text": {LONE}}}]}}]}}',
+        "messages.0.content.0.text",
+    ),
+    ("chat/completions", f'{{{CHAT}, "model": {LONE}}}', "model"),
+    ("chat/completions", f'{{{CHAT}, "stop": [{LONE}]}}', "stop.0"),
+]
+# No field to name: the decoder gives up before there are fields.
+DEEP = [
+    ("completions", f'{{"prompt": "x", "extra": {_nested(1000)}}}', None),
+    ("completions", f'{{"prompt": {_nested(5000)}}}', None),
+    ("completions", f'{{"prompt": "x", "extra": {_nested(100_000)}}}', None),
+    (
+        "chat/completions",
+        f'{{"messages": [{{"role": "user", "content": "hi", "x": {_nested(1000)}}}]}}',
+        None,
+    ),
+    ("completions", f'{{"prompt": "x", "max_tokens": {"9" * 5000}}}', None),
+]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    OUT_OF_RANGE + SURROGATES + DEEP,
+    ids=[f"{p}:{param or body[:40]}" for p, body, param in OUT_OF_RANGE + SURROGATES + DEEP],
+)
+def test_absurd_values_are_a_400_naming_the_field(up: Up, path: str, body: str, param: str | None) -> None:
+    with httpx.Client(base_url=up.base_url, timeout=30) as http:
+        reply = http.post(f"/{path}", content=body.encode(), headers={"content-type": "application/json"})
+        assert reply.status_code == 400, reply.text[:300]
+        error = reply.json()["error"]
+        assert error["type"] == "invalid_request_error", error
+        assert error["param"] == param, error
+        if param is not None:
+            assert error["message"].startswith(f"{param}:"), error
+        assert http.post("/completions", json={"prompt": PROMPT, "max_tokens": 2}).status_code == 200
+
+
+# Each was a 500 ("Invalid metadata"): gRPC metadata carries printable ASCII only.
+BAD_KEYS = [b"Bearer k\xc3\xa9y", b"Bearer k\xe9y", b"Bearer a\tb", b"Bearer a\x01b", b"Bearer \x7fkey"]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("authorization", BAD_KEYS, ids=repr)
+def test_a_key_no_control_plane_can_hold_is_a_401(up: Up, authorization: bytes) -> None:
+    with httpx.Client(base_url=up.base_url, timeout=30) as http:
+        for reply in (
+            http.post(
+                "/completions",
+                json={"prompt": PROMPT, "max_tokens": 2},
+                headers={"authorization": authorization},
+            ),
+            http.get("/models", headers={"authorization": authorization}),
+        ):
+            assert reply.status_code == 401, reply.text[:300]
+            error = reply.json()["error"]
+            assert error["type"] == "authentication_error" and "Authorization" in error["message"], error
+
+
 @pytest.mark.timeout(120)
 def test_disconnecting_a_stream_aborts_the_request_and_frees_its_kv(up: Up) -> None:
     body = {"model": "embedded", "prompt": PROMPT, "max_tokens": 1900, "ignore_eos": True, "stream": True}
@@ -255,3 +360,206 @@ def test_bearer_key_is_forwarded_to_the_control_plane(tmp_path: Path) -> None:
     finally:
         if proc is not None:
             stop_processes([proc])
+
+
+# --- a gateway of its own, in front of the module's stack: its memory, files and log are its own ---
+
+
+@dataclass(frozen=True, slots=True)
+class LoneGateway:
+    proc: subprocess.Popen[bytes]
+    port: int
+    log: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def peak_rss_mib(self) -> float:
+        """The process's high-water resident memory (VmHWM), in MiB."""
+        status = Path(f"/proc/{self.proc.pid}/status").read_text()
+        line = next(line for line in status.splitlines() if line.startswith("VmHWM:"))
+        return int(line.split()[1]) / 1024
+
+    def connect(self) -> socket.socket:
+        return socket.create_connection(("127.0.0.1", self.port), timeout=10)
+
+
+@contextlib.contextmanager
+def lone_gateway(up: Up, tmp: Path, *flags: str, open_files: int | None = None) -> Iterator[LoneGateway]:
+    """`stepwise gateway` against `up`'s control plane, its log in a file; `open_files`: its
+    RLIMIT_NOFILE, soft and hard (as `ulimit -n` sets them). Always stopped."""
+    ready, log = tmp / "gateway.json", tmp / "gateway.log"
+
+    def limit_files() -> None:
+        if open_files is not None:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (open_files, open_files))
+
+    args = ["gateway", "--control", up.address, "--port", "0", "--ready-file", str(ready), *flags]
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "stepwise.cli", *args], stdout=out, stderr=out, preexec_fn=limit_files
+        )
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.exists():
+            assert proc.poll() is None, (
+                f"the gateway exited with {proc.returncode}: {log.read_text()[-2000:]}"
+            )
+            assert time.monotonic() < deadline, "the gateway did not start"
+            time.sleep(0.05)
+        yield LoneGateway(proc, json.loads(ready.read_text())["port"], log)
+    finally:
+        stop_processes([proc])
+
+
+def good_request(url: str) -> httpx.Response:
+    return httpx.post(f"{url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}, timeout=30)
+
+
+def assert_openai_error(reply: httpx.Response, status: int) -> dict[str, object]:
+    assert reply.status_code == status, reply.text[:300]
+    error = reply.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}, error
+    return error  # type: ignore[no-any-return]
+
+
+HUNDRED_MB = 100 * 1024 * 1024
+JSON_HEADERS = {"content-type": "application/json"}
+
+
+def _in_chunks(data: bytes, size: int = 1 << 20) -> Iterator[bytes]:
+    """A body of unknown length: httpx sends it chunked, with no Content-Length."""
+    view = memoryview(data)
+    for start in range(0, len(data), size):
+        yield bytes(view[start : start + size])
+
+
+@pytest.mark.timeout(240)
+def test_bodies_past_the_limit_are_a_413_before_they_are_read_whole(up: Up, tmp_path: Path) -> None:
+    """Two concurrent 100 MB bodies, one with its Content-Length and one chunked without, peaked at
+    536 MiB (the shipped pod's limit is 512Mi): each is now refused with the default limit while a
+    few MiB of it are in, and a Content-Length that promises more than is sent is refused on the
+    header alone."""
+    body = b'{"prompt": "' + b"x" * HUNDRED_MB + b'"}'
+    with lone_gateway(up, tmp_path) as gateway:
+        assert good_request(gateway.url).status_code == 200
+        before = gateway.peak_rss_mib()
+
+        def send(chunked: bool) -> httpx.Response:
+            content = _in_chunks(body) if chunked else body
+            with httpx.Client(base_url=gateway.url, timeout=120) as http:
+                return http.post("/v1/completions", content=content, headers=JSON_HEADERS)
+
+        with ThreadPoolExecutor(2) as pool:
+            replies = list(pool.map(send, [False, True]))
+        for reply in replies:
+            assert "--max-body-bytes" in str(assert_openai_error(reply, 413)["message"])
+        with gateway.connect() as sock:
+            head = f"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: {10 * HUNDRED_MB}\r\n\r\n"
+            sock.sendall(head.encode() + b'{"prompt": "')
+            assert sock.recv(4096).startswith(b"HTTP/1.1 413 ")
+        grown = gateway.peak_rss_mib() - before
+        assert grown < 64, f"the gateway's peak memory grew {grown:.0f} MiB"
+        assert good_request(gateway.url).status_code == 200
+
+
+@pytest.fixture
+def many_open_files() -> Iterator[None]:
+    """This process may open 1,400 files (the attack below holds 1,100 sockets)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = 1400
+    if hard != resource.RLIM_INFINITY and hard < need:
+        pytest.skip(f"needs {need} open files; the hard limit is {hard}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, need), hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+HALF_A_HEAD = b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+
+
+def _served_despite_the_attack(gateway: LoneGateway, within_s: float) -> None:
+    """A good request is answered 200 within `within_s`; until then every answer is a clean,
+    OpenAI-shaped 503 (the gateway at its connection limit), never a hang or a reset."""
+    deadline = time.monotonic() + within_s
+    while True:
+        reply = httpx.post(
+            f"{gateway.url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}, timeout=5
+        )
+        if reply.status_code == 200:
+            return
+        assert_openai_error(reply, 503)
+        assert time.monotonic() < deadline, "no good request was served"
+        time.sleep(0.2)  # a client's pause before it retries
+
+
+@pytest.mark.timeout(180)
+def test_half_sent_requests_are_cut_off_and_cannot_starve_the_gateway(
+    up: Up, tmp_path: Path, many_open_files: None
+) -> None:
+    """Under `ulimit -n 1024`, 1,100 connections that send half a request head each blocked all
+    service, and asyncio logged a traceback per failed accept (167 MB in 25 s). With the default
+    flags: the gateway serves again once the head deadline (10 s) cuts them off, answers a clean 503
+    while it is full, and logs the accept errors once per interval."""
+    with lone_gateway(up, tmp_path, "--log-level", "info", open_files=1024) as gateway:
+        with contextlib.ExitStack() as held:
+            attack = [held.enter_context(gateway.connect()) for _ in range(1100)]
+            for sock in attack:
+                sock.sendall(HALF_A_HEAD)
+            _served_despite_the_attack(gateway, within_s=30)
+            for sock in attack:
+                # Cut off: closed (b""), perhaps after a 503 for those past the connection limit.
+                sock.settimeout(15)
+                try:
+                    answer = sock.recv(4096)
+                except ConnectionResetError:
+                    answer = b""
+                assert answer == b"" or answer.startswith(b"HTTP/1.1 503 "), answer[:100]
+        assert gateway.log.stat().st_size < 64 * 1024, gateway.log.read_text()[-3000:]
+        assert good_request(gateway.url).status_code == 200
+
+
+def _answer_before_close(sock: socket.socket, trickle: bytes, within_s: float) -> bytes:
+    """Send `trickle` a byte every 0.2 s until the gateway closes the connection; what it answered.
+    Fails when it is still open after `within_s`."""
+    deadline = time.monotonic() + within_s
+    sock.settimeout(0.2)
+    answer = b""
+    for byte in (trickle[i : i + 1] for i in range(len(trickle))):
+        assert time.monotonic() < deadline, f"still open after {within_s} s; answered {answer!r}"
+        try:
+            sock.sendall(byte)
+            while chunk := sock.recv(4096):
+                answer += chunk
+            return answer
+        except TimeoutError:
+            continue
+        except (BrokenPipeError, ConnectionResetError):
+            return answer
+    raise AssertionError("the trickle ran out before the gateway closed the connection")
+
+
+@pytest.mark.timeout(120)
+def test_a_head_or_body_trickled_in_is_cut_off_at_its_deadline(up: Up, tmp_path: Path) -> None:
+    """The deadlines are for the whole head and the whole body, not for the gap between bytes: a
+    byte every 0.2 s does not keep a request alive."""
+    flags = ("--header-timeout", "1", "--body-timeout", "1")
+    with lone_gateway(up, tmp_path, *flags) as gateway:
+        with gateway.connect() as idle:
+            idle.settimeout(10)
+            assert idle.recv(4096) == b""  # a connection that sends nothing is closed
+        with gateway.connect() as head:
+            assert _answer_before_close(head, b"POST /v1/completions HTTP/1.1\r\n" + b"x" * 100, 4) == b""
+        with gateway.connect() as body:
+            body.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 100\r\n\r\n")
+            answer = _answer_before_close(body, b'{"prompt": "' + b"x" * 100, 4)
+            status, _, rest = answer.partition(b"\r\n")
+            assert status.startswith(b"HTTP/1.1 408 "), answer[:300]
+            error = json.loads(rest.partition(b"\r\n\r\n")[2])["error"]
+            assert "--body-timeout" in error["message"], error
+        # A request that takes its time to be served is not cut off: the deadlines are for reading it.
+        slow = {"prompt": PROMPT, "max_tokens": 500, "ignore_eos": True}
+        assert httpx.post(f"{gateway.url}/v1/completions", json=slow, timeout=60).status_code == 200
