@@ -4,7 +4,7 @@ name stands for all of its addresses."""
 from __future__ import annotations
 
 import socket
-import time
+import threading
 
 import pytest
 import structlog
@@ -81,12 +81,12 @@ def test_a_certificate_is_verified_against_the_name_never_an_ip_literal() -> Non
 # ---- resolution --------------------------------------------------------------------------------
 
 
-def _fake_dns(table: dict[str, list[tuple[int, str]]], slow: frozenset[str] = frozenset()):  # type: ignore[no-untyped-def]
-    """A getaddrinfo that answers from `table` (host -> (family, ip)), sleeping first for `slow` hosts."""
+def _fake_dns(table: dict[str, list[tuple[int, str]]], slow: SlowLookups | None = None):  # type: ignore[no-untyped-def]
+    """A getaddrinfo that answers from `table` (host -> (family, ip)); `slow`'s hosts block first."""
 
     def getaddrinfo(host, port, family=0, type=0, proto=0, flags=0):  # type: ignore[no-untyped-def]
-        if host in slow:
-            time.sleep(0.6)
+        if slow is not None and host in slow.hosts:
+            slow.block()
         if host not in table:
             raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
         return [
@@ -95,6 +95,20 @@ def _fake_dns(table: dict[str, list[tuple[int, str]]], slow: frozenset[str] = fr
         ]
 
     return getaddrinfo
+
+
+class SlowLookups:
+    """Lookups of `hosts` that block until the test releases them (10 s at most), so a test can see
+    by the order of events, not by a clock, whether the caller waited for them."""
+
+    def __init__(self, *hosts: str) -> None:
+        self.hosts = frozenset(hosts)
+        self.released = threading.Event()
+        self.answered = threading.Event()
+
+    def block(self) -> None:
+        self.released.wait(10)
+        self.answered.set()
 
 
 V4, V6 = socket.AF_INET, socket.AF_INET6
@@ -132,13 +146,18 @@ async def test_an_ip_literal_stands_for_itself_without_a_lookup(monkeypatch: pyt
 
 async def test_names_not_resolved_in_time_are_logged_and_left_out(monkeypatch: pytest.MonkeyPatch) -> None:
     dns = {"good": [(V4, "10.0.0.1")], "slow": [(V4, "10.0.0.2")]}
-    monkeypatch.setattr(targets.socket, "getaddrinfo", _fake_dns(dns, slow=frozenset({"slow"})))
-    started = time.monotonic()
-    with structlog.testing.capture_logs() as logs:
-        found = await resolve(parse_targets("missing:1,slow:1,good:1", "--control"), timeout_s=0.1)
+    slow = SlowLookups("slow")
+    monkeypatch.setattr(targets.socket, "getaddrinfo", _fake_dns(dns, slow))
+    try:
+        with structlog.testing.capture_logs() as logs:
+            # 1 s is ample for the quick lookups' threads on a loaded machine; the slow one blocks for 10.
+            found = await resolve(parse_targets("missing:1,slow:1,good:1", "--control"), timeout_s=1.0)
+        assert not slow.answered.is_set()  # resolve returned while the slow lookup was still blocked
+    finally:
+        slow.released.set()
     assert found == [Address("10.0.0.1", 1, "good")]
-    assert time.monotonic() - started < 0.5  # the slow lookup was not waited for
     assert sorted(e["host"] for e in logs if e["event"] == "resolve_failed") == ["missing", "slow"]
+    assert slow.answered.wait(10)  # its thread ends once released
 
 
 async def test_the_real_resolver_finds_loopback() -> None:

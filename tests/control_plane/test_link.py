@@ -72,16 +72,35 @@ async def test_turn_flush_runs_once_per_loop_turn() -> None:
     assert calls == [1, 1]
 
 
-async def test_turn_flush_keeps_its_minimum_interval() -> None:
+async def test_turn_flush_keeps_its_minimum_interval(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The interval is read on the loop's clock, so the test moves that clock forward by an hour
+    instead of waiting: the held-back flush must wait for it and carry both requests."""
     loop = asyncio.get_running_loop()
+    hours_passed = 0
+    real_time = loop.time
+    monkeypatch.setattr(loop, "time", lambda: real_time() + 3600.0 * hours_passed)
     times: list[float] = []
-    flush = TurnFlush(lambda: times.append(loop.time()), min_interval_s=0.02)
+    second = asyncio.Event()
+
+    def flushed() -> None:
+        times.append(loop.time())
+        if len(times) == 2:
+            second.set()
+
+    flush = TurnFlush(flushed, min_interval_s=3600.0)
     flush.request()
     await asyncio.sleep(0)
-    flush.request()  # soon after the first flush: held back until 20 ms have passed
+    assert len(times) == 1
+    flush.request()  # within the hour after the first flush: held back until the hour has passed
     flush.request()
-    await asyncio.sleep(0.05)
-    assert len(times) == 2 and times[1] - times[0] >= 0.019
+    for _ in range(20):  # many loop turns: none of them flushes
+        await asyncio.sleep(0)
+    assert len(times) == 1
+    hours_passed = 1
+    await asyncio.wait_for(second.wait(), 10)
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert len(times) == 2 and times[1] - times[0] >= 3600.0  # the two requests left in one flush
 
 
 def test_the_guard_keeps_the_port_from_another_control_plane() -> None:

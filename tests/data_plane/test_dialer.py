@@ -6,11 +6,13 @@ from __future__ import annotations
 import contextlib
 import pathlib
 import random
-import time
+import types
 from collections.abc import AsyncIterator
 
 import grpc
+import pytest
 
+from data_plane import dialer as dialer_module
 from data_plane.config import WorkerConfig
 from data_plane.dialer import BACKOFF_BASE_S, Candidate, Dialer, Retry, backoff_delays, choose
 from protos.targets import Address
@@ -93,27 +95,43 @@ def test_a_cap_below_the_base_caps_the_first_delay_too() -> None:
     assert all(0.02 <= next(delays) <= 0.04 for _ in range(5))
 
 
-async def test_retry_gives_up_at_the_deadline_until_first_welcomed() -> None:
-    retry = Retry(cap_s=0.05, deadline=time.monotonic() + 0.15, rng=random.Random(3))
-    started = time.monotonic()
+class VirtualTime:
+    """The dialer's clock and sleep, moved only by its own sleeps: each wait is recorded and costs
+    no real time, so a test sees exactly how long the backoff would have slept."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.now = 1000.0
+        self.slept: list[float] = []
+        monkeypatch.setattr(dialer_module, "time", types.SimpleNamespace(monotonic=lambda: self.now))
+        monkeypatch.setattr(dialer_module, "asyncio", types.SimpleNamespace(sleep=self.sleep))
+
+    async def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds
+
+
+async def test_retry_gives_up_at_the_deadline_until_first_welcomed(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = VirtualTime(monkeypatch)
+    retry = Retry(cap_s=0.05, deadline=clock.now + 0.15, rng=random.Random(3))
     waits = 0
     while await retry.wait():
         waits += 1
-    assert 0.15 <= time.monotonic() - started < 0.5
-    assert waits == retry.attempt >= 3
+    # Capped delays up to the deadline and not past it: the last one is cut short to end there.
+    assert sum(clock.slept) == pytest.approx(0.15) and max(clock.slept) <= 0.05
+    assert waits == retry.attempt == len(clock.slept) >= 3
     retry.welcomed()  # once attached, no deadline: the searches go on
     assert retry.deadline is None and retry.attempt == 0
     assert await retry.wait()
 
 
-async def test_retry_after_welcome_starts_from_the_base_delay() -> None:
+async def test_retry_after_welcome_starts_from_the_base_delay(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = VirtualTime(monkeypatch)
     retry = Retry(cap_s=10.0, deadline=None, rng=random.Random(3))
     for _ in range(4):
         next(retry._delays)
     retry.welcomed()
-    started = time.monotonic()
     assert await retry.wait()
-    assert time.monotonic() - started < BACKOFF_BASE_S * 3
+    assert len(clock.slept) == 1 and BACKOFF_BASE_S / 2 <= clock.slept[0] <= BACKOFF_BASE_S
 
 
 # ---- searching fake control planes --------------------------------------------------------------

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import pathlib
 import signal
 import subprocess
@@ -58,7 +57,8 @@ async def test_worker_says_hello_runs_plans_and_exits_on_shutdown(model_dir, mak
 async def test_worker_keeps_dialing_until_the_control_plane_is_up(model_dir) -> None:
     port = free_port()
     async with worker_process(model_dir, port, "--connect-timeout", "30") as proc:
-        await asyncio.sleep(1.5)
+        for _ in range(3):  # three searches found no control plane: it is up only after them
+            await read_log_until(proc, '"redial"')
         async with fake_control(run_plans_then(SHUTDOWN), port=port) as control:
             code, stderr = await exit_code(proc)
     assert code == 0, stderr

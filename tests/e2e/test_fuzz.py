@@ -166,11 +166,44 @@ def test_any_generate_request_gets_a_stream_or_a_clean_status(plane: ControlProc
 @FUZZ
 @given(data=st.binary(max_size=200))
 def test_any_bytes_get_a_clean_status(plane: ControlProcess, data: bytes) -> None:
-    async def one() -> None:
-        await _call(plane.address, data)
-        await _good(plane.address)
+    from google.protobuf.message import DecodeError
 
-    asyncio.run(one())
+    from control_plane.client_codec import describe_unparsable
+
+    async def outcome() -> tuple[grpc.StatusCode, str, bool]:
+        """(status, its details, whether a finished event came) of one Generate call carrying `data`."""
+        async with grpc.aio.insecure_channel(plane.address) as channel:
+            method = channel.unary_stream(
+                "/stepwise.v1.Generation/Generate",
+                request_serializer=lambda b: b,
+                response_deserializer=gen_pb.GenerateResponse.FromString,
+            )
+            call = method(data, timeout=20)
+            try:
+                async for response in call:
+                    if response.WhichOneof("event") == "finished":
+                        return grpc.StatusCode.OK, "", True
+                return await call.code(), await call.details() or "", False
+            except grpc.aio.AioRpcError as exc:
+                return exc.code(), exc.details() or "", False
+            finally:
+                call.cancel()
+
+    async def one() -> tuple[grpc.StatusCode, str, bool]:
+        got = await outcome()
+        await _good(plane.address)
+        return got
+
+    code, details, finished = asyncio.run(one())
+    try:
+        gen_pb.GenerateRequest.FromString(data)
+    except DecodeError:  # no request at all: refused as such, saying why, not gRPC's UNKNOWN
+        event("unparsable")
+        assert (code, details) == (grpc.StatusCode.INVALID_ARGUMENT, describe_unparsable(data))
+    else:  # some request: a stream that reaches its finish, or a refusal that says why
+        event("finished" if finished else str(code))
+        assert finished or (code in CLEAN_REFUSALS and details), (code, details)
+    assert plane.control.poll() is None
 
 
 BAD_HELLO_VALUES = {

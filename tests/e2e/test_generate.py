@@ -276,14 +276,28 @@ async def test_metrics_endpoint_counts_tokens_and_retractions(start_stack, monke
     assert values["stepwise:time_to_first_token_seconds_count"] == 4
 
 
+# The request that holds the only running slot must outlive the waiting timeout on any machine: on the
+# sim backend every step sleeps at least its cost, so 1,500 tokens at 20 ms a step take 30 s or more,
+# ten times the 3 s timeout, however fast the machine (a real model finishes them in under 3 s once warm).
+HOLD_STEP_S, HOLD_TOKENS, WAITING_TIMEOUT_S = 0.02, 1500, 3.0
+
+
 async def test_full_queue_is_resource_exhausted_and_timeouts_abort(start_stack) -> None:
+    assert HOLD_STEP_S * (HOLD_TOKENS - 1) > 5 * WAITING_TIMEOUT_S
     stack = await start_stack(
-        ["--max-running-requests", "1", "--max-queued-requests", "1", "--waiting-timeout", "3.0"],
-        ["--kv-tokens", "4096"],
+        [
+            "--max-running-requests",
+            "1",
+            "--max-queued-requests",
+            "1",
+            "--waiting-timeout",
+            str(WAITING_TIMEOUT_S),
+        ],
+        ["--backend", "sim", "--sim-cost", f"{HOLD_STEP_S},0,0", "--kv-tokens", "4096"],
     )
     async with StepwiseClient(stack.address) as client:
         long = asyncio.create_task(
-            client.generate("Once", request_id="long", max_new_tokens=1500, ignore_eos=True)
+            client.generate("Once", request_id="long", max_new_tokens=HOLD_TOKENS, ignore_eos=True)
         )
         while (await client.server_info()).running < 1:
             await asyncio.sleep(0.01)
@@ -296,8 +310,11 @@ async def test_full_queue_is_resource_exhausted_and_timeouts_abort(start_stack) 
         assert err.value.details() == "The request queue is full."
         queued = await waiting
         assert (queued.finish_reason, queued.finish_message) == ("abort", "Request waiting timeout reached.")
+        assert queued.completion_tokens == 0
+        assert not long.done(), "the request holding the running slot ended before the waiting timeout"
         assert await client.abort("long")
-        assert (await long).finish_reason == "abort"
+        held = await long
+        assert held.finish_reason == "abort" and held.completion_tokens < HOLD_TOKENS
     await _books_settle(stack.address)
 
 

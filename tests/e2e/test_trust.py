@@ -18,6 +18,7 @@ from clients.client import StepwiseClient, generate_request, sampling_params
 from data_plane.models.loader import model_fingerprint
 from protos.stepwise.v1 import worker_pb2 as wk_pb
 from stepwise.embedded import resolve_model
+from tests.e2e.conftest import ControlProcess
 from tests.e2e.rogue import RogueWorker, hello, honest_result, tokens_bytes, tokens_of
 
 pytestmark = pytest.mark.timeout(180)
@@ -213,23 +214,49 @@ def _rss_mb(pid: int) -> float:
     raise AssertionError("no VmRSS")
 
 
-async def test_a_huge_pool_costs_nothing_until_used_and_idle_checks_do_not_block(start_control) -> None:
-    plane = await start_control()
-    before = _rss_mb(plane.control.pid)
-    async with (
-        RogueWorker(plane.worker_address, hello(kv_capacity_tokens=10**8)) as rogue,
-        StepwiseClient(plane.address) as client,
-    ):
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user + system, all threads) a process has used: what it computed, however long
+    a loaded machine kept it waiting."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def _idle_with(
+    plane: ControlProcess, client: StepwiseClient, capacity: int
+) -> tuple[float, float, float]:
+    """(core CPU seconds, core RSS growth in MB, slowest GetServerInfo in seconds) over one window in
+    which a worker claiming `capacity` KV tokens attaches and stays idle while 20 calls are answered."""
+    pid = plane.control.pid
+    cpu, rss = _cpu_s(pid), _rss_mb(pid)
+    claim = hello(f"rogue-{capacity}", kv_capacity_tokens=capacity)
+    async with RogueWorker(plane.worker_address, claim) as rogue:
         assert rogue.welcome is not None and rogue.welcome.accepted, rogue.welcome
-        # Idle now: every call must be answered promptly while the control plane checks its books.
         slowest = 0.0
         for _ in range(20):
             started = time.monotonic()
             await client.server_info()
             slowest = max(slowest, time.monotonic() - started)
             await asyncio.sleep(0.05)
-        grown = _rss_mb(plane.control.pid) - before
-    assert slowest < 0.5, f"GetServerInfo took {slowest:.2f} s"
+        grown = _rss_mb(pid) - rss
+    return _cpu_s(pid) - cpu, grown, slowest
+
+
+async def test_a_huge_pool_costs_nothing_until_used_and_idle_checks_do_not_block(start_control) -> None:
+    """An idle worker claiming 10^8 tokens costs the core no more work than one claiming 4096, side by
+    side on one control plane: the idle check of a pool follows what is in it. Work is the core's CPU
+    time, which a loaded machine does not inflate the way it inflates a call's latency; a check that
+    visited every page of the claim would hold the core's loop for seconds of CPU."""
+    plane = await start_control()
+    async with StepwiseClient(plane.address) as client:
+        await client.server_info()  # the channel is up before any window opens
+        small_cpu, _, small_slowest = await _idle_with(plane, client, 4096)
+        huge_cpu, grown, huge_slowest = await _idle_with(plane, client, 10**8)
+    print(
+        f"core CPU {small_cpu:.2f} s (4096 tokens) vs {huge_cpu:.2f} s (10^8 tokens); slowest GetServerInfo "
+        f"{small_slowest:.3f} s vs {huge_slowest:.3f} s; RSS +{grown:.0f} MB"
+    )
+    assert huge_cpu < small_cpu + 0.5, f"the core worked {huge_cpu:.2f} s against {small_cpu:.2f} s"
     assert grown < 200, f"control plane grew by {grown:.0f} MB for an unused pool"
     plane.control.send_signal(signal.SIGTERM)
     assert plane.control.wait(10) == 0
@@ -239,27 +266,43 @@ async def test_a_huge_prompt_is_refused_before_tokenizing_and_streams_keep_flowi
     plane = await start_control()
     plane.add_worker("w0", "--sim-cost", "0.01,0,0")
     await plane.wait_workers(1)
+    frontends = [int(pid) for pid in plane.ready["frontend_pids"]]  # type: ignore[attr-defined]
     async with StepwiseClient(plane.address) as client:
         gaps: list[float] = []
+        streamed = 0
 
         async def watch() -> None:
+            nonlocal streamed
             request = generate_request([5, 6, 7], sampling_params(max_new_tokens=300, ignore_eos=True))
             last = time.monotonic()
-            async for _ in client.stream(request):
+            async for response in client.stream(request):
                 now = time.monotonic()
                 gaps.append(now - last)
                 last = now
+                if response.WhichOneof("event") == "chunk":
+                    streamed += len(response.chunk.token_ids)
 
         watcher = asyncio.create_task(watch())
         while len(gaps) < 5:
             await asyncio.sleep(0.01)
         huge = "Once upon a time, " * 220_000  # 3.96 MB
+        cpu = sum(_cpu_s(pid) for pid in frontends)
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await client.generate(huge, max_new_tokens=4)
+        refusal_cpu = sum(_cpu_s(pid) for pid in frontends) - cpu
         await watcher
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "text" in (refused.value.details() or "")
-    assert max(gaps) < 1.0, f"a stream stalled for {max(gaps):.2f} s"
+    # Measured in bytes against the model's context, never tokenized: tokenized, the prompt would be
+    # refused for its 1.76M tokens instead, after seconds of the frontends' CPU (4.5 s on a dev box)
+    # with the streams stalled meanwhile (11 s seen), though in a thread, by the tokenizer's GIL.
+    assert refused.value.details() == (
+        "text: a prompt of 3960000 bytes is more than the model's context of 2048 tokens"
+    )
+    assert refusal_cpu < 1.0, f"the frontends worked {refusal_cpu:.2f} s on a refused prompt"
+    # The stream ran to its end, and never stalled for long (its tokens come every 10 ms or so; the
+    # bound leaves room for a loaded machine).
+    assert streamed == 300
+    assert max(gaps) < 3.0, f"a stream stalled for {max(gaps):.2f} s"
 
 
 STOP_LIMITS = {

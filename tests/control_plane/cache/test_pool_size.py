@@ -78,24 +78,48 @@ def cached_pool(
     return alloc, tree, private
 
 
+def slice_cpu_seconds(alloc: SlotAllocator, tree: RadixCache, private: int, repeats: int = 3) -> list[float]:
+    """CPU seconds of each `run(4096)` of a full PoolCheck, the least of `repeats` checks for each slice.
+
+    A check's slices are the same every time (their work is counted in units, not timed). CPU time of
+    this thread leaves out the time the machine gives other processes, and the least of a few runs
+    leaves out a slice that shared its core with someone else's cache misses.
+    """
+    best: list[float] = []
+    for _ in range(repeats):
+        check = PoolCheck(alloc, tree, private)
+        slices: list[float] = []
+        done = False
+        while not done:
+            start = time.thread_time()
+            done = check.run(4096)
+            slices.append(time.thread_time() - start)
+        assert not best or len(slices) == len(best)
+        best = slices if not best else [min(a, b) for a, b in zip(best, slices, strict=True)]
+    return best
+
+
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_idle_check_slices_of_a_huge_pool_are_short(page_size: int) -> None:
-    """A design bound, generous on purpose: every run(4096) well under 20 ms at capacity 10^8."""
-    alloc, tree, private = cached_pool(10**8, page_size)
-    check = PoolCheck(alloc, tree, private)
-    slices = []
-    done = False
-    while not done:
-        start = time.perf_counter()
-        done = check.run(4096)
-        slices.append(time.perf_counter() - start)
-    start = time.perf_counter()
-    check_pool_invariants(alloc, tree, private)
-    one_shot = time.perf_counter() - start
+    """The idle check's work follows what is cached, not the capacity, and comes in short slices.
+
+    Counted: a pool of 10^8 takes exactly as many run(4096) slices as a pool of 10^6 caching the same
+    tokens, and many of them (the one-shot check is many slices' worth of blocking). Timed in CPU time
+    against the small pool side by side: no slice of the huge pool costs much more than the small
+    pool's longest, and none comes near 20 ms (they take about 1 ms).
+    """
+    huge = cached_pool(10**8, page_size)
+    small = cached_pool(10**6, page_size)
+    assert huge[1].total_size() == small[1].total_size() and huge[2] == small[2]
+    huge_slices, small_slices = slice_cpu_seconds(*huge), slice_cpu_seconds(*small)
+    start = time.thread_time()
+    check_pool_invariants(*huge)
+    one_shot = time.thread_time() - start
     print(
-        f"capacity 10^8, page {page_size}, {tree.total_size()} cached tokens: {len(slices)} slices of "
-        f"run(4096), max {max(slices) * 1e3:.2f} ms, total {sum(slices) * 1e3:.1f} ms; one-shot check "
-        f"{one_shot * 1e3:.1f} ms"
+        f"capacity 10^8, page {page_size}, {huge[1].total_size()} cached tokens: {len(huge_slices)} slices "
+        f"of run(4096), max {max(huge_slices) * 1e3:.2f} ms (capacity 10^6: {max(small_slices) * 1e3:.2f}"
+        f" ms), total {sum(huge_slices) * 1e3:.1f} ms; one-shot check {one_shot * 1e3:.1f} ms (CPU time)"
     )
-    assert max(slices) < 0.020
-    assert len(slices) >= 10  # the one-shot check is many slices' worth of blocking
+    assert len(huge_slices) == len(small_slices) >= 10
+    assert max(huge_slices) < 2 * max(small_slices) + 0.002
+    assert max(huge_slices) < 0.020
