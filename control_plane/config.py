@@ -227,7 +227,8 @@ def _add_process_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-concurrent-streams",
         type=int,
         default=d.max_concurrent_streams,
-        help="Generate calls one frontend serves at once; more get RESOURCE_EXHAUSTED",
+        help="Generate calls one frontend serves at once; more get RESOURCE_EXHAUSTED (health checks, "
+        "GetServerInfo and Abort are not counted and always answer)",
     )
 
 

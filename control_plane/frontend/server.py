@@ -26,8 +26,9 @@ def server_options(reuse_port: bool) -> list[tuple[str, int]]:
 
     gRPC cancels calls that wait unrequested longer than `server_max_unrequested_time_in_server`
     (30 s by default) and rejects calls beyond its pending-request limits (1000 soft, 3000 hard):
-    past ~2,000 concurrent streams clients saw CANCELLED. Calls wait instead, and beyond
-    --max-concurrent-streams they get RESOURCE_EXHAUSTED (grpc.aio's maximum_concurrent_rpcs).
+    past ~2,000 concurrent streams clients saw CANCELLED. Calls wait instead; Generate calls beyond
+    --max-concurrent-streams get RESOURCE_EXHAUSTED from the service itself (generation.py), not from
+    grpc.aio's maximum_concurrent_rpcs, which would refuse health probes and GetServerInfo too.
     """
     return [
         ("grpc.so_reuseport", int(reuse_port)),
@@ -45,9 +46,7 @@ class FrontendServer:
         self.config = config
         self.frontend = Frontend(config, Tokenizer.from_dir(config.model_dir), index)
         self.health = health.aio.HealthServicer()  # type: ignore[attr-defined]
-        self.server = grpc.aio.server(
-            options=server_options(reuse_port), maximum_concurrent_rpcs=config.max_concurrent_streams
-        )
+        self.server = grpc.aio.server(options=server_options(reuse_port))
         self.port = 0
 
     async def start(self, link_path: str, port: int) -> int:
