@@ -3,6 +3,7 @@ socket while its event loop is blocked, and the hub killing a frontend that stop
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import os
 import socket
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from control_plane.config import ControlConfig
+from control_plane.config import ControlConfig, add_arguments, control_config_from_args
 from control_plane.core.heartbeat import Silence
 from control_plane.core.hub import FrontendHub
 from control_plane.core.router import Router
@@ -80,6 +81,40 @@ def test_answers_to_no_ping_of_ours_are_ignored() -> None:
         silence.pong(0, 0.0)
         silence.pong(99, 0.0)
     assert silence.stalled()
+
+
+# --- the flags ---------------------------------------------------------------------------------------
+
+
+def _config(*flags: str) -> ControlConfig:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return control_config_from_args(parser.parse_args(list(flags)), Path("."))
+
+
+def test_the_heartbeat_flags() -> None:
+    config = _config()
+    assert (config.frontend_heartbeat_interval_s, config.frontend_heartbeat_timeout_s) == (1.0, 10.0)
+    config = _config("--frontend-heartbeat-interval", "0.2", "--frontend-heartbeat-timeout", "0.4")
+    assert (config.frontend_heartbeat_interval_s, config.frontend_heartbeat_timeout_s) == (0.2, 0.4)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--frontend-heartbeat-interval", "0"], "--frontend-heartbeat-interval must be in"),
+        (["--frontend-heartbeat-interval", "nan"], "--frontend-heartbeat-interval must be in"),
+        (
+            ["--frontend-heartbeat-interval", "61", "--frontend-heartbeat-timeout", "200"],
+            "interval must be in",
+        ),
+        (["--frontend-heartbeat-timeout", "1.5"], "--frontend-heartbeat-timeout must be in"),
+        (["--frontend-heartbeat-timeout", "inf"], "--frontend-heartbeat-timeout must be in"),
+    ],
+)
+def test_bad_heartbeat_flags_name_the_flag(flags: list[str], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        _config(*flags)
 
 
 # --- the frontend's answering thread --------------------------------------------------------------
