@@ -154,6 +154,14 @@ class ControlConfig:
     overlap: bool = True
     # Concurrent Generate calls one frontend serves; past it, RESOURCE_EXHAUSTED.
     max_concurrent_streams: int = 65536
+    # The core pings each frontend this often over a connection of its own (frontend.proto). A
+    # frontend that does not answer within the timeout, or whose event loop has not run for that long,
+    # is killed and restarted; a frontend that hears no ping for that long leaves its core. A thread
+    # answers, so neither a burst of streaming work nor a queue of token batches delays an answer;
+    # the timeout leaves room for a long GC pause or a loaded machine (seconds), and bounds how long
+    # a stopped frontend's clients wait for their streams to end.
+    frontend_heartbeat_interval_s: float = 1.0
+    frontend_heartbeat_timeout_s: float = 10.0
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     # Seconds a draining worker's running requests (and, on SIGTERM, this control plane's streams)
     # may take to finish before they are handed over (or aborted).
@@ -372,7 +380,22 @@ def _add_process_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-concurrent-streams",
         type=count(1),
         default=d.max_concurrent_streams,
-        help="Generate calls one frontend serves at once; more get RESOURCE_EXHAUSTED",
+        help="Generate calls one frontend serves at once; more get RESOURCE_EXHAUSTED (health checks, "
+        "GetServerInfo and Abort are not counted and always answer)",
+    )
+    add(
+        "--frontend-heartbeat-interval",
+        type=seconds(0.05, 60.0),
+        default=d.frontend_heartbeat_interval_s,
+        help="seconds between two heartbeats the core sends each frontend (0.05 to 60)",
+    )
+    add(
+        "--frontend-heartbeat-timeout",
+        type=seconds(0.1, 3600.0),
+        default=d.frontend_heartbeat_timeout_s,
+        help="seconds a frontend may go without answering a heartbeat, or without its event loop "
+        "running, before the core kills and restarts it; a frontend that hears none for as long "
+        "leaves its core (at least twice the interval, at most 3600)",
     )
 
 
@@ -401,6 +424,18 @@ def _add_peer_arguments(parser: argparse.ArgumentParser) -> None:
         default=d.rebalance_interval_s,
         help="seconds between two looks at the peers (jittered by 20%%)",
     )
+
+
+def _frontend_heartbeat(ns: argparse.Namespace) -> tuple[float, float]:
+    """(interval, timeout) of the frontend heartbeat: each in its flag's range, and the timeout at
+    least two intervals (a check between two flags, which their types cannot make)."""
+    interval, timeout = float(ns.frontend_heartbeat_interval), float(ns.frontend_heartbeat_timeout)
+    if timeout < 2 * interval:
+        raise ValueError(
+            f"--frontend-heartbeat-timeout {timeout:g} must be at least twice "
+            f"--frontend-heartbeat-interval {interval:g}"
+        )
+    return interval, timeout
 
 
 def _peers(ns: argparse.Namespace) -> str:
@@ -620,6 +655,7 @@ def security_from_args(ns: argparse.Namespace, host: str) -> Security:
 
 
 def control_config_from_args(ns: argparse.Namespace, model_dir: Path) -> ControlConfig:
+    heartbeat_interval, heartbeat_timeout = _frontend_heartbeat(ns)
     return ControlConfig(
         model_dir=model_dir,
         host=ns.host,
@@ -638,6 +674,8 @@ def control_config_from_args(ns: argparse.Namespace, model_dir: Path) -> Control
         stream_interval=ns.stream_interval,
         overlap=not ns.disable_overlap_schedule,
         max_concurrent_streams=ns.max_concurrent_streams,
+        frontend_heartbeat_interval_s=heartbeat_interval,
+        frontend_heartbeat_timeout_s=heartbeat_timeout,
         routing=routing_from_args(ns),
         drain_timeout_s=ns.drain_timeout,
         peers=_peers(ns),

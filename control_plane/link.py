@@ -6,11 +6,16 @@ connection is an immediate EOF, which is how the core learns that a frontend die
 loss). Each direction sends at most one message per event-loop turn: whatever a turn produced is
 merged into it by the sender's outbox (frontend/core_link.py, core/hub.py), so the message rate is the step
 rate, not the token rate.
+
+A stopped or wedged peer closes nothing, so EOF alone does not find it: a heartbeat on a second
+connection does (frontend.proto; core/heartbeat.py, frontend/heartbeat.py). The frontend's end of it is
+a thread with a blocking socket, hence the blocking `read_frame` and `write_frame` below.
 """
 
 from __future__ import annotations
 
 import asyncio
+import socket
 import struct
 from collections.abc import Callable
 from typing import Generic, TypeVar
@@ -87,6 +92,41 @@ class FrameWriter:
 
     def close(self) -> None:
         self._writer.close()
+
+    def abort(self) -> None:
+        """Close at once, dropping what is buffered: a peer that stopped reading never takes it, and
+        `close` would wait for that before the link counts as closed."""
+        self._writer.transport.abort()
+
+
+def read_frame(sock: socket.socket, message_type: type[M]) -> M:
+    """One whole message from a blocking socket; LinkClosed at EOF or on a malformed frame
+    (TimeoutError, or OSError, as the socket raises them)."""
+    (size,) = _HEADER.unpack(_recv_exactly(sock, _HEADER.size))
+    if size > MAX_FRAME_BYTES:
+        raise LinkClosed(f"frame of {size} bytes is larger than {MAX_FRAME_BYTES}")
+    message = message_type()
+    try:
+        message.ParseFromString(_recv_exactly(sock, size))
+    except DecodeError as exc:
+        raise LinkClosed(f"unreadable {message_type.__name__}: {exc}") from None
+    return message
+
+
+def write_frame(sock: socket.socket, message: Message) -> None:
+    body = message.SerializeToString()
+    sock.sendall(_HEADER.pack(len(body)) + body)
+
+
+def _recv_exactly(sock: socket.socket, size: int) -> bytes:
+    parts, left = [], size
+    while left:
+        part = sock.recv(min(left, 1 << 20))
+        if not part:
+            raise LinkClosed("link closed: EOF")
+        parts.append(part)
+        left -= len(part)
+    return b"".join(parts)
 
 
 class TurnFlush:

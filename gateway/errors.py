@@ -60,10 +60,17 @@ def invalid(param: str, problem: str) -> GatewayError:
     return GatewayError(400, f"{param}: {problem}", param=param)
 
 
+# gRPC's own refusals of a request too large for the control plane's client port: RESOURCE_EXHAUSTED,
+# but no retry will fit, so not 429 (its details, as gRPC core words them).
+TOO_LARGE = {"Received message larger than max": 413, "received metadata size exceeds": 431}
+
+
 def from_grpc(exc: grpc.aio.AioRpcError) -> GatewayError:
     """The error a refused or failed gRPC call becomes (500 for codes with no better match)."""
     status = HTTP_STATUS.get(exc.code(), 500)
     details = exc.details() or exc.code().name
+    if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        status = next((s for words, s in TOO_LARGE.items() if words in details), status)
     param = None
     if exc.code() == grpc.StatusCode.INVALID_ARGUMENT and ":" in details:
         field, rest = details.split(":", 1)

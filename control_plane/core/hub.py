@@ -3,7 +3,9 @@ finishes out, one CoreMessage per link per event-loop turn.
 
 Engines publish here as they apply results (`Publisher`); what one loop turn produced for a
 frontend, across every engine, leaves as one message. A frontend whose link breaks has died: every
-request it submitted is aborted and its KV freed in the next plan.
+request it submitted is aborted and its KV freed in the next plan. A frontend that stops answering
+its heartbeat (core/heartbeat.py) is killed (`on_stalled`: the supervisor SIGKILLs it, then restarts
+it) and its link closed here, with the same consequences.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import structlog
 
 from control_plane import client_codec
 from control_plane.config import ControlConfig
+from control_plane.core.heartbeat import Silence
 from control_plane.core.inbox import Arrival, LiveSample, Verdict
 from control_plane.link import (
     DRAINING,
@@ -76,12 +79,26 @@ class _Outbox:
 class _Link:
     """One connected frontend."""
 
-    def __init__(self, link_id: int, index: int, writer: FrameWriter) -> None:
+    def __init__(
+        self, link_id: int, hello: fe_pb.FrontendHello, writer: FrameWriter, silence: Silence
+    ) -> None:
         self.link_id = link_id
-        self.index = index
+        self.index = hello.index
+        self.pid = hello.pid
         self.writer = writer
         self.outbox = _Outbox()
         self.flush = TurnFlush(self._send, FLUSH_INTERVAL_S)
+        self.silence = silence
+        # The heartbeat connection, once the frontend has opened it.
+        self.heartbeat: FrameWriter | None = None
+        # Found stalled: being killed, its link closing.
+        self.stalled = False
+
+    def close(self) -> None:
+        """Abort both connections (a stalled frontend reads nothing: closing would wait on it)."""
+        self.writer.abort()
+        if self.heartbeat is not None:
+            self.heartbeat.abort()
 
     def outgoing(self) -> _Outbox:
         self.flush.request()
@@ -101,25 +118,39 @@ class FrontendHub:
     """Accepts frontend links on a Unix socket and routes between them and the engines."""
 
     def __init__(
-        self, config: ControlConfig, router: Router, server_info: Callable[[], gen_pb.ServerInfo]
+        self,
+        config: ControlConfig,
+        router: Router,
+        server_info: Callable[[], gen_pb.ServerInfo],
+        on_stalled: Callable[[int, int], None] | None = None,
     ) -> None:
         self.config = config
         self.router = router
         self.server_info = server_info
+        # Called with a stalled frontend's index and pid (the supervisor kills it).
+        self.on_stalled = on_stalled
         # The control plane drains: arrivals are refused (UNAVAILABLE, retry elsewhere).
         self.draining = False
         self.links: dict[int, _Link] = {}
         self._link_ids = itertools.count(1)
         self._server: asyncio.AbstractServer | None = None
+        self._heartbeat: asyncio.Task[None] | None = None
         # Called with the frontend index and pid when a frontend connects (the supervisor waits).
         self.connected: asyncio.Queue[tuple[int, int]] = asyncio.Queue()
 
     async def start(self, path: str) -> None:
         self._server = await asyncio.start_unix_server(self._serve, path)
+        self._heartbeat = asyncio.get_running_loop().create_task(self._beat())
 
     async def stop(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._heartbeat
         for link in self.links.values():
             link.writer.close()
+            if link.heartbeat is not None:
+                link.heartbeat.close()
         if self._server is not None:
             self._server.close()
             with contextlib.suppress(Exception):
@@ -194,7 +225,11 @@ class FrontendHub:
         except LinkClosed:
             out.close()
             return
-        link = _Link(next(self._link_ids), hello.hello.index, out)
+        if hello.hello.heartbeat_of:
+            await self._serve_heartbeat(hello.hello, frames, out)
+            return
+        silence = Silence(self.config.frontend_heartbeat_interval_s, self.config.frontend_heartbeat_timeout_s)
+        link = _Link(next(self._link_ids), hello.hello, out, silence)
         self.links[link.link_id] = link
         out.write(fe_pb.CoreMessage(welcome=fe_pb.CoreWelcome(link_id=link.link_id), state=self._state()))
         self.connected.put_nowait((hello.hello.index, hello.hello.pid))
@@ -207,7 +242,59 @@ class FrontendHub:
         finally:
             del self.links[link.link_id]
             out.close()
+            if link.heartbeat is not None:
+                link.heartbeat.close()
             self._abandoned(link)
+
+    async def _serve_heartbeat(
+        self, hello: fe_pb.FrontendHello, frames: FrameReader[fe_pb.FrontendMessage], out: FrameWriter
+    ) -> None:
+        """A frontend's heartbeat connection: its pongs, until it or its link closes."""
+        link = self.links.get(hello.heartbeat_of)
+        if link is None or link.heartbeat is not None or link.pid != hello.pid:
+            log.error("a heartbeat connection for no link of that frontend", link=hello.heartbeat_of)
+            out.close()
+            return
+        link.heartbeat = out
+        try:
+            while True:
+                message = await frames.read()
+                link.silence.pong(message.pong.seq, message.pong.loop_silent_s)
+        except LinkClosed as exc:
+            # The link goes on without it; the silence that follows is what counts.
+            log.info("frontend heartbeat closed", frontend=link.index, reason=str(exc))
+        finally:
+            out.close()
+
+    async def _beat(self) -> None:
+        """Ping every frontend once per heartbeat interval; kill those that went silent."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(self.config.frontend_heartbeat_interval_s)
+            now = loop.time()
+            for link in [link for link in self.links.values() if not link.stalled]:
+                try:
+                    self._beat_one(link, now)
+                except Exception:  # one frontend's trouble must not end every frontend's heartbeat
+                    log.exception("heartbeat failed", frontend=link.index)
+
+    def _beat_one(self, link: _Link, now: float) -> None:
+        ping = fe_pb.CoreMessage(ping=fe_pb.Ping(seq=link.silence.tick(now)))
+        if link.heartbeat is not None and not link.heartbeat.closed:
+            with contextlib.suppress(LinkClosed):
+                link.heartbeat.write(ping)
+        why = link.silence.stalled()
+        if why:
+            self._stalled(link, why)
+
+    def _stalled(self, link: _Link, why: str) -> None:
+        """Kill the frontend (its clients' connections break: UNAVAILABLE, as for any dead frontend)
+        and close its link here, which aborts its requests (`_abandoned`) whether or not it dies."""
+        log.error("frontend stalled: killing it", frontend=link.index, pid=link.pid, reason=why)
+        link.stalled = True
+        if self.on_stalled is not None:
+            self.on_stalled(link.index, link.pid)
+        link.close()
 
     def _abandoned(self, link: _Link) -> None:
         """The frontend died: its clients are gone with it, so their requests are aborted."""

@@ -191,10 +191,10 @@ class ControlPlane:
         self.router = Router(
             model_name=str(config.model_dir), on_change=self._on_workers_changed, routing=config.routing
         )
-        self.hub = FrontendHub(config, self.router, self.server_info)
         self.worker_server = grpc.aio.server(options=WORKER_SERVER_OPTIONS)
         self._dir = tempfile.mkdtemp(prefix="stepwise-core-")
         self.frontends = Frontends(config, str(Path(self._dir) / "link.sock"), log_level, frontend_entry)
+        self.hub = FrontendHub(config, self.router, self.server_info, on_stalled=self.frontends.kill)
         self.port = 0
         self.worker_port = 0
         # Random per process: peers (and this control plane, in its own --peers) recognise it by it.

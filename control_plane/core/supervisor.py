@@ -1,5 +1,6 @@
 """The frontend processes of one control plane: started on the shared client port, watched, and
 restarted when one dies (its clients get UNAVAILABLE; the core aborts its requests; the others go on).
+One that stalls (it stops answering the hub's heartbeat: core/heartbeat.py) is killed first.
 """
 
 from __future__ import annotations
@@ -120,6 +121,14 @@ class Frontends:
         await asyncio.sleep(delay)
         if not self._stopping:
             self._spawn(index)
+
+    def kill(self, index: int, pid: int) -> None:
+        """SIGKILL a stalled frontend (SIGKILL ends a stopped process too); its exit restarts it
+        after the usual backoff. Nothing happens when that process is gone or was replaced."""
+        process = self.processes.get(index)
+        if process is None or process.pid != pid or not process.is_alive():
+            return
+        process.kill()  # the hub logged why
 
     def pids(self) -> list[int]:
         return [p.pid for p in self.processes.values() if p.pid is not None and p.is_alive()]

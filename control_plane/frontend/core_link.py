@@ -24,6 +24,7 @@ import structlog
 from control_plane import client_codec, metrics
 from control_plane.config import ControlConfig
 from control_plane.frontend.detokenize import TextStream
+from control_plane.frontend.heartbeat import Heartbeat
 from control_plane.frontend.samples import Call, Chunk, Lost, Sample
 from control_plane.link import UID_LINK_SHIFT, FrameReader, FrameWriter, LinkClosed, TurnFlush
 from control_plane.request import AbortCode, FinishKind, FinishReason
@@ -77,11 +78,15 @@ class Frontend:
         # Called with the new state whenever the core sends one (health follows it).
         self.on_state: list[Callable[[CoreState], None]] = []
         self.closed = asyncio.Event()
+        self._heartbeat: Heartbeat | None = None
+        # Why the core counts as gone when its heartbeat fell silent (the link itself did not close).
+        self._silence = ""
 
     # --- connecting ------------------------------------------------------------------------------
 
     async def connect(self, path: str) -> None:
-        """Dial the core, say hello and wait for the welcome; then read its messages in a task."""
+        """Dial the core, say hello and wait for the welcome; then read its messages in a task, and
+        answer its heartbeat on a second connection (heartbeat.py)."""
         reader, writer = await asyncio.open_unix_connection(path)
         self._writer = FrameWriter(writer)
         hello = fe_pb.FrontendMessage(hello=fe_pb.FrontendHello(index=self.index, pid=os.getpid()))
@@ -93,16 +98,35 @@ class Frontend:
         self.link_id = first.welcome.link_id
         self.apply(first)
         self._reader = asyncio.create_task(self._read(frames))
+        beat_hello = fe_pb.FrontendHello(index=self.index, pid=os.getpid(), heartbeat_of=self.link_id)
+        self._heartbeat = Heartbeat(
+            path,
+            beat_hello,
+            self.config.frontend_heartbeat_interval_s,
+            self.config.frontend_heartbeat_timeout_s,
+            self._core_silent,
+        )
+        self._heartbeat.start()
+
+    def _core_silent(self, reason: str) -> None:
+        """The core stopped pinging (stopped, wedged): end the link as if it had closed. Aborted, not
+        closed: a core that reads nothing would never take what is buffered for it."""
+        if self.closed.is_set() or self._writer is None:
+            return
+        self._silence = reason
+        self._writer.abort()
 
     async def _read(self, frames: FrameReader[fe_pb.CoreMessage]) -> None:
         try:
             while True:
                 self.apply(await frames.read())
         except LinkClosed as exc:
-            log.error("lost the core", error=str(exc))
+            log.error("lost the core", error=self._silence or str(exc))
         except Exception:
             log.exception("applying a core message failed")
         finally:
+            if self._heartbeat is not None:
+                self._heartbeat.stop()
             self._end_everything(CORE_GONE)
             self.closed.set()
 

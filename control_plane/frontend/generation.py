@@ -76,6 +76,8 @@ class GenerationService(gen_grpc.GenerationServicer):
         self.config = frontend.config
         self.tokenizer = frontend.tokenizer
         self.keys = ApiKeys(self.config.security.api_keys)
+        # Generate calls being served (bounded by --max-concurrent-streams).
+        self.streams = 0
 
     async def _caller(self, context: grpc.aio.ServicerContext) -> Caller:
         """Authenticate the call, or end it with UNAUTHENTICATED."""
@@ -93,6 +95,27 @@ class GenerationService(gen_grpc.GenerationServicer):
         self, request: gen_pb.GenerateRequest | client_codec.Unparsable, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[gen_pb.GenerateResponse]:
         caller = await self._caller(context)
+        # The bound counts Generate calls only (not gRPC's maximum_concurrent_rpcs, which counts every
+        # call): health probes, GetServerInfo and Abort answer however many streams are open.
+        bound = self.config.max_concurrent_streams
+        if self.streams >= bound:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"this frontend serves {bound} Generate calls already (--max-concurrent-streams); retry",
+            )
+        self.streams += 1
+        try:
+            async for response in self._generate(request, context, caller):
+                yield response
+        finally:
+            self.streams -= 1
+
+    async def _generate(
+        self,
+        request: gen_pb.GenerateRequest | client_codec.Unparsable,
+        context: grpc.aio.ServicerContext,
+        caller: Caller,
+    ) -> AsyncIterator[gen_pb.GenerateResponse]:
         call = await self._accept(request, context, caller)
         remaining = len(call.samples)
         try:

@@ -12,7 +12,7 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from control_plane.config import ControlConfig
+from control_plane.config import ControlConfig, Limits
 from control_plane.frontend.core_link import CoreState, Frontend
 from control_plane.frontend.generation import GENERATION_SERVICE, GenerationService, generation_handler
 from control_plane.listen import bind, server_credentials
@@ -21,15 +21,46 @@ from control_plane.tokenizer import Tokenizer
 log = structlog.get_logger("stepwise.frontend")
 
 
-def server_options(reuse_port: bool) -> list[tuple[str, int]]:
+# gRPC's own limit on a received message. Prompts sent as input_ids are bounded by the model's context,
+# not by --max-prompt-bytes: they keep at least this much room, as before the limit followed the flag.
+GRPC_DEFAULT_MESSAGE_BYTES = 4 * 1024 * 1024
+# The largest value a gRPC integer option takes.
+_GRPC_INT_MAX = (1 << 31) - 1
+# A call's metadata, soft and hard limit alike. gRPC's own (8 KiB soft, 16 KiB hard, refused at random
+# between the two) answer an over-long header with RESOURCE_EXHAUSTED, which reads as "retry later":
+# within this limit an unknown bearer key of any length reaches the service and is UNAUTHENTICATED.
+# Past it gRPC's RESOURCE_EXHAUSTED remains (`received metadata size exceeds ...`; the gateway answers
+# it with 431), and it bounds what one call's headers may hold.
+MAX_METADATA_BYTES = 256 * 1024
+
+
+def max_request_bytes(limits: Limits) -> int:
+    """The client port's limit on a request message: twice the largest allowed request (the prompt at
+    --max-prompt-bytes, every other field at its own limit). A request up to twice too large reaches
+    the service, which refuses it with INVALID_ARGUMENT naming the field and the flag; past that
+    gRPC refuses it with RESOURCE_EXHAUSTED (`Received message larger than max`; the gateway answers
+    it with 413), and the limit bounds the memory one call's message may take."""
+    prompt = max(limits.max_prompt_bytes, GRPC_DEFAULT_MESSAGE_BYTES)
+    # UTF-8 takes at most 4 bytes a character; a repeated field's tag and length at most 6 bytes an
+    # element; a negative int32 varint 10 bytes; 1 KiB covers every scalar field.
+    stops = 4 * limits.max_stop_chars + 6 * limits.max_stop_strings + 10 * limits.max_stop_token_ids
+    ids = 2 * (4 * limits.max_id_chars + 6)
+    return min(2 * (prompt + stops + ids + 1024), _GRPC_INT_MAX)
+
+
+def server_options(reuse_port: bool, limits: Limits) -> list[tuple[str, int]]:
     """Options for a client-facing gRPC server sized for many concurrent streams.
 
     gRPC cancels calls that wait unrequested longer than `server_max_unrequested_time_in_server`
     (30 s by default) and rejects calls beyond its pending-request limits (1000 soft, 3000 hard):
-    past ~2,000 concurrent streams clients saw CANCELLED. Calls wait instead, and beyond
-    --max-concurrent-streams they get RESOURCE_EXHAUSTED (grpc.aio's maximum_concurrent_rpcs).
+    past ~2,000 concurrent streams clients saw CANCELLED. Calls wait instead; Generate calls beyond
+    --max-concurrent-streams get RESOURCE_EXHAUSTED from the service itself (generation.py), not from
+    grpc.aio's maximum_concurrent_rpcs, which would refuse health probes and GetServerInfo too.
     """
     return [
+        ("grpc.max_receive_message_length", max_request_bytes(limits)),
+        ("grpc.max_metadata_size", MAX_METADATA_BYTES),
+        ("grpc.absolute_max_metadata_size", MAX_METADATA_BYTES),
         ("grpc.so_reuseport", int(reuse_port)),
         ("grpc.server_max_unrequested_time_in_server", 3600),
         ("grpc.server.max_pending_requests", 1 << 20),
@@ -45,9 +76,7 @@ class FrontendServer:
         self.config = config
         self.frontend = Frontend(config, Tokenizer.from_dir(config.model_dir), index)
         self.health = health.aio.HealthServicer()  # type: ignore[attr-defined]
-        self.server = grpc.aio.server(
-            options=server_options(reuse_port), maximum_concurrent_rpcs=config.max_concurrent_streams
-        )
+        self.server = grpc.aio.server(options=server_options(reuse_port, config.limits))
         self.port = 0
 
     async def start(self, link_path: str, port: int) -> int:

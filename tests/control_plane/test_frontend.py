@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 
 from control_plane import client_codec
-from control_plane.config import ControlConfig
+from control_plane.config import ControlConfig, Limits
 from control_plane.frontend.core_link import Frontend
 from control_plane.frontend.samples import Call, Chunk, Done, Lost
+from control_plane.frontend.server import GRPC_DEFAULT_MESSAGE_BYTES, max_request_bytes
 from control_plane.link import UID_LINK_SHIFT
 from control_plane.tokenizer import Tokenizer
 from protos.stepwise.v1 import frontend_pb2 as fe_pb
@@ -138,3 +139,31 @@ async def test_losing_the_core_ends_every_call_with_unavailable(tokenizer: Token
     lost = _events(running)[-1]
     assert isinstance(lost, Lost) and "went away" in lost.message
     assert not frontend.samples
+
+
+def test_the_client_port_takes_twice_the_largest_allowed_request() -> None:
+    """Every field at its limit (4-byte characters, negative token ids): a request up to twice that
+    reaches the service and is refused naming its field, never by gRPC's size limit."""
+    limits = Limits(
+        max_prompt_bytes=8 << 20, max_stop_strings=8, max_stop_chars=4096, max_stop_token_ids=1024
+    )
+    sampling = gen_pb.SamplingParams(
+        stop=["\U0001f600" * 512] * 8,
+        stop_token_ids=[-1] * 1024,
+        max_new_tokens=1 << 30,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=-1,
+        seed=(1 << 64) - 1,
+        n=64,
+    )
+    largest = gen_pb.GenerateRequest(
+        text="x" * limits.max_prompt_bytes,
+        sampling=sampling,
+        request_id="\U0001f600" * 256,
+        routing_key="\U0001f600" * 256,
+        priority=-(1 << 31),
+    )
+    assert 2 * largest.ByteSize() <= max_request_bytes(limits)
+    # input_ids prompts, which --max-prompt-bytes does not bound, keep gRPC's own 4 MiB at least.
+    assert max_request_bytes(Limits(max_prompt_bytes=0)) >= 2 * GRPC_DEFAULT_MESSAGE_BYTES

@@ -9,7 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from control_plane.link import MAX_FRAME_BYTES, FrameReader, FrameWriter, LinkClosed, TurnFlush
+from control_plane.link import (
+    MAX_FRAME_BYTES,
+    FrameReader,
+    FrameWriter,
+    LinkClosed,
+    TurnFlush,
+    read_frame,
+    write_frame,
+)
 from control_plane.listen import PortGuard
 from protos.stepwise.v1 import frontend_pb2 as fe_pb
 
@@ -123,3 +131,32 @@ def test_the_guard_keeps_the_port_from_another_control_plane() -> None:
         guard.release()
         for sock in frontends:
             sock.close()
+
+
+async def test_abort_ends_the_link_at_once_though_the_peer_reads_nothing(tmp_path: Path) -> None:
+    """A stopped peer never takes what is buffered for it: `close` would wait for that before our
+    own reader saw the end; `abort` does not wait (how a stalled frontend's link, or a silent
+    core's, is ended)."""
+    path = str(tmp_path / "link.sock")
+    server = await asyncio.start_unix_server(lambda r, w: None, path)  # accepts, never reads
+    async with server:
+        reader, writer = await asyncio.open_unix_connection(path)
+        out = FrameWriter(writer)
+        out.write(fe_pb.CoreMessage(token_ids=b"x" * (16 << 20)))  # far more than the socket buffers
+        await asyncio.sleep(0.05)
+        assert writer.transport.get_write_buffer_size() > 0
+        out.abort()
+        assert await asyncio.wait_for(reader.read(), 2) == b""
+
+
+def test_blocking_frames_arrive_whole_and_eof_is_link_closed() -> None:
+    left, right = socket.socketpair()
+    with left, right:
+        for i in range(5):
+            write_frame(left, fe_pb.FrontendMessage(pong=fe_pb.Pong(seq=i, loop_silent_s=i / 2)))
+        got = [read_frame(right, fe_pb.FrontendMessage).pong for _ in range(5)]
+        assert [(p.seq, p.loop_silent_s) for p in got] == [(i, i / 2) for i in range(5)]
+        left.sendall(struct.pack("<I", 10) + b"abc")  # a frame cut short
+        left.shutdown(socket.SHUT_WR)
+        with pytest.raises(LinkClosed, match="EOF"):
+            read_frame(right, fe_pb.FrontendMessage)

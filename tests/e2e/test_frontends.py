@@ -8,6 +8,7 @@ takes only its own clients with it; the core frees their KV and the other fronte
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
@@ -213,3 +214,142 @@ async def test_a_session_with_overlap_and_two_frontends_replays_identically(
     assert replay.main(["worker", str(path), "--model", str(model_dir)]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("identical:") and out[1].startswith("identical:"), out
+
+
+# A short heartbeat, so a stall is found within seconds here (the defaults allow 10 s).
+HEARTBEAT = ["--frontend-heartbeat-interval", "0.5", "--frontend-heartbeat-timeout", "3"]
+
+
+def _alive(pid: int) -> bool:
+    """Running or stopped; a zombie (dead, not yet reaped) is not alive."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def _frontend_pids(control_pid: int) -> list[int]:
+    """The control plane's live frontend processes (multiprocessing spawn children)."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            cmdline = (stat.parent / "cmdline").read_bytes()
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            continue
+        if int(fields[1]) == control_pid and b"spawn_main" in cmdline and fields[0] not in ("Z", "X"):
+            pids.append(int(stat.parent.name))
+    return pids
+
+
+async def _streams(address: str, count: int) -> tuple[list[grpc.aio.Channel], list[grpc.aio.UnaryStreamCall]]:
+    """`count` long streams, each on its own connection, every one past its first message."""
+    sampling = sampling_params(max_new_tokens=100_000, ignore_eos=True, temperature=0.0)
+    options = [("grpc.use_local_subchannel_pool", 1)]
+    channels = [grpc.aio.insecure_channel(address, options=options) for _ in range(count)]
+    calls = [gen_grpc.GenerationStub(ch).Generate(generate_request([5, 6, 7], sampling)) for ch in channels]
+    for call in calls:
+        await call.read()
+    return channels, calls
+
+
+async def _all_served(address: str, connections: int, timeout: float = 30.0) -> None:
+    """Every one of `connections` new connections is served (a retry on a refused connect is fine:
+    the kernel resets what waited in a dead frontend's accept queue)."""
+    options = [("grpc.use_local_subchannel_pool", 1)]
+
+    async def one() -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                async with grpc.aio.insecure_channel(address, options=options) as channel:
+                    stub = gen_grpc.GenerationStub(channel)
+                    sampling = sampling_params(max_new_tokens=3, ignore_eos=True)
+                    call = stub.Generate(generate_request([5, 6, 7], sampling), timeout=10)
+                    async for _ in call:
+                        pass
+                    return
+            except grpc.aio.AioRpcError as exc:
+                assert exc.code() == grpc.StatusCode.UNAVAILABLE, exc
+                assert time.monotonic() < deadline, f"a new connection was not served: {exc}"
+                await asyncio.sleep(0.2)
+
+    await asyncio.wait_for(asyncio.gather(*(one() for _ in range(connections))), timeout + 15)
+
+
+async def test_a_stalled_frontend_is_killed_restarted_and_takes_only_its_clients(start_control) -> None:
+    plane = await start_control("--frontends", "3", *HEARTBEAT)
+    plane.add_worker("sim-0", "--sim-cost", "0.01,0,0")
+    await plane.wait_workers(1)
+    pids = plane.ready["frontend_pids"]
+    victim = pids[0]
+    channels, calls = await _streams(plane.address, 12)
+    try:
+        os.kill(victim, signal.SIGSTOP)  # its sockets stay open: only a heartbeat finds it
+        outcomes = await asyncio.gather(*(_outcome(call, window=15.0) for call in calls))
+        broken = [o for o in outcomes if o == grpc.StatusCode.UNAVAILABLE]
+        alive = [o for o in outcomes if o == "streaming"]
+        assert broken and alive and len(broken) + len(alive) == 12, outcomes
+        assert not _alive(victim), "the stalled frontend was not killed"
+        for call, outcome in zip(calls, outcomes, strict=True):
+            if outcome == "streaming":
+                call.cancel()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(victim, signal.SIGKILL)
+        for ch in channels:
+            await ch.close()
+    # Its requests were aborted and their KV freed; a new frontend took its place.
+    await _settled(plane.address)
+    deadline = time.monotonic() + 30
+    while len(_frontend_pids(plane.control.pid)) != 3:
+        assert time.monotonic() < deadline, "the stalled frontend was not restarted"
+        await asyncio.sleep(0.1)
+    await _all_served(plane.address, 12)
+
+
+async def test_a_frontend_paused_for_less_than_the_deadline_keeps_its_clients(start_control) -> None:
+    plane = await start_control("--frontends", "2", *HEARTBEAT)
+    plane.add_worker("sim-0", "--sim-cost", "0.01,0,0")
+    await plane.wait_workers(1)
+    victim = plane.ready["frontend_pids"][0]
+    channels, calls = await _streams(plane.address, 6)
+    try:
+        os.kill(victim, signal.SIGSTOP)  # a pause (a long GC, a burst) well inside the deadline
+        await asyncio.sleep(1.0)
+        os.kill(victim, signal.SIGCONT)
+        outcomes = await asyncio.gather(*(_outcome(call, window=6.0) for call in calls))
+        assert outcomes == ["streaming"] * 6, outcomes
+        assert _alive(victim)
+        for call in calls:
+            call.cancel()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(victim, signal.SIGCONT)
+        for ch in channels:
+            await ch.close()
+    await _settled(plane.address)
+
+
+async def test_frontends_leave_a_core_that_stops_answering(start_control) -> None:
+    plane = await start_control("--frontends", "2", *HEARTBEAT)
+    plane.add_worker("sim-0", "--sim-cost", "0.01,0,0")
+    await plane.wait_workers(1)
+    frontends = list(plane.ready["frontend_pids"])
+    channels, calls = await _streams(plane.address, 4)
+    core = plane.control.pid
+    try:
+        os.kill(core, signal.SIGSTOP)  # no EOF: the frontends must notice the silence
+        outcomes = await asyncio.gather(*(_outcome(call, window=15.0) for call in calls))
+        assert outcomes == [grpc.StatusCode.UNAVAILABLE] * 4, outcomes
+        deadline = time.monotonic() + 15
+        while any(_alive(pid) for pid in frontends):
+            assert time.monotonic() < deadline, "a frontend outlived its silent core"
+            await asyncio.sleep(0.1)
+    finally:
+        os.kill(core, signal.SIGCONT)
+        for ch in channels:
+            await ch.close()
+    # The core, resumed, restarts its frontends and serves again.
+    await _all_served(plane.address, 4)

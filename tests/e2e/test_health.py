@@ -132,3 +132,40 @@ def _alive(pid: int) -> bool:
     # A zombie is dead; it only waits for its parent (gone) to be reaped by init.
     status = Path(f"/proc/{pid}/status")
     return status.exists() and "zombie" not in status.read_text()
+
+
+async def test_at_max_concurrent_streams_only_generate_is_refused(start_control) -> None:
+    """The bound counts Generate calls: health probes, GetServerInfo and Abort always answer."""
+    from clients.client import StepwiseClient, generate_request, sampling_params
+
+    plane = await start_control("--max-concurrent-streams", "4")
+    plane.add_worker("w0", "--sim-cost", "0.01,0,0")
+    await plane.wait_workers(1)
+    sampling = sampling_params(max_new_tokens=100_000, ignore_eos=True)
+    async with StepwiseClient(plane.address) as client:
+        streams = [client.stream(generate_request([5, 6, 7], sampling, f"s{i}")) for i in range(4)]
+        try:
+            for stream in streams:
+                await stream.read()  # type: ignore[attr-defined]
+            checks = await asyncio.gather(*(_status(plane.address) for _ in range(50)))
+            assert checks == [health_pb2.HealthCheckResponse.SERVING] * 50
+            infos = await asyncio.gather(*(client.server_info() for _ in range(20)))
+            assert all(len(info.workers) == 1 for info in infos)
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await client.generate([5, 6, 7], max_new_tokens=2)
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "--max-concurrent-streams" in (refused.value.details() or "")
+            assert await client.abort("s0")
+        finally:
+            for stream in streams:
+                stream.cancel()  # type: ignore[attr-defined]
+        # A slot freed is a slot taken again.
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                gen = await client.generate([5, 6, 7], max_new_tokens=2, ignore_eos=True)
+                break
+            except grpc.aio.AioRpcError as exc:
+                assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and time.monotonic() < deadline
+                await asyncio.sleep(0.05)
+        assert len(gen.token_ids) == 2

@@ -260,3 +260,18 @@ async def test_a_priority_refused_by_the_server_is_unavailable(start_control) ->
             await client.generate([5, 6, 7], max_new_tokens=2, priority=3)
     assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
     assert "priority" in (refused.value.details() or "")
+
+
+@pytest.mark.parametrize("size", [12_000, 60_000], ids=["12KB", "60KB"])
+async def test_an_oversized_bearer_key_is_unauthenticated_naming_the_header(start_control, size: int) -> None:
+    """gRPC's default metadata limits (8 KiB soft, 16 KiB hard) would answer RESOURCE_EXHAUSTED,
+    which reads as "retry later"; a key that long is simply not a key."""
+    plane = await start_control("--api-key", KEY)
+    plane.add_worker("w0")
+    await plane.wait_workers(1, api_key=KEY)
+    for _ in range(3):  # between the soft and the hard limit gRPC refuses at random
+        async with StepwiseClient(plane.address, api_key="k" * size) as client:
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await client.generate([5, 6, 7], max_new_tokens=2)
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED, refused.value
+        assert "authorization" in (refused.value.details() or "")

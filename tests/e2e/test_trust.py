@@ -391,3 +391,37 @@ async def test_no_call_is_lost_when_a_worker_is_dropped_amid_arrivals(start_cont
     assert lost == []
     await _books_empty(plane.address)
     await _serves(plane.address)
+
+
+@pytest.mark.parametrize(
+    ("flags", "size"),
+    [([], 5_000_000), (["--max-prompt-bytes", str(8 << 20)], 12_000_000)],
+    ids=["default-limit-5MB", "8MiB-limit-12MB"],
+)
+async def test_a_prompt_over_max_prompt_bytes_is_invalid_argument_naming_it(
+    start_control, flags: list[str], size: int
+) -> None:
+    """Past gRPC's own 4 MiB limit too: too large reads as too large, never as a retryable 429."""
+    plane = await start_control(*flags)
+    plane.add_worker("w0")
+    await plane.wait_workers(1)
+    async with StepwiseClient(plane.address) as client:
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await client.generate("x" * size, max_new_tokens=4)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, refused.value
+    assert (refused.value.details() or "").startswith("text:")
+    assert "--max-prompt-bytes" in (refused.value.details() or "")
+    await _serves(plane.address)
+
+
+async def test_a_prompt_under_a_raised_max_prompt_bytes_reaches_the_prompt_checks(start_control) -> None:
+    """Between gRPC's 4 MiB and the flag the prompt is checked like any other (here: against the
+    model's context, before it is tokenized), not refused by the transport."""
+    plane = await start_control("--max-prompt-bytes", str(8 << 20))
+    plane.add_worker("w0")
+    await plane.wait_workers(1)
+    async with StepwiseClient(plane.address) as client:
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await client.generate("x" * 6_000_000, max_new_tokens=4)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, refused.value
+    assert "context" in (refused.value.details() or "")

@@ -8,26 +8,38 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class FrontendMessage(_message.Message):
-    __slots__ = ("hello", "arrivals", "aborts", "stops", "queries")
+    __slots__ = ("hello", "arrivals", "aborts", "stops", "queries", "pong")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     ARRIVALS_FIELD_NUMBER: _ClassVar[int]
     ABORTS_FIELD_NUMBER: _ClassVar[int]
     STOPS_FIELD_NUMBER: _ClassVar[int]
     QUERIES_FIELD_NUMBER: _ClassVar[int]
+    PONG_FIELD_NUMBER: _ClassVar[int]
     hello: FrontendHello
     arrivals: _containers.RepeatedCompositeFieldContainer[Arrival]
     aborts: _containers.RepeatedCompositeFieldContainer[LinkAbort]
     stops: _containers.RepeatedCompositeFieldContainer[LinkStop]
     queries: _containers.RepeatedCompositeFieldContainer[Query]
-    def __init__(self, hello: _Optional[_Union[FrontendHello, _Mapping]] = ..., arrivals: _Optional[_Iterable[_Union[Arrival, _Mapping]]] = ..., aborts: _Optional[_Iterable[_Union[LinkAbort, _Mapping]]] = ..., stops: _Optional[_Iterable[_Union[LinkStop, _Mapping]]] = ..., queries: _Optional[_Iterable[_Union[Query, _Mapping]]] = ...) -> None: ...
+    pong: Pong
+    def __init__(self, hello: _Optional[_Union[FrontendHello, _Mapping]] = ..., arrivals: _Optional[_Iterable[_Union[Arrival, _Mapping]]] = ..., aborts: _Optional[_Iterable[_Union[LinkAbort, _Mapping]]] = ..., stops: _Optional[_Iterable[_Union[LinkStop, _Mapping]]] = ..., queries: _Optional[_Iterable[_Union[Query, _Mapping]]] = ..., pong: _Optional[_Union[Pong, _Mapping]] = ...) -> None: ...
 
 class FrontendHello(_message.Message):
-    __slots__ = ("index", "pid")
+    __slots__ = ("index", "pid", "heartbeat_of")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_OF_FIELD_NUMBER: _ClassVar[int]
     index: int
     pid: int
-    def __init__(self, index: _Optional[int] = ..., pid: _Optional[int] = ...) -> None: ...
+    heartbeat_of: int
+    def __init__(self, index: _Optional[int] = ..., pid: _Optional[int] = ..., heartbeat_of: _Optional[int] = ...) -> None: ...
+
+class Pong(_message.Message):
+    __slots__ = ("seq", "loop_silent_s")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    LOOP_SILENT_S_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    loop_silent_s: float
+    def __init__(self, seq: _Optional[int] = ..., loop_silent_s: _Optional[float] = ...) -> None: ...
 
 class Arrival(_message.Message):
     __slots__ = ("request_id", "uids", "input_ids", "sampling", "routing_key", "has_priority", "priority", "owner", "arrived", "prompt_field")
@@ -84,7 +96,7 @@ class Query(_message.Message):
     def __init__(self, query_id: _Optional[int] = ..., server_info: _Optional[_Union[_generation_pb2.GetServerInfoRequest, _Mapping]] = ...) -> None: ...
 
 class CoreMessage(_message.Message):
-    __slots__ = ("welcome", "verdicts", "admissions", "token_uids", "token_ids", "finished", "replies", "state")
+    __slots__ = ("welcome", "verdicts", "admissions", "token_uids", "token_ids", "finished", "replies", "state", "ping")
     WELCOME_FIELD_NUMBER: _ClassVar[int]
     VERDICTS_FIELD_NUMBER: _ClassVar[int]
     ADMISSIONS_FIELD_NUMBER: _ClassVar[int]
@@ -93,6 +105,7 @@ class CoreMessage(_message.Message):
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     REPLIES_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
+    PING_FIELD_NUMBER: _ClassVar[int]
     welcome: CoreWelcome
     verdicts: _containers.RepeatedCompositeFieldContainer[Verdict]
     admissions: _containers.RepeatedCompositeFieldContainer[Admission]
@@ -101,7 +114,14 @@ class CoreMessage(_message.Message):
     finished: _containers.RepeatedCompositeFieldContainer[LinkFinished]
     replies: _containers.RepeatedCompositeFieldContainer[Reply]
     state: CoreState
-    def __init__(self, welcome: _Optional[_Union[CoreWelcome, _Mapping]] = ..., verdicts: _Optional[_Iterable[_Union[Verdict, _Mapping]]] = ..., admissions: _Optional[_Iterable[_Union[Admission, _Mapping]]] = ..., token_uids: _Optional[bytes] = ..., token_ids: _Optional[bytes] = ..., finished: _Optional[_Iterable[_Union[LinkFinished, _Mapping]]] = ..., replies: _Optional[_Iterable[_Union[Reply, _Mapping]]] = ..., state: _Optional[_Union[CoreState, _Mapping]] = ...) -> None: ...
+    ping: Ping
+    def __init__(self, welcome: _Optional[_Union[CoreWelcome, _Mapping]] = ..., verdicts: _Optional[_Iterable[_Union[Verdict, _Mapping]]] = ..., admissions: _Optional[_Iterable[_Union[Admission, _Mapping]]] = ..., token_uids: _Optional[bytes] = ..., token_ids: _Optional[bytes] = ..., finished: _Optional[_Iterable[_Union[LinkFinished, _Mapping]]] = ..., replies: _Optional[_Iterable[_Union[Reply, _Mapping]]] = ..., state: _Optional[_Union[CoreState, _Mapping]] = ..., ping: _Optional[_Union[Ping, _Mapping]] = ...) -> None: ...
+
+class Ping(_message.Message):
+    __slots__ = ("seq",)
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    def __init__(self, seq: _Optional[int] = ...) -> None: ...
 
 class CoreWelcome(_message.Message):
     __slots__ = ("link_id",)
