@@ -209,7 +209,8 @@ class Dialer:
         """Why `candidate` refuses this worker for good, None when it does not (as far as is known)."""
         if candidate.census.refuses():
             return Refusal(candidate, candidate.census.refusal)
-        return next((r for r in self._refused if candidate.same_plane(r.candidate)), None)
+        remembered = next((r for r in self._refused if candidate.same_plane(r.candidate)), None)
+        return None if remembered is None else Refusal(candidate, remembered.reason)
 
     def channel(self, address: Address) -> grpc.aio.Channel:
         """A channel to the address itself: plaintext, or TLS verifying the control plane against

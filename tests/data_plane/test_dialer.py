@@ -222,6 +222,21 @@ async def test_the_search_asks_about_this_worker_and_says_when_every_address_ref
     ]
 
 
+async def test_a_refusal_remembered_is_said_for_each_address_the_control_plane_answers_on() -> None:
+    """One control plane on two addresses (its id says so), refused on one: it refuses on both."""
+    same = Census(control_plane_id="cp-b", workers=0)
+    async with control_planes(same, same) as planes:
+        search = dialer(",".join(p.address for p in planes))
+        first = (await search.search()).chosen
+        assert first is not None
+        search.refused(first, "page size")
+        found = await search.search()
+    assert found.chosen is None
+    assert [(r.candidate.address.target, r.reason) for r in found.refused_everywhere] == [
+        (p.address, "page size") for p in planes
+    ]
+
+
 async def test_refused_here_and_unreachable_there_is_not_refused_everywhere() -> None:
     refusing = Census(workers=0, hello_judged=True, refusal="page size")
     async with control_planes(refusing) as planes:
