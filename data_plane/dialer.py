@@ -6,6 +6,13 @@ themselves over control planes as they start, without a coordinator. The worker 
 ADDRESS, not the name (a name stands for every control plane behind a headless Service); with TLS
 the certificate is still verified against the name.
 
+One misconfigured control plane must not end the fleet's workers: it has no workers, so it always
+looks emptiest. The census request carries the worker's hello and a control plane says whether it
+would refuse it for good (then it is not chosen); one that refuses at Connect all the same (one
+too old to say, or a race) is remembered and not chosen again. Only when every address answers and
+every control plane there refuses does the search say so (the worker exits 2): an address that
+does not answer may be a control plane restarting, which may take the worker when it is back.
+
 Between failed searches and after a lost control plane the worker waits a capped, doubling delay
 with equal jitter (`backoff_delays`): workers that lost the same control plane at the same moment
 come back spread out instead of all at once.
@@ -26,7 +33,7 @@ from data_plane.config import WorkerConfig
 from protos import worker_codec
 from protos.stepwise.v1 import worker_pb2_grpc
 from protos.targets import Address, parse_targets, resolve
-from protos.worker import Census
+from protos.worker import Census, WorkerLimits
 
 CENSUS_TIMEOUT_S = 1.0
 BACKOFF_BASE_S = 0.1
@@ -61,17 +68,46 @@ class Candidate:
         return (self.address.ip, self.address.port) == (other.address.ip, other.address.port)
 
 
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """A control plane that refuses this worker for good, and why (its census said so, or Connect did)."""
+
+    candidate: Candidate
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Found:
+    """What a search found: the control plane to attach to (None when none fits), and, only when
+    every address answered and every control plane there refuses this worker for good, each
+    refusal (the worker then exits 2)."""
+
+    chosen: Candidate | None
+    refused_everywhere: tuple[Refusal, ...] = ()
+
+
 def choose(
-    candidates: Sequence[Candidate], fingerprint: str, avoid: Candidate | None = None
+    candidates: Sequence[Candidate],
+    fingerprint: str,
+    avoid: Candidate | None = None,
+    refused: Sequence[Candidate] = (),
 ) -> Candidate | None:
     """The control plane to attach to, None when none fits.
 
-    Fits: accepting, and serving this model or none yet. Among those the fewest workers win, ties
-    go to the least loaded (queued + running), then to the lowest address, so every worker that
-    sees the same censuses makes the same choice. `avoid` (the control plane that just moved this
-    worker away) is passed over while any other fits.
+    Fits: accepting, serving this model or none yet, and not refusing this worker for good (its
+    census says so, or it is one of `refused`). Among those the fewest workers win, ties go to the
+    least loaded (queued + running), then to the lowest address, so every worker that sees the same
+    censuses makes the same choice. `avoid` (the control plane that just moved this worker away) is
+    passed over while any other fits.
     """
-    fit = [c for c in candidates if c.census.accepting and c.census.model_fingerprint in ("", fingerprint)]
+    fit = [
+        c
+        for c in candidates
+        if c.census.accepting
+        and c.census.model_fingerprint in ("", fingerprint)
+        and not c.census.refuses()
+        and not any(c.same_plane(r) for r in refused)
+    ]
     others = [c for c in fit if not c.same_plane(avoid)]
     return min(others or fit, key=_rank, default=None)
 
@@ -129,9 +165,14 @@ class Retry:
 class Dialer:
     """Searches the control planes of `--control` and opens channels to them (TLS as configured)."""
 
-    def __init__(self, config: WorkerConfig, fingerprint: str) -> None:
+    def __init__(self, config: WorkerConfig, hello: WorkerLimits) -> None:
         self._endpoints = parse_targets(config.control, "--control")
-        self._fingerprint = fingerprint
+        self._hello = hello
+        # Control planes that refused this worker for good at Connect, for the rest of the process.
+        # What such a refusal rests on (protocol version, --page-size, --chunked-prefill-size, the
+        # tokenizer, the limits) is fixed for the life of a control-plane process, and a restarted,
+        # corrected one has a new control_plane_id (Candidate.same_plane), so it is tried again.
+        self._refused: list[Refusal] = []
         self._tls_server_name = config.tls_server_name
         self._creds = None
         if config.tls_ca is not None:
@@ -141,20 +182,35 @@ class Dialer:
                 certificate_chain=config.tls_cert.read_bytes() if config.tls_cert else None,
             )
 
-    async def search(self, avoid: Candidate | None = None) -> Candidate | None:
-        """Ask every address for its census; the chosen control plane, or None when none fits."""
+    def refused(self, candidate: Candidate, reason: str) -> None:
+        """`candidate` refused this worker for good at Connect: never choose it again."""
+        self._refused.append(Refusal(candidate, reason))
+
+    async def search(self, avoid: Candidate | None = None) -> Found:
+        """Ask every address for its census (and whether it would take this worker); what was found."""
         addresses = await resolve(self._endpoints)
         answers = await asyncio.gather(*(self._census(a) for a in addresses))
         candidates = [c for c in answers if c is not None]
-        chosen = choose(candidates, self._fingerprint, avoid)
+        remembered = [r.candidate for r in self._refused]
+        chosen = choose(candidates, self._hello.model_fingerprint, avoid, remembered)
+        refusals = [r for r in map(self._refusal, candidates) if r is not None]
         log.info(
             "search",
             addresses=len(addresses),
             answered=len(candidates),
+            refusing=len(refusals),
             chosen=chosen.address.target if chosen else None,
             workers=chosen.census.workers if chosen else None,
         )
-        return chosen
+        everywhere = chosen is None and bool(addresses) and len(refusals) == len(addresses)
+        return Found(chosen, tuple(refusals) if everywhere else ())
+
+    def _refusal(self, candidate: Candidate) -> Refusal | None:
+        """Why `candidate` refuses this worker for good, None when it does not (as far as is known)."""
+        if candidate.census.refuses():
+            return Refusal(candidate, candidate.census.refusal)
+        remembered = next((r for r in self._refused if candidate.same_plane(r.candidate)), None)
+        return None if remembered is None else Refusal(candidate, remembered.reason)
 
     def channel(self, address: Address) -> grpc.aio.Channel:
         """A channel to the address itself: plaintext, or TLS verifying the control plane against
@@ -171,7 +227,8 @@ class Dialer:
         async with self.channel(address) as channel:
             stub = worker_pb2_grpc.WorkerLinkStub(channel)
             try:
-                reply = await stub.Census(worker_codec.census_request(), timeout=CENSUS_TIMEOUT_S)
+                request = worker_codec.census_request(self._hello)
+                reply = await stub.Census(request, timeout=CENSUS_TIMEOUT_S)
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
                     return Candidate(address, Census())  # a control plane without Census: none attached

@@ -5,9 +5,10 @@ goes away; drain on SIGTERM.
 
 A search asks every control plane of `--control` for its census and attaches to the one with the
 fewest workers. A session ends with Shutdown (exit), Move (search again at once, preferring another
-control plane), a refusal (final: exit; retryable: search again), or a broken stream (search again
-after a backoff: capped, doubling, jittered, restarted by every welcomed session). Only the first
-search is bounded, by --connect-timeout.
+control plane), a refusal (final: search again at once, never choosing that control plane again;
+retryable: search again after a backoff), or a broken stream (search again after a backoff: capped,
+doubling, jittered, restarted by every welcomed session). Only the first search is bounded, by
+--connect-timeout.
 
 SIGTERM or SIGINT while attached drains: the worker sends Drain, turns readiness NOT_SERVING, runs
 plans until the control plane sends Shutdown (or Move), then exits; after --drain-timeout + 10 s
@@ -15,7 +16,8 @@ without either it exits anyway. A second signal, or a signal while not attached,
 
 Exit codes:
   0  stopped: Shutdown, a finished (or timed-out) drain, a signal while not attached;
-  2  the control plane refused the worker for good, or --health-port cannot be had;
+  2  every control plane of --control refused the worker for good (one line for each says why), or
+     --health-port cannot be had;
   3  no control plane took the worker within --connect-timeout;
   4  the model cannot be loaded.
 A broken stream does not end the process: the worker searches again.
@@ -32,7 +34,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -44,7 +46,7 @@ from data_plane.backends.base import BackendError
 from data_plane.config import CUDA_KV_MEMORY_FRACTION, DEFAULT_CPU_KV_BYTES, WorkerConfig
 from data_plane.config import add_arguments as add_arguments
 from data_plane.config import config_from_args as config_from_args
-from data_plane.dialer import Candidate, Dialer, Retry
+from data_plane.dialer import Candidate, Dialer, Refusal, Retry
 from data_plane.executor import Executor
 from data_plane.health import WorkerHealth
 from data_plane.kv_pool import KvPool, capacity_tokens
@@ -192,17 +194,26 @@ async def serve(worker: LoadedWorker, config: WorkerConfig, link: Link | None = 
     A draining worker (see `Link.drain`) exits when its session ends, however it ends.
     """
     link = link or Link()
-    dialer = Dialer(config, worker.hello.model_fingerprint)
+    dialer = Dialer(config, worker.hello)
     retry = Retry(config.reconnect_max_backoff_s, deadline=time.monotonic() + config.connect_timeout_s)
     avoid: Candidate | None = None
     while True:
-        candidate = await dialer.search(avoid)
+        found = await dialer.search(avoid)
+        if found.refused_everywhere:
+            _log_refusals(found.refused_everywhere)
+            return EXIT_REFUSED
+        candidate = found.chosen
         end = await _attach(worker, dialer, candidate, link) if candidate else None
         ending = end.ending if end else None
         if link.draining.is_set():
             return EXIT_OK
-        if ending in _EXITS:
-            return _EXITS[ending]
+        if ending is Ending.SHUTDOWN:
+            return EXIT_OK
+        if ending is Ending.REFUSED and candidate is not None and end is not None:
+            # Another control plane may take the worker: search again at once (this one is never
+            # chosen again). When none does, the search says so.
+            dialer.refused(candidate, end.reason)
+            continue
         if end and end.welcomed:
             retry.welcomed()
         # Next time prefer another control plane than one that moved us, refused us for now, or
@@ -216,7 +227,9 @@ async def serve(worker: LoadedWorker, config: WorkerConfig, link: Link | None = 
             return EXIT_CONNECT_FAILED
 
 
-_EXITS = {Ending.SHUTDOWN: EXIT_OK, Ending.REFUSED: EXIT_REFUSED}
+def _log_refusals(refusals: Sequence[Refusal]) -> None:
+    for refusal in refusals:
+        log.error("refused_everywhere", control_plane=refusal.candidate.address.target, reason=refusal.reason)
 
 
 async def _attach(worker: LoadedWorker, dialer: Dialer, candidate: Candidate, link: Link) -> SessionEnd:
@@ -227,7 +240,7 @@ async def _attach(worker: LoadedWorker, dialer: Dialer, candidate: Candidate, li
         if end.ending is Ending.LOST:
             log.warning("control_plane_lost", welcomed=end.welcomed, error=end.reason)
         elif end.ending is Ending.REFUSED:
-            log.error("refused", reason=end.reason)
+            log.warning("refused", reason=end.reason)
         elif end.ending is Ending.RETRY:
             log.info("refused_for_now", reason=end.reason)
     return end

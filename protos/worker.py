@@ -290,3 +290,12 @@ class Census:
     accepting: bool = True
     # The attached workers' model fingerprint; empty when none is attached.
     model_fingerprint: str = ""
+    # Whether the census judged the hello it was asked about (False: none was asked about, or the
+    # control plane predates the question), and why it would refuse that worker for good ("": it
+    # would take it).
+    hello_judged: bool = False
+    refusal: str = ""
+
+    def refuses(self) -> bool:
+        """Whether this control plane said it would refuse the worker asked about for good."""
+        return self.hello_judged and bool(self.refusal)

@@ -415,8 +415,16 @@ def drain_to_proto(d: Drain) -> wk_pb.WorkerMessage:
 # --- the census --------------------------------------------------------------------------------------
 
 
-def census_request() -> wk_pb.CensusRequest:
-    return wk_pb.CensusRequest()
+def census_request(hello: WorkerLimits | None = None) -> wk_pb.CensusRequest:
+    """A census request, asking too whether the control plane would take a worker with `hello`."""
+    if hello is None:
+        return wk_pb.CensusRequest()
+    return wk_pb.CensusRequest(hello=hello_to_proto(hello).hello)
+
+
+def census_hello(request: wk_pb.CensusRequest) -> wk_pb.Hello | None:
+    """The hello a census request asks about, None when it asks for counts only."""
+    return request.hello if request.HasField("hello") else None
 
 
 def census_to_proto(c: Census) -> wk_pb.CensusReply:
@@ -427,6 +435,8 @@ def census_to_proto(c: Census) -> wk_pb.CensusReply:
         running=c.running,
         accepting=c.accepting,
         model_fingerprint=c.model_fingerprint,
+        hello_judged=c.hello_judged,
+        refusal=c.refusal,
     )
 
 
@@ -439,4 +449,6 @@ def census_from_proto(c: wk_pb.CensusReply) -> Census:
         running=max(c.running, 0),
         accepting=c.accepting,
         model_fingerprint=c.model_fingerprint,
+        hello_judged=c.hello_judged,
+        refusal=c.refusal,
     )

@@ -1,7 +1,10 @@
-"""The census: how many workers a control plane holds and how busy they are (WorkerLink.Census).
+"""The census: how many workers a control plane holds and how busy they are (WorkerLink.Census),
+and, asked about a hello, whether it would refuse that worker for good (server.py judges it as
+Connect would).
 
 A worker asks every control plane it can find before it attaches (it takes the one with the fewest
-workers); control planes ask their peers to decide whether to hand a worker over (rebalance.py).
+workers that would take it); control planes ask their peers, about the worker they would move, to
+decide whether to hand it over (rebalance.py).
 `take` counts this control plane; `PeerCensus` asks the peers. Workers that are leaving (draining
 or moving away) are not counted: they are about to be gone.
 
@@ -22,9 +25,10 @@ import structlog
 from control_plane.config import Security
 from control_plane.core.engine import Engine
 from protos import worker_codec
+from protos.stepwise.v1 import worker_pb2 as wk_pb
 from protos.stepwise.v1 import worker_pb2_grpc as wk_grpc
 from protos.targets import Address, Endpoint, parse_targets, resolve
-from protos.worker import Census
+from protos.worker import Census, WorkerLimits
 
 log = structlog.get_logger("stepwise.census")
 
@@ -56,18 +60,19 @@ class PeerCensus:
         self.timeout_s = timeout_s
         self._channels: dict[Address, grpc.aio.Channel] = {}
 
-    async def poll(self) -> list[Census]:
+    async def poll(self, hello: WorkerLimits | None = None) -> list[Census]:
         """The census of every peer that answered (this control plane's own among them, if it is
-        in the target)."""
+        in the target); asked too whether each would take a worker with `hello`."""
         addresses = await resolve(self.endpoints)
         await self._forget_except(set(addresses))
-        replies = await asyncio.gather(*(self._ask(a) for a in addresses))
+        request = worker_codec.census_request(hello)
+        replies = await asyncio.gather(*(self._ask(a, request) for a in addresses))
         return [reply for reply in replies if reply is not None]
 
-    async def _ask(self, address: Address) -> Census | None:
+    async def _ask(self, address: Address, request: wk_pb.CensusRequest) -> Census | None:
         stub = wk_grpc.WorkerLinkStub(self._channel(address))
         try:
-            reply = await stub.Census(worker_codec.census_request(), timeout=self.timeout_s)
+            reply = await stub.Census(request, timeout=self.timeout_s)
         except grpc.aio.AioRpcError as exc:
             log.debug("peer did not answer", peer=address.target, status=exc.code().name)
             return None

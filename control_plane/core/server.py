@@ -8,8 +8,9 @@ drains: then it cannot take new work. The worker port's "liveness" is SERVING fr
 workers or not, for liveness and startup probes.
 
 Many control planes may serve one fleet of workers: each answers Census on its worker port (how
-many workers it holds; census.py), and with `--peers` it compares itself with the others and asks
-a worker to move when it holds too many (rebalance.py). On SIGTERM it drains (`ControlPlane.drain`):
+many workers it holds, and whether it would take the worker asked about; census.py), and with
+`--peers` it compares itself with the others and asks a worker to move when it holds too many
+(rebalance.py). On SIGTERM it drains (`ControlPlane.drain`):
 no new work, running streams finish within `--drain-timeout`, every worker is told to move.
 
 Trust: clients may be asked for a bearer token (`--api-key`) and served over TLS (frontend/generation.py);
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import shutil
 import tempfile
 import time
@@ -90,7 +92,13 @@ class WorkerLinkService(wk_grpc.WorkerLinkServicer):
     async def Census(
         self, request: wk_pb.CensusRequest, context: grpc.aio.ServicerContext
     ) -> wk_pb.CensusReply:
-        return worker_codec.census_to_proto(self.plane.census())
+        """The counts; asked about a hello, also whether Connect would refuse it for good (the same
+        check, so that a worker, or a peer thinking of moving one here, need not try to find out)."""
+        census = self.plane.census()
+        hello = worker_codec.census_hello(request)
+        if hello is not None:
+            census = dataclasses.replace(census, hello_judged=True, refusal=self._final_refusal(hello))
+        return worker_codec.census_to_proto(census)
 
     async def Connect(self, request_iterator: object, context: grpc.aio.ServicerContext) -> None:
         first = await context.read()
@@ -98,9 +106,7 @@ class WorkerLinkService(wk_grpc.WorkerLinkServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "the first message must be a hello")
             return
         limits = worker_codec.hello_from_proto(first.hello)
-        refusal = self._refusal(first.hello) or hello_refusal(
-            limits, self.config.limits, self.tokenizer.vocab_size
-        )
+        refusal = self._final_refusal(first.hello)
         if refusal:
             log.error("worker refused", worker=limits.worker_id, reason=refusal)
             await context.write(worker_codec.control_to_proto(Welcome(False, refusal)))
@@ -149,6 +155,11 @@ class WorkerLinkService(wk_grpc.WorkerLinkServicer):
             log.info("worker detached", worker=limits.worker_id)
         if engine.fault is not None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"dropped: {engine.fault}")
+
+    def _final_refusal(self, hello: wk_pb.Hello) -> str:
+        """Why a worker with this hello is refused for good ("" when it is not)."""
+        limits = worker_codec.hello_from_proto(hello)
+        return self._refusal(hello) or hello_refusal(limits, self.config.limits, self.tokenizer.vocab_size)
 
     def _refusal(self, hello: wk_pb.Hello) -> str:
         want = PROTOCOL_VERSION

@@ -4,20 +4,21 @@ fake workers attached to a ControlPlane that is built but not started (no ports,
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import shutil
 from collections.abc import AsyncIterator
 
 import pytest
 from grpc_health.v1 import health_pb2
 
-from control_plane.config import ControlConfig
+from control_plane.config import ControlConfig, SchedulerConfig
 from control_plane.core.drain import Departure
 from control_plane.core.engine import Engine
-from control_plane.core.server import MOVE_ON_DRAIN, WORKER_SERVICE, ControlPlane
+from control_plane.core.server import MOVE_ON_DRAIN, WORKER_SERVICE, ControlPlane, WorkerLinkService
 from control_plane.request import RequestParams
 from protos import worker_codec
 from protos.stepwise.v1 import worker_pb2 as wk_pb
-from protos.worker import Census, SamplerParams
+from protos.worker import Census, SamplerParams, WorkerLimits
 from stepwise.embedded import resolve_model
 from tests.control_plane.fake_core import FakeChannel, FakeHub, finished, make_engine, submit
 
@@ -143,3 +144,30 @@ async def test_a_second_drain_is_a_no_op_and_workers_without_requests_move_at_on
     await asyncio.wait_for(p.plane.drain(), 5)  # nothing live: no wait for the timeout
     await asyncio.wait_for(p.plane.drain(), 1)
     assert p.channels["a"].moved == MOVE_ON_DRAIN
+
+
+async def test_census_asked_about_a_hello_says_whether_connect_would_refuse_it_for_good() -> None:
+    """A control plane with --page-size 16 has no workers, so it looks emptiest: its census must
+    say that it refuses a page-size-1 worker, with the reason Connect would give."""
+    config = ControlConfig(resolve_model("embedded"), scheduler=SchedulerConfig(page_size=16))
+    plane = ControlPlane(config)
+    try:
+        service = WorkerLinkService(plane)
+        vocab = plane.tokenizer.vocab_size
+        hello = WorkerLimits("w-1", kv_capacity_tokens=1024, page_size=1, max_context=2048, vocab_size=vocab)
+
+        async def census(asked: WorkerLimits | None) -> Census:
+            reply = await service.Census(worker_codec.census_request(asked), None)  # type: ignore[arg-type]
+            return worker_codec.census_from_proto(reply)
+
+        refused = await census(hello)
+        assert refused.refuses() and refused.workers == 0 and refused.accepting
+        assert refused.refusal == "page_size 1 differs from the control plane's --page-size 16"
+        taken = await census(dataclasses.replace(hello, page_size=16))
+        assert taken.hello_judged and not taken.refuses()
+        implausible = await census(dataclasses.replace(hello, page_size=16, vocab_size=1))
+        assert implausible.refuses() and implausible.refusal.startswith("vocab_size 1 is not plausible")
+        counts_only = await census(None)
+        assert not counts_only.hello_judged and not counts_only.refuses()
+    finally:
+        shutil.rmtree(plane._dir, ignore_errors=True)

@@ -11,8 +11,10 @@ import pytest
 
 from control_plane.config import Security, add_arguments, control_config_from_args
 from control_plane.core.census import PeerCensus
+from protos import worker_codec
 from protos.stepwise.v1 import worker_pb2 as wk_pb
 from protos.stepwise.v1 import worker_pb2_grpc as wk_grpc
+from protos.worker import WorkerLimits
 from tests.certs import make_ca, make_cert
 
 
@@ -82,4 +84,38 @@ async def test_with_worker_mtls_peers_are_asked_with_this_control_planes_certifi
             finally:
                 await peers.close()
     finally:
+        await server.stop(None)
+
+
+class _Judging(wk_grpc.WorkerLinkServicer):
+    """A peer that refuses every worker with page size 1 and says so in its census."""
+
+    def __init__(self) -> None:
+        self.asked: list[str] = []
+
+    async def Census(self, request: wk_pb.CensusRequest, context: object) -> wk_pb.CensusReply:
+        hello = worker_codec.census_hello(request)
+        self.asked.append(hello.worker_id if hello is not None else "")
+        refusal = "page_size 1 differs" if hello is not None and hello.page_size == 1 else ""
+        return wk_pb.CensusReply(
+            control_plane_id="peer", accepting=True, hello_judged=hello is not None, refusal=refusal
+        )
+
+
+@pytest.mark.timeout(30)
+async def test_peers_are_asked_whether_they_would_take_the_worker_to_move() -> None:
+    servicer, server = _Judging(), grpc.aio.server()
+    wk_grpc.add_WorkerLinkServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    peers = PeerCensus(f"127.0.0.1:{port}", Security())
+    try:
+        worker = WorkerLimits("w-7", kv_capacity_tokens=64, page_size=1, max_context=64, vocab_size=64)
+        [judged] = await peers.poll(worker)
+        assert judged.refuses() and judged.refusal == "page_size 1 differs"
+        [counted] = await peers.poll()
+        assert not counted.hello_judged
+        assert servicer.asked == ["w-7", ""]
+    finally:
+        await peers.close()
         await server.stop(None)

@@ -70,6 +70,8 @@ class FakeControl(worker_pb2_grpc.WorkerLinkServicer):
         self.scripts = scripts
         self.census = census
         self.sessions: list[Session] = []
+        # The hello each census request asked about (None: counts only), in order.
+        self.census_hellos: list[worker_pb2.Hello | None] = []
         self.port = 0
         self.server: grpc.aio.Server | None = None
 
@@ -78,6 +80,7 @@ class FakeControl(worker_pb2_grpc.WorkerLinkServicer):
         return f"127.0.0.1:{self.port}"
 
     async def Census(self, request, context):  # type: ignore[no-untyped-def]
+        self.census_hellos.append(worker_codec.census_hello(request))
         if self.census is None:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, "no Census here")
         return worker_codec.census_to_proto(self.census)

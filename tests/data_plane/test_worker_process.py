@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import pathlib
 import signal
 import subprocess
@@ -74,6 +75,27 @@ async def test_refused_worker_exits_2_with_the_reason(model_dir) -> None:
     assert code == 2
     assert "fingerprint mismatch" in stderr
     assert len(control.sessions) == 1
+
+
+async def test_refused_everywhere_exits_2_with_one_line_for_each_control_plane(model_dir) -> None:
+    def refusing(reason: str):  # type: ignore[no-untyped-def]
+        async def refuse(session):  # type: ignore[no-untyped-def]
+            yield welcome(accepted=False, reason=reason)
+
+        return refuse
+
+    async with (
+        fake_control(refusing("page size 16 here")) as a,
+        fake_control(refusing("another model here")) as b,
+        worker_process(model_dir, f"{a.address},{b.address}") as proc,
+    ):
+        code, stderr = await exit_code(proc)
+    assert code == 2, stderr
+    lines = [json.loads(line) for line in stderr.splitlines() if '"refused_everywhere"' in line]
+    assert sorted((e["control_plane"], e["reason"]) for e in lines) == sorted(
+        [(a.address, "page size 16 here"), (b.address, "another model here")]
+    )
+    assert (len(a.sessions), len(b.sessions)) == (1, 1)
 
 
 async def test_a_broken_stream_is_a_lost_control_plane_and_the_worker_dials_again(model_dir) -> None:

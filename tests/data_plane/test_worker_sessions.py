@@ -149,6 +149,72 @@ async def test_a_final_refusal_ends_the_worker_with_2(model_dir: pathlib.Path) -
     assert len(plane.sessions) == 1
 
 
+async def _refuse_for_good(session: Session):  # type: ignore[no-untyped-def]
+    yield welcome(accepted=False, reason="page_size 1 differs from the control plane's --page-size 16")
+
+
+async def test_a_final_refusal_sends_the_worker_to_another_control_plane_and_is_remembered(
+    model_dir: pathlib.Path,
+) -> None:
+    """A looks emptiest but refuses for good (its census, like an older control plane's, does not
+    say so): the worker attaches to B instead, and after B moves it, it does not try A again."""
+    async with (
+        control_planes(
+            fake_control(_refuse_for_good, census=Census(workers=0)),
+            fake_control(welcome_then(MOVE), run_plans_then(SHUTDOWN), census=Census(workers=3)),
+        ) as (a, b),
+        serving(model_dir, control_of(a, b)) as worker,
+    ):
+        assert await served(worker) == 0
+    assert (len(a.sessions), len(b.sessions)) == (1, 2)
+    assert [r.step_id for r in b.sessions[1].results] == [100, 101]
+
+
+async def test_a_final_refusal_while_another_control_plane_is_down_waits_for_that_one(
+    model_dir: pathlib.Path,
+) -> None:
+    """Refused by A while B does not answer (restarting): the worker waits for B, it does not exit."""
+    port = free_port()
+    async with (
+        fake_control(_refuse_for_good, census=Census(workers=0)) as a,
+        serving(model_dir, f"{a.address},127.0.0.1:{port}") as worker,
+    ):
+        await a.session(0)
+        async with fake_control(run_plans_then(SHUTDOWN), port=port) as b:
+            assert await served(worker) == 0
+    assert len(a.sessions) == 1 and [r.step_id for r in b.sessions[0].results] == [100, 101]
+
+
+async def test_a_control_plane_whose_census_refuses_the_worker_is_not_dialled(
+    model_dir: pathlib.Path,
+) -> None:
+    refusing = Census(workers=0, hello_judged=True, refusal="page_size 1 differs from --page-size 16")
+    async with (
+        control_planes(
+            fake_control(census=refusing),
+            fake_control(run_plans_then(SHUTDOWN), census=Census(workers=3)),
+        ) as (a, b),
+        serving(model_dir, control_of(a, b)) as worker,
+    ):
+        assert await served(worker) == 0
+    assert len(a.sessions) == 0 and len(b.sessions) == 1
+    # The census asked about this very worker: its hello, as Connect would send it.
+    asked = a.census_hellos[0]
+    assert asked is not None and (asked.worker_id, asked.page_size) == ("test-worker", 1)
+
+
+async def test_a_final_refusal_from_every_control_plane_ends_the_worker_with_2(
+    model_dir: pathlib.Path,
+) -> None:
+    refusing = Census(workers=5, hello_judged=True, refusal="model differs")
+    async with (
+        control_planes(fake_control(_refuse_for_good), fake_control(census=refusing)) as (a, b),
+        serving(model_dir, control_of(a, b)) as worker,
+    ):
+        assert await served(worker) == 2
+    assert (len(a.sessions), len(b.sessions)) == (1, 0)
+
+
 async def test_no_control_plane_within_the_connect_timeout_is_exit_3(model_dir: pathlib.Path) -> None:
     started = time.monotonic()
     async with serving(model_dir, f"127.0.0.1:{free_port()}", connect_timeout_s=0.4) as worker:

@@ -258,3 +258,26 @@ async def test_a_worker_drained_under_load_finishes_its_streams_without_recomput
     start, end = draining[0], drained[0]
     assert start["running"] > 0 and end["handed_over"] == 0
     assert end["finished"] == start["running"] + start["queued"] - start["moved"]  # type: ignore[operator]
+
+
+async def test_a_control_plane_that_refuses_every_worker_neither_ends_them_nor_gets_them_moved(
+    fleet,
+) -> None:
+    """B refuses every worker for good (its --page-size 16, the workers' 1) and so always looks
+    emptiest. Every worker still ends up on A and stays there, and A never hands one to B: once,
+    every worker exited 2 within 8 s and A moved its workers to B one by one."""
+    f = fleet(2)
+    await f.control(0)
+    await f.control(1, "--page-size", "16")
+    for k in range(4):
+        f.worker(f"w{k}")
+    await f.wait_spread(lambda c: c == [0, 4], 30, "every worker on the control plane that takes it")
+    watched_s = 8.0  # 16 rebalance intervals
+    deadline = time.monotonic() + watched_s
+    while time.monotonic() < deadline:
+        exited = {name: p.returncode for name, p in f.workers.items() if p.poll() is not None}
+        assert not exited, f"workers exited: {exited}"
+        await asyncio.sleep(0.1)
+    assert await f.spread() == {0: 4, 1: 0}
+    assert f.log_events(0, "rebalance: moving a worker") == []
+    print(f"fleet: a control plane refusing every worker: 4 workers stayed on the other for {watched_s:g} s")

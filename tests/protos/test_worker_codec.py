@@ -178,7 +178,15 @@ limits = st.builds(
     protocol_version=st.integers(0, 9),
 )
 censuses = st.builds(
-    Census, texts, small, st.integers(0, INT64_MAX), st.integers(0, INT64_MAX), st.booleans(), texts
+    Census,
+    texts,
+    small,
+    st.integers(0, INT64_MAX),
+    st.integers(0, INT64_MAX),
+    st.booleans(),
+    texts,
+    hello_judged=st.booleans(),
+    refusal=texts,
 )
 
 
@@ -338,6 +346,20 @@ def test_any_census_survives_the_wire(census: Census) -> None:
 def test_an_empty_census_reply_is_a_control_plane_that_accepts_nobody() -> None:
     assert worker_codec.census_from_proto(wk_pb.CensusReply()) == Census(accepting=False)
     assert worker_codec.census_request() == wk_pb.CensusRequest()
+
+
+@settings(max_examples=50, deadline=None)
+@given(sent=limits)
+def test_a_census_request_carries_the_hello_it_asks_about(sent: WorkerLimits) -> None:
+    hello = worker_codec.census_hello(_wire(worker_codec.census_request(sent)))
+    assert hello is not None and worker_codec.hello_from_proto(hello) == sent
+    assert worker_codec.census_hello(_wire(worker_codec.census_request())) is None
+
+
+def test_only_a_judged_refusal_refuses() -> None:
+    assert Census(hello_judged=True, refusal="page size").refuses()
+    assert not Census(hello_judged=True).refuses()
+    assert not Census(refusal="page size").refuses()  # nobody asked: nothing was judged
 
 
 def test_a_census_with_negative_counts_reads_as_zero() -> None:

@@ -41,24 +41,30 @@ class Move(_message.Message):
     def __init__(self, reason: _Optional[str] = ...) -> None: ...
 
 class CensusRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("hello",)
+    HELLO_FIELD_NUMBER: _ClassVar[int]
+    hello: Hello
+    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ...) -> None: ...
 
 class CensusReply(_message.Message):
-    __slots__ = ("control_plane_id", "workers", "queued", "running", "accepting", "model_fingerprint")
+    __slots__ = ("control_plane_id", "workers", "queued", "running", "accepting", "model_fingerprint", "hello_judged", "refusal")
     CONTROL_PLANE_ID_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     QUEUED_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     ACCEPTING_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    HELLO_JUDGED_FIELD_NUMBER: _ClassVar[int]
+    REFUSAL_FIELD_NUMBER: _ClassVar[int]
     control_plane_id: str
     workers: int
     queued: int
     running: int
     accepting: bool
     model_fingerprint: str
-    def __init__(self, control_plane_id: _Optional[str] = ..., workers: _Optional[int] = ..., queued: _Optional[int] = ..., running: _Optional[int] = ..., accepting: _Optional[bool] = ..., model_fingerprint: _Optional[str] = ...) -> None: ...
+    hello_judged: bool
+    refusal: str
+    def __init__(self, control_plane_id: _Optional[str] = ..., workers: _Optional[int] = ..., queued: _Optional[int] = ..., running: _Optional[int] = ..., accepting: _Optional[bool] = ..., model_fingerprint: _Optional[str] = ..., hello_judged: _Optional[bool] = ..., refusal: _Optional[str] = ...) -> None: ...
 
 class Hello(_message.Message):
     __slots__ = ("worker_id", "model_fingerprint", "kv_capacity_tokens", "page_size", "max_context", "vocab_size", "dtype", "device", "protocol_version", "eos_token_ids", "host_pool_capacity_tokens")
