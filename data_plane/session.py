@@ -29,7 +29,7 @@ import structlog
 from data_plane.link import Link
 from protos import worker_codec
 from protos.stepwise.v1 import worker_pb2_grpc
-from protos.worker import Drain, Move, Shutdown, StepPlan, StepResult, Welcome, WorkerLimits
+from protos.worker import Drain, Dropped, Move, Shutdown, StepPlan, StepResult, Welcome, WorkerLimits
 
 # A control plane keeps a few plans in flight at most; past this many waiting, the reader stops
 # reading (gRPC's flow control then holds the control plane back) rather than queue without bound.
@@ -57,6 +57,7 @@ class StreamBroken(Exception):
 class Ending(enum.Enum):
     SHUTDOWN = "shutdown"  # the control plane told the worker to stop
     MOVED = "moved"  # ... to attach to another control plane
+    DROPPED = "dropped"  # it let the worker go (a fault, a missed deadline): search again
     REFUSED = "refused"  # it refused the worker for good (model, protocol, page size)
     RETRY = "retry"  # it refused the worker for now (draining, or an old session not yet over)
     LOST = "lost"  # the stream broke, ended, or carried something the worker cannot read
@@ -80,7 +81,7 @@ class _Arrived:
 
 # What the reader hands the executor loop, in stream order: plans, then a Shutdown or Move, or the
 # error that ended reading.
-_Inbox = asyncio.Queue[_Arrived | Shutdown | Move | Exception]
+_Inbox = asyncio.Queue[_Arrived | Shutdown | Move | Dropped | Exception]
 # A hello unanswered this long ends the attempt as a lost control plane (the worker searches again).
 WELCOME_TIMEOUT_S = 10.0
 
@@ -131,7 +132,7 @@ async def _serve(
 
 async def _read(
     call: grpc.aio.StreamStreamCall, decoder: worker_codec.PlanDecoder
-) -> Welcome | StepPlan | Shutdown | Move:
+) -> Welcome | StepPlan | Shutdown | Move | Dropped:
     msg = await call.read()
     if msg is grpc.aio.EOF:  # type: ignore[attr-defined]
         raise StreamBroken("control plane closed the stream")
@@ -151,7 +152,7 @@ async def _read_plans(
             event = await _read(call, decoder)
             if isinstance(event, StepPlan):
                 await inbox.put(_Arrived(event, time.perf_counter()))
-            elif isinstance(event, Shutdown | Move):
+            elif isinstance(event, Shutdown | Move | Dropped):
                 await inbox.put(event)
                 return
             else:
@@ -184,6 +185,9 @@ async def _run_plans(
             item = await _next(inbox, writer)
             if isinstance(item, Exception):
                 raise item
+            if isinstance(item, Dropped):
+                # The control plane has forgotten this session: plans still queued are not run.
+                return SessionEnd(Ending.DROPPED, True, item.reason)
             if isinstance(item, Shutdown | Move):
                 return await _leave(call, outbox, writer, item)
             wait_s = 0.0 if finished is None else max(0.0, item.at - finished)
@@ -221,17 +225,36 @@ async def _leave(
     return SessionEnd(Ending.MOVED if moved else Ending.SHUTDOWN, True, told.reason)
 
 
-async def _next(inbox: _Inbox, writer: asyncio.Task[None]) -> _Arrived | Shutdown | Move | Exception:
-    """The next queued item; a failed result writer ends the session as a broken stream would."""
+async def _next(
+    inbox: _Inbox, writer: asyncio.Task[None]
+) -> _Arrived | Shutdown | Move | Dropped | Exception:
+    """The next queued item; a failed result writer ends the session as a broken stream would,
+    unless the control plane's last word is on its way (see `_last_word`)."""
     if writer.done():
-        writer.result()  # raises what ended it
+        return await _last_word(inbox, writer)
     getter = asyncio.ensure_future(inbox.get())
     await asyncio.wait({getter, writer}, return_when=asyncio.FIRST_COMPLETED)
     if not getter.done():
         getter.cancel()
-        writer.result()
-        raise StreamBroken("the result writer stopped")
+        return await _last_word(inbox, writer)
     return getter.result()
+
+
+async def _last_word(inbox: _Inbox, writer: asyncio.Task[None]) -> Shutdown | Move | Dropped:
+    """The result writer stopped because the call ended. If the control plane ended it with a word
+    (a Shutdown, a Move, a Dropped that says why), that word is the session's end, not the broken
+    write: the reader reads to the end of the stream within moments, so wait that long for it.
+    Otherwise the writer's error ends the session."""
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(CLOSE_GRACE_S):
+            while True:
+                item = await inbox.get()
+                if isinstance(item, Shutdown | Move | Dropped):
+                    return item
+                if isinstance(item, Exception):
+                    break
+    writer.result()  # raises what ended it
+    raise StreamBroken("the result writer stopped")
 
 
 async def _send_drain(link: Link, outbox: _Outbox) -> None:

@@ -5,10 +5,11 @@ goes away; drain on SIGTERM.
 
 A search asks every control plane of `--control` for its census and attaches to the one with the
 fewest workers. A session ends with Shutdown (exit), Move (search again at once, preferring another
-control plane), a refusal (final: search again at once, never choosing that control plane again;
-retryable: search again after a backoff), or a broken stream (search again after a backoff: capped,
-doubling, jittered, restarted by every welcomed session). Only the first search is bounded, by
---connect-timeout.
+control plane), Dropped (the control plane let the worker go and said why: search again after a
+backoff, preferring another control plane), a refusal (final: search again at once, never choosing
+that control plane again; retryable: search again after a backoff), or a broken stream (search again
+after a backoff: capped, doubling, jittered, restarted by every welcomed session). Only the first
+search is bounded, by --connect-timeout.
 
 SIGTERM or SIGINT while attached drains: the worker sends Drain, turns readiness NOT_SERVING, runs
 plans until the control plane sends Shutdown (or Move), then exits; after --drain-timeout + 10 s
@@ -219,7 +220,9 @@ async def serve(worker: LoadedWorker, config: WorkerConfig, link: Link | None = 
         # Next time prefer another control plane than one that moved us, refused us for now, or
         # never finished the handshake (it may answer censuses and nothing else).
         failed_handshake = ending is Ending.LOST and end is not None and not end.welcomed
-        avoid = candidate if ending in (Ending.MOVED, Ending.RETRY) or failed_handshake else None
+        avoid = (
+            candidate if ending in (Ending.MOVED, Ending.RETRY, Ending.DROPPED) or failed_handshake else None
+        )
         if ending is Ending.MOVED:
             await retry.jitter()
         elif not await retry.wait():
@@ -243,6 +246,8 @@ async def _attach(worker: LoadedWorker, dialer: Dialer, candidate: Candidate, li
             log.warning("refused", reason=end.reason)
         elif end.ending is Ending.RETRY:
             log.info("refused_for_now", reason=end.reason)
+        elif end.ending is Ending.DROPPED:
+            log.error("dropped", reason=end.reason)
     return end
 
 

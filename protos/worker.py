@@ -260,6 +260,14 @@ class Move:
 
 
 @dataclass(frozen=True, slots=True)
+class Dropped:
+    """The control plane dropped the worker (a broken protocol, a missed step deadline, its own
+    step loop failing on it): the worker logs why and searches again, never stops for it."""
+
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class Drain:
     """Worker -> control plane: the worker is stopping; it runs plans until a Shutdown comes."""
 
@@ -267,7 +275,7 @@ class Drain:
 
 
 # What a worker reads off its Connect stream (ControlMessage's oneof).
-ControlEvent = Welcome | StepPlan | Shutdown | Move
+ControlEvent = Welcome | StepPlan | Shutdown | Move | Dropped
 
 
 # --- the census ------------------------------------------------------------------------------------

@@ -38,6 +38,7 @@ from protos.worker import (
     ControlEvent,
     DecodeWork,
     Drain,
+    Dropped,
     ExtendWork,
     KvReport,
     KvTransfer,
@@ -194,6 +195,8 @@ class PlanDecoder:
             return Shutdown(reason=msg.shutdown.reason)
         if kind == "move":
             return Move(reason=msg.move.reason)
+        if kind == "dropped":
+            return Dropped(reason=msg.dropped.reason)
         raise ValueError("empty ControlMessage")
 
     def plan(self, p: wk_pb.StepPlan) -> StepPlan:
@@ -395,8 +398,8 @@ def hello_from_proto(hello: wk_pb.Hello) -> WorkerLimits:
     )
 
 
-def control_to_proto(event: Welcome | Shutdown | Move) -> wk_pb.ControlMessage:
-    """A welcome, shutdown or move as the control plane writes it (plans go through PlanEncoder)."""
+def control_to_proto(event: Welcome | Shutdown | Move | Dropped) -> wk_pb.ControlMessage:
+    """A welcome, shutdown, move or drop as the control plane writes it (plans go through PlanEncoder)."""
     match event:
         case Welcome():
             welcome = wk_pb.Welcome(accepted=event.accepted, reason=event.reason, retryable=event.retryable)
@@ -405,7 +408,9 @@ def control_to_proto(event: Welcome | Shutdown | Move) -> wk_pb.ControlMessage:
             return wk_pb.ControlMessage(shutdown=wk_pb.Shutdown(reason=event.reason))
         case Move():
             return wk_pb.ControlMessage(move=wk_pb.Move(reason=event.reason))
-    raise TypeError(f"not a welcome, shutdown or move: {event!r}")
+        case Dropped():
+            return wk_pb.ControlMessage(dropped=wk_pb.Dropped(reason=event.reason))
+    raise TypeError(f"not a welcome, shutdown, move or drop: {event!r}")
 
 
 def drain_to_proto(d: Drain) -> wk_pb.WorkerMessage:

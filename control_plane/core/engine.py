@@ -74,6 +74,8 @@ class WorkerChannel(Protocol):
 
     async def move(self, reason: str) -> None: ...
 
+    async def drop(self, reason: str) -> None: ...
+
 
 @dataclass(frozen=True, slots=True)
 class InFlight:
@@ -251,6 +253,7 @@ class Engine:
         why) and its requests continue elsewhere; an exception of our own restarts this worker's
         scheduler (`_recover`) and the loop goes on serving.
         """
+        dropped = ""  # why the worker is let go while it may still be listening
         try:
             while not self._stopping and not self.departed:
                 try:
@@ -262,11 +265,12 @@ class Engine:
                         raise  # --strict-invariants (tests): a broken pool ends the run loudly
                     self._recover(exc)
         except WorkerFault as exc:
-            self.fault = str(exc)
+            self.fault = dropped = str(exc)
             self.log.error("worker dropped", error=self.fault)
             self._hand_over(self.fault)
         except WorkerGone as exc:
-            self._hand_over(str(exc))
+            dropped = str(exc)  # moot when the stream broke; not when our own loop gave up on it
+            self._hand_over(dropped)
         except asyncio.CancelledError:
             # gRPC cancels the Connect handler when the worker's connection drops: that is a lost
             # worker too, unless the control plane itself is stopping.
@@ -276,7 +280,16 @@ class Engine:
         finally:
             self._close()  # before the await: nothing comes in while the last message goes out
             with contextlib.suppress(Exception):
-                await self.channel.close(SHUTTING_DOWN)
+                await self._end_session(dropped)
+
+    async def _end_session(self, dropped: str) -> None:
+        """The session's last word, unless a drain or move has said it already: Shutdown only
+        when this control plane stops; a worker we let go for any other reason is told why
+        (Dropped), and searches again instead of exiting for good."""
+        if dropped and not self._stopping:
+            await self.channel.drop(f"dropped by the control plane: {dropped}")
+        else:
+            await self.channel.close(SHUTTING_DOWN)
 
     def abandon(self, error: str) -> None:
         """The session ended before the loop ran (the welcome could not be sent): what the router

@@ -25,7 +25,7 @@ from control_plane.core.handover import WorkerGone
 from control_plane.core.worker_checks import WorkerFault
 from protos import worker_codec
 from protos.stepwise.v1 import worker_pb2 as wk_pb
-from protos.worker import Move, Shutdown, StepPlan, StepResult, sampled_count
+from protos.worker import Dropped, Move, Shutdown, StepPlan, StepResult, sampled_count
 
 log = structlog.get_logger("stepwise.worker_link")
 
@@ -88,6 +88,10 @@ class StreamChannel:
     async def move(self, reason: str) -> None:
         """End the session with Move: the worker attaches to another control plane."""
         await self._end(worker_codec.control_to_proto(Move(reason)))
+
+    async def drop(self, reason: str) -> None:
+        """End the session with Dropped: the worker is told why, and searches again."""
+        await self._end(worker_codec.control_to_proto(Dropped(reason)))
 
     async def _end(self, message: wk_pb.ControlMessage) -> None:
         if self._ended:

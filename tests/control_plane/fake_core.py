@@ -34,6 +34,8 @@ class FakeChannel:
         self.closed = ""
         # The Move that ended the session (empty: none; `closed` is its Shutdown).
         self.moved = ""
+        # The Dropped that ended it (the worker was let go and told why).
+        self.dropped = ""
         self.log = log if log is not None else []
         self.max_in_flight = 0
 
@@ -49,12 +51,16 @@ class FakeChannel:
         return self.worker.run(plan)
 
     async def close(self, reason: str) -> None:
-        if not self.moved:  # the session ends once, as StreamChannel's does
+        if not self.moved and not self.dropped:  # the session ends once, as StreamChannel's does
             self.closed = self.closed or reason
 
     async def move(self, reason: str) -> None:
-        if not self.closed:
+        if not self.closed and not self.dropped:
             self.moved = self.moved or reason
+
+    async def drop(self, reason: str) -> None:
+        if not self.closed and not self.moved:
+            self.dropped = self.dropped or reason
 
 
 @dataclass(slots=True)

@@ -14,7 +14,7 @@ import pytest
 import structlog
 
 from control_plane.core import engine as engine_module
-from control_plane.core.drain import Departure
+from control_plane.core.drain import DRAINED, Departure
 from control_plane.core.handover import WorkerGone
 from control_plane.core.inbox import LiveSample, Orphan, Verdict
 from control_plane.core.router import Router
@@ -374,6 +374,11 @@ class EndingChannel(FakeChannel):
         await self.gate.wait()
         await super().move(reason)
 
+    async def drop(self, reason: str) -> None:
+        self.ending.set()
+        await self.gate.wait()
+        await super().drop(reason)
+
 
 def _one_token_too_many(result: StepResult) -> StepResult:
     return dataclasses.replace(result, token_ids=np.append(result.token_ids, 1).astype(np.int32))
@@ -485,3 +490,12 @@ async def test_every_call_ends_whichever_way_the_loop_ends(fleet: Fleet, exit: s
             assert reason.kind.value == "length", (rid, reason)
     assert not a.knows("late0") and not a.streams
     await finished(fleet.hub, busy, timeout=10)
+    # The session's last word: a worker let go for a fault is told why (and searches again); only a
+    # stop of the control plane is a Shutdown; a drain ends with its own Shutdown.
+    channel = fleet.channel
+    if exit == "bad result":
+        assert channel.dropped.startswith("dropped by the control plane:") and not channel.closed
+    elif exit == "stopped":
+        assert channel.closed == engine_module.SHUTTING_DOWN and not channel.dropped
+    elif exit == "drained":
+        assert channel.closed == DRAINED and not channel.dropped

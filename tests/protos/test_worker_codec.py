@@ -21,6 +21,7 @@ from protos.worker import (
     Census,
     DecodeWork,
     Drain,
+    Dropped,
     ExtendWork,
     KvReport,
     KvTransfer,
@@ -319,9 +320,10 @@ def test_a_hello_without_a_page_size_means_pages_of_one() -> None:
         Welcome(False, "draining", retryable=True),
         Shutdown("done"),
         Move("rebalance"),
+        Dropped("dropped by the control plane: no result for step 7 within 1.0 s"),
     ],
 )
-def test_welcome_shutdown_and_move_round_trip(event: Welcome | Shutdown | Move) -> None:
+def test_welcome_shutdown_move_and_dropped_round_trip(event: Welcome | Shutdown | Move | Dropped) -> None:
     assert worker_codec.control_from_proto(_wire(worker_codec.control_to_proto(event))) == event
 
 

@@ -17,16 +17,18 @@ class WorkerMessage(_message.Message):
     def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., result: _Optional[_Union[StepResult, _Mapping]] = ..., drain: _Optional[_Union[Drain, _Mapping]] = ...) -> None: ...
 
 class ControlMessage(_message.Message):
-    __slots__ = ("welcome", "plan", "shutdown", "move")
+    __slots__ = ("welcome", "plan", "shutdown", "move", "dropped")
     WELCOME_FIELD_NUMBER: _ClassVar[int]
     PLAN_FIELD_NUMBER: _ClassVar[int]
     SHUTDOWN_FIELD_NUMBER: _ClassVar[int]
     MOVE_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
     welcome: Welcome
     plan: StepPlan
     shutdown: Shutdown
     move: Move
-    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., plan: _Optional[_Union[StepPlan, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., move: _Optional[_Union[Move, _Mapping]] = ...) -> None: ...
+    dropped: Dropped
+    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., plan: _Optional[_Union[StepPlan, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., move: _Optional[_Union[Move, _Mapping]] = ..., dropped: _Optional[_Union[Dropped, _Mapping]] = ...) -> None: ...
 
 class Drain(_message.Message):
     __slots__ = ("reason",)
@@ -35,6 +37,12 @@ class Drain(_message.Message):
     def __init__(self, reason: _Optional[str] = ...) -> None: ...
 
 class Move(_message.Message):
+    __slots__ = ("reason",)
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+
+class Dropped(_message.Message):
     __slots__ = ("reason",)
     REASON_FIELD_NUMBER: _ClassVar[int]
     reason: str
