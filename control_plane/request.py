@@ -72,6 +72,10 @@ class RequestParams:
     group: str = ""
     # Sim backend only: output tokens before EOS (0: the backend's seeded rule).
     sim_output_len: int = 0
+    # Tokens at the end of the input that an earlier worker generated: a request continued after a
+    # hand-over. The client's prompt is the input less these; the worker is told the client's prompt
+    # length, so what depends on it (the sim's EOS position) does not move with a re-prefill.
+    generated_before: int = 0
 
 
 class RowColumns(Protocol):

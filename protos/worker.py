@@ -89,7 +89,8 @@ class NewSeq:
     history_ids: np.ndarray = field(default_factory=_i32)
     # The client's request id (stable across a retraction's new handle); logs and the sim backend.
     request_id: str = ""
-    # Length of the original prompt: positions from here on are output tokens.
+    # Length of the client's original prompt: positions from here on are output tokens, on every
+    # worker the request runs on (after a retraction, and after a hand-over).
     prompt_len: int = 0
     # Sim backend only: output tokens before EOS (0: the backend's seeded rule).
     sim_output_len: int = 0

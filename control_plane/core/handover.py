@@ -46,6 +46,7 @@ def orphan_of(req: Request, sample: LiveSample) -> Orphan:
     params = dataclasses.replace(req.params, min_new_tokens=max(0, req.params.min_new_tokens - len(streamed)))
     if params.max_new_tokens is not None:
         params = dataclasses.replace(params, max_new_tokens=params.max_new_tokens - len(streamed))
+    params = dataclasses.replace(params, generated_before=params.generated_before + len(streamed))
     return Orphan(sample, req.origin_input_ids + streamed, params)
 
 

@@ -112,6 +112,7 @@ def _params_to_proto(p: RequestParams) -> rec_pb.RequestParams:
         routing_key=p.routing_key,
         group=p.group,
         sim_output_len=p.sim_output_len,
+        generated_before=p.generated_before,
     )
 
 
@@ -127,6 +128,7 @@ def _params_from_proto(m: rec_pb.RequestParams) -> RequestParams:
         routing_key=m.routing_key,
         group=m.group,
         sim_output_len=m.sim_output_len,
+        generated_before=m.generated_before,
     )
 
 

@@ -84,6 +84,7 @@ class PlanBuilder:
             prefix_slots=self.kv.row(req)[:start].copy(),
             history_ids=history,
             request_id=req.rid,
-            prompt_len=len(req.origin_input_ids),
+            # The client's prompt, whoever generated the rest of the input (a hand-over).
+            prompt_len=len(req.origin_input_ids) - req.params.generated_before,
             sim_output_len=req.params.sim_output_len,
         )
