@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from control_plane.record.entries import Entry
 from tests.e2e.conftest import model_dir, start_stack
 
 __all__ = ["model_dir", "start_stack"]
@@ -33,3 +34,19 @@ def simulate(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Simulate:
         return out[:-1], out[-1]["summary"]
 
     return run
+
+
+class ListSink:
+    """A recorder sink that keeps the entries in memory."""
+
+    def __init__(self) -> None:
+        self.entries: list[Entry] = []
+
+    def write(self, entry: Entry) -> None:
+        self.entries.append(entry)
+
+    def end_step(self, step: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

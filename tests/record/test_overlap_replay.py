@@ -11,20 +11,7 @@ from control_plane.request import AbortCode, FinishReason
 from protos.worker import StepResult
 from tests.control_plane.factories import EOS, add, make_config, make_scheduler, params, prompt
 from tests.control_plane.fake_worker import FakeWorker
-
-
-class ListSink:
-    def __init__(self) -> None:
-        self.entries: list[Entry] = []
-
-    def write(self, entry: Entry) -> None:
-        self.entries.append(entry)
-
-    def end_step(self, step: int) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
+from tests.record.conftest import ListSink
 
 
 def record_overlapped(capacity: int = 320) -> list[Entry]:

@@ -21,7 +21,7 @@ from protos.worker import SamplerParams, WorkerLimits
 from stepwise import replay, simulate
 from tests.control_plane.factories import make_config, params, prompt, run_plan
 from tests.control_plane.fake_worker import FakeWorker
-from tests.record.conftest import write_trace
+from tests.record.conftest import ListSink, write_trace
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -202,20 +202,6 @@ def test_every_request_parameter_survives_the_record() -> None:
     assert codec.decode(codec.encode(entry)) == entry
 
 
-class _ListSink:
-    def __init__(self) -> None:
-        self.entries: list[Entry] = []
-
-    def write(self, entry: Entry) -> None:
-        self.entries.append(entry)
-
-    def end_step(self, step: int) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
 def test_a_group_aborted_by_retraction_replays_identically() -> None:
     """A retraction that aborts a sample group takes the member still waiting with it, inside
     next_plan. That abort is the scheduler's own decision, not a call to record: recorded as one (it
@@ -224,7 +210,7 @@ def test_a_group_aborted_by_retraction_replays_identically() -> None:
     KV pressure: the group is aborted at step 57."""
     config = make_config(chunked_prefill_size=None, disable_radix_cache=True, init_new_token_ratio=0.02)
     limits = WorkerLimits("w0", kv_capacity_tokens=128, page_size=1, max_context=2048, vocab_size=1000)
-    sink = _ListSink()
+    sink = ListSink()
     sched = RecordingScheduler(config, limits, sink)
     worker = FakeWorker(128)
     sched.add_request("x", prompt(5, 9), params(1))
