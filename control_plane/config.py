@@ -545,7 +545,8 @@ _ENV_KNOBS: Mapping[str, tuple[str, Callable[[str], object]]] = {
     "STEPWISE_CLIP_MAX_NEW_TOKENS_ESTIMATION": ("clip_max_new_tokens", count(0)),
     # 0: no limit (as SGLang's unset).
     "STEPWISE_MAX_NEW_TOKENS_LIMIT": ("max_new_tokens_limit", count(0)),
-    "STEPWISE_IN_BATCH_PREFIX_CACHING_CHECK_THRESHOLD": ("in_batch_prefix_check_threshold", count(0)),
+    # -1 turns the in-batch prefix dedup off (SGLang's meaning).
+    "STEPWISE_IN_BATCH_PREFIX_CACHING_CHECK_THRESHOLD": ("in_batch_prefix_check_threshold", count(-1)),
     "STEPWISE_IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD": (
         "in_batch_prefix_deprioritize_threshold",
         count(0),

@@ -340,7 +340,11 @@ def main(argv: Sequence[str]) -> int:
         return 2
     lines: list[StepLine] = []
     emit = (lambda line: print(json.dumps(line.to_json()))) if ns.json else lines.append
-    sink = _sink(ns, setup, emit)
+    try:
+        sink = _sink(ns, setup, emit)
+    except OSError as exc:
+        print(f"stepwise simulate: --record {ns.record}: cannot write there: {exc}", file=sys.stderr)
+        return 2
     try:
         summary = Simulation(setup, trace, sink).run()
     except SimulationStuck as exc:

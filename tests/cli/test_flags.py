@@ -37,6 +37,20 @@ def test_scheduler_knobs_from_environment(monkeypatch: pytest.MonkeyPatch) -> No
     )
 
 
+def test_the_in_batch_dedup_can_still_be_turned_off_with_minus_one() -> None:
+    """SGLang's -1 disables the in-batch prefix dedup (docs/scheduler.md#in-batch-prefix-dedup)."""
+    from control_plane.config import scheduler_config_from_args
+
+    env = {"STEPWISE_IN_BATCH_PREFIX_CACHING_CHECK_THRESHOLD": "-1"}
+    config = scheduler_config_from_args(_control_parser().parse_args([]), env)
+    assert config.in_batch_prefix_check_threshold == -1
+    with pytest.raises(ValueError, match="CHECK_THRESHOLD=-2"):
+        scheduler_config_from_args(
+            _control_parser().parse_args([]),
+            {**env, "STEPWISE_IN_BATCH_PREFIX_CACHING_CHECK_THRESHOLD": "-2"},
+        )
+
+
 def test_invalid_combination_names_the_flag() -> None:
     from control_plane.config import scheduler_config_from_args
 

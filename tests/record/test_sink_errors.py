@@ -67,3 +67,18 @@ def test_check_writable(tmp_path: Path) -> None:
     (tmp_path / "f").write_text("x")
     with pytest.raises(RecordingError, match="cannot write recordings there"):
         check_writable(tmp_path / "f" / "rec")
+
+
+def test_simulate_into_an_unwritable_directory_is_one_line_and_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from stepwise import simulate
+
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"rid": "a", "arrival": 0, "prompt_len": 10, "max_new_tokens": 5}\n')
+    (tmp_path / "f").write_text("x")
+    assert simulate.main([str(trace), "--record", str(tmp_path / "f" / "rec")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert (
+        len(err) == 1 and err[0].startswith("stepwise simulate: --record") and "cannot write there" in err[0]
+    )
