@@ -183,10 +183,14 @@ def _spans(path: Path, last: bool) -> tuple[list[_Span], str]:
     the last part is reported, anywhere else it is damage. A length prefix longer than a varint can
     be is damage wherever it is."""
     spans: list[_Span] = []
+    # The size when the scan starts: a recording still being written is read as it was then (what
+    # the writer appends meanwhile, possibly half a record, is not part of this read).
     end = path.stat().st_size
     with open(path, "rb", buffering=_BUFFER_BYTES) as f:
         while True:
             offset = f.tell()
+            if offset >= end:
+                return spans, ""
             try:
                 size = _read_varint(f)
             except EOFError as exc:
@@ -194,8 +198,9 @@ def _spans(path: Path, last: bool) -> tuple[list[_Span], str]:
                 break
             except ValueError as exc:
                 raise DamagedRecording(f"{path}: damaged at byte {offset} ({exc})") from None
-            if size is None:
-                return spans, ""
+            if size is None or f.tell() > end:
+                torn = f"file ends inside a length prefix at byte {offset}"
+                break
             if f.tell() + size > end:
                 torn = f"record at byte {offset} of {size} bytes has only {end - f.tell()}"
                 break

@@ -287,7 +287,7 @@ async def test_a_stalled_frontend_is_killed_restarted_and_takes_only_its_clients
     channels, calls = await _streams(plane.address, 12)
     try:
         os.kill(victim, signal.SIGSTOP)  # its sockets stay open: only a heartbeat finds it
-        outcomes = await asyncio.gather(*(_outcome(call, window=15.0) for call in calls))
+        outcomes = await asyncio.gather(*(_outcome(call, window=8.0) for call in calls))
         broken = [o for o in outcomes if o == grpc.StatusCode.UNAVAILABLE]
         alive = [o for o in outcomes if o == "streaming"]
         assert broken and alive and len(broken) + len(alive) == 12, outcomes
@@ -341,7 +341,7 @@ async def test_frontends_leave_a_core_that_stops_answering(start_control) -> Non
     core = plane.control.pid
     try:
         os.kill(core, signal.SIGSTOP)  # no EOF: the frontends must notice the silence
-        outcomes = await asyncio.gather(*(_outcome(call, window=15.0) for call in calls))
+        outcomes = await asyncio.gather(*(_outcome(call, window=8.0) for call in calls))
         assert outcomes == [grpc.StatusCode.UNAVAILABLE] * 4, outcomes
         deadline = time.monotonic() + 15
         while any(_alive(pid) for pid in frontends):

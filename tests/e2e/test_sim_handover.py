@@ -49,8 +49,8 @@ async def _stream_until_killed(client: StepwiseClient, plane, workers) -> list[i
 async def test_a_handed_over_ignore_eos_request_streams_one_eos(start_control, model_dir) -> None:
     eos = Tokenizer.from_dir(model_dir).eos_token_ids
     plane = await start_control("--routing-policy", "least-loaded")
-    # A step of 5 ms: the stream passes its EOS in a second or two, and the kill lands mid-stream.
-    workers = {w: plane.add_worker(w, "--sim-cost", "0.005,0,0") for w in ("a", "b")}
+    # A step of 3 ms: the stream passes its EOS in a second or two, and the kill lands mid-stream.
+    workers = {w: plane.add_worker(w, "--sim-cost", "0.003,0,0") for w in ("a", "b")}
     await plane.wait_workers(2)
     async with StepwiseClient(plane.address) as client:
         handed_over = await asyncio.wait_for(_stream_until_killed(client, plane, workers), 120)

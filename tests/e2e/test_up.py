@@ -23,7 +23,7 @@ from tests.e2e.test_generate import _encode_all
 pytestmark = pytest.mark.timeout(300)
 
 STREAMS = 32
-MAX_NEW = 200
+MAX_NEW = 100
 
 
 class Up:
