@@ -29,7 +29,7 @@ from data_plane.executor import Executor
 from data_plane.kv_pool import KvPool
 from data_plane.models.llama import LlamaModel
 from protos.worker import DecodeWork, ExtendWork, NewSeq, SamplerParams, StepKind, StepPlan
-from stepwise.embedded import resolve_model
+from stepwise.models import resolve_model
 
 
 @dataclass(frozen=True, slots=True)

@@ -45,7 +45,8 @@ def add_sampling_arguments(parser: argparse.ArgumentParser, max_new_tokens: int 
     parser.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
 
 
-async def run(ns: argparse.Namespace, out: TextIO = sys.stdout) -> Generation:
+async def run(ns: argparse.Namespace, out: TextIO = sys.stdout, echo: str | None = None) -> Generation:
+    """Stream `ns.prompt`'s generation to `out`, after `echo` (default: the prompt itself)."""
     sampling = sampling_params(
         max_new_tokens=ns.max_new_tokens,
         temperature=ns.temperature,
@@ -62,7 +63,7 @@ async def run(ns: argparse.Namespace, out: TextIO = sys.stdout) -> Generation:
         # The prompt is echoed with the first answer, so a refused call leaves stdout empty.
         async for response in client.stream(generate_request(ns.prompt, sampling)):
             if not echoed:
-                out.write(ns.prompt)
+                out.write(ns.prompt if echo is None else echo)
                 echoed = True
             apply_response(gen, response)
             if response.WhichOneof("event") == "chunk":

@@ -90,11 +90,12 @@ def batches(requests: Sequence[BenchRequest], size: int) -> Iterator[Sequence[Be
 
 
 class StackServer:
-    """One Stack (control plane + one worker on the embedded model) shared by the Stack contenders,
-    started on first use, its control plane under `control_flags` on top of STACK_CONTROL_ARGS.
-    Its children run with one thread each (OMP_NUM_THREADS=1)."""
+    """One Stack (control plane + one worker on `model_dir`) shared by the Stack contenders, started
+    on first use, its control plane under `control_flags` on top of STACK_CONTROL_ARGS. Its children
+    run with one thread each (OMP_NUM_THREADS=1)."""
 
-    def __init__(self, control_flags: Sequence[str] = ()) -> None:
+    def __init__(self, model_dir: Path, control_flags: Sequence[str] = ()) -> None:
+        self.model = ["--model", str(model_dir)]
         self.control_flags = list(control_flags)
         self.stack: Stack | None = None
         self.address = ""
@@ -104,7 +105,8 @@ class StackServer:
             return
         from stepwise.up import Stack
 
-        self.stack = Stack([*STACK_CONTROL_ARGS, *self.control_flags], STACK_WORKER_ARGS, workers=1)
+        control = [*STACK_CONTROL_ARGS, *self.model, *self.control_flags]
+        self.stack = Stack(control, [*STACK_WORKER_ARGS, *self.model], workers=1)
         try:
             with _environment(OMP_NUM_THREADS="1"):
                 self.address = await self.stack.start()
@@ -250,7 +252,7 @@ class StaticContender(_StackContender):
 
 
 class TransformersModel:
-    """The embedded model in transformers, float32 on the CPU, loaded once on first use and shared
+    """The model in transformers, float32 on the CPU, loaded once on first use and shared
     by the in-process contenders."""
 
     def __init__(self, model_dir: Path) -> None:
@@ -458,7 +460,7 @@ def make_contenders(
 ) -> list[Contender]:
     """The named contenders, in order, then one stepwise contender per variant (name, control-plane
     flags), each on a Stack of its own; the named Stack ones share one Stack, the others one model."""
-    server, model = StackServer(), TransformersModel(model_dir)
+    server, model = StackServer(model_dir), TransformersModel(model_dir)
     kinds: dict[str, Contender] = {
         "stepwise": StepwiseContender(server),
         "static": StaticContender(server),
@@ -473,4 +475,4 @@ def make_contenders(
     if taken:
         raise ValueError(f"variant name(s) {', '.join(taken)} taken by a contender")
     named: list[Contender] = [kinds[name] for name in names]
-    return named + [StepwiseContender(StackServer(flags), name) for name, flags in variants]
+    return named + [StepwiseContender(StackServer(model_dir, flags), name) for name, flags in variants]

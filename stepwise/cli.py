@@ -96,11 +96,11 @@ def _worker_parser() -> argparse.ArgumentParser:
 
 def _resolve_model(spec: str | Path) -> Path:
     """resolve_model(), with a missing or incomplete directory as a RoutineError naming --model."""
-    from stepwise.embedded import resolve_model
+    from stepwise.models import ModelError, resolve_model
 
     try:
         return resolve_model(str(spec))
-    except FileNotFoundError as exc:
+    except (FileNotFoundError, ModelError) as exc:
         raise RoutineError(f"--model: {exc}") from exc
 
 
@@ -249,8 +249,10 @@ def cmd_up(argv: Sequence[str]) -> int:
         raise RoutineError(str(exc)) from exc
     # Bad values are the children's to reject, but here they are one line instead of a child's
     # line and then `up`'s own complaint that the child exited.
-    control.parse_args(to_control)
-    worker.parse_args(to_worker)
+    control_ns, worker_ns = control.parse_args(to_control), worker.parse_args(to_worker)
+    # A named model is built or converted here, once, before the children start and look for it.
+    for spec in dict.fromkeys([control_ns.model, worker_ns.model]):
+        _resolve_model(spec)
     gateway = None
     if ns.gateway_port is not None:
         gateway = gateway_args(to_control, ns.gateway_host, ns.gateway_port)
@@ -281,7 +283,9 @@ def cmd_gateway(argv: Sequence[str]) -> int:
         template = load_template(model_dir)
     except (OSError, ValueError) as exc:
         raise RoutineError(f"--model: cannot read the chat template of {model_dir}: {exc}") from exc
-    name = ns.served_model_name or (ns.model if ns.model == "embedded" else model_dir.name)
+    from stepwise.models import served_name
+
+    name = ns.served_model_name or served_name(ns.model, model_dir)
     try:
         limits = server.limits_from_args(ns)
     except ValueError as exc:
@@ -301,6 +305,24 @@ def _quiet_grpc() -> None:
     Read when grpc is first imported, so this must run before that.
     """
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+
+
+def _chat_parser() -> argparse.ArgumentParser:
+    from stepwise import chat
+
+    parser = _parser("stepwise chat", COMMANDS["chat"].summary)
+    chat.add_arguments(parser)
+    flags.apply_env_defaults(parser)
+    return parser
+
+
+def cmd_chat(argv: Sequence[str]) -> int:
+    _quiet_grpc()
+    from stepwise import chat
+
+    ns = _chat_parser().parse_args(argv)
+    logs.configure("warning")
+    return asyncio.run(chat.run(ns, _resolve_model(ns.model)))
 
 
 def _generate_parser() -> argparse.ArgumentParser:
@@ -363,28 +385,57 @@ def _demo_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--max-new-tokens", type=Int(0, INT32_MAX), default=80, help="stop after this many new tokens"
     )
+    parser.add_argument(
+        "--model",
+        default="embedded",
+        help="a named model (stepwise models lists them) or a checkpoint directory (default: embedded)",
+    )
+    parser.add_argument(
+        "--chat",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="send the prompt as one user turn through the model's chat template (default: on for an "
+        "instruct model such as smollm2, off for embedded and for directories)",
+    )
     flags.apply_env_defaults(parser)
     return parser
 
 
+def _demo_prompt(ns: argparse.Namespace, model_dir: Path) -> str:
+    """The text the demo sends: the prompt itself, or rendered as a user turn (--chat)."""
+    from gateway.chat import load_template
+    from stepwise.models import wants_chat
+
+    chat = wants_chat(ns.model) if ns.chat is None else ns.chat
+    if not chat:
+        return str(ns.prompt)
+    template = load_template(model_dir)
+    if template is None:
+        raise RoutineError(f"--chat: the model in {model_dir} has no chat template")
+    return template.render([{"role": "user", "content": ns.prompt}], add_generation_prompt=True)
+
+
 def cmd_demo(argv: Sequence[str]) -> int:
-    """Start the stack on the embedded model, stream one generation, stop everything."""
+    """Start the stack on a model (the embedded one by default), stream one generation, stop."""
     from clients import generate
     from stepwise.up import Stack
 
     ns = _demo_parser().parse_args(argv)
+    model_dir = _resolve_model(ns.model)
+    prompt = _demo_prompt(ns, model_dir)
+    model = ["--model", str(model_dir)]
 
     async def demo() -> int:
         stack = Stack(
-            ["--port", "0", "--worker-port", "0", "--host", "127.0.0.1", "--log-level", "warning"],
-            ["--log-level", "warning"],
+            ["--port", "0", "--worker-port", "0", "--host", "127.0.0.1", "--log-level", "warning", *model],
+            ["--log-level", "warning", *model],
             workers=1,
         )
         try:
             address = await stack.start()
             print(f"[stepwise: control plane and one worker up at {address}]", flush=True)
             gen_ns = argparse.Namespace(
-                prompt=ns.prompt,
+                prompt=prompt,
                 address=address,
                 max_new_tokens=ns.max_new_tokens,
                 temperature=0.0,
@@ -397,12 +448,31 @@ def cmd_demo(argv: Sequence[str]) -> int:
                 api_key=None,
                 tls_ca=None,
             )
-            gen = await generate.run(gen_ns)
+            gen = await generate.run(gen_ns, echo=None if prompt == ns.prompt else f"{ns.prompt}\n> ")
             return 0 if gen.finish_reason in ("stop", "length") else 1
         finally:
             stack.stop()
 
     return asyncio.run(demo())
+
+
+def _models_parser() -> argparse.ArgumentParser:
+    parser = _parser("stepwise models", COMMANDS["models"].summary)
+    flags.apply_env_defaults(parser)
+    return parser
+
+
+def cmd_models(argv: Sequence[str]) -> int:
+    """One line per named model: its name, what it is, and what using it would take here."""
+    from stepwise.models import MODELS
+
+    _models_parser().parse_args(argv)
+    width = max(map(len, MODELS))
+    for named in MODELS.values():
+        print(f"{named.name:<{width}}  {named.summary}")
+        print(f"{'':<{width}}  {named.status()}")
+    print("any other --model value is a checkpoint directory (config.json, safetensors, tokenizer)")
+    return 0
 
 
 def cmd_replay(argv: Sequence[str]) -> int:
@@ -447,13 +517,17 @@ COMMANDS = {
         cmd_gateway, "an OpenAI-compatible HTTP gateway in front of control planes", _gateway_parser
     ),
     "generate": Command(cmd_generate, "stream one generation to the terminal", _generate_parser),
+    "chat": Command(
+        cmd_chat, "a conversation in the terminal through the model's chat template", _chat_parser
+    ),
     "bench": Command(cmd_bench, "load generator with serving metrics", _bench_parser),
     "compare": Command(
         cmd_compare, "stepwise against static batching and transformers on one workload", _compare_parser
     ),
     "demo": Command(
-        cmd_demo, "start the stack on the embedded model, stream one generation, stop", _demo_parser
+        cmd_demo, "start the stack on a model (default: embedded), stream one generation, stop", _demo_parser
     ),
+    "models": Command(cmd_models, "the models --model can name, and what each needs here", _models_parser),
     "replay": Command(
         cmd_replay, "replay a recording against a fresh worker or scheduler, or show it", _replay_parser
     ),

@@ -73,6 +73,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar='NAME="FLAGS"',
         help="also measure stepwise with these control-plane flags, named NAME (repeatable)",
     )
+    parser.add_argument(
+        "--model",
+        default="embedded",
+        help="the model every contender runs: a named model (stepwise models) or a checkpoint directory",
+    )
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
 
 
@@ -217,6 +222,7 @@ def summarize(
         }
     return {
         "variants": {name: shlex.join(flags) for name, flags in getattr(ns, "variants", [])},
+        "model": getattr(ns, "model", "embedded"),
         "workload": {
             "requests": len(requests),
             "prompt_len": list(ns.prompt_len),
@@ -250,7 +256,8 @@ def render(report: dict[str, Any]) -> str:
     """The report as a table, one row per contender."""
     work = report["workload"]
     lines = [
-        f"workload: {work['requests']} requests, prompts {work['prompt_len'][0]}-{work['prompt_len'][1]} "
+        f"model {report['model']}; workload: {work['requests']} requests, "
+        f"prompts {work['prompt_len'][0]}-{work['prompt_len'][1]} "
         f"tokens, outputs {work['output_len'][0]}-{work['output_len'][1]} ({work['useful_tokens']} useful "
         f"tokens), {work['concurrency']} at a time, greedy, EOS ignored, one thread per process; "
         f"medians of {work['rounds']} rounds (seed {work['seed']})",
@@ -275,10 +282,10 @@ def render(report: dict[str, Any]) -> str:
 
 async def run(ns: argparse.Namespace, out: TextIO = sys.stdout) -> dict[str, Any]:
     """Build the workload, measure every contender, print the report (text or JSON) and return it."""
-    from stepwise.embedded import resolve_model
+    from stepwise.models import resolve_model
 
     requests = uniform_requests(ns.requests, ns.prompt_len, ns.output_len, seed=ns.seed)
-    contenders = make_contenders(ns.contenders, resolve_model("embedded"), ns.variants)
+    contenders = make_contenders(ns.contenders, resolve_model(ns.model), ns.variants)
     with _one_thread():
         results = await measure(contenders, requests, ns.concurrency, ns.rounds)
     report = summarize(results, requests, ns)

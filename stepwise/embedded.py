@@ -1,7 +1,7 @@
 """The embedded demo model: a tiny Llama checkpoint that ships with Stepwise.
 
-`resolve_model("embedded")` gives the committed checkpoint directory (or builds one into the user
-cache when the committed files are missing); any other spec must name an existing directory.
+`resolve()` gives the committed checkpoint directory (or builds one into the user cache when the
+committed files are missing); `stepwise.models` maps `--model embedded` to it.
 
 `python -m stepwise.embedded build --out DIR` reproduces the checkpoint from the shipped corpus:
 a byte-level BPE tokenizer trained with `tokenizers`, then a ~0.9M-parameter Llama trained for a
@@ -64,24 +64,9 @@ class BuildSpec:
     threads: int = 2
 
 
-def resolve_model(spec: str) -> pathlib.Path:
-    """Turn a `--model` value into a checkpoint directory.
-
-    "embedded" -> the committed checkpoint, or one built into `$XDG_CACHE_HOME/stepwise/embedded`
-    (`~/.cache/stepwise/embedded`) if the committed files are missing. Anything else must be an
-    existing directory holding config.json; otherwise FileNotFoundError names what is missing.
-    """
-    if spec == EMBEDDED_SPEC:
-        return _embedded_dir()
-    path = pathlib.Path(spec).expanduser()
-    if not path.is_dir():
-        raise FileNotFoundError(f"model directory {path} does not exist")
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"model directory {path} has no config.json")
-    return path
-
-
-def _embedded_dir() -> pathlib.Path:
+def resolve() -> pathlib.Path:
+    """The committed checkpoint, or one built into `$XDG_CACHE_HOME/stepwise/embedded`
+    (`~/.cache/stepwise/embedded`) if the committed files are missing."""
     if _is_complete(EMBEDDED_DIR):
         return EMBEDDED_DIR
     cached = _cache_root() / "embedded"

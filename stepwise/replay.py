@@ -43,7 +43,7 @@ def fresh_executor(header: Header, model: str, device: str, dtype: str) -> Execu
     from data_plane import worker  # torch is loaded only for a model worker
     from data_plane.config import DTYPES, WorkerConfig
     from data_plane.models.loader import ModelLoadError
-    from stepwise.embedded import resolve_model
+    from stepwise.models import resolve_model
 
     if not model:
         raise ValueError("--model DIR (or 'embedded') is needed to replay a model worker")

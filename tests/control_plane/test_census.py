@@ -19,7 +19,7 @@ from control_plane.request import RequestParams
 from protos import worker_codec
 from protos.stepwise.v1 import worker_pb2 as wk_pb
 from protos.worker import Census, SamplerParams, WorkerLimits
-from stepwise.embedded import resolve_model
+from stepwise.models import resolve_model
 from tests.control_plane.fake_core import FakeChannel, FakeHub, finished, make_engine, submit
 
 pytestmark = pytest.mark.timeout(60)

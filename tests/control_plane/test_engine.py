@@ -22,7 +22,7 @@ from control_plane.link import UID_LINK_SHIFT
 from control_plane.request import FinishReason, RequestParams
 from control_plane.tokenizer import Tokenizer
 from protos.worker import SamplerParams, StepPlan, StepResult
-from stepwise.embedded import resolve_model
+from stepwise.models import resolve_model
 from tests.control_plane.fake_core import FakeChannel, FakeHub, finished, make_engine, submit
 
 pytestmark = pytest.mark.timeout(60)

@@ -20,7 +20,7 @@ from control_plane.link import UID_LINK_SHIFT
 from control_plane.tokenizer import Tokenizer
 from protos.stepwise.v1 import frontend_pb2 as fe_pb
 from protos.stepwise.v1 import generation_pb2 as gen_pb
-from stepwise.embedded import resolve_model
+from stepwise.models import resolve_model
 
 pytestmark = pytest.mark.timeout(30)
 

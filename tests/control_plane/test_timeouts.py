@@ -19,7 +19,7 @@ from control_plane.core.timeouts import RUNNING_TIMEOUT, WAITING_TIMEOUT
 from control_plane.request import RequestParams
 from control_plane.tokenizer import Tokenizer
 from protos.worker import SamplerParams
-from stepwise.embedded import resolve_model
+from stepwise.models import resolve_model
 from tests.control_plane.fake_core import FakeHub, finished, make_engine, submit
 
 pytestmark = pytest.mark.timeout(60)

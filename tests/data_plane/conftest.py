@@ -11,7 +11,7 @@ import torch
 from data_plane.executor import Executor
 from data_plane.kv_pool import KvPool
 from data_plane.models.llama import LlamaModel
-from stepwise.embedded import resolve_model
+from stepwise.models import resolve_model
 from tests.data_plane.factories import Driver, SlotAllocator
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import stepwise.embedded as embedded
+import stepwise.models as models
 from data_plane.models.llama import LlamaModel
 
 QUICK = embedded.BuildSpec(train_steps=3, batch_size=2, seq_len=32)
@@ -31,6 +32,6 @@ def test_missing_committed_checkpoint_is_built_into_the_user_cache(
     monkeypatch.setattr(embedded, "EMBEDDED_DIR", tmp_path / "not-committed")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.setattr(embedded, "build", lambda out: real_build(out, QUICK))
-    resolved = embedded.resolve_model("embedded")
+    resolved = models.resolve_model("embedded")
     assert resolved == tmp_path / "cache" / "stepwise" / "embedded"
-    assert embedded.resolve_model("embedded") == resolved  # second call reuses the cache
+    assert models.resolve_model("embedded") == resolved  # second call reuses the cache

@@ -14,7 +14,8 @@ from data_plane.executor import Executor
 from data_plane.kv_pool import KvPool
 from data_plane.models.llama import LlamaModel
 from data_plane.models.loader import ModelLoadError, model_fingerprint, read_model_config, weight_files
-from stepwise.embedded import EMBEDDED_DIR, resolve_model
+from stepwise.embedded import EMBEDDED_DIR
+from stepwise.models import resolve_model
 from tests.data_plane.factories import Extend, SlotAllocator, hf_next_logits, make_plan, new_seq
 
 CPU = torch.device("cpu")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from stepwise.embedded import resolve_model
+from stepwise.models import resolve_model
 from stepwise.up import Stack, stop_processes
 
 # --strict-invariants: the KV pool invariants are checked after every step; a violation ends the run.

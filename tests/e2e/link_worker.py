@@ -19,7 +19,7 @@ from data_plane.sim import CostModel, SimExecutor
 from protos.stepwise.v1 import worker_pb2 as wk_pb
 from protos.stepwise.v1 import worker_pb2_grpc as wk_grpc
 from protos.worker_codec import PlanDecoder, result_to_proto
-from stepwise.embedded import resolve_model
+from stepwise.models import resolve_model
 
 KV_TOKENS = 65536
 

@@ -28,7 +28,7 @@ from data_plane.models.loader import model_fingerprint
 from protos.stepwise.v1 import generation_pb2 as gen_pb
 from protos.stepwise.v1 import worker_pb2 as wk_pb
 from protos.worker import StepPlan
-from stepwise.embedded import resolve_model
+from stepwise.models import resolve_model
 from stepwise.up import stop_processes
 from tests.e2e.conftest import ControlProcess
 from tests.e2e.rogue import RogueWorker, hello, honest_result, tokens_bytes

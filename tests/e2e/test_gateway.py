@@ -23,7 +23,7 @@ import pytest
 
 from clients.client import StepwiseClient
 from gateway.chat import load_template
-from stepwise.embedded import resolve_model
+from stepwise.models import resolve_model
 from stepwise.up import stop_processes
 
 PROMPT = "Once upon a time"

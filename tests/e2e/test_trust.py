@@ -17,7 +17,7 @@ import pytest
 from clients.client import StepwiseClient, generate_request, sampling_params
 from data_plane.models.loader import model_fingerprint
 from protos.stepwise.v1 import worker_pb2 as wk_pb
-from stepwise.embedded import resolve_model
+from stepwise.models import resolve_model
 from tests.e2e.conftest import ControlProcess
 from tests.e2e.rogue import RogueWorker, hello, honest_result, tokens_bytes, tokens_of
 

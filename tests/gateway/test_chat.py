@@ -8,7 +8,7 @@ import pytest
 
 from gateway.chat import ChatTemplate, load_template
 from gateway.errors import GatewayError
-from stepwise.embedded import resolve_model
+from stepwise.models import resolve_model
 
 MESSAGES = [
     {"role": "system", "content": "Be brief."},
