@@ -1,4 +1,5 @@
-"""What `--model` can name: a checkpoint directory, or one of the models Stepwise knows by name.
+"""What `--model` can name: a checkpoint directory, a Hugging Face Hub id already in the local cache
+(`ORG/NAME`, `ORG/NAME@REVISION`), or one of the models Stepwise knows by name.
 
 A named model resolves to a plain Hugging Face directory (config.json, safetensors, tokenizer, chat
 template) that is built once and cached; after that it loads through the same path as any user's
@@ -55,8 +56,9 @@ MODELS: dict[str, NamedModel] = {
 
 
 def resolve_model(spec: str) -> pathlib.Path:
-    """Turn a `--model` value into a checkpoint directory: a name in MODELS, else an existing
-    directory holding config.json. ModelError (or FileNotFoundError) says what is missing."""
+    """Turn a `--model` value into a checkpoint directory: a name in MODELS, an existing directory
+    holding config.json, else a Hub id in the local Hugging Face cache. ModelError (or
+    FileNotFoundError) says what is missing."""
     named = MODELS.get(spec)
     if named is not None:
         try:
@@ -64,6 +66,8 @@ def resolve_model(spec: str) -> pathlib.Path:
         except smollm2.ModelUnavailable as exc:
             raise ModelError(f"{spec}: {exc}") from exc
     path = pathlib.Path(spec).expanduser()
+    if not path.is_dir() and is_hub_id(spec):
+        path = _hub_snapshot(spec)
     if not path.is_dir():
         raise FileNotFoundError(f"model directory {path} does not exist (named models: {', '.join(MODELS)})")
     if not (path / "config.json").is_file():
@@ -71,10 +75,42 @@ def resolve_model(spec: str) -> pathlib.Path:
     return path
 
 
+def is_hub_id(spec: str) -> bool:
+    """`ORG/NAME` or `ORG/NAME@REVISION`, the shape of a Hugging Face Hub id."""
+    parts = spec.partition("@")[0].split("/")
+    return len(parts) == 2 and all(parts) and not spec.startswith((".", "~"))
+
+
+def _hub_snapshot(spec: str) -> pathlib.Path:
+    """The snapshot directory of a Hub id in the local Hugging Face cache (HF_HOME, HF_HUB_CACHE),
+    found by huggingface_hub's own cache lookup; it never downloads. FileNotFoundError says where it
+    looked and what to pass instead."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    repo, _, revision = spec.partition("@")
+    try:
+        return pathlib.Path(snapshot_download(repo, revision=revision or None, local_files_only=True))
+    except (LocalEntryNotFoundError, OSError, ValueError) as exc:
+        raise FileNotFoundError(
+            f"{spec} is no directory, and revision {revision or 'main'} of {repo} is not in the Hugging "
+            f"Face cache {constants.HF_HUB_CACHE} (Stepwise never downloads: fetch it with "
+            f"`hf download {repo}`, or pass the checkpoint's directory)"
+        ) from exc
+
+
 def served_name(spec: str, model_dir: pathlib.Path) -> str:
-    """The name clients see for `--model spec`: the name itself for a named model, else the
-    directory's name."""
-    return spec if spec in MODELS else model_dir.name
+    """The name clients see for `--model spec`: the name itself for a named model, the Hub id
+    (without its revision) for a model from the Hugging Face cache or a snapshot directory in it,
+    else the directory's name."""
+    if spec in MODELS:
+        return spec
+    if is_hub_id(spec) and not pathlib.Path(spec).expanduser().is_dir():
+        return spec.partition("@")[0]
+    repo = model_dir.parent.parent.name  # a snapshot directory: HUB/models--ORG--NAME/snapshots/COMMIT
+    if model_dir.parent.name == "snapshots" and repo.startswith("models--") and repo.count("--") == 2:
+        return "/".join(repo.split("--")[1:])
+    return model_dir.name
 
 
 def wants_chat(spec: str) -> bool:
