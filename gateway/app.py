@@ -54,6 +54,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
     app.add_api_route("/v1/completions", gateway.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", gateway.chat_completions, methods=["POST"])
     app.add_api_route("/v1/models", gateway.models, methods=["GET"])
+    # A served name may hold slashes (a Hub id, `acme/tiny`): the id is the rest of the path.
+    app.add_api_route("/v1/models/{model_id:path}", gateway.model, methods=["GET"])
     app.add_api_route("/health", gateway.health, methods=["GET"])
     app.add_api_route("/metrics", gateway.metrics_endpoint, methods=["GET"])
     app.add_exception_handler(HTTPException, _http_error)
@@ -140,6 +142,9 @@ class Gateway:
             problem = "messages: the model has no chat template; use /v1/completions"
             raise GatewayError(400, problem, "messages")
         messages = [m.template_dict() for m in body.messages]
+        if "developer" not in self.config.template.source:
+            # OpenAI's newer name for the system role, for templates that know only the older one.
+            messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
         prompt = self.config.template.render(messages, body.add_generation_prompt)
         try:  # the typed fields are checked already; this catches a surrogate in an extra field
             return utf8_text(prompt)
@@ -147,22 +152,42 @@ class Gateway:
             raise invalid("messages", f"the rendered prompt is {exc}") from None
 
     async def models(self, request: Request) -> Response:
+        """OpenAI's models list: the one model served."""
         started = time.monotonic()
         try:
-            info = await self.client.server_info(api_key=bearer_key(request))
+            card = await self._model_card(request)
         except GatewayError as exc:
             return self._refused("models", exc, started)
+        self.metrics.observe("models", 200, time.monotonic() - started)
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def model(self, request: Request, model_id: str) -> Response:
+        """OpenAI's models retrieve: the served model by its id, else 404 `model_not_found`."""
+        started = time.monotonic()
+        try:
+            if model_id != self.config.model_name:
+                message = (
+                    f"model {model_id!r} is not served here (this gateway serves {self.config.model_name!r})"
+                )
+                raise GatewayError(404, message, param="model", code="model_not_found")
+            card = await self._model_card(request)
+        except GatewayError as exc:
+            return self._refused("models", exc, started)
+        self.metrics.observe("models", 200, time.monotonic() - started)
+        return JSONResponse(card)
+
+    async def _model_card(self, request: Request) -> dict[str, Any]:
+        try:
+            info = await self.client.server_info(api_key=bearer_key(request))
         except grpc.aio.AioRpcError as exc:
-            return self._refused("models", from_grpc(exc), started)
-        model = {
+            raise from_grpc(exc) from None
+        return {
             "id": self.config.model_name,
             "object": "model",
             "created": self.created,
             "owned_by": "stepwise",
             "max_model_len": info.max_context,
         }
-        self.metrics.observe("models", 200, time.monotonic() - started)
-        return JSONResponse({"object": "list", "data": [model]})
 
     async def health(self) -> Response:
         """200 only while the control plane behind the gateway answers SERVING (a worker attached)."""

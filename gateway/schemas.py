@@ -1,8 +1,10 @@
 """The OpenAI request bodies the gateway accepts, and their translation to a GenerateRequest.
 
-Unknown fields are ignored, as the OpenAI API's clients expect of a compatible server; fields whose
-meaning the gRPC protocol cannot carry (log probabilities, echo, suffix, best_of) are refused with a
-400 that names them rather than silently dropped.
+Nothing a caller asks for is silently dropped. A field the gateway does not implement (OpenAI's
+`logit_bias`, `response_format`, `tools`, ..., or any other name) is a 400 that names it, unless its
+value asks for nothing: null, false, an empty list or object, or the documented no-op values in
+NO_OP_VALUES. Fields whose meaning the gRPC protocol cannot carry yet (log probabilities, echo,
+suffix, best_of) are refused the same way.
 """
 
 from __future__ import annotations
@@ -40,14 +42,36 @@ Int32 = Annotated[int, Field(ge=INT32_MIN, le=INT32_MAX)]
 Count = Annotated[int, Field(ge=0, le=INT32_MAX)]
 
 
+# Unimplemented fields accepted at these values (and at null, false, [] and {}): they ask for what
+# the gateway does anyway.
+NO_OP_VALUES: dict[str, tuple[object, ...]] = {
+    "response_format": ({"type": "text"},),
+    "tool_choice": ("none",),
+    "parallel_tool_calls": (True,),
+    "modalities": (["text"],),
+    "service_tier": ("auto", "default"),
+}
+
+
+def refuse_extra_fields(model: BaseModel, prefix: str = "") -> None:
+    """A 400 naming the first field of `model` (a model with extra="allow") that the gateway does not
+    implement and whose value asks for something."""
+    for name, value in (model.model_extra or {}).items():
+        if value in (None, False, [], {}) or value in NO_OP_VALUES.get(name, ()):
+            continue
+        raise invalid(f"{prefix}{name}", "not supported by this gateway")
+
+
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
     include_usage: bool = False
 
 
 class SamplingFields(BaseModel):
     """What completions and chat completions share."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
     model: Text | None = None
     max_tokens: Count | None = None
@@ -68,6 +92,11 @@ class SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     user: Text | None = None
     priority: Int32 | None = None
+
+    def refuse_extra(self) -> None:
+        refuse_extra_fields(self)
+        if self.stream_options is not None:
+            refuse_extra_fields(self.stream_options, "stream_options.")
 
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
@@ -113,6 +142,7 @@ class CompletionRequest(SamplingFields):
         return prompt  # type: ignore[return-value]
 
     def refuse_unsupported(self) -> None:
+        self.refuse_extra()
         if self.logprobs is not None:
             raise invalid("logprobs", "not supported: the Stepwise protocol carries no log probabilities")
         if self.echo:
@@ -151,6 +181,7 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
 
     def refuse_unsupported(self) -> None:
+        self.refuse_extra()
         if self.logprobs or self.top_logprobs:
             param = "logprobs" if self.logprobs else "top_logprobs"
             raise invalid(param, "not supported: the Stepwise protocol carries no log probabilities")

@@ -155,6 +155,24 @@ def test_chat_greedy_equals_grpc_on_the_rendered_prompt(up: Up) -> None:
 
 
 @pytest.mark.timeout(120)
+def test_models_retrieve_and_the_developer_role(up: Up) -> None:
+    client = up.openai()
+    card = client.models.retrieve("embedded")
+    assert card.id == "embedded" and card.object == "model"
+    with pytest.raises(openai.NotFoundError, match="not served here"):
+        client.models.retrieve("another-model")
+    # The embedded template knows no `developer` role: it is rendered as `system`.
+    as_system = chat_prompt([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
+    whole = client.chat.completions.create(
+        model="embedded",
+        messages=[{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+        max_tokens=6,
+        temperature=0,
+    )
+    assert whole.choices[0].message.content == grpc_greedy(up, as_system, 6)
+
+
+@pytest.mark.timeout(120)
 def test_n_samples_seed_and_stop_strings(up: Up) -> None:
     client = up.openai()
     whole = client.completions.create(
@@ -194,6 +212,27 @@ BAD_REQUESTS = [
     ("completions", {"model": "embedded", "prompt": "x", "stop": [f"s{i}" for i in range(70)]}, "stop"),
     ("chat/completions", {"model": "embedded", "messages": [{"role": "wizard", "content": "x"}]}, None),
     ("chat/completions", {"model": "embedded", "messages": []}, "messages"),
+    # Asked for and not implemented: refused by name, never a 200 that ignores it.
+    ("completions", {"model": "embedded", "prompt": "x", "logit_bias": {"5": 10}}, "logit_bias"),
+    (
+        "chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
+        "tools",
+    ),
+    (
+        "chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
+        "response_format",
+    ),
+    (
+        "chat/completions",
+        {
+            "messages": [{"role": "user", "content": "x"}],
+            "stream": True,
+            "stream_options": {"continuous_usage_stats": True},
+        },
+        "stream_options.continuous_usage_stats",
+    ),
 ]
 
 

@@ -1,0 +1,112 @@
+"""No field is silently dropped: every field of OpenAI's request schemas (read from the official
+client's own type definitions) is either implemented by the gateway or refused with a 400 naming it,
+unless its value asks for nothing."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from openai.types import completion_create_params as completion_params
+from openai.types.chat import ChatCompletionStreamOptionsParam
+from openai.types.chat import completion_create_params as chat_params
+from pydantic import BaseModel
+
+from gateway.errors import GatewayError
+from gateway.schemas import ChatCompletionRequest, CompletionRequest, parse_body
+
+COMPLETION = {"prompt": "x"}
+CHAT = {"messages": [{"role": "user", "content": "hi"}]}
+# A value that asks for something, for any field type the schemas use.
+ASKING = {"x": 1}
+
+
+def _check(schema: type[BaseModel], body: dict[str, Any]) -> None:
+    parse_body(json.dumps(body).encode(), schema).refuse_unsupported()  # type: ignore[attr-defined]
+
+
+def _refused_param(schema: type[BaseModel], body: dict[str, Any]) -> str | None:
+    try:
+        _check(schema, body)
+    except GatewayError as exc:
+        assert exc.status == 400, exc
+        return exc.param
+    return None
+
+
+CASES = [
+    *(
+        (CompletionRequest, COMPLETION, f)
+        for f in sorted(completion_params.CompletionCreateParamsBase.__annotations__)
+    ),
+    *(
+        (ChatCompletionRequest, CHAT, f)
+        for f in sorted(chat_params.CompletionCreateParamsBase.__annotations__)
+    ),
+]
+
+
+@pytest.mark.parametrize(("schema", "base", "field"), CASES, ids=[f"{s.__name__}.{f}" for s, _, f in CASES])
+def test_every_openai_field_is_implemented_or_refused_by_name(
+    schema: type[BaseModel], base: dict[str, Any], field: str
+) -> None:
+    if field in base:
+        return
+    if field in schema.model_fields and field not in (
+        "logprobs",
+        "top_logprobs",
+        "echo",
+        "suffix",
+        "best_of",
+    ):
+        return  # implemented: tests/e2e/test_gateway.py checks what each does
+    # Refused with a value that asks for something (the type of the declared ones; anything else).
+    value = {"logprobs": 1 if schema is CompletionRequest else True, "echo": True, "suffix": "s"}.get(field)
+    value = {"top_logprobs": 2, "best_of": 3}.get(field, value)
+    assert _refused_param(schema, {**base, field: ASKING if value is None else value}) == field
+
+
+def test_stream_options_fields_are_implemented_or_refused_by_name() -> None:
+    for field in ChatCompletionStreamOptionsParam.__annotations__:
+        body = {**CHAT, "stream": True, "stream_options": {field: True}}
+        param = _refused_param(ChatCompletionRequest, body)
+        assert param is None if field == "include_usage" else param == f"stream_options.{field}"
+    body = {**CHAT, "stream": True, "stream_options": {"continuous_usage_stats": True}}
+    assert _refused_param(ChatCompletionRequest, body) == "stream_options.continuous_usage_stats"
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("logit_bias", {"5": 10}),
+        ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
+        ("response_format", {"type": "json_object"}),
+        ("tools", [{"type": "function", "function": {"name": "f"}}]),
+        ("tool_choice", "required"),
+        ("regex", "[ab]+"),  # SGLang's extra field
+        ("some_vendor_knob", "on"),
+    ],
+)
+def test_what_is_asked_for_and_not_implemented_is_a_400(field: str, value: object) -> None:
+    assert _refused_param(ChatCompletionRequest, {**CHAT, field: value}) == field
+    assert _refused_param(CompletionRequest, {**COMPLETION, field: value}) == field
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("logit_bias", {}),
+        ("logit_bias", None),
+        ("tools", []),
+        ("tool_choice", "none"),
+        ("response_format", {"type": "text"}),
+        ("parallel_tool_calls", True),
+        ("store", False),
+        ("metadata", {}),
+        ("service_tier", "auto"),
+        ("modalities", ["text"]),
+    ],
+)
+def test_values_that_ask_for_nothing_are_accepted(field: str, value: object) -> None:
+    assert _refused_param(ChatCompletionRequest, {**CHAT, field: value}) is None
