@@ -121,7 +121,7 @@ class Gateway:
             body = parse_body(await read_body(request, self.config.limits), CompletionRequest)
             body.refuse_unsupported()
             fmt = CompletionFormat(self._model(body))
-            return await self._generate(request, body, body.single_prompt(), fmt, "completions", started)
+            return await self._generate(request, body, body.prompts(), fmt, "completions", started)
         except GatewayError as exc:
             return self._refused("completions", exc, started)
 
@@ -132,7 +132,7 @@ class Gateway:
             body.refuse_unsupported()
             prompt = self.render_chat(body)
             fmt = ChatFormat(self._model(body))
-            return await self._generate(request, body, prompt, fmt, "chat_completions", started)
+            return await self._generate(request, body, [prompt], fmt, "chat_completions", started)
         except GatewayError as exc:
             return self._refused("chat_completions", exc, started)
 
@@ -216,23 +216,26 @@ class Gateway:
         self,
         request: Request,
         body: SamplingFields,
-        prompt: str | list[int],
+        prompts: list[str | list[int]],
         fmt: CompletionFormat,
         endpoint: str,
         started: float,
     ) -> Response:
-        """Start the Generate call and answer with its first response in hand, so a refused call
-        is an HTTP error status rather than an error event inside a 200 stream."""
-        call = self.client.stream(body.grpc_request(prompt, fmt.id), api_key=bearer_key(request))
-        responses = aiter(call)
-        try:
-            first = await anext(responses)
-        except grpc.aio.AioRpcError as exc:
-            raise from_grpc(exc) from None
-        except StopAsyncIteration:
-            raise GatewayError(502, "the control plane ended the call without a result") from None
+        """Start one Generate call per prompt and answer with the first response of each in hand,
+        so a refused call is an HTTP error status rather than an error event inside a 200 stream
+        (the other calls are then cancelled)."""
+        key = bearer_key(request)
+        ids = [fmt.id] if len(prompts) == 1 else [f"{fmt.id}-{i}" for i in range(len(prompts))]
+        requests = [body.grpc_request(prompt, rid) for prompt, rid in zip(prompts, ids, strict=True)]
+        calls = [self.client.stream(one, api_key=key) for one in requests]
+        started_calls = await asyncio.gather(*(_first(call) for call in calls), return_exceptions=True)
+        refused = next((c for c in started_calls if isinstance(c, BaseException)), None)
+        if refused is not None:
+            for call in calls:
+                _cancel(call)
+            raise refused
         self.metrics.ttft.labels(endpoint).observe(time.monotonic() - started)
-        run = Run(call, first, responses, Collected.of(body.n))
+        run = Run(started_calls, Collected.of(body.n, len(prompts)))  # type: ignore[arg-type]
         if body.stream:
             events = self._stream(run, fmt, body.include_usage(), endpoint, started)
             return StreamingResponse(events, media_type="text/event-stream")
@@ -290,33 +293,91 @@ class Gateway:
             self.metrics.observe(endpoint, status, time.monotonic() - started)
 
 
-class Run:
+@dataclass(slots=True)
+class Call:
     """One Generate call in flight: its first response already read, the rest to come."""
 
-    def __init__(
-        self,
-        call: AsyncIterator[gen_pb.GenerateResponse],
-        first: gen_pb.GenerateResponse,
-        rest: AsyncIterator[gen_pb.GenerateResponse],
-        collected: Collected,
-    ) -> None:
-        self.call, self.first, self.rest, self.collected = call, first, rest, collected
+    call: AsyncIterator[gen_pb.GenerateResponse]
+    first: gen_pb.GenerateResponse
+    rest: AsyncIterator[gen_pb.GenerateResponse]
+
+    async def responses(self) -> AsyncIterator[gen_pb.GenerateResponse]:
+        yield self.first
+        async for response in self.rest:
+            yield response
+
+
+async def _first(call: AsyncIterator[gen_pb.GenerateResponse]) -> Call:
+    """The call with its first response read; a refusal as the GatewayError it answers with."""
+    responses = aiter(call)
+    try:
+        first = await anext(responses)
+    except grpc.aio.AioRpcError as exc:
+        raise from_grpc(exc) from None
+    except StopAsyncIteration:
+        raise GatewayError(502, "the control plane ended the call without a result") from None
+    return Call(call, first, responses)
+
+
+def _cancel(call: object) -> None:
+    """Cancel a gRPC call: the control plane aborts the request and frees its KV."""
+    cancel = getattr(call, "cancel", None)
+    if cancel is not None:
+        cancel()
+
+
+class Run:
+    """The Generate calls of one request (one per prompt), merged into one stream of events."""
+
+    def __init__(self, calls: list[Call], collected: Collected) -> None:
+        self.calls, self.collected = calls, collected
 
     async def events(self) -> AsyncIterator[tuple[int, str, str | None]]:
-        """(choice index, new text, finish reason or None) per response, recorded in `collected`."""
-        yield self.collected.apply(self.first)
-        async for response in self.rest:
-            yield self.collected.apply(response)
+        """(choice index, new text, finish reason or None) per response, recorded in `collected`,
+        in the order the calls' responses arrive."""
+        if len(self.calls) == 1:
+            async for response in self.calls[0].responses():
+                yield self.collected.apply(response)
+            return
+        queue: asyncio.Queue[tuple[int, gen_pb.GenerateResponse | BaseException | None]] = asyncio.Queue()
+        pumps = [asyncio.ensure_future(_pump(i, call, queue)) for i, call in enumerate(self.calls)]
+        try:
+            running = len(pumps)
+            while running:
+                prompt, item = await queue.get()
+                if item is None:
+                    running -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield self.collected.apply(item, prompt)
+        finally:
+            for pump in pumps:
+                pump.cancel()
 
     async def drain(self) -> None:
         async for _ in self.events():
             pass
 
     def cancel(self) -> None:
-        """Cancel the gRPC call: the control plane aborts the request and frees its KV."""
-        cancel = getattr(self.call, "cancel", None)
-        if cancel is not None:
-            cancel()
+        """Cancel every call: the control plane aborts the requests and frees their KV."""
+        for call in self.calls:
+            _cancel(call.call)
+
+
+async def _pump(
+    prompt: int,
+    call: Call,
+    queue: asyncio.Queue[tuple[int, gen_pb.GenerateResponse | BaseException | None]],
+) -> None:
+    """Feed one call's responses into the merged queue, then None (or the error that ended it)."""
+    try:
+        async for response in call.responses():
+            await queue.put((prompt, response))
+    except Exception as exc:
+        await queue.put((prompt, exc))
+        return
+    await queue.put((prompt, None))
 
 
 async def _disconnected(request: Request) -> None:

@@ -1,7 +1,9 @@
 """OpenAI response bodies built from the gRPC stream: completions and chat completions.
 
-One Generate call serves all `n` choices of a request; chunks and Finished messages carry the
-choice's index. Usage comes from the Finished messages: the prompt once, the outputs summed.
+One Generate call serves all `n` choices of a prompt; chunks and Finished messages carry the
+choice's index. A completions request with several prompts makes one call per prompt: its choices
+are numbered `prompt_index * n + sample_index`, as OpenAI numbers them. Usage comes from the Finished
+messages: each prompt once, the outputs summed.
 """
 
 from __future__ import annotations
@@ -28,35 +30,43 @@ class Collected:
     """The choices of one request, filled in response by response."""
 
     choices: list[Choice]
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    seen_finished: bool = field(default=False)
+    n: int = 1
+    # Per prompt, from its first Finished message: (prompt tokens, cached tokens).
+    prompt_usage: dict[int, tuple[int, int]] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, n: int) -> Collected:
-        return cls([Choice() for _ in range(n)])
+    def of(cls, n: int, prompts: int = 1) -> Collected:
+        return cls([Choice() for _ in range(n * prompts)], n)
 
-    def apply(self, response: gen_pb.GenerateResponse) -> tuple[int, str, str | None]:
-        """Record one response; (choice index, new text, finish reason or None).
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(tokens for tokens, _ in self.prompt_usage.values())
+
+    @property
+    def cached_tokens(self) -> int:
+        return sum(cached for _, cached in self.prompt_usage.values())
+
+    def apply(self, response: gen_pb.GenerateResponse, prompt: int = 0) -> tuple[int, str, str | None]:
+        """Record one response of prompt `prompt`'s call; (choice index, new text, finish reason or
+        None).
 
         An aborted choice (timeout, lost worker, shutdown) is a 503: OpenAI has no finish reason
         for it, and a truncated answer must not pass for a complete one.
         """
+        offset = prompt * self.n
         if response.WhichOneof("event") == "chunk":
             chunk = response.chunk
-            self.choices[chunk.index].text += chunk.text
-            return chunk.index, chunk.text, None
+            self.choices[offset + chunk.index].text += chunk.text
+            return offset + chunk.index, chunk.text, None
         fin = response.finished
         if fin.reason == gen_pb.FINISH_REASON_ABORT:
             raise GatewayError(503, f"the generation was aborted: {fin.message}", code="aborted")
-        choice = self.choices[fin.index]
+        choice = self.choices[offset + fin.index]
         choice.finish_reason = FINISH_NAMES.get(fin.reason, "stop")
         choice.completion_tokens = fin.usage.completion_tokens
-        if not self.seen_finished:
-            # Every choice shares the prompt: count it (and its cache hits) once, from the first.
-            self.prompt_tokens, self.cached_tokens = fin.usage.prompt_tokens, fin.usage.cached_tokens
-            self.seen_finished = True
-        return fin.index, "", choice.finish_reason
+        # A prompt's choices share it: count it (and its cache hits) once, from the first.
+        self.prompt_usage.setdefault(prompt, (fin.usage.prompt_tokens, fin.usage.cached_tokens))
+        return offset + fin.index, "", choice.finish_reason
 
     def usage(self) -> dict[str, Any]:
         completion = sum(c.completion_tokens for c in self.choices)

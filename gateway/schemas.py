@@ -23,6 +23,8 @@ from protos.stepwise.v1 import generation_pb2 as gen_pb
 M = TypeVar("M", bound=BaseModel)
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 
+# Prompts of one completions request (each its own Generate call).
+MAX_PROMPTS = 256
 # The protocol's field widths: past them protobuf refuses the value, so the schema must first.
 INT32_MIN, INT32_MAX, UINT64_MAX = -(2**31), 2**31 - 1, 2**64 - 1
 
@@ -132,14 +134,15 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None
     best_of: int | None = None
 
-    def single_prompt(self) -> str | list[int]:
-        """The one prompt (a list of one prompt counts); 400 for batches, which are not supported."""
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts: one text or token-id list, or a batch of them (one Generate call
+        each, at most MAX_PROMPTS)."""
         prompt = self.prompt
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-            if len(prompt) != 1:
-                raise invalid("prompt", f"{len(prompt)} prompts; this gateway takes one prompt per request")
-            return prompt[0]  # type: ignore[return-value]
-        return prompt  # type: ignore[return-value]
+            if len(prompt) > MAX_PROMPTS:
+                raise invalid("prompt", f"{len(prompt)} prompts; at most {MAX_PROMPTS} per request")
+            return list(prompt)  # type: ignore[arg-type]
+        return [prompt]  # type: ignore[list-item]
 
     def refuse_unsupported(self) -> None:
         self.refuse_extra()

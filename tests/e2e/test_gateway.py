@@ -155,6 +155,41 @@ def test_chat_greedy_equals_grpc_on_the_rendered_prompt(up: Up) -> None:
 
 
 @pytest.mark.timeout(120)
+def test_a_batch_of_prompts_is_one_call_each_with_choices_numbered_prompt_by_sample(up: Up) -> None:
+    client = up.openai()
+    prompts = ["Once upon a time", "The king said", "She"]
+    alone = [
+        client.completions.create(model="embedded", prompt=p, max_tokens=6, temperature=0) for p in prompts
+    ]
+    batch = client.completions.create(model="embedded", prompt=prompts, max_tokens=6, temperature=0, n=2)
+    assert [c.index for c in batch.choices] == list(range(6))
+    assert [c.text for c in batch.choices] == [a.choices[0].text for a in alone for _ in range(2)]
+    assert batch.usage is not None
+    assert batch.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone if a.usage)
+    assert batch.usage.completion_tokens == 2 * sum(a.usage.completion_tokens for a in alone if a.usage)
+    ids = [[0, 1, 2, 3], [4, 5, 6]]
+    by_ids = client.completions.create(model="embedded", prompt=ids, max_tokens=3, temperature=0)
+    assert len(by_ids.choices) == 2 and by_ids.usage is not None and by_ids.usage.prompt_tokens == 7
+    stream = client.completions.create(
+        model="embedded",
+        prompt=prompts,
+        max_tokens=6,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    texts, reasons = ["", "", ""], [None, None, None]
+    for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] += c.text
+            reasons[c.index] = c.finish_reason or reasons[c.index]
+    assert texts == [a.choices[0].text for a in alone] and None not in reasons
+    # One refused prompt refuses the whole request.
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="embedded", prompt=[[1, 2], [10**6]], max_tokens=2)
+
+
+@pytest.mark.timeout(120)
 def test_models_retrieve_and_the_developer_role(up: Up) -> None:
     client = up.openai()
     card = client.models.retrieve("embedded")
