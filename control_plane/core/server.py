@@ -33,7 +33,6 @@ from pathlib import Path
 import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from control_plane import metrics
 from control_plane.config import ControlConfig
@@ -47,6 +46,7 @@ from control_plane.core.supervisor import FrontendEntry, Frontends
 from control_plane.core.worker_checks import hello_refusal
 from control_plane.core.worker_link import StreamChannel
 from control_plane.listen import bind, server_credentials
+from control_plane.reflection import enable_reflection
 from control_plane.tokenizer import Tokenizer
 from protos import worker_codec
 from protos.stepwise.v1 import generation_pb2 as gen_pb
@@ -227,9 +227,7 @@ class ControlPlane:
         await self.hub.start(self.frontends.link_path)
         wk_grpc.add_WorkerLinkServicer_to_server(WorkerLinkService(self), self.worker_server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.worker_server)
-        reflection.enable_server_reflection(
-            (WORKER_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), self.worker_server
-        )
+        enable_reflection((WORKER_SERVICE, health.SERVICE_NAME), self.worker_server)
         _, worker_creds = server_credentials(self.config.security)
         self.worker_port = bind(self.worker_server, self.config.host, self.config.worker_port, worker_creds)
         await self.health.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)

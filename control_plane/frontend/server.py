@@ -10,12 +10,12 @@ import signal
 import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from control_plane.config import ControlConfig, Limits
 from control_plane.frontend.core_link import CoreState, Frontend
 from control_plane.frontend.generation import GENERATION_SERVICE, GenerationService, generation_handler
 from control_plane.listen import bind, server_credentials
+from control_plane.reflection import enable_reflection
 from control_plane.tokenizer import Tokenizer
 
 log = structlog.get_logger("stepwise.frontend")
@@ -84,9 +84,7 @@ class FrontendServer:
         the core. Until the core's state arrives, health says NOT_SERVING and calls are refused."""
         self.server.add_generic_rpc_handlers((generation_handler(GenerationService(self.frontend)),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection(
-            (GENERATION_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server
-        )
+        enable_reflection((GENERATION_SERVICE, health.SERVICE_NAME), self.server)
         client_creds, _ = server_credentials(self.config.security)
         self.port = bind(self.server, self.config.host, port, client_creds, probe=False)
         await self._set_health(False)

@@ -15,7 +15,7 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2
 
 from tests.e2e.conftest import CONTROL_BASE
 
@@ -68,7 +68,12 @@ async def test_health_follows_workers_and_reflection_lists_services(tmp_path: Pa
         assert await _status(address) == health_pb2.HealthCheckResponse.NOT_SERVING
         worker = _spawn("worker", "--control", f"127.0.0.1:{ports['worker_port']}", "--log-level", "warning")
         await _wait_status(address, health_pb2.HealthCheckResponse.SERVING)
-        assert "stepwise.v1.Generation" in await _reflected_services(address)
+        for version in ("v1alpha", "v1"):
+            assert "stepwise.v1.Generation" in await _reflected_services(address, version)
+            described = await _reflect(address, version, file_containing_symbol="stepwise.v1.Generation")
+            assert described.file_descriptor_response.file_descriptor_proto, described
+            worker_port = f"127.0.0.1:{ports['worker_port']}"
+            assert "stepwise.v1.WorkerLink" in await _reflected_services(worker_port, version)
         _stop(worker)
         await _wait_status(address, health_pb2.HealthCheckResponse.NOT_SERVING)
     finally:
@@ -77,13 +82,23 @@ async def test_health_follows_workers_and_reflection_lists_services(tmp_path: Pa
         _stop(control)
 
 
-async def _reflected_services(address: str) -> set[str]:
+async def _reflect(address: str, version: str, **request: str) -> reflection_pb2.ServerReflectionResponse:
+    """One reflection request under `grpc.reflection.VERSION` (the messages are the same on the wire
+    in v1 and v1alpha, so v1alpha's classes speak both)."""
     async with grpc.aio.insecure_channel(address) as channel:
-        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
-        request = reflection_pb2.ServerReflectionRequest(list_services="")
-        async for reply in stub.ServerReflectionInfo(iter([request])):
-            return {s.name for s in reply.list_services_response.service}
-    return set()
+        info = channel.stream_stream(
+            f"/grpc.reflection.{version}.ServerReflection/ServerReflectionInfo",
+            request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+            response_deserializer=reflection_pb2.ServerReflectionResponse.FromString,
+        )
+        async for reply in info(iter([reflection_pb2.ServerReflectionRequest(**request)])):
+            return reply  # type: ignore[no-any-return]
+    raise AssertionError("no reflection reply")
+
+
+async def _reflected_services(address: str, version: str = "v1alpha") -> set[str]:
+    reply = await _reflect(address, version, list_services="")
+    return {s.name for s in reply.list_services_response.service}
 
 
 def _children(pid: int) -> list[int]:
