@@ -7,7 +7,7 @@ import asyncio
 import ipaddress
 import json
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -59,9 +59,12 @@ def sampling_params(
     presence_penalty: float | None = None,
     n: int | None = None,
     min_new_tokens: int | None = None,
+    logit_bias: Mapping[int, float] | None = None,
 ) -> gen_pb.SamplingParams:
     """Build SamplingParams, leaving unset what the caller did not give (server defaults apply)."""
-    msg = gen_pb.SamplingParams(stop=list(stop), stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos)
+    msg = gen_pb.SamplingParams(
+        stop=list(stop), stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos, logit_bias=logit_bias
+    )
     optional = {
         "max_new_tokens": max_new_tokens,
         "temperature": temperature,

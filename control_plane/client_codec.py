@@ -82,6 +82,40 @@ def _check_stops(msg: gen_pb.SamplingParams, limits: Limits) -> None:
     )
 
 
+# OpenAI's logit_bias: at most this many entries, each bias within ±MAX_LOGIT_BIAS.
+MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_LOGIT_BIAS = 100.0
+
+
+def _logit_bias(msg: gen_pb.SamplingParams) -> tuple[tuple[int, float], ...]:
+    """The checked bias map as sorted (id, bias) pairs; ids below the vocabulary are checked where
+    its size is known (check_logit_bias_ids)."""
+    entries = len(msg.logit_bias)
+    _check(
+        entries <= MAX_LOGIT_BIAS_ENTRIES,
+        "sampling.logit_bias",
+        f"{entries} entries; at most {MAX_LOGIT_BIAS_ENTRIES} are allowed",
+    )
+    for token, bias in msg.logit_bias.items():
+        _check(token >= 0, "sampling.logit_bias", f"token id {token} must be >= 0")
+        _check(
+            math.isfinite(bias) and abs(bias) <= MAX_LOGIT_BIAS,
+            "sampling.logit_bias",
+            f"the bias of token {token} must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias}",
+        )
+    return tuple(sorted(msg.logit_bias.items()))
+
+
+def check_logit_bias_ids(params: RequestParams, vocab_size: int) -> None:
+    """Every biased token id is inside the vocabulary; InvalidArgument naming the field otherwise."""
+    for token, _ in params.sampler.logit_bias:
+        _check(
+            token < vocab_size,
+            "sampling.logit_bias",
+            f"token id {token} is outside the vocabulary [0, {vocab_size})",
+        )
+
+
 def sampling_from_proto(msg: gen_pb.SamplingParams, limits: Limits | None = None) -> RequestParams:
     """Validate and convert sampling parameters; raises InvalidArgument naming the field."""
     _check_finite(msg)
@@ -114,6 +148,7 @@ def sampling_from_proto(msg: gen_pb.SamplingParams, limits: Limits | None = None
         frequency_penalty=msg.frequency_penalty if msg.HasField("frequency_penalty") else 0.0,
         presence_penalty=msg.presence_penalty if msg.HasField("presence_penalty") else 0.0,
         seed=msg.seed if msg.HasField("seed") else None,
+        logit_bias=_logit_bias(msg),
     )
     return RequestParams(
         max_new_tokens=max_new,

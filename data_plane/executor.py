@@ -20,7 +20,7 @@ from data_plane.backends.base import AttentionBackend, StepLayout
 from data_plane.backends.sdpa import SdpaBackend
 from data_plane.kv_pool import HostCopy, KvPool
 from data_plane.models.llama import ForwardBatch, LlamaModel
-from data_plane.sampler import PenaltyRow, SampleOutput, sample
+from data_plane.sampler import BiasRow, PenaltyRow, SampleOutput, sample
 from data_plane.state import NO_TOKEN, PlanError, SequenceTable
 from protos.worker import KvReport, KvTransfer, StepPlan, StepResult, TokenLogprobs
 
@@ -270,9 +270,15 @@ class Executor:
                 for i, row in enumerate(rows.tolist())
                 if (history := self.table.history(row)) is not None
             ]
+        biases = []
+        if self.table.any_bias:
+            for i, row in enumerate(rows.tolist()):
+                bias = self.table.bias(row)
+                if bias is not None:
+                    biases.append(BiasRow(i, *bias))
         # Slot tables already include this step's tokens, so the sampled token's position is the length.
         positions = self.table.lengths[rows]
-        return sample(logits, self.table.sampler_columns(rows), positions, penalties, self.rng)
+        return sample(logits, self.table.sampler_columns(rows), positions, penalties, self.rng, biases)
 
     def _result(
         self,

@@ -1,8 +1,9 @@
 """Batched token sampling: penalties, greedy, temperature, top-k, top-p, min-p, seeded draws.
 
 Order of operations (as transformers' processors and warpers apply them): penalties on the raw
-logits, then temperature, top-k, top-p and min-p, then one draw. Logprobs are reported from the
-penalised logits before temperature and truncation.
+logits, then the logit bias (OpenAI's `logit_bias`), then temperature, top-k, top-p and min-p, then
+one draw. Logprobs are reported from the penalised and biased logits before temperature and
+truncation.
 
 Reproducibility: a seeded row's draw uses a uniform number computed from (seed, position of the
 token being sampled) by a counter-based hash, not from a shared generator stream. So the same
@@ -33,6 +34,15 @@ class PenaltyRow:
 
 
 @dataclass(frozen=True, slots=True)
+class BiasRow:
+    """A batch row with a logit bias: `values[j]` is added to the logit of `ids[j]`."""
+
+    index: int
+    ids: np.ndarray  # int64
+    values: np.ndarray  # float32
+
+
+@dataclass(frozen=True, slots=True)
 class SampleOutput:
     token_ids: np.ndarray  # int64 [S]
     # Empty unless some row asked for logprobs; then one entry per row.
@@ -48,12 +58,15 @@ def sample(
     positions: np.ndarray,
     penalties: list[PenaltyRow],
     rng: np.random.Generator,
+    biases: list[BiasRow] | tuple[BiasRow, ...] = (),
 ) -> SampleOutput:
-    """Pick one token per row of `logits` ([S, vocab], float32; modified in place by penalties).
+    """Pick one token per row of `logits` ([S, vocab], float32; modified in place by penalties and
+    biases).
 
     `positions[i]` is the position the sampled token will take in its sequence (the seed's counter).
     """
     apply_penalties(logits, penalties)
+    apply_biases(logits, biases)
     wants_logprobs = int(cols.logprobs.max(initial=0)) > 0
     logprobs = torch.log_softmax(logits, dim=-1) if wants_logprobs else None
     tokens = logits.argmax(dim=-1)
@@ -83,6 +96,17 @@ def apply_penalties(logits: torch.Tensor, rows: list[PenaltyRow]) -> None:
             line = torch.where(seen, penalised, line)
         line = line - p.frequency_penalty * counts - p.presence_penalty * seen.to(logits.dtype)
         logits[row.index] = line
+
+
+def apply_biases(logits: torch.Tensor, rows: list[BiasRow] | tuple[BiasRow, ...]) -> None:
+    """Add each row's logit bias (OpenAI's logit_bias) to its logits; ids past the vocabulary (the
+    control plane checks them, so only from a faulty one) are left out."""
+    vocab = logits.shape[-1]
+    for row in rows:
+        keep = row.ids < vocab
+        ids = torch.from_numpy(row.ids[keep]).to(logits.device)
+        values = torch.from_numpy(row.values[keep]).to(logits.device, logits.dtype)
+        logits[row.index].index_add_(0, ids, values)
 
 
 def _subset(cols: SamplerColumns, index: np.ndarray) -> SamplerColumns:

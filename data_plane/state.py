@@ -48,6 +48,8 @@ class SequenceTable:
         self._free_rows: list[int] = []
         self._params: list[SamplerParams | None] = []
         self._history: dict[int, list[int]] = {}
+        # Rows that bias logits: (token ids, biases), from SamplerParams.logit_bias.
+        self._bias: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self.slots = np.zeros((0, max_context), dtype=np.int64)
         self.lengths = np.zeros(0, dtype=np.int64)
         self.last_token = np.zeros(0, dtype=np.int64)
@@ -98,6 +100,9 @@ class SequenceTable:
         self._seeds[row] = np.uint64(params.seed or 0)
         if params.uses_penalties:
             self._history[row] = [int(t) for t in history.tolist()]
+        if params.logit_bias:
+            ids, biases = zip(*params.logit_bias, strict=True)
+            self._bias[row] = (np.asarray(ids, dtype=np.int64), np.asarray(biases, dtype=np.float32))
 
     def remove(self, handle: int) -> None:
         """Forget a sequence (finished, aborted, retracted). Unknown handles are a PlanError."""
@@ -107,6 +112,7 @@ class SequenceTable:
         self.lengths[row] = 0
         self._params[row] = None
         self._history.pop(row, None)
+        self._bias.pop(row, None)
         self._free_rows.append(row)
 
     # ---- slot tables -------------------------------------------------------------------------
@@ -172,6 +178,15 @@ class SequenceTable:
     def any_penalties(self) -> bool:
         """Whether any live sequence samples with penalties (most steps: none)."""
         return bool(self._history)
+
+    @property
+    def any_bias(self) -> bool:
+        """Whether any live sequence biases its logits (most steps: none)."""
+        return bool(self._bias)
+
+    def bias(self, row: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """(token ids, biases) of a row with a logit bias; None for rows without."""
+        return self._bias.get(row)
 
     def history(self, row: int) -> list[int] | None:
         """Token history of a row that uses penalties; None for rows that do not."""

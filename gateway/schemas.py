@@ -1,7 +1,7 @@
 """The OpenAI request bodies the gateway accepts, and their translation to a GenerateRequest.
 
 Nothing a caller asks for is silently dropped. A field the gateway does not implement (OpenAI's
-`logit_bias`, `response_format`, `tools`, ..., or any other name) is a 400 that names it, unless its
+`response_format`, `tools`, ..., or any other name) is a 400 that names it, unless its
 value asks for nothing: null, false, an empty list or object, or the documented no-op values in
 NO_OP_VALUES. Fields whose meaning the gRPC protocol cannot carry yet (log probabilities, echo,
 suffix, best_of) are refused the same way.
@@ -94,6 +94,8 @@ class SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     user: Text | None = None
     priority: Int32 | None = None
+    # OpenAI's shape: token ids as JSON object keys (strings), biases in [-100, 100].
+    logit_bias: dict[Text, float] | None = None
 
     def refuse_extra(self) -> None:
         refuse_extra_fields(self)
@@ -121,7 +123,23 @@ class SamplingFields(BaseModel):
             presence_penalty=self.presence_penalty,
             n=self.n,
             min_new_tokens=self.min_tokens,
+            logit_bias=self._logit_bias(),
         )
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        """The bias map with integer token ids; the control plane checks ids and values."""
+        if not self.logit_bias:
+            return None
+        biases = {}
+        for key, value in self.logit_bias.items():
+            try:
+                token = int(key)
+            except ValueError:
+                raise invalid("logit_bias", f"keys must be token ids, got {key!r}") from None
+            if not INT32_MIN <= token <= INT32_MAX:
+                raise invalid("logit_bias", f"token id {token} is out of range")
+            biases[token] = value
+        return biases
 
     def grpc_request(self, prompt: str | list[int], request_id: str) -> gen_pb.GenerateRequest:
         return generate_request(prompt, self.sampling(), request_id, self.user or "", self.priority)

@@ -52,6 +52,8 @@ class SamplerParams:
     seed: int | None = None
     # 0: none; n: the sampled token's logprob plus n - 1 top alternatives.
     logprobs: int = 0
+    # (token id, bias) pairs, ids ascending: added to the logits before sampling.
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     @property
     def uses_penalties(self) -> bool:

@@ -77,6 +77,7 @@ def sampler_to_proto(s: SamplerParams) -> wk_pb.SamplerParams:
         has_seed=s.seed is not None,
         seed=s.seed or 0,
         logprobs=s.logprobs,
+        logit_bias=dict(s.logit_bias),
     )
 
 
@@ -91,6 +92,7 @@ def sampler_from_proto(p: wk_pb.SamplerParams) -> SamplerParams:
         presence_penalty=p.presence_penalty,
         seed=p.seed if p.has_seed else None,
         logprobs=max(0, p.logprobs),
+        logit_bias=tuple(sorted(p.logit_bias.items())),
     )
 
 

@@ -183,7 +183,9 @@ class GenerationService(gen_grpc.GenerationServicer):
             ids, field_name = list(inp.input_ids or ()), "input_ids"
         if not ids:
             raise client_codec.InvalidArgument(f"{field_name}: prompt must not be empty")
-        client_codec.check_token_ids(ids, state.vocab_size or self.tokenizer.vocab_size)
+        vocab_size = state.vocab_size or self.tokenizer.vocab_size
+        client_codec.check_token_ids(ids, vocab_size)
+        client_codec.check_logit_bias_ids(inp.params, vocab_size)
         return ids
 
     def _check_text_fits(self, text: str, state: CoreState) -> int:

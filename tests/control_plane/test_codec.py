@@ -79,6 +79,10 @@ def test_a_recording_in_an_older_format_is_refused_in_one_line(
         (gen_pb.SamplingParams(min_p=2), "sampling.min_p"),
         (gen_pb.SamplingParams(repetition_penalty=0), "sampling.repetition_penalty"),
         (gen_pb.SamplingParams(stop=[""]), "sampling.stop"),
+        (gen_pb.SamplingParams(logit_bias={-1: 1.0}), "sampling.logit_bias"),
+        (gen_pb.SamplingParams(logit_bias={3: 100.5}), "sampling.logit_bias"),
+        (gen_pb.SamplingParams(logit_bias={3: float("nan")}), "sampling.logit_bias"),
+        (gen_pb.SamplingParams(logit_bias=dict.fromkeys(range(1025), 1.0)), "sampling.logit_bias"),
     ],
 )
 def test_invalid_sampling_names_the_field(sampling: gen_pb.SamplingParams, field: str) -> None:
@@ -91,6 +95,15 @@ def test_prompt_is_required_and_non_empty() -> None:
         client_codec.generate_input_from_proto(gen_pb.GenerateRequest())
     with pytest.raises(client_codec.InvalidArgument, match="text"):
         client_codec.generate_input_from_proto(gen_pb.GenerateRequest(text=""))
+
+
+def test_logit_bias_reaches_the_sampler_sorted_and_its_ids_are_checked_against_the_vocabulary() -> None:
+    sampling = gen_pb.SamplingParams(logit_bias={7: -100.0, 2: 3.5})
+    inp = client_codec.generate_input_from_proto(gen_pb.GenerateRequest(text="hi", sampling=sampling))
+    assert inp.params.sampler.logit_bias == ((2, 3.5), (7, -100.0))
+    client_codec.check_logit_bias_ids(inp.params, vocab_size=8)
+    with pytest.raises(client_codec.InvalidArgument, match=r"sampling\.logit_bias: token id 7 is outside"):
+        client_codec.check_logit_bias_ids(inp.params, vocab_size=7)
 
 
 def test_unknown_token_id_names_index() -> None:

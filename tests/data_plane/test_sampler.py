@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from data_plane.sampler import PenaltyRow, apply_penalties, sample, seeded_uniforms
+from data_plane.sampler import BiasRow, PenaltyRow, apply_penalties, sample, seeded_uniforms
 from data_plane.state import SamplerColumns
 from protos.worker import SamplerParams
 
@@ -132,3 +132,23 @@ def test_logprobs_report_sampled_and_top_alternatives(logits: torch.Tensor) -> N
         assert entry.logprob == pytest.approx(reference[row].max().item(), abs=1e-5)
         assert len(entry.top_ids) == 3
         assert entry.top_ids[0] == out.token_ids[row]
+
+
+def test_logit_bias_forces_bans_and_leaves_other_rows_alone(logits: torch.Tensor) -> None:
+    """OpenAI's logit_bias: +100 all but forces a token, -100 bans one, even under greedy; ids past
+    the vocabulary are left out; rows without a bias are untouched; logprobs see the biased logits."""
+    greedy = logits.argmax(-1).numpy()
+    forced = int((greedy[0] + 1) % VOCAB)
+    biases = [
+        BiasRow(0, np.array([forced, VOCAB + 5]), np.array([100.0, 100.0], dtype=np.float32)),
+        BiasRow(1, np.array([greedy[1]]), np.array([-100.0], dtype=np.float32)),
+    ]
+    cols = _columns(ROWS, temperature=0.0, logprobs=1)
+    out = sample(logits.clone(), cols, np.arange(ROWS), [], np.random.default_rng(0), biases)
+    assert out.token_ids[0] == forced
+    second_best = int(logits[1].topk(2).indices[1])
+    assert out.token_ids[1] == second_best
+    assert (out.token_ids[2:] == greedy[2:]).all()
+    biased = logits[0].clone()
+    biased[forced] += 100.0
+    assert out.logprobs[0].logprob == pytest.approx(float(torch.log_softmax(biased, -1)[forced]), abs=1e-5)

@@ -21,7 +21,7 @@ import httpx
 import openai
 import pytest
 
-from clients.client import StepwiseClient
+from clients.client import Generation, StepwiseClient
 from gateway.chat import load_template
 from stepwise.models import resolve_model
 from stepwise.up import stop_processes
@@ -190,6 +190,28 @@ def test_a_batch_of_prompts_is_one_call_each_with_choices_numbered_prompt_by_sam
 
 
 @pytest.mark.timeout(120)
+def test_logit_bias_reaches_the_sampler_as_over_grpc(up: Up) -> None:
+    async def grpc_run(bias: dict[int, float] | None) -> Generation:
+        async with StepwiseClient(up.address) as client:
+            return await client.generate(
+                PROMPT, max_new_tokens=6, temperature=0.0, ignore_eos=True, logit_bias=bias
+            )
+
+    free = asyncio.run(grpc_run(None))
+    biased = asyncio.run(grpc_run({free.token_ids[0]: -100.0}))
+    assert biased.token_ids[0] != free.token_ids[0]
+    reply = up.openai().completions.create(
+        model="embedded",
+        prompt=PROMPT,
+        max_tokens=6,
+        temperature=0,
+        logit_bias={str(free.token_ids[0]): -100},
+        extra_body={"ignore_eos": True},
+    )
+    assert reply.choices[0].text == biased.text != free.text
+
+
+@pytest.mark.timeout(120)
 def test_models_retrieve_and_the_developer_role(up: Up) -> None:
     client = up.openai()
     card = client.models.retrieve("embedded")
@@ -248,7 +270,9 @@ BAD_REQUESTS = [
     ("chat/completions", {"model": "embedded", "messages": [{"role": "wizard", "content": "x"}]}, None),
     ("chat/completions", {"model": "embedded", "messages": []}, "messages"),
     # Asked for and not implemented: refused by name, never a 200 that ignores it.
-    ("completions", {"model": "embedded", "prompt": "x", "logit_bias": {"5": 10}}, "logit_bias"),
+    ("completions", {"model": "embedded", "prompt": "x", "logit_bias": {"99999": 10}}, "logit_bias"),
+    ("completions", {"model": "embedded", "prompt": "x", "logit_bias": {"5": 101}}, "logit_bias"),
+    ("completions", {"model": "embedded", "prompt": "x", "logit_bias": {"five": 1}}, "logit_bias"),
     (
         "chat/completions",
         {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},

@@ -366,3 +366,33 @@ async def test_bench_reports_serving_metrics(start_stack) -> None:
     assert report["completed"] == 24
     assert report["prefix_hit_rate"] > 0.3  # 64 shared tokens per group of 12 prompts
     assert report["ttft_median_ms"] > 0 and report["output_throughput_tok_s"] > 0
+
+
+async def test_logit_bias_greedy_equals_transformers_sequence_bias(start_stack, model_dir: Path) -> None:
+    """A ban (-100) on the free greedy run's first token and a push (+8) toward another token: the
+    tokens equal transformers' generate with the same biases as `sequence_bias`."""
+    import torch
+
+    from tests.e2e.conftest import reference_model
+
+    stack = await start_stack()
+    ids = Tokenizer.from_dir(model_dir).encode("Once upon a time")
+    free = reference_greedy(model_dir, ids, 12, set(), ignore_eos=True)
+    bias = {free[0]: -100.0, free[5]: 8.0}
+    model = reference_model(model_dir)
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=12,
+            eos_token_id=-1,
+            pad_token_id=0,
+            sequence_bias={(token,): value for token, value in bias.items()},
+        )
+    want = out[0, len(ids) :].tolist()
+    async with StepwiseClient(stack.address) as client:
+        gen = await client.generate(ids, max_new_tokens=12, temperature=0.0, ignore_eos=True, logit_bias=bias)
+        with pytest.raises(grpc.aio.AioRpcError, match=r"sampling\.logit_bias: token id 5000 is outside"):
+            await client.generate(ids, max_new_tokens=2, logit_bias={5000: 1.0})
+    assert gen.token_ids == want and want != free and want[0] != free[0]

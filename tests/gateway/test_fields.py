@@ -79,7 +79,6 @@ def test_stream_options_fields_are_implemented_or_refused_by_name() -> None:
 @pytest.mark.parametrize(
     ("field", "value"),
     [
-        ("logit_bias", {"5": 10}),
         ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
         ("response_format", {"type": "json_object"}),
         ("tools", [{"type": "function", "function": {"name": "f"}}]),

@@ -93,6 +93,9 @@ samplers = st.builds(
     presence_penalty=st.floats(-2, 2, **_F32),
     seed=st.none() | st.integers(0, 2**64 - 1),
     logprobs=st.integers(0, 20),
+    logit_bias=st.dictionaries(st.integers(0, INT32_MAX), st.floats(-100, 100, **_F32), max_size=4).map(
+        lambda biases: tuple(sorted(biases.items()))
+    ),
 )
 handles = st.integers(0, INT64_MAX)
 slot_arrays = st.lists(st.integers(0, INT64_MAX), max_size=6).map(lambda v: _i64(*v))

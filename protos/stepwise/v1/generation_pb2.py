@@ -24,41 +24,45 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#protos/stepwise/v1/generation.proto\x12\x0bstepwise.v1\"\x82\x04\n\x0eSamplingParams\x12\x1b\n\x0emax_new_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x16\n\x0estop_token_ids\x18\n \x03(\x05\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x11\n\x04seed\x18\x0c \x01(\x04H\x08\x88\x01\x01\x12\x0e\n\x01n\x18\r \x01(\x05H\t\x88\x01\x01\x12\x1b\n\x0emin_new_tokens\x18\x0e \x01(\x05H\n\x88\x01\x01\x42\x11\n\x0f_max_new_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x14\n\x12_frequency_penaltyB\x13\n\x11_presence_penaltyB\x07\n\x05_seedB\x04\n\x02_nB\x11\n\x0f_min_new_tokens\"\xd3\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\tinput_ids\x18\x03 \x01(\x0b\x32\x15.stepwise.v1.TokenIdsH\x00\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.stepwise.v1.SamplingParams\x12\x13\n\x0brouting_key\x18\x05 \x01(\t\x12\x15\n\x08priority\x18\x06 \x01(\x05H\x01\x88\x01\x01\x42\x08\n\x06promptB\x0b\n\t_priority\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x84\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12(\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x17.stepwise.v1.TokenChunkH\x00\x12)\n\x08\x66inished\x18\x03 \x01(\x0b\x32\x15.stepwise.v1.FinishedH\x00\x42\x07\n\x05\x65vent\"<\n\nTokenChunk\x12\r\n\x05index\x18\x03 \x01(\x05\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x15\n\rcached_tokens\x18\x02 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\x05\";\n\x07Timings\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x0e\n\x06ttft_s\x18\x02 \x01(\x01\x12\x0f\n\x07total_s\x18\x03 \x01(\x01\"\x9f\x01\n\x08\x46inished\x12\r\n\x05index\x18\x05 \x01(\x05\x12)\n\x06reason\x18\x01 \x01(\x0e\x32\x19.stepwise.v1.FinishReason\x12\x0f\n\x07message\x18\x02 \x01(\t\x12!\n\x05usage\x18\x03 \x01(\x0b\x32\x12.stepwise.v1.Usage\x12%\n\x07timings\x18\x04 \x01(\x0b\x32\x14.stepwise.v1.Timings\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x16\n\x14GetServerInfoRequest\"\xe8\x03\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x1a\n\x12kv_capacity_tokens\x18\x04 \x01(\x03\x12\x11\n\tpage_size\x18\x05 \x01(\x05\x12\x0f\n\x07running\x18\x06 \x01(\x03\x12\x0e\n\x06queued\x18\x07 \x01(\x03\x12\x16\n\x0ekv_used_tokens\x18\x08 \x01(\x03\x12\x16\n\x0e\x62ook_live_seqs\x18\t \x01(\x03\x12\x16\n\x0e\x62ook_seq_slots\x18\n \x01(\x03\x12\x1a\n\x12reported_live_seqs\x18\x0b \x01(\x03\x12\x1a\n\x12reported_seq_slots\x18\x0c \x01(\x03\x12\x15\n\rkv_mismatches\x18\r \x01(\x03\x12\r\n\x05steps\x18\x0e \x01(\x03\x12\x13\n\x0bretractions\x18\x0f \x01(\x03\x12\x12\n\nwait_p50_s\x18\x10 \x01(\x01\x12\x12\n\nwait_p99_s\x18\x11 \x01(\x01\x12\x14\n\x0cwait_total_s\x18\x12 \x01(\x01\x12\x14\n\x0cstep_total_s\x18\x13 \x01(\x01\x12\x0f\n\x07leaving\x18\x14 \x01(\x08\x12\x1b\n\x13prompt_tokens_total\x18\x15 \x01(\x03\x12\x1b\n\x13\x63\x61\x63hed_tokens_total\x18\x16 \x01(\x03\"\xd7\x01\n\nServerInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x02 \x01(\t\x12\x13\n\x0bmax_context\x18\x03 \x01(\x05\x12\x12\n\nvocab_size\x18\x04 \x01(\x05\x12(\n\x07workers\x18\x05 \x03(\x0b\x32\x17.stepwise.v1.WorkerInfo\x12\x1a\n\x12kv_capacity_tokens\x18\x06 \x01(\x03\x12\x0e\n\x06queued\x18\x07 \x01(\x03\x12\x0f\n\x07running\x18\x08 \x01(\x03\x12\x0f\n\x07version\x18\t \x01(\t*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xe4\x01\n\nGeneration\x12I\n\x08Generate\x12\x1c.stepwise.v1.GenerateRequest\x1a\x1d.stepwise.v1.GenerateResponse0\x01\x12>\n\x05\x41\x62ort\x12\x19.stepwise.v1.AbortRequest\x1a\x1a.stepwise.v1.AbortResponse\x12K\n\rGetServerInfo\x12!.stepwise.v1.GetServerInfoRequest\x1a\x17.stepwise.v1.ServerInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#protos/stepwise/v1/generation.proto\x12\x0bstepwise.v1\"\xf4\x04\n\x0eSamplingParams\x12\x1b\n\x0emax_new_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x16\n\x0estop_token_ids\x18\n \x03(\x05\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x11\n\x04seed\x18\x0c \x01(\x04H\x08\x88\x01\x01\x12\x0e\n\x01n\x18\r \x01(\x05H\t\x88\x01\x01\x12\x1b\n\x0emin_new_tokens\x18\x0e \x01(\x05H\n\x88\x01\x01\x12>\n\nlogit_bias\x18\x0f \x03(\x0b\x32*.stepwise.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x11\n\x0f_max_new_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x14\n\x12_frequency_penaltyB\x13\n\x11_presence_penaltyB\x07\n\x05_seedB\x04\n\x02_nB\x11\n\x0f_min_new_tokens\"\xd3\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\tinput_ids\x18\x03 \x01(\x0b\x32\x15.stepwise.v1.TokenIdsH\x00\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.stepwise.v1.SamplingParams\x12\x13\n\x0brouting_key\x18\x05 \x01(\t\x12\x15\n\x08priority\x18\x06 \x01(\x05H\x01\x88\x01\x01\x42\x08\n\x06promptB\x0b\n\t_priority\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x84\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12(\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x17.stepwise.v1.TokenChunkH\x00\x12)\n\x08\x66inished\x18\x03 \x01(\x0b\x32\x15.stepwise.v1.FinishedH\x00\x42\x07\n\x05\x65vent\"<\n\nTokenChunk\x12\r\n\x05index\x18\x03 \x01(\x05\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x15\n\rcached_tokens\x18\x02 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\x05\";\n\x07Timings\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x0e\n\x06ttft_s\x18\x02 \x01(\x01\x12\x0f\n\x07total_s\x18\x03 \x01(\x01\"\x9f\x01\n\x08\x46inished\x12\r\n\x05index\x18\x05 \x01(\x05\x12)\n\x06reason\x18\x01 \x01(\x0e\x32\x19.stepwise.v1.FinishReason\x12\x0f\n\x07message\x18\x02 \x01(\t\x12!\n\x05usage\x18\x03 \x01(\x0b\x32\x12.stepwise.v1.Usage\x12%\n\x07timings\x18\x04 \x01(\x0b\x32\x14.stepwise.v1.Timings\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x16\n\x14GetServerInfoRequest\"\xe8\x03\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x1a\n\x12kv_capacity_tokens\x18\x04 \x01(\x03\x12\x11\n\tpage_size\x18\x05 \x01(\x05\x12\x0f\n\x07running\x18\x06 \x01(\x03\x12\x0e\n\x06queued\x18\x07 \x01(\x03\x12\x16\n\x0ekv_used_tokens\x18\x08 \x01(\x03\x12\x16\n\x0e\x62ook_live_seqs\x18\t \x01(\x03\x12\x16\n\x0e\x62ook_seq_slots\x18\n \x01(\x03\x12\x1a\n\x12reported_live_seqs\x18\x0b \x01(\x03\x12\x1a\n\x12reported_seq_slots\x18\x0c \x01(\x03\x12\x15\n\rkv_mismatches\x18\r \x01(\x03\x12\r\n\x05steps\x18\x0e \x01(\x03\x12\x13\n\x0bretractions\x18\x0f \x01(\x03\x12\x12\n\nwait_p50_s\x18\x10 \x01(\x01\x12\x12\n\nwait_p99_s\x18\x11 \x01(\x01\x12\x14\n\x0cwait_total_s\x18\x12 \x01(\x01\x12\x14\n\x0cstep_total_s\x18\x13 \x01(\x01\x12\x0f\n\x07leaving\x18\x14 \x01(\x08\x12\x1b\n\x13prompt_tokens_total\x18\x15 \x01(\x03\x12\x1b\n\x13\x63\x61\x63hed_tokens_total\x18\x16 \x01(\x03\"\xd7\x01\n\nServerInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x02 \x01(\t\x12\x13\n\x0bmax_context\x18\x03 \x01(\x05\x12\x12\n\nvocab_size\x18\x04 \x01(\x05\x12(\n\x07workers\x18\x05 \x03(\x0b\x32\x17.stepwise.v1.WorkerInfo\x12\x1a\n\x12kv_capacity_tokens\x18\x06 \x01(\x03\x12\x0e\n\x06queued\x18\x07 \x01(\x03\x12\x0f\n\x07running\x18\x08 \x01(\x03\x12\x0f\n\x07version\x18\t \x01(\t*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xe4\x01\n\nGeneration\x12I\n\x08Generate\x12\x1c.stepwise.v1.GenerateRequest\x1a\x1d.stepwise.v1.GenerateResponse0\x01\x12>\n\x05\x41\x62ort\x12\x19.stepwise.v1.AbortRequest\x1a\x1a.stepwise.v1.AbortResponse\x12K\n\rGetServerInfo\x12!.stepwise.v1.GetServerInfoRequest\x1a\x17.stepwise.v1.ServerInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.stepwise.v1.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2111
-  _globals['_FINISHREASON']._serialized_end=2231
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_FINISHREASON']._serialized_start=2225
+  _globals['_FINISHREASON']._serialized_end=2345
   _globals['_SAMPLINGPARAMS']._serialized_start=53
-  _globals['_SAMPLINGPARAMS']._serialized_end=567
-  _globals['_GENERATEREQUEST']._serialized_start=570
-  _globals['_GENERATEREQUEST']._serialized_end=781
-  _globals['_TOKENIDS']._serialized_start=783
-  _globals['_TOKENIDS']._serialized_end=806
-  _globals['_GENERATERESPONSE']._serialized_start=809
-  _globals['_GENERATERESPONSE']._serialized_end=941
-  _globals['_TOKENCHUNK']._serialized_start=943
-  _globals['_TOKENCHUNK']._serialized_end=1003
-  _globals['_USAGE']._serialized_start=1005
-  _globals['_USAGE']._serialized_end=1085
-  _globals['_TIMINGS']._serialized_start=1087
-  _globals['_TIMINGS']._serialized_end=1146
-  _globals['_FINISHED']._serialized_start=1149
-  _globals['_FINISHED']._serialized_end=1308
-  _globals['_ABORTREQUEST']._serialized_start=1310
-  _globals['_ABORTREQUEST']._serialized_end=1344
-  _globals['_ABORTRESPONSE']._serialized_start=1346
-  _globals['_ABORTRESPONSE']._serialized_end=1376
-  _globals['_GETSERVERINFOREQUEST']._serialized_start=1378
-  _globals['_GETSERVERINFOREQUEST']._serialized_end=1400
-  _globals['_WORKERINFO']._serialized_start=1403
-  _globals['_WORKERINFO']._serialized_end=1891
-  _globals['_SERVERINFO']._serialized_start=1894
-  _globals['_SERVERINFO']._serialized_end=2109
-  _globals['_GENERATION']._serialized_start=2234
-  _globals['_GENERATION']._serialized_end=2462
+  _globals['_SAMPLINGPARAMS']._serialized_end=681
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=468
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=516
+  _globals['_GENERATEREQUEST']._serialized_start=684
+  _globals['_GENERATEREQUEST']._serialized_end=895
+  _globals['_TOKENIDS']._serialized_start=897
+  _globals['_TOKENIDS']._serialized_end=920
+  _globals['_GENERATERESPONSE']._serialized_start=923
+  _globals['_GENERATERESPONSE']._serialized_end=1055
+  _globals['_TOKENCHUNK']._serialized_start=1057
+  _globals['_TOKENCHUNK']._serialized_end=1117
+  _globals['_USAGE']._serialized_start=1119
+  _globals['_USAGE']._serialized_end=1199
+  _globals['_TIMINGS']._serialized_start=1201
+  _globals['_TIMINGS']._serialized_end=1260
+  _globals['_FINISHED']._serialized_start=1263
+  _globals['_FINISHED']._serialized_end=1422
+  _globals['_ABORTREQUEST']._serialized_start=1424
+  _globals['_ABORTREQUEST']._serialized_end=1458
+  _globals['_ABORTRESPONSE']._serialized_start=1460
+  _globals['_ABORTRESPONSE']._serialized_end=1490
+  _globals['_GETSERVERINFOREQUEST']._serialized_start=1492
+  _globals['_GETSERVERINFOREQUEST']._serialized_end=1514
+  _globals['_WORKERINFO']._serialized_start=1517
+  _globals['_WORKERINFO']._serialized_end=2005
+  _globals['_SERVERINFO']._serialized_start=2008
+  _globals['_SERVERINFO']._serialized_end=2223
+  _globals['_GENERATION']._serialized_start=2348
+  _globals['_GENERATION']._serialized_end=2576
 # @@protoc_insertion_point(module_scope)
