@@ -1,10 +1,11 @@
 """The project explains itself: what the code cites exists, and the README's map matches the tree.
 
-- Every `docs/NAME.md` or `docs/NAME.md#anchor` cited anywhere in the code (tests included) names
+- Every `docs/<name>.md` or `docs/<name>.md#anchor` cited anywhere in the code (tests included) names
   a file in docs/ and, with an anchor, a section of it (an explicit `<a id="...">` or a heading's
   GitHub slug). A bare `#anchor` right after a citation (`docs/scheduler.md#a, #b`) is checked
   against the same file.
-- Nothing cites a document outside the project (the code, README and docs stand alone).
+- Nothing mentions a Markdown document the project does not hold, a path out of the repository, or
+  section signs (the code, README and docs stand alone).
 - The README stays short, and its folder map lists every package and sub-package of the tree and
   nothing that is not there.
 """
@@ -19,7 +20,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 CITATION = re.compile(r"docs/([\w-]+\.md)((?:#[\w-]+)?)((?:(?:, | and |/)#[\w-]+)*)")
-FOREIGN = re.compile(r"SCHEDULER\.md|DESIGN\.md|STYLE\.md|PERF-NOTES\.md|\.\./shared|§")
+# Every Markdown file name the text mentions (`<name>.md`, with or without a path); each must be a
+# document of the project, matched by file name.
+MENTIONED_DOC = re.compile(r"(?<![\w/.-])(?:[\w./-]*/)?([\w-]+\.md)\b")
+# A path out of the repository, or section-sign citations of a document that is not here.
+OUTSIDE = re.compile(r"\.\./shared|§")
 README_MAX_LINES = 250
 # Top-level folders that are not Python packages but belong in the map.
 OTHER_FOLDERS = ("bench/", "docs/", "k8s/", "tests/")
@@ -54,6 +59,13 @@ def citations(text: str) -> list[tuple[str, str]]:
     return out
 
 
+def test_mentioned_documents_are_found_with_or_without_a_path() -> None:
+    doc = "md"  # the examples are assembled so that this file mentions no document it lacks
+    text = f"see ../notes/Plan.{doc}, docs/scheduler.{doc}#intake and README.{doc}; not a.{doc}x"
+    assert MENTIONED_DOC.findall(text) == [f"Plan.{doc}", f"scheduler.{doc}", f"README.{doc}"]
+    assert OUTSIDE.search("../shared/x") and OUTSIDE.search("\u00a7 3") and not OUTSIDE.search("docs/")
+
+
 def test_citations_are_parsed() -> None:
     text = "docs/scheduler.md#intake, #retraction and docs/deploy.md (docs/protocols.md#the-worker-protocol)"
     assert citations(text) == [
@@ -86,12 +98,14 @@ def test_every_cited_doc_and_anchor_exists() -> None:
 
 def test_nothing_cites_a_document_outside_the_project() -> None:
     this = Path(__file__).resolve()
+    own = {path.name for path in _tracked("*.md")}
     found = []
     for path in _tracked("*.py", "*.sh", "*.md", "*.toml", "*.yaml", "Dockerfile", "dev"):
         if path.resolve() == this:
             continue
         for i, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
-            if FOREIGN.search(line):
+            strangers = [name for name in MENTIONED_DOC.findall(line) if name not in own]
+            if strangers or OUTSIDE.search(line):
                 found.append(f"{path.relative_to(ROOT)}:{i}: {line.strip()[:80]}")
     assert found == []
 
