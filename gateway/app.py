@@ -228,14 +228,14 @@ class Gateway:
         ids = [fmt.id] if len(prompts) == 1 else [f"{fmt.id}-{i}" for i in range(len(prompts))]
         requests = [body.grpc_request(prompt, rid) for prompt, rid in zip(prompts, ids, strict=True)]
         calls = [self.client.stream(one, api_key=key) for one in requests]
-        started_calls = await asyncio.gather(*(_first(call) for call in calls), return_exceptions=True)
-        refused = next((c for c in started_calls if isinstance(c, BaseException)), None)
-        if refused is not None:
+        firsts = await asyncio.gather(*(_first(call) for call in calls), return_exceptions=True)
+        running = [first for first in firsts if isinstance(first, Call)]
+        if len(running) < len(calls):
             for call in calls:
                 _cancel(call)
-            raise refused
+            raise next(first for first in firsts if isinstance(first, BaseException))
         self.metrics.ttft.labels(endpoint).observe(time.monotonic() - started)
-        run = Run(started_calls, Collected.of(body.n, len(prompts)))  # type: ignore[arg-type]
+        run = Run(running, Collected.of(body.n, len(prompts)))
         if body.stream:
             events = self._stream(run, fmt, body.include_usage(), endpoint, started)
             return StreamingResponse(events, media_type="text/event-stream")

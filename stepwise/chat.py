@@ -146,11 +146,9 @@ async def run(ns: argparse.Namespace, model_dir: Path) -> int:
     )
     stack = None
     if ns.address is None:
-        from stepwise.up import Stack
+        from stepwise.up import local_stack
 
-        model = ["--model", str(model_dir)]
-        control = ["--port", "0", "--worker-port", "0", "--host", "127.0.0.1", "--log-level", "warning"]
-        stack = Stack([*control, *model], ["--log-level", "warning", *model], workers=1)
+        stack = local_stack(model_dir)
     try:
         if stack is not None:
             ns.address = await stack.start()

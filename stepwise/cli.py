@@ -418,19 +418,14 @@ def _demo_prompt(ns: argparse.Namespace, model_dir: Path) -> str:
 def cmd_demo(argv: Sequence[str]) -> int:
     """Start the stack on a model (the embedded one by default), stream one generation, stop."""
     from clients import generate
-    from stepwise.up import Stack
+    from stepwise.up import local_stack
 
     ns = _demo_parser().parse_args(argv)
     model_dir = _resolve_model(ns.model)
     prompt = _demo_prompt(ns, model_dir)
-    model = ["--model", str(model_dir)]
 
     async def demo() -> int:
-        stack = Stack(
-            ["--port", "0", "--worker-port", "0", "--host", "127.0.0.1", "--log-level", "warning", *model],
-            ["--log-level", "warning", *model],
-            workers=1,
-        )
+        stack = local_stack(model_dir)
         try:
             address = await stack.start()
             print(f"[stepwise: control plane and one worker up at {address}]", flush=True)

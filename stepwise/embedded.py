@@ -20,6 +20,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from stepwise.cache import cache_root
+
 ASSETS_DIR = pathlib.Path(__file__).resolve().parent / "assets"
 EMBEDDED_DIR = ASSETS_DIR / "embedded"
 CORPUS_PATH = ASSETS_DIR / "corpus" / "english.txt"
@@ -67,21 +69,16 @@ class BuildSpec:
 def resolve() -> pathlib.Path:
     """The committed checkpoint, or one built into `$XDG_CACHE_HOME/stepwise/embedded`
     (`~/.cache/stepwise/embedded`) if the committed files are missing."""
-    if _is_complete(EMBEDDED_DIR):
+    if is_complete(EMBEDDED_DIR):
         return EMBEDDED_DIR
-    cached = _cache_root() / "embedded"
-    if not _is_complete(cached):
+    cached = cache_root() / "embedded"
+    if not is_complete(cached):
         build(cached)
     return cached
 
 
-def _is_complete(path: pathlib.Path) -> bool:
+def is_complete(path: pathlib.Path) -> bool:
     return all((path / name).is_file() for name in REQUIRED_FILES)
-
-
-def _cache_root() -> pathlib.Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(pathlib.Path.home() / ".cache")
-    return pathlib.Path(base) / "stepwise"
 
 
 def build(out: pathlib.Path, spec: BuildSpec = BuildSpec(), log: bool = False) -> pathlib.Path:

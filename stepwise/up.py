@@ -323,6 +323,14 @@ class Stack:
         self._tmp.cleanup()
 
 
+def local_stack(model_dir: Path) -> Stack:
+    """A control plane and one worker on `model_dir`, on 127.0.0.1 and ephemeral ports, logging
+    warnings only: what `stepwise demo` and `stepwise chat` start for themselves."""
+    model = ["--model", str(model_dir)]
+    control = ["--host", "127.0.0.1", "--port", "0", "--worker-port", "0", "--log-level", "warning"]
+    return Stack([*control, *model], ["--log-level", "warning", *model], workers=1)
+
+
 async def _read_ready(child: Child, ready: Path, deadline: float, what: str) -> dict[str, int]:
     """What `child` wrote to its --ready-file once it is up; RuntimeError if it exits first,
     TimeoutError past the deadline."""
