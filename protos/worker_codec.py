@@ -232,7 +232,9 @@ def _check_released_gone(decoded: decode_set.DecodeSet, releases: np.ndarray) ->
 def _plan_from_proto(
     p: wk_pb.StepPlan, releases: np.ndarray, decoded: decode_set.DecodeSet | None
 ) -> StepPlan:
-    extends = _extends_from_proto(p.extends)
+    # The encoder sets `extends` only when there is extend work. HasField, not ByteSize: with the upb
+    # backend ByteSize serializes the submessage (~190 µs for a 16k-token batch) on every plan.
+    extends = _extends_from_proto(p.extends) if p.HasField("extends") else _NO_EXTENDS
     decodes = _NO_DECODES if decoded is None else DecodeWork(handles=decoded.handles, slots=decoded.slots)
     return StepPlan(
         step_id=p.step_id,
@@ -258,8 +260,6 @@ _NO_DECODES = DecodeWork()
 
 
 def _extends_from_proto(e: wk_pb.ExtendBatch) -> ExtendWork:
-    if not e.ByteSize():
-        return _NO_EXTENDS
     return ExtendWork(
         handles=_handles(e.handles, "extends.handles"),
         starts=_array(e.starts, np.int32),

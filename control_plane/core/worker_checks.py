@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import re
 
-import numpy as np
-
 from control_plane.config import Limits
-from protos.worker import StepPlan, StepResult, WorkerLimits
+from protos.worker import StepPlan, StepResult, WorkerLimits, sampled_count
 
 MAX_PAGE_SIZE = 4096
 MAX_CONTEXT = 1 << 26
@@ -82,7 +80,7 @@ def check_result(plan: StepPlan, result: StepResult, vocab_size: int) -> None:
     """
     if result.step_id != plan.step_id:
         raise WorkerFault(f"result for step {result.step_id} while step {plan.step_id} was in flight")
-    expected = int(np.count_nonzero(plan.extends.sample)) + len(plan.decodes)
+    expected = sampled_count(plan)
     tokens = result.token_ids
     if len(tokens) != expected:
         raise WorkerFault(
