@@ -62,7 +62,9 @@ def test_demo_installs_the_project_without_the_dev_extra_then_tests_add_it(venv:
 
 def test_a_changed_pyproject_means_a_new_install(venv: Path) -> None:
     (venv / ".stepwise-deps").write_text("an-old-hash dev\n")
-    assert dev(venv, "demo")[:3] == [*INSTALL, "python -m pip install -q -e ."]
+    pyproject = hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest()
+    assert dev(venv, "demo") == [*INSTALL, "python -m pip install -q -e .", "python -m stepwise.cli demo"]
+    assert (venv / ".stepwise-deps").read_text().split() == [pyproject, "demo"]
 
 
 def test_the_demo_on_smollm2_adds_its_extra_once_and_the_plain_demo_reuses_it(venv: Path) -> None:

@@ -224,4 +224,11 @@ def test_values_that_do_harm_are_refused(
     ],
 )
 def test_special_values_are_kept(command: str, argv: list[str]) -> None:
-    cli.COMMANDS[command].parser().parse_args(argv)
+    parser = cli.COMMANDS[command].parser()
+    ns = parser.parse_args(argv)
+    for flag, text in zip(argv[::2], argv[1::2], strict=True):
+        value = getattr(ns, parser._option_string_actions[flag].dest)
+        try:
+            assert float(value) == float(text), (flag, value)
+        except ValueError:  # not a number: kept as given, up to case (--log-level)
+            assert str(value).lower() == text.lower(), (flag, value)

@@ -110,8 +110,9 @@ def test_the_heartbeat_flags() -> None:
 )
 def test_heartbeat_flags_out_of_their_range_are_usage_errors(flags: list[str]) -> None:
     """Each flag's own range is its type's (tests/cli/test_flag_table.py walks every flag)."""
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as exited:
         _config(*flags)
+    assert exited.value.code == 2
 
 
 def test_a_timeout_shorter_than_two_intervals_names_both_flags() -> None:

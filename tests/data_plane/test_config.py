@@ -101,5 +101,6 @@ def test_flags_build_a_frozen_config() -> None:
     assert config.worker_id  # hostname-pid by default
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.page_size = 1  # type: ignore[misc]
-    with pytest.raises(SystemExit):  # out of its flag's range (tests/cli/test_flag_table.py)
+    with pytest.raises(SystemExit) as exited:  # out of its flag's range (tests/cli/test_flag_table.py)
         parser.parse_args(["--model", "/m", "--page-size", "0"])
+    assert exited.value.code == 2

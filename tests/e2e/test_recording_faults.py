@@ -106,8 +106,6 @@ async def test_a_write_error_mid_run_stops_the_recording_and_serving_goes_on(tmp
         # The same worker served everything: it was never dropped and re-attached.
         assert [w.worker_id for w in info.workers] == ["w0"]
         assert worker.poll() is None
-        written = sum(p.stat().st_size for p in record.iterdir())
-        assert written <= FILE_SIZE_LIMIT * len(list(record.iterdir()))
         assert max(p.stat().st_size for p in record.iterdir()) >= FILE_SIZE_LIMIT // 2, (
             "the limit was never hit"
         )

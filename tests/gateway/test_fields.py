@@ -18,6 +18,22 @@ from gateway.schemas import ChatCompletionRequest, CompletionRequest, parse_body
 
 COMPLETION = {"prompt": "x"}
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
+# A value that asks for something, for each field the gateway implements.
+IMPLEMENTED: dict[str, Any] = {
+    "model": "embedded",
+    "max_tokens": 4,
+    "max_completion_tokens": 4,
+    "temperature": 0.5,
+    "top_p": 0.5,
+    "n": 2,
+    "seed": 7,
+    "stop": ["x"],
+    "frequency_penalty": 0.5,
+    "presence_penalty": 0.5,
+    "logit_bias": {"3": 1.5},
+    "stream_options": {"include_usage": True},
+    "user": "tenant-a",
+}
 # A value that asks for something, for any field type the schemas use.
 ASKING = {"x": 1}
 
@@ -52,6 +68,7 @@ def test_every_openai_field_is_implemented_or_refused_by_name(
     schema: type[BaseModel], base: dict[str, Any], field: str
 ) -> None:
     if field in base:
+        assert schema.model_fields[field].is_required()  # the prompt or the messages
         return
     if field in schema.model_fields and field not in (
         "logprobs",
@@ -60,7 +77,11 @@ def test_every_openai_field_is_implemented_or_refused_by_name(
         "suffix",
         "best_of",
     ):
-        return  # implemented: tests/e2e/test_gateway.py checks what each does
+        # Implemented (tests/e2e/test_gateway.py checks what each does): a value that asks for
+        # something is accepted.
+        assert field in IMPLEMENTED, f"{field}: give it a sample value in IMPLEMENTED"
+        assert _refused_param(schema, {**base, field: IMPLEMENTED[field]}) is None
+        return
     # Refused with a value that asks for something (the type of the declared ones; anything else).
     value = {"logprobs": 1 if schema is CompletionRequest else True, "echo": True, "suffix": "s"}.get(field)
     value = {"top_logprobs": 2, "best_of": 3}.get(field, value)
