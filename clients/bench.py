@@ -126,11 +126,6 @@ def _complete(ns: argparse.Namespace) -> argparse.Namespace:
     return argparse.Namespace(**{**vars(parser.parse_args([])), **vars(ns)})
 
 
-def _range(value: str | tuple[int, int]) -> tuple[int, int]:
-    """A `--prompt-len` value: parsed already, or `MIN,MAX` text from a namespace built by hand."""
-    return value if isinstance(value, tuple) else LENGTHS(value)
-
-
 def workload(ns: argparse.Namespace) -> list[BenchRequest]:
     """The requests `--dataset` and its flags describe; deterministic in --seed."""
     if ns.dataset == "random":
@@ -142,9 +137,7 @@ def workload(ns: argparse.Namespace) -> list[BenchRequest]:
             ns.gsp_num_groups, ns.gsp_prompts_per_group, ns.gsp_system_prompt_len,
             ns.gsp_question_len, ns.gsp_output_len, ns.vocab, ns.seed,
         )  # fmt: skip
-    requests = datasets.uniform_requests(
-        ns.requests, _range(ns.prompt_len), _range(ns.output_len), ns.vocab, ns.seed
-    )
+    requests = datasets.uniform_requests(ns.requests, ns.prompt_len, ns.output_len, ns.vocab, ns.seed)
     return _with_shared_prefix(requests, ns.shared_prefix, ns.groups, ns.vocab, ns.seed)
 
 

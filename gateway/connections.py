@@ -29,7 +29,7 @@ LOG_INTERVAL_S = 10.0
 # The message asyncio's selector loop reports a failed accept() with (EMFILE, ENFILE, ENOBUFS,
 # ENOMEM), once per attempt: CPython 3.11 keeps trying up to the listen backlog each time.
 ACCEPT_OUT_OF_RESOURCES = "socket.accept() out of system resource"
-ACCEPT_FAILED_EVENT = "accept() failed: raise ulimit -n or lower --max-connections"
+ACCEPT_FAILED_EVENT = "accept() failed; raise ulimit -n or lower --max-connections"
 
 
 class Throttled:
@@ -55,9 +55,7 @@ class AcceptErrorLog:
     would log them."""
 
     def __init__(self, interval_s: float = LOG_INTERVAL_S) -> None:
-        self.accept_failed = Throttled(
-            "accept() failed; raise ulimit -n or lower --max-connections", interval_s
-        )
+        self.accept_failed = Throttled(ACCEPT_FAILED_EVENT, interval_s)
 
     def __call__(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
         if context.get("message") != ACCEPT_OUT_OF_RESOURCES:
