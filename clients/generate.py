@@ -14,7 +14,7 @@ from clients.client import (
     generate_request,
     sampling_params,
 )
-from flagtypes import Float, Int, count
+from flagtypes import UINT64_MAX, Float, Int, count
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,7 +39,7 @@ def add_sampling_arguments(parser: argparse.ArgumentParser, max_new_tokens: int 
         "--top-k", type=count(0), default=None, help="sample among the k likeliest (default or 0: no limit)"
     )
     parser.add_argument(
-        "--seed", type=Int(0, 2**64 - 1), default=None, help="sampling seed (default: the server's)"
+        "--seed", type=Int(0, UINT64_MAX), default=None, help="sampling seed (default: the server's)"
     )
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")

@@ -21,7 +21,9 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 # Wire counts are int32 (gRPC's concurrent-stream limit, the protos' token counts).
-INT32_MAX = 2**31 - 1
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+# Seeds are uint64 on the wire.
+UINT64_MAX = 2**64 - 1
 # Token counts of a KV pool (a worker's claim, a host pool): 2**40 is far past any memory.
 MAX_TOKENS = 2**40
 # Any duration flag: about 11.6 days, longer than anything a timeout, wait or interval means.

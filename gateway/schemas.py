@@ -17,6 +17,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 from pydantic_core import ErrorDetails
 
 from clients.client import generate_request, sampling_params
+from flagtypes import INT32_MAX, INT32_MIN, UINT64_MAX
 from gateway.errors import GatewayError, invalid
 from protos.stepwise.v1 import generation_pb2 as gen_pb
 
@@ -25,8 +26,6 @@ Role = Literal["system", "developer", "user", "assistant", "tool"]
 
 # Prompts of one completions request (each its own Generate call).
 MAX_PROMPTS = 256
-# The protocol's field widths: past them protobuf refuses the value, so the schema must first.
-INT32_MIN, INT32_MAX, UINT64_MAX = -(2**31), 2**31 - 1, 2**64 - 1
 
 
 def utf8_text(text: str) -> str:
@@ -40,6 +39,7 @@ def utf8_text(text: str) -> str:
 
 
 Text = Annotated[str, AfterValidator(utf8_text)]
+# The protocol's field widths: past them protobuf refuses the value, so the schema must first.
 Int32 = Annotated[int, Field(ge=INT32_MIN, le=INT32_MAX)]
 Count = Annotated[int, Field(ge=0, le=INT32_MAX)]
 
