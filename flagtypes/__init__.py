@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import argparse
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Protocol, TypeVar, runtime_checkable
 
 # Wire counts are int32 (gRPC's concurrent-stream limit, the protos' token counts).
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
@@ -60,6 +61,20 @@ def _refuse(expected: str, text: str) -> argparse.ArgumentTypeError:
     return argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
 
 
+T = TypeVar("T")
+
+
+def _parsed(kind: Ranged, convert: Callable[[str], T], text: str) -> T:
+    """`convert(text)` when it parses and `kind` contains it; the type's one-line refusal otherwise."""
+    try:
+        value = convert(text)
+    except ValueError:
+        raise _refuse(kind.expected, text) from None
+    if not kind.contains(value):
+        raise _refuse(kind.expected, text)
+    return value
+
+
 @dataclass(frozen=True, slots=True)
 class Int:
     """argparse type: an integer in lo..hi (both included)."""
@@ -68,13 +83,7 @@ class Int:
     hi: int
 
     def __call__(self, text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise _refuse(self.expected, text) from None
-        if not self.contains(value):
-            raise _refuse(self.expected, text)
-        return value
+        return _parsed(self, int, text)
 
     def contains(self, value: object) -> bool:
         return isinstance(value, int) and not isinstance(value, bool) and self.lo <= value <= self.hi
@@ -94,13 +103,7 @@ class Float:
     unit: str = ""
 
     def __call__(self, text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise _refuse(self.expected, text) from None
-        if not self.contains(value):
-            raise _refuse(self.expected, text)
-        return value
+        return _parsed(self, float, text)
 
     def contains(self, value: object) -> bool:
         # A comparison with NaN is false, so NaN is never contained.
@@ -120,23 +123,23 @@ class IntPair:
     hi: int
 
     def __call__(self, text: str) -> tuple[int, int]:
-        try:
-            low, high = (int(part) for part in text.split(","))
-        except ValueError:
-            raise _refuse(self.expected, text) from None
-        if not self.contains((low, high)):
-            raise _refuse(self.expected, text)
-        return low, high
+        return _parsed(self, _two_ints, text)
 
     def contains(self, value: object) -> bool:
         if not (isinstance(value, tuple) and len(value) == 2):
             return False
         low, high = value
-        return Int(self.lo, self.hi).contains(low) and Int(self.lo, self.hi).contains(high) and low <= high
+        bounds = Int(self.lo, self.hi)
+        return bounds.contains(low) and bounds.contains(high) and low <= high
 
     @property
     def expected(self) -> str:
         return f"MIN,MAX with {self.lo} <= MIN <= MAX <= {self.hi}"
+
+
+def _two_ints(text: str) -> tuple[int, int]:
+    low, high = (int(part) for part in text.split(","))  # ValueError unless exactly two integers
+    return low, high
 
 
 PORT = Int(0, 65535)
