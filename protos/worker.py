@@ -54,6 +54,10 @@ class SamplerParams:
     logprobs: int = 0
     # (token id, bias) pairs, ids ascending: added to the logits before sampling.
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # With logprobs > 0: the logprobs of these ids too, at every scored position, in this order.
+    token_ids_logprob: tuple[int, ...] = ()
+    # False: logprobs of the model's logits (raw); True: of what sampling draws from (processed).
+    processed_logprobs: bool = False
 
     @property
     def uses_penalties(self) -> bool:
@@ -111,6 +115,12 @@ class ExtendWork:
     sample: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
     token_ids: np.ndarray = field(default_factory=_i32)
     slots: np.ndarray = field(default_factory=_i64)
+    # Prompt scoring: empty when no entry scores, else one value per entry. Entry i scores the rows
+    # at positions score_starts[i] .. score_starts[i] + score_lens[i] - 1 (inside its extend) against
+    # the token after each; the one after its last position is next_ids[i] (-1: none known).
+    score_starts: np.ndarray = field(default_factory=_i32)
+    score_lens: np.ndarray = field(default_factory=_i32)
+    next_ids: np.ndarray = field(default_factory=_i32)
 
     def __len__(self) -> int:
         return len(self.handles)
@@ -195,9 +205,21 @@ class KvReport:
 
 @dataclass(frozen=True, slots=True)
 class TokenLogprobs:
+    """One position's scores: the chosen (or next prompt) token's logprob, the top alternatives
+    (most likely first) and the logprobs of the sequence's token_ids_logprob, in its order."""
+
     logprob: float
     top_ids: tuple[int, ...] = ()
     top_logprobs: tuple[float, ...] = ()
+    ids_logprobs: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class PromptScores:
+    """The scored rows of extend entry `entry`: rows[j] scores position score_starts[entry] + j."""
+
+    entry: int
+    rows: tuple[TokenLogprobs, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,6 +230,8 @@ class StepResult:
     token_ids: np.ndarray = field(default_factory=_i32)
     # Empty, or one per sampled token when any sequence of the step asked for logprobs.
     logprobs: tuple[TokenLogprobs, ...] = ()
+    # One per extend entry that scores prompt rows, in entry order.
+    prompt_scores: tuple[PromptScores, ...] = ()
     kv: KvReport = KvReport()
     forward_s: float = 0.0
     # Seconds the worker waited for this plan after it had finished the previous step (its idle gap);

@@ -26,6 +26,7 @@ Checks on the way in, where each side is strict about what the other sent:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -44,6 +45,7 @@ from protos.worker import (
     KvTransfer,
     Move,
     NewSeq,
+    PromptScores,
     SamplerParams,
     Shutdown,
     SlotRemap,
@@ -78,6 +80,8 @@ def sampler_to_proto(s: SamplerParams) -> wk_pb.SamplerParams:
         seed=s.seed or 0,
         logprobs=s.logprobs,
         logit_bias=dict(s.logit_bias),
+        token_ids_logprob=s.token_ids_logprob,
+        processed_logprobs=s.processed_logprobs,
     )
 
 
@@ -93,6 +97,8 @@ def sampler_from_proto(p: wk_pb.SamplerParams) -> SamplerParams:
         seed=p.seed if p.has_seed else None,
         logprobs=max(0, p.logprobs),
         logit_bias=tuple(sorted(p.logit_bias.items())),
+        token_ids_logprob=tuple(p.token_ids_logprob),
+        processed_logprobs=p.processed_logprobs,
     )
 
 
@@ -173,6 +179,10 @@ def _fill_extends(msg: wk_pb.ExtendBatch, ext: ExtendWork) -> None:
     msg.sample.extend(ext.sample.tolist())
     msg.token_ids = pack(ext.token_ids, INT32)
     msg.slots = pack(ext.slots, INT64)
+    if len(ext.score_lens):
+        msg.score_starts.extend(ext.score_starts.tolist())
+        msg.score_lens.extend(ext.score_lens.tolist())
+        msg.next_ids.extend(ext.next_ids.tolist())
 
 
 # --- plans: decoding (the worker; recordings) -------------------------------------------------------
@@ -260,13 +270,21 @@ _NO_DECODES = DecodeWork()
 
 
 def _extends_from_proto(e: wk_pb.ExtendBatch) -> ExtendWork:
-    return ExtendWork(
+    work = ExtendWork(
         handles=_handles(e.handles, "extends.handles"),
         starts=_array(e.starts, np.int32),
         lens=_array(e.lens, np.int32),
         sample=_array(e.sample, np.bool_),
         token_ids=unpack(e.token_ids, INT32, "extends.token_ids", np.int32),
         slots=unpack(e.slots, INT64, "extends.slots"),
+    )
+    if not (e.score_starts or e.score_lens or e.next_ids):
+        return work
+    return dataclasses.replace(
+        work,
+        score_starts=_array(e.score_starts, np.int32),
+        score_lens=_array(e.score_lens, np.int32),
+        next_ids=_array(e.next_ids, np.int32),
     )
 
 
@@ -313,11 +331,26 @@ def result_to_proto(r: StepResult) -> wk_pb.WorkerMessage:
     msg.step_id, msg.forward_s, msg.wait_s, msg.error = r.step_id, r.forward_s, r.wait_s, r.error
     msg.token_ids = pack(r.token_ids, INT32)
     for lp in r.logprobs:
-        msg.logprobs.add(logprob=lp.logprob, top_ids=lp.top_ids, top_logprobs=lp.top_logprobs)
+        _fill_logprobs(msg.logprobs.add(), lp)
+    for scores in r.prompt_scores:
+        entry = msg.prompt_scores.add(entry=scores.entry)
+        for lp in scores.rows:
+            _fill_logprobs(entry.rows.add(), lp)
     kv, out = r.kv, msg.kv
     out.live_seqs, out.seq_slots, out.capacity_tokens = kv.live_seqs, kv.seq_slots, kv.capacity_tokens
     out.device_mem_used_bytes, out.host_seqs = kv.device_mem_used_bytes, kv.host_seqs
     return message
+
+
+def _fill_logprobs(msg: wk_pb.TokenLogprobs, lp: TokenLogprobs) -> None:
+    msg.logprob = lp.logprob
+    msg.top_ids.extend(lp.top_ids)
+    msg.top_logprobs.extend(lp.top_logprobs)
+    msg.ids_logprobs.extend(lp.ids_logprobs)
+
+
+def _logprobs(msg: wk_pb.TokenLogprobs) -> TokenLogprobs:
+    return TokenLogprobs(msg.logprob, tuple(msg.top_ids), tuple(msg.top_logprobs), tuple(msg.ids_logprobs))
 
 
 def result_from_proto(msg: wk_pb.StepResult, sampled: int | None = None) -> StepResult:
@@ -346,8 +379,9 @@ def _decode_result(msg: wk_pb.StepResult, tokens: np.ndarray) -> StepResult:
     return StepResult(
         step_id=msg.step_id,
         token_ids=tokens,
-        logprobs=tuple(
-            TokenLogprobs(lp.logprob, tuple(lp.top_ids), tuple(lp.top_logprobs)) for lp in msg.logprobs
+        logprobs=tuple(_logprobs(lp) for lp in msg.logprobs),
+        prompt_scores=tuple(
+            PromptScores(s.entry, tuple(_logprobs(lp) for lp in s.rows)) for s in msg.prompt_scores
         ),
         kv=KvReport(
             live_seqs=kv.live_seqs,

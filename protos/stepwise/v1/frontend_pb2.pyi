@@ -96,7 +96,7 @@ class Query(_message.Message):
     def __init__(self, query_id: _Optional[int] = ..., server_info: _Optional[_Union[_generation_pb2.GetServerInfoRequest, _Mapping]] = ...) -> None: ...
 
 class CoreMessage(_message.Message):
-    __slots__ = ("welcome", "verdicts", "admissions", "token_uids", "token_ids", "finished", "replies", "state", "ping")
+    __slots__ = ("welcome", "verdicts", "admissions", "token_uids", "token_ids", "finished", "replies", "state", "ping", "scored_tokens", "scores", "prompt_scores")
     WELCOME_FIELD_NUMBER: _ClassVar[int]
     VERDICTS_FIELD_NUMBER: _ClassVar[int]
     ADMISSIONS_FIELD_NUMBER: _ClassVar[int]
@@ -106,6 +106,9 @@ class CoreMessage(_message.Message):
     REPLIES_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     PING_FIELD_NUMBER: _ClassVar[int]
+    SCORED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SCORES_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_SCORES_FIELD_NUMBER: _ClassVar[int]
     welcome: CoreWelcome
     verdicts: _containers.RepeatedCompositeFieldContainer[Verdict]
     admissions: _containers.RepeatedCompositeFieldContainer[Admission]
@@ -115,7 +118,20 @@ class CoreMessage(_message.Message):
     replies: _containers.RepeatedCompositeFieldContainer[Reply]
     state: CoreState
     ping: Ping
-    def __init__(self, welcome: _Optional[_Union[CoreWelcome, _Mapping]] = ..., verdicts: _Optional[_Iterable[_Union[Verdict, _Mapping]]] = ..., admissions: _Optional[_Iterable[_Union[Admission, _Mapping]]] = ..., token_uids: _Optional[bytes] = ..., token_ids: _Optional[bytes] = ..., finished: _Optional[_Iterable[_Union[LinkFinished, _Mapping]]] = ..., replies: _Optional[_Iterable[_Union[Reply, _Mapping]]] = ..., state: _Optional[_Union[CoreState, _Mapping]] = ..., ping: _Optional[_Union[Ping, _Mapping]] = ...) -> None: ...
+    scored_tokens: bytes
+    scores: _containers.RepeatedCompositeFieldContainer[_generation_pb2.TokenLogprob]
+    prompt_scores: _containers.RepeatedCompositeFieldContainer[LinkPromptScores]
+    def __init__(self, welcome: _Optional[_Union[CoreWelcome, _Mapping]] = ..., verdicts: _Optional[_Iterable[_Union[Verdict, _Mapping]]] = ..., admissions: _Optional[_Iterable[_Union[Admission, _Mapping]]] = ..., token_uids: _Optional[bytes] = ..., token_ids: _Optional[bytes] = ..., finished: _Optional[_Iterable[_Union[LinkFinished, _Mapping]]] = ..., replies: _Optional[_Iterable[_Union[Reply, _Mapping]]] = ..., state: _Optional[_Union[CoreState, _Mapping]] = ..., ping: _Optional[_Union[Ping, _Mapping]] = ..., scored_tokens: _Optional[bytes] = ..., scores: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ..., prompt_scores: _Optional[_Iterable[_Union[LinkPromptScores, _Mapping]]] = ...) -> None: ...
+
+class LinkPromptScores(_message.Message):
+    __slots__ = ("uid", "start", "positions")
+    UID_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    uid: int
+    start: int
+    positions: _containers.RepeatedCompositeFieldContainer[_generation_pb2.TokenLogprob]
+    def __init__(self, uid: _Optional[int] = ..., start: _Optional[int] = ..., positions: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class Ping(_message.Message):
     __slots__ = ("seq",)

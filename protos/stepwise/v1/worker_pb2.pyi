@@ -117,7 +117,7 @@ class Shutdown(_message.Message):
     def __init__(self, reason: _Optional[str] = ...) -> None: ...
 
 class SamplerParams(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty", "has_seed", "seed", "logprobs", "logit_bias")
+    __slots__ = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty", "has_seed", "seed", "logprobs", "logit_bias", "token_ids_logprob", "processed_logprobs")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -136,6 +136,8 @@ class SamplerParams(_message.Message):
     SEED_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    PROCESSED_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
@@ -147,7 +149,9 @@ class SamplerParams(_message.Message):
     seed: int
     logprobs: int
     logit_bias: _containers.ScalarMap[int, float]
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ..., logprobs: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ...) -> None: ...
+    token_ids_logprob: _containers.RepeatedScalarFieldContainer[int]
+    processed_logprobs: bool
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ..., logprobs: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., token_ids_logprob: _Optional[_Iterable[int]] = ..., processed_logprobs: _Optional[bool] = ...) -> None: ...
 
 class NewSequence(_message.Message):
     __slots__ = ("handle", "sampler", "prefix_slots", "history_ids", "request_id", "sim_output_len", "prompt_len")
@@ -168,20 +172,26 @@ class NewSequence(_message.Message):
     def __init__(self, handle: _Optional[int] = ..., sampler: _Optional[_Union[SamplerParams, _Mapping]] = ..., prefix_slots: _Optional[bytes] = ..., history_ids: _Optional[_Iterable[int]] = ..., request_id: _Optional[str] = ..., sim_output_len: _Optional[int] = ..., prompt_len: _Optional[int] = ...) -> None: ...
 
 class ExtendBatch(_message.Message):
-    __slots__ = ("handles", "starts", "lens", "sample", "token_ids", "slots")
+    __slots__ = ("handles", "starts", "lens", "sample", "token_ids", "slots", "score_starts", "score_lens", "next_ids")
     HANDLES_FIELD_NUMBER: _ClassVar[int]
     STARTS_FIELD_NUMBER: _ClassVar[int]
     LENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
+    SCORE_STARTS_FIELD_NUMBER: _ClassVar[int]
+    SCORE_LENS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_IDS_FIELD_NUMBER: _ClassVar[int]
     handles: _containers.RepeatedScalarFieldContainer[int]
     starts: _containers.RepeatedScalarFieldContainer[int]
     lens: _containers.RepeatedScalarFieldContainer[int]
     sample: _containers.RepeatedScalarFieldContainer[bool]
     token_ids: bytes
     slots: bytes
-    def __init__(self, handles: _Optional[_Iterable[int]] = ..., starts: _Optional[_Iterable[int]] = ..., lens: _Optional[_Iterable[int]] = ..., sample: _Optional[_Iterable[bool]] = ..., token_ids: _Optional[bytes] = ..., slots: _Optional[bytes] = ...) -> None: ...
+    score_starts: _containers.RepeatedScalarFieldContainer[int]
+    score_lens: _containers.RepeatedScalarFieldContainer[int]
+    next_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, handles: _Optional[_Iterable[int]] = ..., starts: _Optional[_Iterable[int]] = ..., lens: _Optional[_Iterable[int]] = ..., sample: _Optional[_Iterable[bool]] = ..., token_ids: _Optional[bytes] = ..., slots: _Optional[bytes] = ..., score_starts: _Optional[_Iterable[int]] = ..., score_lens: _Optional[_Iterable[int]] = ..., next_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DecodeBatch(_message.Message):
     __slots__ = ("count", "full", "left", "joined", "run_entries", "run_slots", "run_lens")
@@ -256,20 +266,31 @@ class KvReport(_message.Message):
     def __init__(self, live_seqs: _Optional[int] = ..., seq_slots: _Optional[int] = ..., capacity_tokens: _Optional[int] = ..., device_mem_used_bytes: _Optional[int] = ..., host_seqs: _Optional[int] = ...) -> None: ...
 
 class TokenLogprobs(_message.Message):
-    __slots__ = ("logprob", "top_ids", "top_logprobs")
+    __slots__ = ("logprob", "top_ids", "top_logprobs", "ids_logprobs")
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
     TOP_IDS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    IDS_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     logprob: float
     top_ids: _containers.RepeatedScalarFieldContainer[int]
     top_logprobs: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, logprob: _Optional[float] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+    ids_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, logprob: _Optional[float] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., ids_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class PromptScores(_message.Message):
+    __slots__ = ("entry", "rows")
+    ENTRY_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    entry: int
+    rows: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
+    def __init__(self, entry: _Optional[int] = ..., rows: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "token_ids", "logprobs", "kv", "forward_s", "error", "wait_s")
+    __slots__ = ("step_id", "token_ids", "logprobs", "prompt_scores", "kv", "forward_s", "error", "wait_s")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_SCORES_FIELD_NUMBER: _ClassVar[int]
     KV_FIELD_NUMBER: _ClassVar[int]
     FORWARD_S_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
@@ -277,8 +298,9 @@ class StepResult(_message.Message):
     step_id: int
     token_ids: bytes
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
+    prompt_scores: _containers.RepeatedCompositeFieldContainer[PromptScores]
     kv: KvReport
     forward_s: float
     error: str
     wait_s: float
-    def __init__(self, step_id: _Optional[int] = ..., token_ids: _Optional[bytes] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., kv: _Optional[_Union[KvReport, _Mapping]] = ..., forward_s: _Optional[float] = ..., error: _Optional[str] = ..., wait_s: _Optional[float] = ...) -> None: ...
+    def __init__(self, step_id: _Optional[int] = ..., token_ids: _Optional[bytes] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., prompt_scores: _Optional[_Iterable[_Union[PromptScores, _Mapping]]] = ..., kv: _Optional[_Union[KvReport, _Mapping]] = ..., forward_s: _Optional[float] = ..., error: _Optional[str] = ..., wait_s: _Optional[float] = ...) -> None: ...
