@@ -26,10 +26,11 @@ from starlette.exceptions import HTTPException
 from clients.client import StepwiseClient
 from gateway.chat import ChatTemplate
 from gateway.errors import GatewayError, from_grpc, invalid
-from gateway.formats import ChatFormat, Collected, CompletionFormat
+from gateway.formats import ChatFormat, Collected, CompletionFormat, Echo, Event, ResponseFormat
 from gateway.limits import HttpLimits, read_body
 from gateway.metrics import GatewayMetrics
 from gateway.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields, parse_body, utf8_text
+from gateway.tokens import TokenCodec
 from protos.stepwise.v1 import generation_pb2 as gen_pb
 
 HEALTH_TIMEOUT_S = 2.0
@@ -44,6 +45,9 @@ class GatewayConfig:
     template: ChatTemplate | None = None
     tls_ca: Path | None = None
     limits: HttpLimits = field(default_factory=HttpLimits)
+    # The model's tokenizer (the control plane's own class, loaded from the same --model): for
+    # /tokenize, /detokenize, echoing token-id prompts and SGLang's default prompt logprob.
+    tokenizer: TokenCodec | None = None
 
 
 def create_app(config: GatewayConfig) -> FastAPI:
@@ -120,8 +124,20 @@ class Gateway:
         try:
             body = parse_body(await read_body(request, self.config.limits), CompletionRequest)
             body.refuse_unsupported()
-            fmt = CompletionFormat(self._model(body))
-            return await self._generate(request, body, body.prompts(), fmt, "completions", started)
+            prompts = body.prompts()
+            echo = None
+            if body.echo:
+                if body.logprobs is None and any(isinstance(p, list) for p in prompts):
+                    self._codec("echo")  # a token-id prompt's text is decoded here
+                texts = [p if isinstance(p, str) else None for p in prompts]
+                echo = Echo(texts, prompts, self._decode_prompt)
+            fmt = CompletionFormat(self._model(body), body.include_usage(), body.wants_logprobs(), echo)
+            requests = self._requests(body, prompts, fmt.id)
+            # The protocol's names for what completions call `logprobs` and `echo`.
+            renames = {"top_logprobs": "logprobs", "logprob_start_len": "echo"}
+            return await self._generate(
+                request, requests, body.n, body.stream, fmt, "completions", started, renames
+            )
         except GatewayError as exc:
             return self._refused("completions", exc, started)
 
@@ -131,10 +147,22 @@ class Gateway:
             body = parse_body(await read_body(request, self.config.limits), ChatCompletionRequest)
             body.refuse_unsupported()
             prompt = self.render_chat(body)
-            fmt = ChatFormat(self._model(body))
-            return await self._generate(request, body, [prompt], fmt, "chat_completions", started)
+            fmt = ChatFormat(self._model(body), body.include_usage(), body.wants_logprobs())
+            requests = self._requests(body, [prompt], fmt.id)
+            return await self._generate(
+                request, requests, body.n, body.stream, fmt, "chat_completions", started
+            )
         except GatewayError as exc:
             return self._refused("chat_completions", exc, started)
+
+    def _codec(self, param: str) -> TokenCodec:
+        if self.config.tokenizer is None:
+            message = f"{param}: needs the model's tokenizer, and this gateway's --model has none"
+            raise GatewayError(501, message, param=param)
+        return self.config.tokenizer
+
+    def _decode_prompt(self, ids: list[int]) -> str:
+        return self._codec("echo").decode(ids)
 
     def render_chat(self, body: ChatCompletionRequest) -> str:
         """The prompt text the model's chat template makes of the messages."""
@@ -176,11 +204,14 @@ class Gateway:
         self.metrics.observe("models", 200, time.monotonic() - started)
         return JSONResponse(card)
 
-    async def _model_card(self, request: Request) -> dict[str, Any]:
+    async def _server_info(self, request: Request) -> gen_pb.ServerInfo:
         try:
-            info = await self.client.server_info(api_key=bearer_key(request))
+            return await self.client.server_info(api_key=bearer_key(request))
         except grpc.aio.AioRpcError as exc:
             raise from_grpc(exc) from None
+
+    async def _model_card(self, request: Request) -> dict[str, Any]:
+        info = await self._server_info(request)
         return {
             "id": self.config.model_name,
             "object": "model",
@@ -212,37 +243,48 @@ class Gateway:
         self.metrics.observe(endpoint, error.status, time.monotonic() - started)
         return error_response(error)
 
+    def _requests(
+        self, body: SamplingFields, prompts: list[str | list[int]], base_id: str
+    ) -> list[gen_pb.GenerateRequest]:
+        """One GenerateRequest per prompt, ids `BASE` (one prompt) or `BASE-i`."""
+        ids = [base_id] if len(prompts) == 1 else [f"{base_id}-{i}" for i in range(len(prompts))]
+        return [body.grpc_request(prompt, rid) for prompt, rid in zip(prompts, ids, strict=True)]
+
     async def _generate(
         self,
         request: Request,
-        body: SamplingFields,
-        prompts: list[str | list[int]],
-        fmt: CompletionFormat,
+        requests: list[gen_pb.GenerateRequest],
+        n: int,
+        stream: bool,
+        fmt: ResponseFormat,
         endpoint: str,
         started: float,
+        renames: dict[str, str] | None = None,
     ) -> Response:
         """Start one Generate call per prompt and answer with the first response of each in hand,
         so a refused call is an HTTP error status rather than an error event inside a 200 stream
-        (the other calls are then cancelled)."""
+        (the other calls are then cancelled). `renames`: the endpoint's names for protocol fields
+        a refusal names."""
         key = bearer_key(request)
-        ids = [fmt.id] if len(prompts) == 1 else [f"{fmt.id}-{i}" for i in range(len(prompts))]
-        requests = [body.grpc_request(prompt, rid) for prompt, rid in zip(prompts, ids, strict=True)]
         calls = [self.client.stream(one, api_key=key) for one in requests]
         firsts = await asyncio.gather(*(_first(call) for call in calls), return_exceptions=True)
         running = [first for first in firsts if isinstance(first, Call)]
         if len(running) < len(calls):
             for call in calls:
                 _cancel(call)
-            raise next(first for first in firsts if isinstance(first, BaseException))
+            error = next(first for first in firsts if isinstance(first, BaseException))
+            if isinstance(error, GatewayError):
+                raise _renamed(error, renames or {})
+            raise error
         self.metrics.ttft.labels(endpoint).observe(time.monotonic() - started)
-        run = Run(running, Collected.of(body.n, len(prompts)))
-        if body.stream:
-            events = self._stream(run, fmt, body.include_usage(), endpoint, started)
+        run = Run(running, Collected.of(n, len(requests)))
+        if stream:
+            events = self._stream(run, fmt, endpoint, started)
             return StreamingResponse(events, media_type="text/event-stream")
         return await self._whole(request, run, fmt, endpoint, started)
 
     async def _whole(
-        self, request: Request, run: Run, fmt: CompletionFormat, endpoint: str, started: float
+        self, request: Request, run: Run, fmt: ResponseFormat, endpoint: str, started: float
     ) -> Response:
         """Collect every choice, or cancel the call when the client leaves first."""
         collecting = asyncio.ensure_future(run.drain())
@@ -266,18 +308,18 @@ class Gateway:
         return JSONResponse(fmt.whole(run.collected))
 
     async def _stream(
-        self, run: Run, fmt: CompletionFormat, include_usage: bool, endpoint: str, started: float
+        self, run: Run, fmt: ResponseFormat, endpoint: str, started: float
     ) -> AsyncIterator[str]:
         """Server-sent events; an error after the first event is an error event, then the end."""
         status, finished = 200, False
         try:
             for opening in fmt.opening(len(run.collected.choices)):
                 yield sse(opening)
-            async for index, text, reason in run.events():
-                if text or reason:
-                    yield sse(fmt.chunk(index, text, reason))
-            if include_usage:
-                yield sse(fmt.usage_chunk(run.collected))
+            async for event in run.events():
+                for data in fmt.events(event, run.collected):
+                    yield sse(data)
+            for closing in fmt.closing(run.collected):
+                yield sse(closing)
             yield "data: [DONE]\n\n"
             finished = True
         except (GatewayError, grpc.aio.AioRpcError) as exc:
@@ -332,9 +374,9 @@ class Run:
     def __init__(self, calls: list[Call], collected: Collected) -> None:
         self.calls, self.collected = calls, collected
 
-    async def events(self) -> AsyncIterator[tuple[int, str, str | None]]:
-        """(choice index, new text, finish reason or None) per response, recorded in `collected`,
-        in the order the calls' responses arrive."""
+    async def events(self) -> AsyncIterator[Event]:
+        """What each response changed, recorded in `collected`, in the order the calls' responses
+        arrive."""
         if len(self.calls) == 1:
             async for response in self.calls[0].responses():
                 yield self.collected.apply(response)
@@ -378,6 +420,15 @@ async def _pump(
         await queue.put((prompt, exc))
         return
     await queue.put((prompt, None))
+
+
+def _renamed(error: GatewayError, renames: dict[str, str]) -> GatewayError:
+    """The refusal naming the endpoint's field for the protocol's (`top_logprobs` -> `logprobs`)."""
+    name = renames.get(error.param or "")
+    if name is None:
+        return error
+    message = error.message.replace(f"{error.param}:", f"{name}:", 1)
+    return GatewayError(error.status, message, param=name, code=error.code)
 
 
 async def _disconnected(request: Request) -> None:
