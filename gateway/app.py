@@ -30,7 +30,7 @@ from gateway.formats import ChatFormat, Collected, CompletionFormat, Echo, Event
 from gateway.limits import HttpLimits, read_body
 from gateway.metrics import GatewayMetrics
 from gateway.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields, parse_body, utf8_text
-from gateway.tokens import TokenCodec
+from gateway.tokens import DetokenizeRequest, TokenCodec, TokenizeRequest
 from protos.stepwise.v1 import generation_pb2 as gen_pb
 
 HEALTH_TIMEOUT_S = 2.0
@@ -58,6 +58,9 @@ def create_app(config: GatewayConfig) -> FastAPI:
     app.add_api_route("/v1/completions", gateway.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", gateway.chat_completions, methods=["POST"])
     app.add_api_route("/v1/models", gateway.models, methods=["GET"])
+    app.add_api_route("/tokenize", gateway.tokenize, methods=["POST"])
+    app.add_api_route("/detokenize", gateway.detokenize, methods=["POST"])
+    app.add_api_route("/version", gateway.version, methods=["GET"])
     # A served name may hold slashes (a Hub id, `acme/tiny`): the id is the rest of the path.
     app.add_api_route("/v1/models/{model_id:path}", gateway.model, methods=["GET"])
     app.add_api_route("/health", gateway.health, methods=["GET"])
@@ -154,6 +157,52 @@ class Gateway:
             )
         except GatewayError as exc:
             return self._refused("chat_completions", exc, started)
+
+    async def tokenize(self, request: Request) -> Response:
+        """vLLM's `/tokenize`: a prompt's token ids, or those of messages rendered by the chat
+        template, as the control plane makes them."""
+        started = time.monotonic()
+        try:
+            body = parse_body(await read_body(request, self.config.limits), TokenizeRequest)
+            body.refuse_unsupported()
+            codec = self._codec("prompt" if body.prompt is not None else "messages")
+            if body.prompt is not None:
+                text = body.prompt
+            else:
+                chat = ChatCompletionRequest(
+                    messages=body.messages or [], add_generation_prompt=body.add_generation_prompt
+                )
+                text = self.render_chat(chat)
+            tokens = codec.encode(text)
+            info = await self._server_info(request)
+        except GatewayError as exc:
+            return self._refused("tokenize", exc, started)
+        self.metrics.observe("tokenize", 200, time.monotonic() - started)
+        return JSONResponse({"count": len(tokens), "max_model_len": info.max_context, "tokens": tokens})
+
+    async def detokenize(self, request: Request) -> Response:
+        """vLLM's `/detokenize`: the text of token ids, special tokens kept."""
+        started = time.monotonic()
+        try:
+            body = parse_body(await read_body(request, self.config.limits), DetokenizeRequest)
+            body.refuse_unsupported()
+            codec = self._codec("tokens")
+            body.check_vocabulary(codec.vocab_size)
+            text = codec.decode(body.tokens, skip_special_tokens=False)
+        except GatewayError as exc:
+            return self._refused("detokenize", exc, started)
+        self.metrics.observe("detokenize", 200, time.monotonic() - started)
+        return JSONResponse({"prompt": text})
+
+    async def version(self, request: Request) -> Response:
+        """vLLM's `/version`: the serving control plane's version."""
+        started = time.monotonic()
+        try:
+            info = await self._server_info(request)
+        except GatewayError as exc:
+            return self._refused("version", exc, started)
+        self.metrics.observe("version", 200, time.monotonic() - started)
+        return JSONResponse({"version": info.version})
 
     def _codec(self, param: str) -> TokenCodec:
         if self.config.tokenizer is None:
