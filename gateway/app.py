@@ -30,6 +30,8 @@ from gateway.formats import ChatFormat, Collected, CompletionFormat, Echo, Event
 from gateway.limits import HttpLimits, read_body
 from gateway.metrics import GatewayMetrics
 from gateway.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields, parse_body, utf8_text
+from gateway.sglang import PARAMS as SGLANG_PARAMS
+from gateway.sglang import GenerateBody, SglangFormat
 from gateway.tokens import DetokenizeRequest, TokenCodec, TokenizeRequest
 from protos.stepwise.v1 import generation_pb2 as gen_pb
 
@@ -61,6 +63,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     app.add_api_route("/tokenize", gateway.tokenize, methods=["POST"])
     app.add_api_route("/detokenize", gateway.detokenize, methods=["POST"])
     app.add_api_route("/version", gateway.version, methods=["GET"])
+    app.add_api_route("/generate", gateway.sglang_generate, methods=["POST"])
     # A served name may hold slashes (a Hub id, `acme/tiny`): the id is the rest of the path.
     app.add_api_route("/v1/models/{model_id:path}", gateway.model, methods=["GET"])
     app.add_api_route("/health", gateway.health, methods=["GET"])
@@ -157,6 +160,26 @@ class Gateway:
             )
         except GatewayError as exc:
             return self._refused("chat_completions", exc, started)
+
+    async def sglang_generate(self, request: Request) -> Response:
+        """SGLang's native `/generate`: text or token ids (one or a batch), SGLang's sampling names,
+        its `meta_info` and log probability shapes."""
+        started = time.monotonic()
+        try:
+            body = parse_body(await read_body(request, self.config.limits), GenerateBody)
+            body.refuse_unsupported()
+            prompts = body.prompts()
+            tokenizer = self.config.tokenizer
+            if body.needs_tokenizer(prompts):
+                tokenizer = self._codec("return_logprob")
+            fmt = SglangFormat(body, prompts, tokenizer)
+            requests = body.grpc_requests(prompts, fmt.rids)
+            renames = {**SGLANG_PARAMS, "prompt": "text" if body.text is not None else "input_ids"}
+            return await self._generate(
+                request, requests, body.n(), body.stream, fmt, "generate", started, renames
+            )
+        except GatewayError as exc:
+            return self._refused("generate", exc, started)
 
     async def tokenize(self, request: Request) -> Response:
         """vLLM's `/tokenize`: a prompt's token ids, or those of messages rendered by the chat
