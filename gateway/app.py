@@ -172,7 +172,10 @@ class Gateway:
             tokenizer = self.config.tokenizer
             if body.needs_tokenizer(prompts):
                 tokenizer = self._codec("return_logprob")
-            fmt = SglangFormat(body, prompts, tokenizer)
+            prompt_ids = None
+            if tokenizer is not None and (body.stream or body.needs_tokenizer(prompts)):
+                prompt_ids = await asyncio.to_thread(_encode_all, tokenizer, prompts)
+            fmt = SglangFormat(body, prompts, tokenizer, prompt_ids)
             requests = body.grpc_requests(prompts, fmt.rids)
             renames = {**SGLANG_PARAMS, "prompt": "text" if body.text is not None else "input_ids"}
             return await self._generate(
@@ -196,7 +199,7 @@ class Gateway:
                     messages=body.messages or [], add_generation_prompt=body.add_generation_prompt
                 )
                 text = self.render_chat(chat)
-            tokens = codec.encode(text)
+            tokens = await asyncio.to_thread(codec.encode, text)  # megabytes of text take a while
             info = await self._server_info(request)
         except GatewayError as exc:
             return self._refused("tokenize", exc, started)
@@ -492,6 +495,10 @@ async def _pump(
         await queue.put((prompt, exc))
         return
     await queue.put((prompt, None))
+
+
+def _encode_all(tokenizer: TokenCodec, prompts: list[str | list[int]]) -> list[list[int] | None]:
+    return [tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
 
 
 def _renamed(error: GatewayError, renames: dict[str, str]) -> GatewayError:

@@ -215,26 +215,27 @@ class SglangFormat(ResponseFormat):
     """`/generate`'s answer, streamed (each event the choice so far) or whole."""
 
     def __init__(
-        self, body: GenerateBody, prompts: list[str | list[int]], tokenizer: TokenCodec | None
+        self,
+        body: GenerateBody,
+        prompts: list[str | list[int]],
+        tokenizer: TokenCodec | None,
+        prompt_ids: list[list[int] | None] | None = None,
     ) -> None:
+        """`prompt_ids`: per prompt its token ids where known (a text prompt's, tokenized off the
+        event loop), for its `prompt_tokens` before it finishes and SGLang's default start."""
         self.body = body
         self.prompts = prompts
         self.tokenizer = tokenizer
         self.rids = body.rids(len(prompts))
         self.n = body.n()
-        self._prompt_ids: dict[int, list[int]] = {}
+        known = prompt_ids or [p if isinstance(p, list) else None for p in prompts]
+        self._prompt_ids = {i: ids for i, ids in enumerate(known) if ids is not None}
 
     # --- the pieces of one choice -------------------------------------------------------------
 
     def _ids_of(self, prompt: int) -> list[int]:
-        """The prompt's token ids (a text prompt's as the tokenizer makes them)."""
-        if prompt not in self._prompt_ids:
-            given = self.prompts[prompt]
-            if isinstance(given, list):
-                self._prompt_ids[prompt] = given
-            else:
-                self._prompt_ids[prompt] = self.tokenizer.encode(given) if self.tokenizer else []
-        return self._prompt_ids[prompt]
+        """The prompt's token ids; empty for a text prompt not tokenized here."""
+        return self._prompt_ids.get(prompt, [])
 
     def _decode_one(self, token_id: int) -> str | None:
         return self.tokenizer.decode([token_id], skip_special_tokens=False) if self.tokenizer else None

@@ -171,6 +171,9 @@ async def test_a_stop_token_finish_names_it(plane: FakeControlPlane) -> None:
         ({"text": "x", "lora_path": "adapter"}, "lora_path"),
         ({"text": "x", "input_ids": [1]}, "text"),
         ({"input_ids": []}, "input_ids"),
+        ({"input_ids": [[1], [2**40]]}, "input_ids.1.0"),
+        ({"text": "x", "sampling_params": {"sampling_seed": 2**64}}, "sampling_params.sampling_seed"),
+        ({"text": ["a", "\ud800"]}, "text.1"),
         ({"text": ["a", "b"], "rid": ["only-one"]}, "rid"),
     ],
 )
@@ -178,7 +181,10 @@ async def test_what_is_not_supported_is_a_400_naming_it(
     plane: FakeControlPlane, body: dict[str, Any], param: str
 ) -> None:
     async with http_client(app_with(plane)) as http:
-        reply = await http.post("/generate", json=body)
+        # As JSON escapes it (a lone surrogate included): httpx's own encoder refuses one.
+        reply = await http.post(
+            "/generate", content=json.dumps(body), headers={"content-type": "application/json"}
+        )
     assert reply.status_code == 400, reply.text
     assert reply.json()["error"]["param"] == param, reply.text
     assert reply.json()["error"]["message"].startswith(f"{param}:")
