@@ -42,6 +42,10 @@ class Generation:
     queue_s: float = 0.0
     ttft_s: float = 0.0
     total_s: float = 0.0
+    # One per token when the request asked for log probabilities.
+    logprobs: list[gen_pb.TokenLogprob] = field(default_factory=list)
+    # The prompt's, when logprob_start_len was set (sample 0 of a call hears them).
+    prompt_logprobs: gen_pb.PromptLogprobs | None = None
 
 
 def sampling_params(
@@ -60,10 +64,19 @@ def sampling_params(
     n: int | None = None,
     min_new_tokens: int | None = None,
     logit_bias: Mapping[int, float] | None = None,
+    logprobs: bool = False,
+    top_logprobs: int | None = None,
+    token_ids_logprob: Sequence[int] = (),
+    logprob_start_len: int | None = None,
 ) -> gen_pb.SamplingParams:
     """Build SamplingParams, leaving unset what the caller did not give (server defaults apply)."""
     msg = gen_pb.SamplingParams(
-        stop=list(stop), stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos, logit_bias=logit_bias
+        stop=list(stop),
+        stop_token_ids=list(stop_token_ids),
+        ignore_eos=ignore_eos,
+        logit_bias=logit_bias,
+        logprobs=logprobs,
+        token_ids_logprob=list(token_ids_logprob),
     )
     optional = {
         "max_new_tokens": max_new_tokens,
@@ -77,6 +90,8 @@ def sampling_params(
         "presence_penalty": presence_penalty,
         "n": n,
         "min_new_tokens": min_new_tokens,
+        "top_logprobs": top_logprobs,
+        "logprob_start_len": logprob_start_len,
     }
     for name, value in optional.items():
         if value is not None:
@@ -280,8 +295,9 @@ class StepwiseClient:
         request = generate_request(prompt, sampling_params(n=n, **sampling), request_id)
         gens = [Generation() for _ in range(n)]
         async for response in self.stream(request):
-            event = response.chunk if response.WhichOneof("event") == "chunk" else response.finished
-            apply_response(gens[event.index], response)
+            kind = response.WhichOneof("event")
+            index = 0 if kind == "prompt_logprobs" else getattr(response, kind).index
+            apply_response(gens[index], response)
         return gens
 
     async def abort(self, request_id: str) -> bool:
@@ -295,9 +311,14 @@ class StepwiseClient:
 
 def apply_response(gen: Generation, response: gen_pb.GenerateResponse) -> None:
     gen.request_id = response.request_id
-    if response.WhichOneof("event") == "chunk":
+    kind = response.WhichOneof("event")
+    if kind == "chunk":
         gen.token_ids.extend(response.chunk.token_ids)
         gen.text += response.chunk.text
+        gen.logprobs.extend(response.chunk.logprobs)
+        return
+    if kind == "prompt_logprobs":
+        gen.prompt_logprobs = response.prompt_logprobs
         return
     fin = response.finished
     gen.finish_reason = FINISH_NAMES.get(fin.reason, "unspecified")

@@ -116,10 +116,49 @@ def check_logit_bias_ids(params: RequestParams, vocab_size: int) -> None:
         )
 
 
+def _logprob_fields(msg: gen_pb.SamplingParams, limits: Limits) -> tuple[bool, int, tuple[int, ...], int]:
+    """(output logprobs, top alternatives, token_ids_logprob, logprob_start_len), checked; prompt
+    lengths and vocabulary are checked where they are known (check_prompt_scoring)."""
+    most = limits.max_top_logprobs
+    top = msg.top_logprobs if msg.HasField("top_logprobs") else 0
+    _check(
+        0 <= top <= most, "sampling.top_logprobs", f"must be in [0, {most}] (--max-top-logprobs), got {top}"
+    )
+    ids = tuple(msg.token_ids_logprob)
+    _check(
+        len(ids) <= most,
+        "sampling.token_ids_logprob",
+        f"{len(ids)} ids; at most {most} are allowed (--max-top-logprobs)",
+    )
+    _check(all(i >= 0 for i in ids), "sampling.token_ids_logprob", "token ids must be >= 0")
+    start = msg.logprob_start_len if msg.HasField("logprob_start_len") else -1
+    _check(start >= -1, "sampling.logprob_start_len", f"must be >= -1 (-1: none), got {start}")
+    return msg.logprobs or top > 0 or bool(ids), top, ids, start
+
+
+def check_prompt_scoring(params: RequestParams, prompt_len: int, vocab_size: int) -> None:
+    """What needs the prompt and the vocabulary: logprob_start_len inside the prompt, the ids of
+    token_ids_logprob inside the vocabulary; InvalidArgument naming the field otherwise."""
+    start = params.logprob_start_len
+    _check(
+        start < prompt_len,
+        "sampling.logprob_start_len",
+        f"{start} is not below the prompt's length of {prompt_len} tokens",
+    )
+    for token in params.sampler.token_ids_logprob:
+        _check(
+            token < vocab_size,
+            "sampling.token_ids_logprob",
+            f"token id {token} is outside the vocabulary [0, {vocab_size})",
+        )
+
+
 def sampling_from_proto(msg: gen_pb.SamplingParams, limits: Limits | None = None) -> RequestParams:
     """Validate and convert sampling parameters; raises InvalidArgument naming the field."""
+    limits = limits or Limits()
     _check_finite(msg)
-    _check_stops(msg, limits or Limits())
+    _check_stops(msg, limits)
+    logprobs, top, ids, start = _logprob_fields(msg, limits)
     max_new = msg.max_new_tokens if msg.HasField("max_new_tokens") else None
     # A client that sends no temperature samples at 1.0 (the client protocol's default, as in SGLang), not
     # at SamplerParams' greedy "off".
@@ -149,6 +188,9 @@ def sampling_from_proto(msg: gen_pb.SamplingParams, limits: Limits | None = None
         presence_penalty=msg.presence_penalty if msg.HasField("presence_penalty") else 0.0,
         seed=msg.seed if msg.HasField("seed") else None,
         logit_bias=_logit_bias(msg),
+        # The worker scores with the sampled token plus `top` alternatives when anything is asked.
+        logprobs=1 + top if logprobs or start >= 0 else 0,
+        token_ids_logprob=ids,
     )
     return RequestParams(
         max_new_tokens=max_new,
@@ -157,6 +199,8 @@ def sampling_from_proto(msg: gen_pb.SamplingParams, limits: Limits | None = None
         stop_token_ids=frozenset(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
         sampler=sampler,
+        logprobs=logprobs,
+        logprob_start_len=start,
     )
 
 
@@ -296,8 +340,14 @@ _FINISH_TO_PROTO = {
 }
 
 
-def chunk_response(request_id: str, index: int, token_ids: list[int], text: str) -> gen_pb.GenerateResponse:
-    chunk = gen_pb.TokenChunk(index=index, token_ids=token_ids, text=text)
+def chunk_response(
+    request_id: str,
+    index: int,
+    token_ids: list[int],
+    text: str,
+    logprobs: tuple[gen_pb.TokenLogprob, ...] = (),
+) -> gen_pb.GenerateResponse:
+    chunk = gen_pb.TokenChunk(index=index, token_ids=token_ids, text=text, logprobs=logprobs)
     return gen_pb.GenerateResponse(request_id=request_id, chunk=chunk)
 
 

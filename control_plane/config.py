@@ -34,6 +34,8 @@ class Limits:
     # Summed over a request's stop strings, in characters.
     max_stop_chars: int = 4096
     max_stop_token_ids: int = 1024
+    # Top alternatives per position a request may ask for, and ids in its token_ids_logprob.
+    max_top_logprobs: int = 20
     # UTF-8 bytes of a text prompt, checked before tokenizing (which costs time in proportion).
     max_prompt_bytes: int = 4 * 1024 * 1024
     # Request ids and routing keys, in characters.
@@ -150,6 +152,9 @@ class ControlConfig:
     # Output tokens per client message (SGLang's --stream-interval): the first token goes at once,
     # then a message per this many tokens, and the rest at the finish.
     stream_interval: int = 1
+    # What a log probability is (vLLM's --logprobs-mode): "raw", the log-softmax of the model's logits,
+    # or "processed", of what sampling draws from (docs/protocols.md#log-probabilities).
+    logprobs_mode: str = "raw"
     # Two plans in flight per worker (SGLang's overlap scheduling, docs/scheduler.md#overlap).
     overlap: bool = True
     # Concurrent Generate calls one frontend serves; past it, RESOURCE_EXHAUSTED.
@@ -372,6 +377,13 @@ def _add_process_arguments(parser: argparse.ArgumentParser) -> None:
         help="output tokens per client message after the first (larger: fewer, bigger messages)",
     )
     add(
+        "--logprobs-mode",
+        choices=("raw", "processed"),
+        default=d.logprobs_mode,
+        help="log probabilities of the model's logits (raw) or of what sampling draws from, after "
+        "penalties, bias, temperature and top-k/top-p/min-p (processed)",
+    )
+    add(
         "--disable-overlap-schedule",
         action="store_true",
         help="one plan in flight per worker instead of two (planning no longer overlaps the forward)",
@@ -490,6 +502,12 @@ def _add_limit_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-stop-token-ids", type=count(0), default=d.max_stop_token_ids, help="stop token ids per request"
     )
     add("--max-prompt-bytes", type=count(0), default=d.max_prompt_bytes, help="UTF-8 bytes of a text prompt")
+    add(
+        "--max-top-logprobs",
+        type=count(0),
+        default=d.max_top_logprobs,
+        help="top log probabilities per position a request may ask for (and ids in its token_ids_logprob)",
+    )
     add(
         "--max-worker-kv-tokens",
         type=Int(1, MAX_TOKENS),
@@ -611,6 +629,7 @@ def limits_from_args(ns: argparse.Namespace) -> Limits:
         max_stop_strings=ns.max_stop_strings,
         max_stop_chars=ns.max_stop_chars,
         max_stop_token_ids=ns.max_stop_token_ids,
+        max_top_logprobs=ns.max_top_logprobs,
         max_prompt_bytes=ns.max_prompt_bytes,
         max_worker_kv_tokens=ns.max_worker_kv_tokens,
         worker_step_timeout_s=ns.worker_step_timeout,
@@ -673,6 +692,7 @@ def control_config_from_args(ns: argparse.Namespace, model_dir: Path) -> Control
         security=security_from_args(ns, ns.host),
         frontends=ns.frontends,
         stream_interval=ns.stream_interval,
+        logprobs_mode=ns.logprobs_mode,
         overlap=not ns.disable_overlap_schedule,
         max_concurrent_streams=ns.max_concurrent_streams,
         frontend_heartbeat_interval_s=heartbeat_interval,

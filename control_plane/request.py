@@ -76,6 +76,11 @@ class RequestParams:
     # hand-over. The client's prompt is the input less these; the worker is told the client's prompt
     # length, so what depends on it (the sim's EOS position) does not move with a re-prefill.
     generated_before: int = 0
+    # Output tokens carry their log probabilities (the sampler's `logprobs` says how many top ones).
+    logprobs: bool = False
+    # Prompt positions from here on are scored (SGLang's logprob_start_len); -1: none
+    # (docs/scheduler.md#prompt-log-probabilities).
+    logprob_start_len: int = -1
 
 
 class RowColumns(Protocol):
@@ -144,6 +149,12 @@ class Request:
     _kv_committed_len: int = 0
     _kv_allocated_len: int = 0
     _columns: RowColumns | None = field(default=None, repr=False)
+    # Prompt scoring (params.logprob_start_len >= 0): the rows received so far, in position order
+    # (row p scores position p against token p + 1), the next position a plan is to score, and
+    # whether the whole prompt's scores were published (then nothing more is scored).
+    score_rows: list[Any] = field(default_factory=list)
+    score_next: int = 0
+    scores_sent: bool = False
     # Generated tokens live in `_fill` (prompt + outputs as int64: the prefix tree keys on these
     # bytes, and converting a Python list of 2k ids costs ~36 µs per match, an array slice ~0.6 µs)
     # and, as Python ints, in `_output_ids`, which is extended from `_fill` only when read: a Python
@@ -234,6 +245,22 @@ class Request:
     @property
     def seqlen(self) -> int:
         return len(self.origin_input_ids) + self.num_outputs
+
+    @property
+    def scores_pending(self) -> bool:
+        """Prompt positions still to be scored and published (docs/scheduler.md#prompt-log-probabilities)."""
+        return self.params.logprob_start_len >= 0 and not self.scores_sent
+
+    @property
+    def score_rows_wanted(self) -> int:
+        """Rows the prompt scoring needs: positions logprob_start_len .. prompt end - 2 (each scores
+        the token after it; the last prompt position's row is the first output token's)."""
+        return max(0, len(self.origin_input_ids) - 1 - self.params.logprob_start_len)
+
+    @property
+    def score_received_to(self) -> int:
+        """The first prompt position whose row has not been received."""
+        return self.params.logprob_start_len + len(self.score_rows)
 
     @property
     def finished(self) -> bool:

@@ -1,10 +1,18 @@
 """Executes one StepPlan: apply the deltas, run one forward over the ragged batch, sample, report.
 
 The step reads like the protocol: releases, offloads, restores, new sequences, then extends and
-decodes as one forward. A plan that contradicts the worker's state is answered with an error
-string instead of crashing the worker. Plan checks for the forward happen before any slot table
-changes; a failure in releases/offloads/new sequences may leave those earlier deltas applied, so
-the control plane should treat an error result as fatal for the sequences the plan touched.
+decodes as one forward, then sampling and prompt scoring. A plan that contradicts the worker's state
+is answered with an error string instead of crashing the worker. Plan checks for the forward (the
+score columns' among them) happen before any slot table changes; a failure in
+releases/offloads/new sequences may leave those earlier deltas applied, so the control plane should
+treat an error result as fatal for the sequences the plan touched.
+
+Prompt scoring (ExtendWork.score_*, data_plane/scoring.py) reports, for each scored position, the
+raw log-softmax of the model's logits there (never penalised, biased or truncated: prompt rows are
+not sampled, so the processed mode does not apply to them), scored against the next prompt token,
+with the sequence's `logprobs - 1` top alternatives and its token_ids_logprob. The forward hands back
+only the scored rows' final-normed hidden states; the LM head runs over them in slices of at most
+SCORE_SLICE_BYTES of logits, so scoring a long prompt never holds [positions, vocab] logits.
 """
 
 from __future__ import annotations
@@ -20,15 +28,35 @@ from data_plane.backends.base import AttentionBackend, StepLayout
 from data_plane.backends.sdpa import SdpaBackend
 from data_plane.kv_pool import HostCopy, KvPool
 from data_plane.models.llama import ForwardBatch, LlamaModel
-from data_plane.sampler import BiasRow, PenaltyRow, SampleOutput, sample
+from data_plane.sampler import BiasRow, PenaltyRow, SampleOutput, ids_logprobs, logprob_rows, sample
+from data_plane.scoring import ScoreRows, score_rows
 from data_plane.state import NO_TOKEN, PlanError, SequenceTable
-from protos.worker import KvReport, KvTransfer, StepPlan, StepResult, TokenLogprobs
+from protos.worker import (
+    KvReport,
+    KvTransfer,
+    PromptScores,
+    SamplerParams,
+    StepPlan,
+    StepResult,
+    TokenLogprobs,
+)
 
 log = structlog.get_logger(__name__)
 
 # A CPU step of at most this many tokens runs on the worker's event loop thread (data_plane/session.py):
 # tens of milliseconds at most on a small model, so the loop stays responsive.
 INLINE_MAX_TOKENS = 256
+
+# Prompt scoring runs the LM head over slices of the scored rows: a slice's float32 logits
+# ([rows, vocab]) stay under this many bytes, so the scoring's memory is bounded whatever the prompt
+# (about twice this at its peak: a slice's logits and their log-softmax), where 2,000 rows at a 128k
+# vocabulary would be 1 GB of logits at once.
+SCORE_SLICE_BYTES = 16 * 2**20
+
+
+def score_slice_rows(vocab_size: int) -> int:
+    """Rows per scoring slice (at least one, for vocabularies past the budget)."""
+    return max(1, SCORE_SLICE_BYTES // (4 * vocab_size))
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +65,9 @@ class PreparedStep:
 
     batch: ForwardBatch
     sample_rows: np.ndarray  # table rows, in result order
+    # The scored prompt rows and the table row of each extend entry; None when nothing scores.
+    scoring: ScoreRows | None = None
+    ext_rows: np.ndarray | None = None
 
 
 class Executor:
@@ -80,12 +111,16 @@ class Executor:
         prepared = self._apply(plan)
         if prepared is None:
             return self._result(plan.step_id, np.zeros(0, np.int64), (), started)
-        logits = self.model.forward(prepared.batch, self.pool)
-        output = self._sample(logits, prepared.sample_rows)
+        forward = self.model.forward(prepared.batch, self.pool)
+        output = self._sample(forward.logits, prepared.sample_rows)
         self.table.last_token[prepared.sample_rows] = output.token_ids
         ones = np.ones(len(prepared.sample_rows), dtype=np.int64)
         self.table.extend_history(prepared.sample_rows, ones, output.token_ids)
-        return self._result(plan.step_id, output.token_ids, output.logprobs, started)
+        scores: tuple[PromptScores, ...] = ()
+        if prepared.scoring is not None and forward.scored_hidden is not None:
+            assert prepared.ext_rows is not None
+            scores = self._score_prompts(forward.scored_hidden, prepared.scoring, prepared.ext_rows)
+        return self._result(plan.step_id, output.token_ids, output.logprobs, started, prompt_scores=scores)
 
     def runs_inline(self, plan: StepPlan) -> bool:
         """A CPU step of few tokens; CUDA steps wait for the device, so they never block the loop."""
@@ -97,7 +132,7 @@ class Executor:
         prepared = self._apply(plan)
         if prepared is None:
             return torch.zeros(0, self.model.config.vocab_size)
-        return self.model.forward(prepared.batch, self.pool)
+        return self.model.forward(prepared.batch, self.pool).logits
 
     def _forget_cached_kv(self, plan: StepPlan) -> None:
         """Tell the backend of every sequence whose KV or slots this plan changes."""
@@ -194,6 +229,7 @@ class Executor:
         if len(ext.handles) == 0 and len(dec.handles) == 0:
             return None
         ext_rows, dec_rows = self._check_work(plan)
+        scoring = score_rows(ext)
         self.table.extend_history(ext_rows, ext.lens, ext.token_ids)
         ext_positions = self.table.append_slots(ext_rows, ext.lens, ext.slots)
         dec_ones = np.ones(len(dec_rows), dtype=np.int64)
@@ -217,10 +253,13 @@ class Executor:
             write_slots=self._tensor(np.concatenate((ext.slots, dec.slots))),
             attention=self.attention.plan(layout),
             sample_index=self._tensor(sample_index),
+            score_index=self._tensor(scoring.flat_index) if scoring is not None else None,
         )
         return PreparedStep(
             batch=batch,
             sample_rows=np.concatenate((ext_rows[sample_mask], dec_rows)),
+            scoring=scoring,
+            ext_rows=ext_rows if scoring is not None else None,
         )
 
     def _check_work(self, plan: StepPlan) -> tuple[np.ndarray, np.ndarray]:
@@ -278,7 +317,42 @@ class Executor:
                     biases.append(BiasRow(i, *bias))
         # Slot tables already include this step's tokens, so the sampled token's position is the length.
         positions = self.table.lengths[rows]
-        return sample(logits, self.table.sampler_columns(rows), positions, penalties, self.rng, biases)
+        cols = self.table.sampler_columns(rows)
+        ids: list[np.ndarray] = []
+        if int(cols.logprobs.max(initial=0)) > 0:  # per-row lookups only when some row asks
+            ids = [_ids_of(self.table.params(row)) for row in rows.tolist()]
+        return sample(logits, cols, positions, penalties, self.rng, biases, logprob_ids=ids)
+
+    @torch.inference_mode()
+    def _score_prompts(
+        self, hidden: torch.Tensor, scoring: ScoreRows, ext_rows: np.ndarray
+    ) -> tuple[PromptScores, ...]:
+        """One PromptScores per scoring entry, from the scored rows' hidden states, slice by slice."""
+        step = score_slice_rows(self.model.config.vocab_size)
+        out = []
+        start = 0
+        for entry, count in zip(scoring.entries.tolist(), scoring.counts.tolist(), strict=True):
+            params = self.table.params(int(ext_rows[entry]))
+            top_n, ids = max(0, params.logprobs - 1), _ids_of(params)
+            rows: list[TokenLogprobs] = []
+            for a in range(start, start + count, step):
+                b = min(a + step, start + count)
+                rows.extend(self.score_slice(hidden[a:b], scoring.targets[a:b], top_n, ids))
+            out.append(PromptScores(entry=entry, rows=tuple(rows)))
+            start += count
+        return tuple(out)
+
+    def score_slice(
+        self, hidden: torch.Tensor, targets: np.ndarray, top_n: int, ids: np.ndarray
+    ) -> tuple[TokenLogprobs, ...]:
+        """Score one slice of rows: raw logprobs of `targets`, top_n alternatives, the `ids`."""
+        # Two [rows, vocab] buffers at most: the logits, and their log-softmax (the logits then go).
+        logprobs = torch.log_softmax(self.model.head(hidden), dim=-1)
+        rows = len(targets)
+        ids_values: list[tuple[float, ...]] = [()] * rows
+        if len(ids):
+            ids_values = [tuple(v) for v in ids_logprobs(logprobs, ids).tolist()]
+        return logprob_rows(logprobs, targets, np.full(rows, top_n), ids_values)
 
     def _result(
         self,
@@ -287,6 +361,7 @@ class Executor:
         logprobs: tuple[TokenLogprobs, ...],
         started: float,
         error: str = "",
+        prompt_scores: tuple[PromptScores, ...] = (),
     ) -> StepResult:
         return StepResult(
             step_id=step_id,
@@ -294,6 +369,7 @@ class Executor:
             kv=self.kv_report(),
             forward_s=time.perf_counter() - started,
             logprobs=logprobs,
+            prompt_scores=prompt_scores,
             error=error,
         )
 
@@ -304,6 +380,13 @@ class Executor:
         if self.device.type == "cuda":
             return int(torch.cuda.memory_allocated(self.device))
         return self.model.weight_bytes + self.pool.nbytes + self.attention.nbytes
+
+
+def _ids_of(params: SamplerParams) -> np.ndarray:
+    """The token_ids_logprob a sequence's logprobs report (int64; empty when it asks for none)."""
+    if params.logprobs <= 0 or not params.token_ids_logprob:
+        return np.zeros(0, dtype=np.int64)
+    return np.asarray(params.token_ids_logprob, dtype=np.int64)
 
 
 def _kv_changing_handles(plan: StepPlan) -> list[int]:

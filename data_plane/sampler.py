@@ -2,8 +2,15 @@
 
 Order of operations (as transformers' processors and warpers apply them): penalties on the raw
 logits, then the logit bias (OpenAI's `logit_bias`), then temperature, top-k, top-p and min-p, then
-one draw. Logprobs are reported from the penalised and biased logits before temperature and
-truncation.
+one draw.
+
+Logprobs (SamplerParams.logprobs > 0 for some row of the step; otherwise none are computed, so a
+step that asks for none pays nothing): every row then gets an entry, with the sampled token's
+logprob, its `logprobs - 1` top alternatives (most likely first) and the logprobs of its
+`token_ids_logprob` ids (an id outside the vocabulary reports -inf). A row's mode decides what they
+are the log-softmax of: raw (the default) is the model's logits before penalties and bias; processed
+(`processed_logprobs`) is what sampling draws from, after penalties, bias, temperature (none for a
+greedy row), top-k, top-p and min-p, with -inf for every filtered token.
 
 Reproducibility: a seeded row's draw uses a uniform number computed from (seed, position of the
 token being sampled) by a counter-based hash, not from a shared generator stream. So the same
@@ -13,6 +20,7 @@ The draw itself is an inverse-CDF lookup over the filtered distribution, batched
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -59,16 +67,24 @@ def sample(
     penalties: list[PenaltyRow],
     rng: np.random.Generator,
     biases: list[BiasRow] | tuple[BiasRow, ...] = (),
+    logprob_ids: Sequence[np.ndarray] = (),
 ) -> SampleOutput:
     """Pick one token per row of `logits` ([S, vocab], float32; modified in place by penalties and
     biases).
 
     `positions[i]` is the position the sampled token will take in its sequence (the seed's counter).
+    `logprob_ids[i]` (empty, or one array per row) are row i's token_ids_logprob.
     """
+    wants_logprobs = int(cols.logprobs.max(initial=0)) > 0
+    # Raw logprobs before penalties and bias, which change `logits` in place.
+    logprobs = torch.log_softmax(logits, dim=-1) if wants_logprobs else None
     apply_penalties(logits, penalties)
     apply_biases(logits, biases)
-    wants_logprobs = int(cols.logprobs.max(initial=0)) > 0
-    logprobs = torch.log_softmax(logits, dim=-1) if wants_logprobs else None
+    if logprobs is not None and cols.processed is not None:
+        processed = np.flatnonzero(cols.processed)
+        if len(processed):
+            index = torch.from_numpy(processed).to(logits.device)
+            logprobs[index] = processed_logprobs(logits[index], _subset(cols, processed))
     tokens = logits.argmax(dim=-1)
     stochastic = np.flatnonzero(cols.temperature > 0)
     if len(stochastic):
@@ -76,9 +92,9 @@ def sample(
         index = torch.from_numpy(stochastic).to(logits.device)
         tokens[index] = _sample_rows(logits[index], _subset(cols, stochastic), uniforms)
     token_ids = tokens.cpu().numpy().astype(np.int64)
-    return SampleOutput(
-        token_ids, _logprob_entries(logprobs, token_ids, cols) if logprobs is not None else ()
-    )
+    if logprobs is None:
+        return SampleOutput(token_ids, ())
+    return SampleOutput(token_ids, _logprob_entries(logprobs, token_ids, cols, logprob_ids))
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[PenaltyRow]) -> None:
@@ -118,6 +134,7 @@ def _subset(cols: SamplerColumns, index: np.ndarray) -> SamplerColumns:
         has_seed=cols.has_seed[index],
         seed=cols.seed[index],
         logprobs=cols.logprobs[index],
+        processed=cols.processed[index] if cols.processed is not None else None,
     )
 
 
@@ -138,6 +155,17 @@ def _sorted_filtered_probs(logits: torch.Tensor, cols: SamplerColumns) -> tuple[
     keep = _truncation_mask(sorted_logits, cols)
     probs = torch.softmax(sorted_logits.masked_fill(~keep, float("-inf")), dim=-1).double()
     return probs, order
+
+
+def processed_logprobs(logits: torch.Tensor, cols: SamplerColumns) -> torch.Tensor:
+    """log_softmax of the logits sampling draws from ([S, vocab], vocab order, -inf where filtered):
+    divided by the temperature (not for greedy rows), then top-k, top-p and min-p."""
+    temperature = np.where(cols.temperature > 0, cols.temperature, 1.0)
+    scale = torch.from_numpy(temperature).to(logits.device, torch.float32)
+    sorted_logits, order = (logits / scale[:, None]).sort(dim=-1, descending=True)
+    keep = _truncation_mask(sorted_logits, cols)
+    sorted_logprobs = torch.log_softmax(sorted_logits.masked_fill(~keep, float("-inf")), dim=-1)
+    return torch.empty_like(sorted_logprobs).scatter_(1, order, sorted_logprobs)
 
 
 def _sample_rows(logits: torch.Tensor, cols: SamplerColumns, uniforms: np.ndarray) -> torch.Tensor:
@@ -189,16 +217,53 @@ def _splitmix64(x: np.ndarray) -> np.ndarray:
 
 
 def _logprob_entries(
-    logprobs: torch.Tensor, token_ids: np.ndarray, cols: SamplerColumns
+    logprobs: torch.Tensor, token_ids: np.ndarray, cols: SamplerColumns, logprob_ids: Sequence[np.ndarray]
 ) -> tuple[TokenLogprobs, ...]:
     """One entry per row; rows that did not ask get the sampled token's logprob only."""
-    top_n = max(0, int(cols.logprobs.max()) - 1)
-    chosen = logprobs.gather(1, torch.from_numpy(token_ids).to(logprobs.device)[:, None])[:, 0].tolist()
-    top_values, top_ids = logprobs.topk(top_n, dim=-1) if top_n else (None, None)
+    asks = cols.logprobs > 0
+    ids_values: list[tuple[float, ...]] = [()] * len(token_ids)
+    for i in np.flatnonzero(asks).tolist() if len(logprob_ids) else ():
+        if len(logprob_ids[i]):
+            ids_values[i] = tuple(ids_logprobs(logprobs[i : i + 1], logprob_ids[i])[0].tolist())
+    return logprob_rows(logprobs, token_ids, np.maximum(cols.logprobs - 1, 0), ids_values)
+
+
+def ids_logprobs(logprobs: torch.Tensor, ids: np.ndarray) -> torch.Tensor:
+    """logprobs[:, ids] ([R, len(ids)]), with -inf for ids outside the vocabulary."""
+    vocab = logprobs.shape[-1]
+    ids = np.asarray(ids, dtype=np.int64)
+    valid = (ids >= 0) & (ids < vocab)
+    index = torch.from_numpy(np.where(valid, ids, 0)).to(logprobs.device)
+    mask = torch.from_numpy(valid).to(logprobs.device)
+    return logprobs[:, index].masked_fill(~mask, float("-inf"))
+
+
+def logprob_rows(
+    logprobs: torch.Tensor,
+    chosen: np.ndarray,
+    top_n: np.ndarray,
+    ids_values: Sequence[tuple[float, ...]],
+) -> tuple[TokenLogprobs, ...]:
+    """TokenLogprobs for each row of `logprobs` ([R, vocab]): the logprob of chosen[i], the top_n[i]
+    best alternatives (most likely first), and ids_values[i] (already gathered)."""
+    device = logprobs.device
+    index = torch.from_numpy(np.asarray(chosen, dtype=np.int64)).to(device)[:, None]
+    picked = logprobs.gather(1, index)[:, 0].tolist()
+    k = min(int(top_n.max(initial=0)), logprobs.shape[-1])
+    top_values: list[list[float]] = []
+    top_ids: list[list[int]] = []
+    if k:
+        values, indices = logprobs.topk(k, dim=-1)
+        top_values, top_ids = values.tolist(), indices.tolist()
     entries = []
-    for i, logprob in enumerate(chosen):
-        n = max(0, int(cols.logprobs[i]) - 1)
-        ids = tuple(top_ids[i, :n].tolist()) if top_ids is not None and n else ()
-        values = tuple(top_values[i, :n].tolist()) if top_values is not None and n else ()
-        entries.append(TokenLogprobs(logprob=float(logprob), top_ids=ids, top_logprobs=values))
+    for i, logprob in enumerate(picked):
+        n = int(top_n[i])
+        entries.append(
+            TokenLogprobs(
+                logprob=float(logprob),
+                top_ids=tuple(top_ids[i][:n]) if n else (),
+                top_logprobs=tuple(top_values[i][:n]) if n else (),
+                ids_logprobs=ids_values[i],
+            )
+        )
     return tuple(entries)

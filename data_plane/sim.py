@@ -11,6 +11,16 @@ under overlap) simply gets more tokens. Step time follows a cost model,
 
 A step costs a few vectorised numpy operations whatever the batch size: sequences are rows of
 arrays, found by one binary search per step, and the KV report is kept up to date incrementally.
+
+Logprobs: the sim's "model" puts all probability on the token it picks. So when a sequence of the
+step asks (SamplerParams.logprobs > 0), every sampled token gets an entry: its logprob is 0.0, its
+alternatives are just that token (one, at 0.0, when logprobs >= 2: every other token has
+probability 0), and its token_ids_logprob report 0.0 for that token and -inf for any other; a
+sequence that did not ask gets the logprob alone. Processed and raw logprobs are the same here.
+Prompt scoring (ExtendWork.score_*, checked as the real worker checks it) follows the same
+convention with the next prompt token as the pick: each scored row reports 0.0 for the token that
+follows it (next_ids for an extend's last row), that token as its one alternative, and 0.0/-inf for
+token_ids_logprob.
 """
 
 from __future__ import annotations
@@ -22,8 +32,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from data_plane.scoring import score_rows
+from data_plane.state import PlanError
 from protos.arrays import SortedIndex
-from protos.worker import KvReport, StepPlan, StepResult
+from protos.worker import KvReport, PromptScores, SamplerParams, StepPlan, StepResult, TokenLogprobs
 
 # Seeded rule for requests without an output length: between 16 and 271 tokens.
 RULE_MIN_OUTPUT, RULE_SPAN = 16, 256
@@ -81,12 +93,18 @@ class _SimTable:
         self.prompt_len = np.zeros(0, dtype=np.int64)
         self.output_len = np.zeros(0, dtype=np.int64)
         self.live = np.zeros(0, dtype=bool)
+        # SamplerParams.logprobs of each row, and the token_ids_logprob of the rows that ask.
+        self.logprobs = np.zeros(0, dtype=np.int64)
+        self.logprob_ids: dict[int, tuple[int, ...]] = {}
+        self.asking = 0  # live rows with logprobs > 0: none, and a step never looks
         self.offloaded: set[int] = set()
         self.seq_slots = 0
         self._index: tuple[SortedIndex, np.ndarray] | None = None
         self._grow(_INITIAL_ROWS)
 
-    def add(self, handle: int, key: int, prompt_len: int, output_len: int, length: int) -> None:
+    def add(
+        self, handle: int, key: int, prompt_len: int, output_len: int, length: int, sampler: SamplerParams
+    ) -> None:
         if handle in self.row_of:
             raise ValueError(f"handle {handle} is already live")
         if not self._free:
@@ -95,6 +113,10 @@ class _SimTable:
         self.handle[row], self.key[row] = handle, key
         self.prompt_len[row], self.output_len[row], self.length[row] = prompt_len, output_len, length
         self.live[row] = True
+        self.logprobs[row] = max(0, sampler.logprobs)
+        if sampler.logprobs > 0:
+            self.asking += 1
+            self.logprob_ids[row] = sampler.token_ids_logprob
         self.seq_slots += length
         self._index = None
 
@@ -105,6 +127,10 @@ class _SimTable:
         else:
             self.seq_slots -= int(self.length[row])
         self.live[row] = False
+        if self.logprobs[row] > 0:
+            self.asking -= 1
+            self.logprobs[row] = 0
+            self.logprob_ids.pop(row, None)
         self._free.append(row)
         self._index = None
 
@@ -139,7 +165,7 @@ class _SimTable:
 
     def _grow(self, extra: int) -> None:
         old = len(self.length)
-        for name in ("handle", "key", "length", "prompt_len", "output_len", "live"):
+        for name in ("handle", "key", "length", "prompt_len", "output_len", "live", "logprobs"):
             array = getattr(self, name)
             setattr(self, name, np.concatenate((array, np.zeros(extra, dtype=array.dtype))))
         self._free.extend(range(old + extra - 1, old - 1, -1))
@@ -165,7 +191,7 @@ class SimExecutor:
     def execute(self, plan: StepPlan) -> StepResult:
         try:
             return self._execute(plan)
-        except (KeyError, ValueError) as exc:
+        except (KeyError, ValueError, PlanError) as exc:
             return StepResult(plan.step_id, np.zeros(0, np.int64), kv=self.kv_report(), error=f"sim: {exc!r}")
 
     def _execute(self, plan: StepPlan) -> StepResult:
@@ -174,14 +200,40 @@ class SimExecutor:
         ext, dec = plan.extends, plan.decodes
         ext_rows = self._extend_rows(plan)
         dec_rows = self.table.rows(dec.handles)
+        scoring = score_rows(ext)
         self.table.advance(ext_rows, ext.lens)
         self.table.advance(dec_rows, 1)
-        tokens = self._tokens(np.concatenate((ext_rows[ext.sample.astype(bool)], dec_rows)))
+        sampled_rows = np.concatenate((ext_rows[ext.sample.astype(bool)], dec_rows))
+        tokens = self._tokens(sampled_rows)
+        logprobs: tuple[TokenLogprobs, ...] = ()
+        if self.table.asking and int(self.table.logprobs[sampled_rows].max(initial=0)) > 0:
+            logprobs = tuple(self._certain(int(r), int(t)) for r, t in zip(sampled_rows, tokens, strict=True))
+        scores: tuple[PromptScores, ...] = ()
+        if scoring is not None:
+            targets = iter(scoring.targets.tolist())
+            scores = tuple(
+                PromptScores(
+                    entry, tuple(self._certain(int(ext_rows[entry]), next(targets)) for _ in range(count))
+                )
+                for entry, count in zip(scoring.entries.tolist(), scoring.counts.tolist(), strict=True)
+            )
         context = int(self.table.length[ext_rows].sum() + self.table.length[dec_rows].sum())
         seconds = self.cost.step_seconds(int(ext.lens.sum()) + len(dec_rows), context)
         if self.sleep:
             time.sleep(max(seconds - (time.perf_counter() - started), 0.0))
-        return StepResult(plan.step_id, tokens, kv=self.kv_report(), forward_s=seconds)
+        return StepResult(plan.step_id, tokens, logprobs, scores, kv=self.kv_report(), forward_s=seconds)
+
+    def _certain(self, row: int, token: int) -> TokenLogprobs:
+        """A position whose whole probability is on `token` (see the module docstring)."""
+        n = int(self.table.logprobs[row])
+        ids = self.table.logprob_ids.get(row, ()) if n > 0 else ()
+        alternatives = (token,) if n >= 2 else ()
+        return TokenLogprobs(
+            logprob=0.0,
+            top_ids=alternatives,
+            top_logprobs=(0.0,) * len(alternatives),
+            ids_logprobs=tuple(0.0 if i == token else -math.inf for i in ids),
+        )
 
     def _extend_rows(self, plan: StepPlan) -> np.ndarray:
         """Rows of the extends; ValueError unless each starts where its sequence ends."""
@@ -210,7 +262,7 @@ class SimExecutor:
         for new in plan.new_seqs:
             output_len = new.sim_output_len or self._rule(new.request_id)
             key = _digest(f"{self.seed}/{new.request_id}")
-            self.table.add(new.handle, key, new.prompt_len, output_len, len(new.prefix_slots))
+            self.table.add(new.handle, key, new.prompt_len, output_len, len(new.prefix_slots), new.sampler)
 
     def _tokens(self, rows: np.ndarray) -> np.ndarray:
         """The token at each row's next position: hashed, or EOS at its output length."""

@@ -37,6 +37,8 @@ class SamplerColumns:
     has_seed: np.ndarray
     seed: np.ndarray  # uint64; meaningful where has_seed
     logprobs: np.ndarray
+    # SamplerParams.processed_logprobs per row (bool); None: no row reports processed logprobs.
+    processed: np.ndarray | None = None
 
 
 class SequenceTable:
@@ -172,6 +174,7 @@ class SequenceTable:
             has_seed=cols[:, 4] > 0,
             seed=self._seeds[rows],
             logprobs=cols[:, 5].astype(np.int64),
+            processed=cols[:, 6] > 0,
         )
 
     @property
@@ -227,7 +230,8 @@ def _grown(array: np.ndarray, extra: int) -> np.ndarray:
 
 
 def _sampler_row(p: SamplerParams) -> list[float]:
-    return [p.temperature, p.top_p, p.top_k, p.min_p, 1.0 if p.seed is not None else 0.0, p.logprobs, 0.0]
+    seeded, processed = 1.0 if p.seed is not None else 0.0, 1.0 if p.processed_logprobs else 0.0
+    return [p.temperature, p.top_p, p.top_k, p.min_p, seeded, p.logprobs, processed]
 
 
 def _ragged_positions(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:

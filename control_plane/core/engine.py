@@ -540,11 +540,14 @@ def _verdict(exc: Exception) -> Verdict:
 
 
 def _sample_params(params: RequestParams, index: int, n: int, group: str) -> RequestParams:
-    """Sample i of n: seed + i, and a group name so the samples are retracted together or not at all."""
+    """Sample i of n: seed + i, and a group name so the samples are retracted together or not at all.
+    Only sample 0 scores the prompt (the call hears its prompt log probabilities once); the others
+    match the prefix cache as usual."""
     if n == 1:
         return params
     seed = params.sampler.seed
     # Seeds are uint64 on the wire: sample i's seed wraps around rather than overflowing.
     wrapped = None if seed is None else (seed + index) % SEED_SPACE
     sampler = params.sampler if wrapped is None else dataclasses.replace(params.sampler, seed=wrapped)
-    return dataclasses.replace(params, sampler=sampler, group=group)
+    start = params.logprob_start_len if index == 0 else -1
+    return dataclasses.replace(params, sampler=sampler, group=group, logprob_start_len=start)

@@ -47,6 +47,10 @@ def orphan_of(req: Request, sample: LiveSample) -> Orphan:
     if params.max_new_tokens is not None:
         params = dataclasses.replace(params, max_new_tokens=params.max_new_tokens - len(streamed))
     params = dataclasses.replace(params, generated_before=params.generated_before + len(streamed))
+    if req.scores_sent or streamed:
+        # The client has its prompt scores: the continuation scores nothing again. Unsent ones are
+        # computed again from the start on the heir (the rows received here were never published).
+        params = dataclasses.replace(params, logprob_start_len=-1)
     return Orphan(sample, req.origin_input_ids + streamed, params)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -35,8 +36,10 @@ from control_plane.link import (
     link_of,
 )
 from control_plane.request import AbortCode, FinishReason, RequestParams
+from control_plane.scheduler.records import PromptScoring
 from protos.stepwise.v1 import frontend_pb2 as fe_pb
 from protos.stepwise.v1 import generation_pb2 as gen_pb
+from protos.worker import TokenLogprobs
 
 if TYPE_CHECKING:
     from control_plane.core.router import Router
@@ -66,14 +69,33 @@ class _Outbox:
     message: fe_pb.CoreMessage = field(default_factory=fe_pb.CoreMessage)
     uids: list[np.ndarray] = field(default_factory=list)
     tokens: list[np.ndarray] = field(default_factory=list)
+    # Tokens above so far, and the indices among them of those with logprobs (in message.scores).
+    count: int = 0
+    scored: list[int] = field(default_factory=list)
+
+    def score(self, token_ids: np.ndarray, scores: tuple[tuple[int, TokenLogprobs], ...]) -> None:
+        """Logprobs of tokens about to be appended (`scores` index into `token_ids`)."""
+        for k, lp in scores:
+            self.scored.append(self.count + k)
+            _fill_score(self.message.scores.add(token_id=int(token_ids[k])), lp)
 
     def take(self) -> fe_pb.CoreMessage:
         message = self.message
         if self.uids:
             message.token_uids = np.concatenate(self.uids).astype("<u8", copy=False).tobytes()
             message.token_ids = np.concatenate(self.tokens).astype("<i4", copy=False).tobytes()
+        if self.scored:
+            message.scored_tokens = np.asarray(self.scored, dtype="<u4").tobytes()
         self.message, self.uids, self.tokens = fe_pb.CoreMessage(), [], []
+        self.count, self.scored = 0, []
         return message
+
+
+def _fill_score(msg: gen_pb.TokenLogprob, lp: TokenLogprobs) -> None:
+    msg.logprob = lp.logprob
+    msg.top_ids.extend(lp.top_ids)
+    msg.top_logprobs.extend(lp.top_logprobs)
+    msg.ids_logprobs.extend(lp.ids_logprobs)
 
 
 class _Link:
@@ -170,25 +192,49 @@ class FrontendHub:
                 uid=uid, cached_tokens=cached_tokens, admitted=at, worker=worker
             )
 
-    def tokens(self, uids: np.ndarray, token_ids: np.ndarray) -> None:
-        """A step's tokens (uid i produced token i), split by the frontend that owns each uid."""
+    def tokens(
+        self, uids: np.ndarray, token_ids: np.ndarray, scores: tuple[tuple[int, TokenLogprobs], ...] = ()
+    ) -> None:
+        """A step's tokens (uid i produced token i), split by the frontend that owns each uid, with
+        the logprobs of those that have them (`scores` index into the tokens)."""
         if not len(uids):
             return
         owners = uids >> np.uint64(UID_LINK_SHIFT)
         first = int(owners[0])
         if len(self.links) == 1 or bool((owners == first).all()):
-            self._tokens_to(first, uids, token_ids)
+            self._tokens_to(first, uids, token_ids, scores)
             return
         for link_id in np.unique(owners).tolist():
             mask = owners == link_id
-            self._tokens_to(int(link_id), uids[mask], token_ids[mask])
+            local = np.cumsum(mask) - 1
+            mine = tuple((int(local[k]), lp) for k, lp in scores if mask[k])
+            self._tokens_to(int(link_id), uids[mask], token_ids[mask], mine)
 
-    def _tokens_to(self, link_id: int, uids: np.ndarray, token_ids: np.ndarray) -> None:
+    def _tokens_to(
+        self,
+        link_id: int,
+        uids: np.ndarray,
+        token_ids: np.ndarray,
+        scores: tuple[tuple[int, TokenLogprobs], ...],
+    ) -> None:
         link = self.links.get(link_id)
         if link is not None:
             outbox = link.outgoing()
+            if scores:
+                outbox.score(token_ids, scores)
             outbox.uids.append(uids)
             outbox.tokens.append(token_ids)
+            outbox.count += len(token_ids)
+
+    def prompt_scores(self, scoring: PromptScoring) -> None:
+        link = self.links.get(link_of(scoring.uid))
+        if link is None:
+            return
+        msg = link.outgoing().message.prompt_scores.add(uid=scoring.uid, start=scoring.start)
+        prompt, start = scoring.prompt, scoring.start
+        msg.positions.add(token_id=prompt[start])
+        for j, row in enumerate(scoring.rows):
+            _fill_score(msg.positions.add(token_id=prompt[start + 1 + j]), row)
 
     def finished(self, uid: int, reason: FinishReason, cached_tokens: int) -> None:
         link = self.links.get(link_of(uid))
@@ -371,4 +417,9 @@ class FrontendHub:
 def _params(msg: fe_pb.Arrival, config: ControlConfig) -> RequestParams:
     """The arrival's parameters (the frontend checked them; the core converts them again)."""
     priority = msg.priority if msg.has_priority else None
-    return client_codec.request_params_from_proto(msg.sampling, priority, msg.routing_key, config.limits)
+    params = client_codec.request_params_from_proto(msg.sampling, priority, msg.routing_key, config.limits)
+    if params.sampler.logprobs and config.logprobs_mode == "processed":
+        params = dataclasses.replace(
+            params, sampler=dataclasses.replace(params.sampler, processed_logprobs=True)
+        )
+    return params

@@ -19,8 +19,8 @@ from control_plane import metrics
 from control_plane.core.inbox import LiveSample, Verdict
 from control_plane.link import link_of
 from control_plane.request import FinishReason, Request
-from control_plane.scheduler.records import StepUpdates
-from protos.worker import StepPlan
+from control_plane.scheduler.records import PromptScoring, StepUpdates
+from protos.worker import StepPlan, TokenLogprobs
 
 INTERNAL_ERROR = "internal error in the control plane (logged); the request could not be continued"
 
@@ -32,7 +32,11 @@ class Publisher(Protocol):
 
     def admitted(self, uid: int, cached_tokens: int, at: float, worker: str) -> None: ...
 
-    def tokens(self, uids: np.ndarray, token_ids: np.ndarray) -> None: ...
+    def tokens(
+        self, uids: np.ndarray, token_ids: np.ndarray, scores: tuple[tuple[int, TokenLogprobs], ...] = ()
+    ) -> None: ...
+
+    def prompt_scores(self, scoring: PromptScoring) -> None: ...
 
     def finished(self, uid: int, reason: FinishReason, cached_tokens: int) -> None: ...
 
@@ -156,10 +160,13 @@ class Streams:
             self._metrics.queue_time.observe(max(now - sample.arrived, 0.0))
 
     def publish(self, updates: StepUpdates) -> None:
-        """A step's tokens, then its finishes (every token of a sample precedes its finish)."""
+        """A step's prompt scores, its tokens, then its finishes (a sample's prompt scores precede its
+        tokens, every token its finish)."""
+        for scoring in updates.prompt_scores:
+            self._publisher.prompt_scores(scoring)
         tokens = updates.tokens
         if len(tokens.uids):
-            self._publisher.tokens(tokens.uids, tokens.token_ids)
+            self._publisher.tokens(tokens.uids, tokens.token_ids, tokens.scores)
             self._metrics.generation_tokens.inc(len(tokens.uids))
         for finished in updates.finished:
             sample = self._samples.get(finished.rid)

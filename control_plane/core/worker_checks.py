@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
+
 from control_plane.config import Limits
 from protos.worker import StepPlan, StepResult, WorkerLimits, sampled_count
 
@@ -90,3 +92,20 @@ def check_result(plan: StepPlan, result: StepResult, vocab_size: int) -> None:
     if len(tokens) and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab_size):
         bad = int(tokens.min()) if int(tokens.min()) < 0 else int(tokens.max())
         raise WorkerFault(f"step {plan.step_id}: token id {bad} is outside the vocabulary [0, {vocab_size})")
+    _check_prompt_scores(plan, result)
+
+
+def _check_prompt_scores(plan: StepPlan, result: StepResult) -> None:
+    """One PromptScores per extend entry that scores, in entry order, with one row per scored
+    position; the other entries none."""
+    lens = plan.extends.score_lens
+    asked = np.flatnonzero(lens).tolist() if len(lens) else []
+    got = [s.entry for s in result.prompt_scores]
+    if got != asked:
+        raise WorkerFault(f"step {plan.step_id}: prompt scores for entries {got}, the plan scored {asked}")
+    for scores in result.prompt_scores:
+        if len(scores.rows) != int(lens[scores.entry]):
+            raise WorkerFault(
+                f"step {plan.step_id}: entry {scores.entry} has {len(scores.rows)} prompt scores, "
+                f"the plan scored {int(lens[scores.entry])} positions"
+            )

@@ -25,7 +25,7 @@ from control_plane import client_codec, metrics
 from control_plane.config import ControlConfig
 from control_plane.frontend.detokenize import TextStream
 from control_plane.frontend.heartbeat import Heartbeat
-from control_plane.frontend.samples import Call, Chunk, Lost, Sample
+from control_plane.frontend.samples import Call, Chunk, Lost, Prompt, Sample
 from control_plane.link import UID_LINK_SHIFT, FrameReader, FrameWriter, LinkClosed, TurnFlush
 from control_plane.request import AbortCode, FinishKind, FinishReason
 from control_plane.tokenizer import Tokenizer
@@ -161,7 +161,9 @@ class Frontend:
         for index in range(inp.n):
             uid = (self.link_id << UID_LINK_SHIFT) | next(self._uids)
             text = TextStream(self.tokenizer, ids, params.stop, min_new_tokens=params.min_new_tokens)
-            sample = Sample(uid, call, index, len(ids), text, has_stops=bool(params.stop))
+            sample = Sample(
+                uid, call, index, len(ids), text, has_stops=bool(params.stop), scored=params.logprobs
+            )
             call.samples.append(sample)
             self.samples[uid] = sample
         self._awaiting[call.samples[0].uid] = call
@@ -219,8 +221,14 @@ class Frontend:
             if sample is not None and sample.admitted is None:
                 sample.admitted, sample.cached_tokens = admission.admitted, admission.cached_tokens
                 sample.worker = admission.worker
+        for scoring in msg.prompt_scores:
+            self._prompt_scores(scoring)
         if msg.token_uids:
-            self._tokens(msg.token_uids, msg.token_ids)
+            scores = None
+            if msg.scores:
+                at = np.frombuffer(msg.scored_tokens, dtype="<u4").tolist()
+                scores = dict(zip(at, msg.scores, strict=True))
+            self._tokens(msg.token_uids, msg.token_ids, scores)
         for finished in msg.finished:
             self._finished(finished)
         for reply in msg.replies:
@@ -236,15 +244,41 @@ class Frontend:
             self.forget(call)
         call.verdict.set_result((verdict.code, verdict.message))
 
-    def _tokens(self, uid_bytes: bytes, token_bytes: bytes) -> None:
+    def _prompt_scores(self, msg: fe_pb.LinkPromptScores) -> None:
+        """A call's prompt log probabilities, with each position's texts, before its first chunk."""
+        sample = self.samples.get(msg.uid)
+        if sample is None or sample.done:
+            return
+        positions = list(msg.positions)
+        for position in positions:
+            self._add_texts(position)
+        ids = [p.token_id for p in positions]
+        text = self.tokenizer.decode(ids, skip_special_tokens=False)
+        prompt = gen_pb.PromptLogprobs(start=msg.start, positions=positions, text=text)
+        sample.call.events.put_nowait(Prompt(prompt))
+
+    def _add_texts(self, score: gen_pb.TokenLogprob) -> None:
+        """Each token's text decoded alone (special tokens kept), for clients that show tokens."""
+        decode = self.tokenizer.decode
+        score.token = decode((score.token_id,), skip_special_tokens=False)
+        score.top_tokens.extend(decode((i,), skip_special_tokens=False) for i in score.top_ids)
+
+    def _tokens(
+        self, uid_bytes: bytes, token_bytes: bytes, scores: dict[int, gen_pb.TokenLogprob] | None = None
+    ) -> None:
         uids = np.frombuffer(uid_bytes, dtype="<u8").tolist()
         tokens = np.frombuffer(token_bytes, dtype="<i4").tolist()
         samples, touched = self.samples, {}
-        for uid, token in zip(uids, tokens, strict=True):
+        for k, (uid, token) in enumerate(zip(uids, tokens, strict=True)):
             sample = samples.get(uid)
             if sample is None or sample.done:
                 continue  # ended here already (a stop string, a cancelled call): discarded
-            stop = sample.receive(token)
+            score = None
+            if scores is not None and sample.scored:
+                score = scores.get(k)
+                if score is not None:
+                    self._add_texts(score)
+            stop = sample.receive(token, score)
             if stop is not None:
                 self._stopped(sample, stop)
             else:

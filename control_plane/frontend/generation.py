@@ -15,7 +15,7 @@ import grpc
 
 from control_plane import client_codec
 from control_plane.frontend.core_link import CORE_GONE, CoreState, Frontend
-from control_plane.frontend.samples import Call, Chunk, Done, Lost
+from control_plane.frontend.samples import Call, Chunk, Done, Lost, Prompt
 from control_plane.link import DRAINING, LinkClosed
 from protos.stepwise.v1 import generation_pb2 as gen_pb
 from protos.stepwise.v1 import generation_pb2_grpc as gen_grpc
@@ -186,6 +186,7 @@ class GenerationService(gen_grpc.GenerationServicer):
         vocab_size = state.vocab_size or self.tokenizer.vocab_size
         client_codec.check_token_ids(ids, vocab_size)
         client_codec.check_logit_bias_ids(inp.params, vocab_size)
+        client_codec.check_prompt_scoring(inp.params, len(ids), vocab_size)
         return ids
 
     def _check_text_fits(self, text: str, state: CoreState) -> int:
@@ -249,20 +250,28 @@ def generation_handler(service: GenerationService) -> grpc.GenericRpcHandler:
     return grpc.method_handlers_generic_handler(GENERATION_SERVICE, handlers)
 
 
-def coalesce(rid: str, events: Sequence[Chunk | Done]) -> list[gen_pb.GenerateResponse]:
+def coalesce(rid: str, events: Sequence[Chunk | Done | Prompt]) -> list[gen_pb.GenerateResponse]:
     """Merge consecutive chunks of a sample into one message (a slow reader gets fewer, larger ones)."""
     out: list[gen_pb.GenerateResponse] = []
     pending: Chunk | None = None
     for event in events:
         if isinstance(event, Chunk):
             if pending is not None and pending.index == event.index:
-                pending = Chunk(event.index, pending.token_ids + event.token_ids, pending.text + event.text)
+                pending = Chunk(
+                    event.index,
+                    pending.token_ids + event.token_ids,
+                    pending.text + event.text,
+                    pending.logprobs + event.logprobs,
+                )
                 continue
             _flush_chunk(rid, pending, out)
             pending = event
             continue
         _flush_chunk(rid, pending, out)
         pending = None
+        if isinstance(event, Prompt):
+            out.append(gen_pb.GenerateResponse(request_id=rid, prompt_logprobs=event.logprobs))
+            continue
         out.append(
             client_codec.finished_response(
                 rid,
@@ -278,4 +287,6 @@ def coalesce(rid: str, events: Sequence[Chunk | Done]) -> list[gen_pb.GenerateRe
 
 def _flush_chunk(rid: str, chunk: Chunk | None, out: list[gen_pb.GenerateResponse]) -> None:
     if chunk is not None and (chunk.token_ids or chunk.text):
-        out.append(client_codec.chunk_response(rid, chunk.index, list(chunk.token_ids), chunk.text))
+        out.append(
+            client_codec.chunk_response(rid, chunk.index, list(chunk.token_ids), chunk.text, chunk.logprobs)
+        )

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from control_plane.frontend.detokenize import TextStream
 from control_plane.request import FinishReason
+from protos.stepwise.v1 import generation_pb2 as gen_pb
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,6 +23,15 @@ class Chunk:
     index: int
     token_ids: tuple[int, ...]
     text: str
+    # One per token when the sample asked for log probabilities, else empty.
+    logprobs: tuple[gen_pb.TokenLogprob, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    """The call's prompt log probabilities: sent before any chunk."""
+
+    logprobs: gen_pb.PromptLogprobs
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,7 +54,7 @@ class Lost:
     message: str
 
 
-Event = Chunk | Done | Lost
+Event = Chunk | Done | Lost | Prompt
 
 
 @dataclass(slots=True, eq=False)
@@ -76,6 +86,9 @@ class Sample:
     has_stops: bool
     # Ids received but not yet in a client message (and, without stop strings, not yet detokenized).
     pending: list[int] = field(default_factory=list)
+    # Whether tokens carry log probabilities (then one per pending id here).
+    scored: bool = False
+    pending_scores: list[gen_pb.TokenLogprob] = field(default_factory=list)
     # Text of pending ids already detokenized (samples with stop strings).
     pending_text: str = ""
     admitted: float | None = None
@@ -86,11 +99,14 @@ class Sample:
     worker: str = ""
     done: bool = False
 
-    def receive(self, token: int) -> str | None:
-        """Take one output id; returns the stop string it completed, if any (the sample is then done
-        apart from its Done event, which `finish` sends)."""
+    def receive(self, token: int, score: gen_pb.TokenLogprob | None = None) -> str | None:
+        """Take one output id (with its log probabilities when the sample asked); returns the stop
+        string it completed, if any (the sample is then done apart from its Done event, which
+        `finish` sends)."""
         self.completion_tokens += 1
         self.pending.append(token)
+        if self.scored:
+            self.pending_scores.append(score if score is not None else gen_pb.TokenLogprob(token_id=token))
         if not self.has_stops:
             return None
         delta = self.text.push((token,))
@@ -105,13 +121,14 @@ class Sample:
         if not self.pending and not self.pending_text:
             return None
         tokens, self.pending = tuple(self.pending), []
+        scores, self.pending_scores = tuple(self.pending_scores), []
         text = self.pending_text if self.has_stops else self.text.push(tokens).text
         self.pending_text = ""
         now = time.monotonic()
         if self.first_token is None:
             self.first_token = now
         self.last_message = now
-        return Chunk(self.index, tokens, text)
+        return Chunk(self.index, tokens, text, scores)
 
     def finish(self, reason: FinishReason) -> list[Event]:
         """The last chunk (pending ids and held-back text; none after a stop string) and Done."""
@@ -120,7 +137,7 @@ class Sample:
         tail = self.text.finish()
         if chunk is not None or tail:
             base = chunk or Chunk(self.index, (), "")
-            events.append(Chunk(self.index, base.token_ids, base.text + tail))
+            events.append(Chunk(self.index, base.token_ids, base.text + tail, base.logprobs))
         now = time.monotonic()
         arrived = self.call.arrived
         admitted = self.admitted if self.admitted is not None else now

@@ -44,6 +44,7 @@ def max_request_bytes(limits: Limits) -> int:
     # UTF-8 takes at most 4 bytes a character; a repeated field's tag and length at most 6 bytes an
     # element; a negative int32 varint 10 bytes; 1 KiB covers every scalar field.
     stops = 4 * limits.max_stop_chars + 6 * limits.max_stop_strings + 10 * limits.max_stop_token_ids
+    stops += 10 * limits.max_top_logprobs  # token_ids_logprob
     ids = 2 * (4 * limits.max_id_chars + 6)
     return min(2 * (prompt + stops + ids + 1024), _GRPC_INT_MAX)
 

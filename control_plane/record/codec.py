@@ -113,6 +113,8 @@ def _params_to_proto(p: RequestParams) -> rec_pb.RequestParams:
         group=p.group,
         sim_output_len=p.sim_output_len,
         generated_before=p.generated_before,
+        logprobs=p.logprobs,
+        logprob_start_len=p.logprob_start_len if p.logprob_start_len >= 0 else None,
     )
 
 
@@ -129,6 +131,8 @@ def _params_from_proto(m: rec_pb.RequestParams) -> RequestParams:
         group=m.group,
         sim_output_len=m.sim_output_len,
         generated_before=m.generated_before,
+        logprobs=m.logprobs,
+        logprob_start_len=m.logprob_start_len if m.HasField("logprob_start_len") else -1,
     )
 
 

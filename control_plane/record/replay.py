@@ -196,9 +196,10 @@ StepFn = Callable[[StepPlan], StepResult]
 
 
 def comparable_result(result: StepResult) -> StepResult:
-    """What must replay exactly: step id, tokens, the KV report (not timing, memory or logprobs)."""
+    """What must replay exactly: step id, tokens, the KV report (not timing, memory or log
+    probabilities, whose float sums may differ across machines)."""
     kv = dataclasses.replace(result.kv, device_mem_used_bytes=0) if result.kv else KvReport()
-    return dataclasses.replace(result, kv=kv, forward_s=0.0, wait_s=0.0, logprobs=())
+    return dataclasses.replace(result, kv=kv, forward_s=0.0, wait_s=0.0, logprobs=(), prompt_scores=())
 
 
 def replay_worker(entries: Iterable[Entry], step: StepFn) -> ReplayReport:

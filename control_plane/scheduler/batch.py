@@ -138,6 +138,8 @@ class ScheduledBatch:
     extend_serials: list[int] = field(default_factory=list)
     extend_sampled: list[bool] = field(default_factory=list)
     new_handles: set[int] = field(default_factory=set)
+    # Extend entries that score prompt rows: entry index -> the first row's position.
+    score_starts: dict[int, int] = field(default_factory=dict)
     # Requests decoded in this step, in plan order, as RunningBatch's arrays, and each one's handle
     # and the slot its decode writes.
     decode_reqs: np.ndarray = field(default_factory=_no_objects)

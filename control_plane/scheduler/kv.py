@@ -124,12 +124,17 @@ class KvManager:
         """Mutates req and the tree like match_prefix: SGLang's req.init_next_round_input, the match
         before an admission attempt (docs/scheduler.md#admission-loop step 9e). A match never covers
         the last token: the prefill must produce logits (docs/scheduler.md#prefill-adder-budgets,
-        #invariants). A request whose KV comes back from the host pool matches nothing and locks
-        nothing."""
+        #invariants), nor a prompt position still to be scored. A request whose KV comes back from
+        the host pool matches nothing and locks nothing."""
         if req.host_backup_len:
             req.prefix_indices, req.last_node, req.cache_protected_len = np.zeros(0, dtype=np.int64), None, 0
             return
-        self.match_prefix(req, max(req.seqlen - 1, 0))
+        longest = max(req.seqlen - 1, 0)
+        if req.scores_pending:
+            # Prompt positions still to be scored are computed again (SGLang's cap at logprob_start_len,
+            # docs/scheduler.md#prompt-log-probabilities).
+            longest = min(longest, req.score_received_to)
+        self.match_prefix(req, longest)
         req.cache_protected_len = len(req.prefix_indices)
 
     def inc_lock(self, node: Any) -> None:

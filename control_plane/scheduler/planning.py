@@ -3,6 +3,8 @@ work as columns."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from control_plane.request import Request
@@ -54,25 +56,32 @@ class PlanBuilder:
         new_seqs = []
         tokens: list[int] = []
         slots: list[np.ndarray] = []
+        scoring = False
         for req in reqs:
             start, end = req.extend_range
             if req.handle in batch.new_handles:
                 new_seqs.append(self._new_seq(req, start))
+                # A new tenancy scores from the first row not received yet.
+                req.score_next = req.score_received_to
             tokens.extend(req.fill_ids[start:end])
             slots.append(self.kv.row(req)[start:end])
-        return (
-            ExtendWork(
-                handles=np.fromiter((r.handle for r in reqs), dtype=np.int64, count=len(reqs)),
-                starts=np.fromiter((r.extend_range[0] for r in reqs), dtype=np.int32, count=len(reqs)),
-                lens=np.fromiter(
-                    (r.extend_range[1] - r.extend_range[0] for r in reqs), dtype=np.int32, count=len(reqs)
-                ),
-                sample=np.array(batch.extend_sampled, dtype=bool),
-                token_ids=np.asarray(tokens, dtype=np.int32),
-                slots=np.concatenate(slots).astype(np.int64),
+            scoring = scoring or req.scores_pending
+        work = ExtendWork(
+            handles=np.fromiter((r.handle for r in reqs), dtype=np.int64, count=len(reqs)),
+            starts=np.fromiter((r.extend_range[0] for r in reqs), dtype=np.int32, count=len(reqs)),
+            lens=np.fromiter(
+                (r.extend_range[1] - r.extend_range[0] for r in reqs), dtype=np.int32, count=len(reqs)
             ),
-            tuple(new_seqs),
+            sample=np.array(batch.extend_sampled, dtype=bool),
+            token_ids=np.asarray(tokens, dtype=np.int32),
+            slots=np.concatenate(slots).astype(np.int64),
         )
+        if scoring:
+            work = _with_scores(work, reqs)
+            batch.score_starts = {
+                i: int(work.score_starts[i]) for i in np.flatnonzero(work.score_lens).tolist()
+            }
+        return work, tuple(new_seqs)
 
     def _new_seq(self, req: Request, start: int) -> NewSeq:
         history = np.zeros(0, dtype=np.int32)
@@ -88,3 +97,24 @@ class PlanBuilder:
             prompt_len=len(req.origin_input_ids) - req.params.generated_before,
             sim_output_len=req.params.sim_output_len,
         )
+
+
+def _with_scores(work: ExtendWork, reqs: list[Request]) -> ExtendWork:
+    """The extends with their prompt-scoring columns: each scoring request's entry scores the rows of
+    its extend from the next unplanned one up to the prompt's second-to-last position (the last one's
+    row is the first output token's); the token after the extend is named for the row at its end."""
+    n = len(reqs)
+    starts, lens, next_ids = np.zeros(n, np.int32), np.zeros(n, np.int32), np.full(n, -1, np.int32)
+    for i, req in enumerate(reqs):
+        if not req.scores_pending:
+            continue
+        start, end = req.extend_range
+        first = max(start, req.score_next)
+        last = min(end, len(req.origin_input_ids) - 1)
+        if last <= first:
+            continue
+        starts[i], lens[i] = first, last - first
+        req.score_next = last
+        if end < req.seqlen:
+            next_ids[i] = req.fill_ids[end]
+    return dataclasses.replace(work, score_starts=starts, score_lens=lens, next_ids=next_ids)

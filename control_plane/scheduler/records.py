@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from control_plane.request import FinishReason
-from protos.worker import StepKind
+from protos.worker import StepKind, TokenLogprobs
 
 MAX_INT = 2**63 - 1
 
@@ -36,6 +36,8 @@ class TokenBatch:
 
     uids: np.ndarray = field(default_factory=_no_uids)  # uint64: the request's `uid`
     token_ids: np.ndarray = field(default_factory=_no_tokens)  # int32
+    # (index into the tokens, logprobs) of tokens whose requests asked for log probabilities.
+    scores: tuple[tuple[int, TokenLogprobs], ...] = ()
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -53,16 +55,28 @@ class RequestFinished:
 
 
 @dataclass(frozen=True, slots=True)
+class PromptScoring:
+    """A request's prompt log probabilities: rows[j] scores position start + 1 + j (the prompt token
+    there, given every one before it); position `start` has none (docs/protocols.md#log-probabilities)."""
+
+    uid: int
+    start: int
+    prompt: list[int]
+    rows: tuple[TokenLogprobs, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class StepUpdates:
-    """What to publish since the last `take_updates`: consume `tokens` first, then `finished`
-    (every token of a request precedes its finish)."""
+    """What to publish since the last `take_updates`: consume `prompt_scores` first, then `tokens`,
+    then `finished` (a request's prompt scores precede its tokens, every token its finish)."""
 
     tokens: TokenBatch = field(default_factory=TokenBatch)
     finished: tuple[RequestFinished, ...] = ()
+    prompt_scores: tuple[PromptScoring, ...] = ()
 
     @property
     def empty(self) -> bool:
-        return not len(self.tokens) and not self.finished
+        return not len(self.tokens) and not self.finished and not self.prompt_scores
 
 
 @dataclass(slots=True)

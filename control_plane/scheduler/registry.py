@@ -7,7 +7,8 @@ import numpy as np
 
 from control_plane.request import FinishReason, Request
 from control_plane.scheduler.books import SequenceBooks
-from control_plane.scheduler.records import RequestFinished, StepUpdates, TokenBatch
+from control_plane.scheduler.records import PromptScoring, RequestFinished, StepUpdates, TokenBatch
+from protos.worker import TokenLogprobs
 
 
 class Registry:
@@ -19,6 +20,10 @@ class Registry:
         # Streamed tokens (uids, ids) per applied result, and finishes, until `take_updates`.
         self._token_uids: list[np.ndarray] = []
         self._token_ids: list[np.ndarray] = []
+        # (index among the tokens above, logprobs) of streamed tokens whose requests asked.
+        self._scores: list[tuple[int, TokenLogprobs]] = []
+        self._streamed = 0
+        self._prompt_scores: list[PromptScoring] = []
         self._finished: list[RequestFinished] = []
 
     def add(self, req: Request) -> None:
@@ -41,18 +46,33 @@ class Registry:
         self.requests.pop(req.rid, None)
         self._finished.append(RequestFinished(req.rid, req.uid, reason, req.cached_tokens))
 
-    def stream(self, uids: np.ndarray, tokens: np.ndarray) -> None:
+    def stream(
+        self, uids: np.ndarray, tokens: np.ndarray, scores: list[tuple[int, TokenLogprobs]] | None = None
+    ) -> None:
+        """Tokens to publish; `scores` index into `tokens`."""
         if len(tokens):
+            if scores:
+                offset = self._streamed
+                self._scores.extend((offset + k, lp) for k, lp in scores)
             self._token_uids.append(uids)
             self._token_ids.append(tokens)
+            self._streamed += len(tokens)
+
+    def prompt_scores(self, req: Request, rows: tuple[TokenLogprobs, ...]) -> None:
+        """A request's whole prompt scoring, published before its first token."""
+        self._prompt_scores.append(
+            PromptScoring(req.uid, req.params.logprob_start_len, req.origin_input_ids, rows)
+        )
 
     def take_updates(self) -> StepUpdates:
-        """Tokens and finishes since the last call (tokens first: see StepUpdates)."""
+        """Tokens and finishes since the last call (prompt scores, then tokens, then finishes: see
+        StepUpdates)."""
         tokens = TokenBatch()
         if self._token_ids:
-            tokens = TokenBatch(_concat(self._token_uids), _concat(self._token_ids))
-        updates = StepUpdates(tokens, tuple(self._finished))
+            tokens = TokenBatch(_concat(self._token_uids), _concat(self._token_ids), tuple(self._scores))
+        updates = StepUpdates(tokens, tuple(self._finished), tuple(self._prompt_scores))
         self._token_uids, self._token_ids, self._finished = [], [], []
+        self._scores, self._streamed, self._prompt_scores = [], 0, []
         return updates
 
 

@@ -17,15 +17,17 @@ from __future__ import annotations
 
 import numpy as np
 
-from control_plane.request import FinishReason, Request
+from control_plane.request import AbortCode, FinishReason, Request
 from control_plane.scheduler.batch import ScheduledBatch
 from control_plane.scheduler.books import SequenceBooks
 from control_plane.scheduler.exits import Exits
 from control_plane.scheduler.kv import KvManager
 from control_plane.scheduler.registry import Registry
+from protos.worker import PromptScores, TokenLogprobs
 
 MAX_NEW_TOKENS = FinishReason.length("max_new_tokens")
 EOS = FinishReason.stop("eos")
+SCORES_LOST = FinishReason.abort("internal error: prompt log probabilities were lost", AbortCode.INTERNAL)
 
 
 class ResultApplier:
@@ -39,16 +41,40 @@ class ResultApplier:
         self.books = books
         self.exits = exits
         self._eos_ids = np.array(sorted(eos_ids), dtype=np.int32)
+        # The logprobs of the result being applied (empty: none asked).
+        self._logprobs: tuple[TokenLogprobs, ...] = ()
 
-    def process_batch_result(self, batch: ScheduledBatch, token_ids: np.ndarray) -> None:
+    def process_batch_result(
+        self,
+        batch: ScheduledBatch,
+        token_ids: np.ndarray,
+        logprobs: tuple[TokenLogprobs, ...] = (),
+        prompt_scores: tuple[PromptScores, ...] = (),
+    ) -> None:
         """Append the sampled tokens of `batch`'s result (one per sampled extend, then one per decode,
         already checked against the batch), run finish checks, cache or free the KV of finished
-        requests."""
+        requests. `logprobs` (empty, or one per token) go out with the tokens of requests that asked;
+        `prompt_scores` (checked against the plan) are kept by their requests, and a request's whole
+        prompt scoring goes out before its first token."""
         tokens = np.asarray(token_ids, dtype=np.int32)
         sampled = sum(batch.extend_sampled)
+        self._logprobs = logprobs
+        if prompt_scores:
+            self._keep_scores(batch, prompt_scores)
         self._apply_extends(batch, tokens[:sampled])
         if len(batch.decode_rows):
-            self._apply_decodes(batch, tokens[sampled:])
+            self._apply_decodes(batch, tokens[sampled:], sampled)
+        self._logprobs = ()
+
+    def _keep_scores(self, batch: ScheduledBatch, prompt_scores: tuple[PromptScores, ...]) -> None:
+        """Rows for requests that still hold the tenancy they were planned for, in position order."""
+        columns = self.kv.columns
+        for scores in prompt_scores:
+            req = batch.extend_reqs[scores.entry]
+            if not columns.holds(req, batch.extend_serials[scores.entry]) or not req.scores_pending:
+                continue
+            if batch.score_starts.get(scores.entry) == req.score_received_to:
+                req.score_rows.extend(scores.rows)
 
     def _apply_extends(self, batch: ScheduledBatch, tokens: np.ndarray) -> None:
         columns = self.kv.columns
@@ -63,6 +89,9 @@ class ResultApplier:
             if not sampled:  # a middle chunk: nothing was sampled
                 req.inflight_middle_chunks = max(req.inflight_middle_chunks - 1, 0)
                 continue
+            if req.scores_pending and not self._publish_scores(req):
+                self.exits.end(req, SCORES_LOST)
+                continue
             applied.append(req)
             sampled_at.append(-1 if req.max_new_tokens == 0 and not req.num_outputs else at - 1)
         if not applied:
@@ -71,8 +100,10 @@ class ResultApplier:
         ended: dict[int, FinishReason] = {}
         if taking:
             rows = np.array([applied[i].req_pool_idx for i in taking], dtype=np.int64)
-            chosen = tokens[np.array([sampled_at[i] for i in taking], dtype=np.int64)]
-            ended = {taking[k]: reason for k, reason in self._append_tokens(rows, chosen)}
+            at_result = np.array([sampled_at[i] for i in taking], dtype=np.int64)
+            ended = {
+                taking[k]: reason for k, reason in self._append_tokens(rows, tokens[at_result], at_result)
+            }
         # In plan order, as SGLang caches them: the tree's state depends on the order of inserts.
         for i, req in enumerate(applied):
             reason = MAX_NEW_TOKENS if sampled_at[i] < 0 else ended.get(i)
@@ -81,22 +112,40 @@ class ResultApplier:
             else:
                 self.exits.end(req, reason)
 
-    def _apply_decodes(self, batch: ScheduledBatch, tokens: np.ndarray) -> None:
+    def _publish_scores(self, req: Request) -> bool:
+        """The prompt is done: its scores go out before its first token. False when rows are missing
+        (a fault: nothing should lose them); the request is then ended with an error, not answered
+        with gaps."""
+        rows, req.score_rows, req.scores_sent = tuple(req.score_rows), [], True
+        if len(rows) != req.score_rows_wanted:
+            return False
+        self.registry.prompt_scores(req, rows)
+        return True
+
+    def _apply_decodes(self, batch: ScheduledBatch, tokens: np.ndarray, offset: int) -> None:
         columns = self.kv.columns
         rows = batch.decode_rows
+        at_result = None
+        if self._logprobs:
+            at_result = offset + np.arange(len(rows), dtype=np.int64)
         held = columns.serial[rows] == batch.decode_serials
         if not held.all():
             rows, tokens = rows[held], tokens[held]
+            if at_result is not None:
+                at_result = at_result[held]
             if not len(rows):
                 return
         columns.commit_decode(rows)
-        for i, reason in self._append_tokens(rows, tokens):
+        for i, reason in self._append_tokens(rows, tokens, at_result):
             self.exits.end(columns.reqs[rows[i]], reason)
 
-    def _append_tokens(self, rows: np.ndarray, tokens: np.ndarray) -> list[tuple[int, FinishReason]]:
-        """Append one token per row, stream the visible ones, and return (index, reason) of the rows
-        that finished, by SGLang's `_check_finished` order: the length limit first (its token is
-        streamed unless it is also a stop token or EOS), then, once min_new_tokens are out, a stop
+    def _append_tokens(
+        self, rows: np.ndarray, tokens: np.ndarray, at_result: np.ndarray | None = None
+    ) -> list[tuple[int, FinishReason]]:
+        """Append one token per row, stream the visible ones (with their logprobs, `at_result` being
+        each token's index in the result, for the requests that asked), and return (index, reason) of
+        the rows that finished, by SGLang's `_check_finished` order: the length limit first (its token
+        is streamed unless it is also a stop token or EOS), then, once min_new_tokens are out, a stop
         token id or EOS unless ignore_eos (neither streamed)."""
         columns = self.kv.columns
         columns.append(rows, tokens)
@@ -107,10 +156,22 @@ class ResultApplier:
         counts = n_out >= columns.min_new[rows]
         finished = length | (matched & counts)
         visible = ~(matched & (length | counts))
-        self.registry.stream(columns.uid[rows][visible], tokens[visible])
+        scores = None
+        if self._logprobs and at_result is not None:
+            scores = self._scores_of(rows[visible], at_result[visible])
+        self.registry.stream(columns.uid[rows][visible], tokens[visible], scores)
         return [
             (i, self._reason(bool(length[i]), bool(stop_hit[i]), int(tokens[i])))
             for i in np.flatnonzero(finished).tolist()
+        ]
+
+    def _scores_of(self, rows: np.ndarray, at_result: np.ndarray) -> list[tuple[int, TokenLogprobs]]:
+        """(index among the streamed tokens, logprobs) of the tokens whose requests asked."""
+        reqs, logprobs = self.kv.columns.reqs, self._logprobs
+        return [
+            (k, logprobs[at])
+            for k, (row, at) in enumerate(zip(rows.tolist(), at_result.tolist(), strict=True))
+            if reqs[row].params.logprobs
         ]
 
     @staticmethod

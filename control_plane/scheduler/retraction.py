@@ -126,10 +126,13 @@ class Retraction:
         """Release without inserting into the tree and reset for a later re-prefill (SGLang's
         release_req, docs/scheduler.md#retraction); `remaining` requests still run after it.
 
-        With a host backup pool the KV is offloaded first and the worker keeps the handle; when the
-        pool cannot hold it the request is aborted instead. Returns whether it is to be re-queued.
+        With a host backup pool the KV is offloaded first and the worker keeps the handle (unless the
+        request is still scoring its prompt); when the pool cannot hold it the request is aborted
+        instead. Returns whether it is to be re-queued.
         """
-        backed_up = self.books.back_up(req, self.kv.row(req))
+        # A request still scoring its prompt re-prefills instead: rows of a plan in flight are
+        # discarded with it, and a restored KV would skip their positions.
+        backed_up = None if req.scores_pending else self.books.back_up(req, self.kv.row(req))
         self.kv.release_req(req, remaining, self.config.retract_decode_steps)
         if backed_up is False:
             self.registry.finish(req, FinishReason.abort(HOST_POOL_FULL.format(n=req.kv_committed_len)))

@@ -220,7 +220,7 @@ class Scheduler:
         plan's result or does not carry one token per sampled entry."""
         batch = self._oldest_in_flight(result)
         self._in_flight.popleft()
-        self.results.process_batch_result(batch, result.token_ids)
+        self.results.process_batch_result(batch, result.token_ids, result.logprobs, result.prompt_scores)
 
     def _oldest_in_flight(self, result: StepResult) -> ScheduledBatch:
         if not self._in_flight:

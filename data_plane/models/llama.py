@@ -41,6 +41,18 @@ class ForwardBatch:
     attention: StepAttention
     # [S] flat indices of the tokens whose logits are needed (rows that sample).
     sample_index: torch.Tensor
+    # [P] flat indices of the prompt rows to score (data_plane/scoring.py); None when none. Only their
+    # final-normed hidden states come back: the executor runs the LM head over them in slices.
+    score_index: torch.Tensor | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardOutput:
+    """What a forward returns: the sampling rows' logits and the scored rows' hidden states."""
+
+    logits: torch.Tensor  # float32 [S, vocab]
+    # [P, hidden] in the model's dtype, final-normed (the LM head's input); None when none scored.
+    scored_hidden: torch.Tensor | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,14 +133,23 @@ class LlamaModel:
         return cls(config, load_tensors(model_dir, device, dtype), device)
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, pool: KvPool) -> torch.Tensor:
-        """Write every token's K/V to its slot and return float32 logits [S, vocab] for sample_index."""
+    def forward(self, batch: ForwardBatch, pool: KvPool) -> ForwardOutput:
+        """Write every token's K/V to its slot; float32 logits [S, vocab] for sample_index, and the
+        final-normed hidden states of score_index."""
         hidden = F.embedding(batch.token_ids, self.embed)
         cos, sin = self._rotary(batch.positions)
         for index, layer in enumerate(self.layers):
             hidden = self._layer(index, layer, hidden, cos, sin, batch, pool)
-        last = rms_norm(hidden[batch.sample_index], self.final_norm, self.config.rms_norm_eps)
-        return (last @ self.lm_head.T).float()
+        eps = self.config.rms_norm_eps
+        logits = self.head(rms_norm(hidden[batch.sample_index], self.final_norm, eps))
+        scored = None
+        if batch.score_index is not None:
+            scored = rms_norm(hidden[batch.score_index], self.final_norm, eps)
+        return ForwardOutput(logits, scored)
+
+    def head(self, normed: torch.Tensor) -> torch.Tensor:
+        """The LM head: float32 logits [R, vocab] of final-normed hidden states [R, hidden]."""
+        return (normed @ self.lm_head.T).float()
 
     def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]

@@ -11,8 +11,9 @@ from dataclasses import dataclass, field
 from control_plane.cache.invariants import check_pool_invariants
 from control_plane.config import SchedulerConfig, validate_scheduler_config
 from control_plane.request import FinishReason, Request, RequestParams
+from control_plane.scheduler.records import PromptScoring
 from control_plane.scheduler.scheduler import Scheduler, StepUpdates
-from protos.worker import SamplerParams, StepPlan, StepResult, WorkerLimits
+from protos.worker import SamplerParams, StepPlan, StepResult, TokenLogprobs, WorkerLimits
 from tests.control_plane.fake_worker import FakeWorker
 
 EOS = 2
@@ -80,6 +81,9 @@ def prompt(n: int, seed: int = 0) -> list[int]:
 class Outcome:
     tokens: dict[str, list[int]] = field(default_factory=dict)
     finished: dict[str, FinishReason] = field(default_factory=dict)
+    # Per request: the logprobs streamed with its tokens, and its published prompt scoring.
+    scores: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    prompt_scores: dict[str, PromptScoring] = field(default_factory=dict)
     plans: list[StepPlan] = field(default_factory=list)
     steps: int = 0
 
@@ -159,6 +163,14 @@ def run(
 
 def _collect(sched: Scheduler, out: Outcome) -> None:
     updates = sched.take_updates()
+    for scoring in updates.prompt_scores:
+        rid = _RIDS[scoring.uid]
+        assert rid not in out.prompt_scores, f"{rid}: prompt scores published twice"
+        assert not out.tokens.get(rid), f"{rid}: prompt scores after its first token"
+        out.prompt_scores[rid] = scoring
+    tokens = updates.tokens
+    for k, lp in tokens.scores:
+        out.scores.setdefault(_RIDS[int(tokens.uids[k])], []).append(lp)
     for rid, tokens in by_rid(updates).items():
         assert rid not in out.finished, f"{rid} streamed after its finish"
         out.tokens.setdefault(rid, []).extend(tokens)

@@ -17,7 +17,8 @@ from control_plane.core.engine import Engine
 from control_plane.core.inbox import Arrival, LiveSample, Verdict
 from control_plane.link import UID_LINK_SHIFT
 from control_plane.request import FinishReason, RequestParams
-from protos.worker import StepPlan, StepResult, WorkerLimits
+from control_plane.scheduler.records import PromptScoring
+from protos.worker import StepPlan, StepResult, TokenLogprobs, WorkerLimits
 from tests.control_plane.factories import make_config
 from tests.control_plane.fake_worker import FakeWorker
 
@@ -72,6 +73,9 @@ class Stream:
     cached_tokens: int = 0
     admitted: bool = False
     done: asyncio.Event = field(default_factory=asyncio.Event)
+    # Logprobs of the tokens that had them, in order, and the prompt's scores.
+    scores: list[TokenLogprobs] = field(default_factory=list)
+    prompt_scores: PromptScoring | None = None
 
 
 class FakeHub:
@@ -91,12 +95,22 @@ class FakeHub:
     def admitted(self, uid: int, cached_tokens: int, at: float, worker: str) -> None:
         self.stream(uid).admitted = True
 
-    def tokens(self, uids: np.ndarray, token_ids: np.ndarray) -> None:
+    def tokens(self, uids: np.ndarray, token_ids: np.ndarray, scores: tuple = ()) -> None:
         self.log.append(("publish", len(uids)))
-        for uid, token in zip(uids.tolist(), token_ids.tolist(), strict=True):
+        scored = dict(scores)
+        for k, (uid, token) in enumerate(zip(uids.tolist(), token_ids.tolist(), strict=True)):
             stream = self.stream(uid)
             assert stream.finished is None, f"a token for uid {uid} after its finish"
             stream.tokens.append(token)
+            if k in scored:
+                stream.scores.append(scored[k])
+
+    def prompt_scores(self, scoring: PromptScoring) -> None:
+        stream = self.stream(scoring.uid)
+        assert not stream.tokens and stream.prompt_scores is None, (
+            f"uid {scoring.uid}: prompt scores late or twice"
+        )
+        stream.prompt_scores = scoring
 
     def finished(self, uid: int, reason: FinishReason, cached_tokens: int) -> None:
         stream = self.stream(uid)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from protos.worker import KvReport, StepPlan, StepResult
+from protos.worker import KvReport, PromptScores, StepPlan, StepResult, TokenLogprobs
 
 
 class KvCorruption(AssertionError):
@@ -31,6 +31,7 @@ class _Seq:
     slots: list[int] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     last: int = -1
+    logprobs: bool = False
 
 
 def next_token(context: list[int], vocab: int, eos: int | None, eos_every: int) -> int:
@@ -69,13 +70,17 @@ class FakeWorker:
         self._offload_and_restore(plan)
         for new in plan.new_seqs:
             assert new.handle not in self.seqs, f"handle {new.handle} introduced twice"
-            self.seqs[new.handle] = _Seq(slots=new.prefix_slots.tolist())
+            self.seqs[new.handle] = _Seq(slots=new.prefix_slots.tolist(), logprobs=new.sampler.logprobs > 0)
         tokens: list[int] = []
-        self._extends(plan, tokens)
-        self._decodes(plan, tokens)
+        scores: list[TokenLogprobs] = []
+        prompt_scores: list[PromptScores] = []
+        self._extends(plan, tokens, scores, prompt_scores)
+        self._decodes(plan, tokens, scores)
         return StepResult(
             step_id=plan.step_id,
             token_ids=np.asarray(tokens, dtype=np.int32),
+            logprobs=tuple(scores) if any(s.logprobs for s in self.seqs.values()) else (),
+            prompt_scores=tuple(prompt_scores),
             kv=KvReport(
                 live_seqs=len(self.seqs) - len(self.host),
                 seq_slots=sum(len(s.slots) for s in self.seqs.values()),
@@ -121,7 +126,16 @@ class FakeWorker:
             context.append(token)
         return context
 
-    def _extends(self, plan: StepPlan, tokens: list[int]) -> None:
+    def _extends(
+        self,
+        plan: StepPlan,
+        tokens: list[int],
+        scores: list[TokenLogprobs],
+        prompt_scores: list[PromptScores],
+    ) -> None:
+        """Prompt rows and sampled-token scores are labels, not numbers a model would give: a row
+        says the position it scored and the token after it (`logprob` = position, `top_ids` =
+        (token,)), read back through the sequence's slots, so tests see exactly what was scored."""
         ext = plan.extends
         offset = 0
         for i, handle in enumerate(ext.handles.tolist()):
@@ -133,17 +147,31 @@ class FakeWorker:
             for j in range(n):
                 self._write(seq, int(ext.slots[offset + j]), int(ext.token_ids[offset + j]), start + j)
             offset += n
+            if len(ext.score_lens) and ext.score_lens[i]:
+                first, count = int(ext.score_starts[i]), int(ext.score_lens[i])
+                assert start <= first and first + count <= start + n, f"entry {i} scores outside its extend"
+                context = self._read_context(handle)
+                following = [*context, int(ext.next_ids[i])]
+                assert following[-1] >= 0 or first + count < start + n, "a row at the end has no next token"
+                rows = tuple(
+                    TokenLogprobs(float(p), (following[p + 1],)) for p in range(first, first + count)
+                )
+                prompt_scores.append(PromptScores(i, rows))
             if ext.sample[i]:
-                token = next_token(self._read_context(handle), self.vocab, self.eos, self.eos_every)
+                context = self._read_context(handle)
+                token = next_token(context, self.vocab, self.eos, self.eos_every)
                 seq.last = token
                 tokens.append(token)
+                scores.append(TokenLogprobs(float(len(context)), (token,)))
 
-    def _decodes(self, plan: StepPlan, tokens: list[int]) -> None:
+    def _decodes(self, plan: StepPlan, tokens: list[int], scores: list[TokenLogprobs]) -> None:
         dec = plan.decodes
         for handle, slot in zip(dec.handles.tolist(), dec.slots.tolist(), strict=True):
             seq = self.seqs[handle]
             assert seq.last >= 0, f"decode of {handle} before any sampled token"
             self._write(seq, slot, seq.last, len(seq.slots))
-            token = next_token(self._read_context(handle), self.vocab, self.eos, self.eos_every)
+            context = self._read_context(handle)
+            token = next_token(context, self.vocab, self.eos, self.eos_every)
             seq.last = token
             tokens.append(token)
+            scores.append(TokenLogprobs(float(len(context)), (token,)))

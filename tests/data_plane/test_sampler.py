@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -136,7 +138,8 @@ def test_logprobs_report_sampled_and_top_alternatives(logits: torch.Tensor) -> N
 
 def test_logit_bias_forces_bans_and_leaves_other_rows_alone(logits: torch.Tensor) -> None:
     """OpenAI's logit_bias: +100 all but forces a token, -100 bans one, even under greedy; ids past
-    the vocabulary are left out; rows without a bias are untouched; logprobs see the biased logits."""
+    the vocabulary are left out; rows without a bias are untouched. Raw logprobs are those of the
+    model's logits (before the bias), processed ones those of the biased logits."""
     greedy = logits.argmax(-1).numpy()
     forced = int((greedy[0] + 1) % VOCAB)
     biases = [
@@ -149,6 +152,68 @@ def test_logit_bias_forces_bans_and_leaves_other_rows_alone(logits: torch.Tensor
     second_best = int(logits[1].topk(2).indices[1])
     assert out.token_ids[1] == second_best
     assert (out.token_ids[2:] == greedy[2:]).all()
+    raw = float(torch.log_softmax(logits[0], -1)[forced])
+    assert out.logprobs[0].logprob == pytest.approx(raw, abs=1e-5)
+    processed = dataclasses.replace(cols, processed=np.ones(ROWS, dtype=bool))
+    out = sample(logits.clone(), processed, np.arange(ROWS), [], np.random.default_rng(0), biases)
     biased = logits[0].clone()
     biased[forced] += 100.0
     assert out.logprobs[0].logprob == pytest.approx(float(torch.log_softmax(biased, -1)[forced]), abs=1e-5)
+    assert out.logprobs[0].logprob != pytest.approx(raw, abs=1e-3)
+
+
+def test_raw_logprobs_come_before_penalties_and_processed_ones_after(logits: torch.Tensor) -> None:
+    """Penalties change the logits in place: raw logprobs must be taken before, processed after."""
+    params = SamplerParams(presence_penalty=100.0)
+    history = logits[0].topk(3).indices.tolist()
+    penalties = [PenaltyRow(0, params, history)]
+    cols = _columns(1, temperature=0.0, logprobs=2)
+    raw = sample(logits[:1].clone(), cols, np.arange(1), penalties, np.random.default_rng(0))
+    token = int(raw.token_ids[0])
+    assert token not in history  # the penalty moved the argmax
+    assert raw.logprobs[0].logprob == pytest.approx(float(torch.log_softmax(logits[0], -1)[token]), abs=1e-5)
+    assert raw.logprobs[0].top_ids[0] == history[0]  # raw: the unpenalised best
+    cols = dataclasses.replace(cols, processed=np.ones(1, dtype=bool))
+    out = sample(logits[:1].clone(), cols, np.arange(1), penalties, np.random.default_rng(0))
+    penalised = logits[0].clone()
+    apply_penalties(penalised[None], penalties)
+    expected = torch.log_softmax(penalised, -1)
+    assert out.logprobs[0].logprob == pytest.approx(float(expected[token]), abs=1e-5)
+    assert out.logprobs[0].top_ids == (token,)
+
+
+def test_processed_logprobs_are_minus_inf_outside_top_k_and_tempered(logits: torch.Tensor) -> None:
+    cols = dataclasses.replace(
+        _columns(4, temperature=0.5, top_k=5, logprobs=8, seed=3), processed=np.ones(4, dtype=bool)
+    )
+    ids = [np.array([int(logits[i].argmin()), int(logits[i].argmax()), VOCAB + 1]) for i in range(4)]
+    out = sample(logits[:4].clone(), cols, np.arange(4), [], np.random.default_rng(0), logprob_ids=ids)
+    for i, entry in enumerate(out.logprobs):
+        scaled = logits[i] / 0.5
+        top = scaled.topk(5)
+        filtered = torch.full_like(scaled, float("-inf")).scatter(0, top.indices, top.values)
+        expected = torch.log_softmax(filtered, -1)
+        assert int(out.token_ids[i]) in top.indices.tolist()
+        assert entry.logprob == pytest.approx(float(expected[int(out.token_ids[i])]), abs=1e-5)
+        assert list(entry.top_ids[:5]) == top.indices.tolist()
+        assert np.allclose(entry.top_logprobs[:5], expected[top.indices].numpy(), atol=1e-5)
+        assert all(v == float("-inf") for v in entry.top_logprobs[5:])
+        assert entry.ids_logprobs[0] == float("-inf")
+        assert entry.ids_logprobs[1] == pytest.approx(float(expected.max()), abs=1e-5)
+        assert entry.ids_logprobs[2] == float("-inf")  # outside the vocabulary
+
+
+def test_no_logprobs_asked_means_no_entries(logits: torch.Tensor) -> None:
+    out = sample(logits.clone(), _columns(ROWS), np.arange(ROWS), [], np.random.default_rng(0))
+    assert out.logprobs == ()
+
+
+def test_rows_that_did_not_ask_get_the_sampled_logprob_only(logits: torch.Tensor) -> None:
+    cols = _columns(2, temperature=0.0)
+    cols = dataclasses.replace(cols, logprobs=np.array([0, 3]))
+    ids = [np.zeros(0, np.int64), np.array([1, 2])]
+    out = sample(logits[:2].clone(), cols, np.arange(2), [], np.random.default_rng(0), logprob_ids=ids)
+    assert out.logprobs[0].top_ids == () and out.logprobs[0].ids_logprobs == ()
+    assert len(out.logprobs[1].top_ids) == 2
+    reference = torch.log_softmax(logits[1], -1)
+    assert np.allclose(out.logprobs[1].ids_logprobs, reference[[1, 2]].numpy(), atol=1e-5)

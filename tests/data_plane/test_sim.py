@@ -155,3 +155,57 @@ def test_a_restore_names_the_length_the_sequence_continues_from() -> None:
     result = sim.execute(restore)
     assert not result.error, result.error
     assert result.kv.seq_slots == 6 and result.kv.host_seqs == 0
+
+
+def _asking(handle: int, rid: str, prompt_len: int, logprobs: int, ids: tuple[int, ...] = ()) -> NewSeq:
+    sampler = SamplerParams(logprobs=logprobs, token_ids_logprob=ids)
+    return NewSeq(handle, sampler, request_id=rid, prompt_len=prompt_len, sim_output_len=100)
+
+
+def test_logprobs_one_entry_per_sampled_token_when_any_row_asks() -> None:
+    """All mass on the picked token: logprob 0.0, that token as the one alternative, token ids 0.0
+    for it and -inf for others; a row that did not ask gets the logprob alone."""
+    executor = SimExecutor(4096, 1000, 0)
+    plan = dataclasses.replace(
+        _prefill(1, [(1, "a", 4, 100), (2, "b", 3, 100)]),
+        new_seqs=(_new(1, "a", 4, 100), _asking(2, "b", 3, logprobs=5, ids=(7, 8))),
+    )
+    result = executor.execute(plan)
+    assert not result.error, result.error
+    quiet, asking = result.logprobs
+    assert quiet.logprob == 0.0 and quiet.top_ids == () and quiet.ids_logprobs == ()
+    token = int(result.token_ids[1])
+    assert asking.logprob == 0.0 and asking.top_ids == (token,) and asking.top_logprobs == (0.0,)
+    assert asking.ids_logprobs == tuple(0.0 if i == token else float("-inf") for i in (7, 8))
+    decode = executor.execute(_decode(2, [1, 2], 500))
+    assert len(decode.logprobs) == 2
+    assert executor.execute(_decode(3, [1], 600)).logprobs == ()  # the only asking row is not in it
+
+
+def test_prompt_scores_one_row_per_scored_position() -> None:
+    """Entry 1 scores positions 1..4 of its 5-token extend: rows point at the next prompt token, the
+    last at next_ids; entry 0 scores nothing; a bad column is an error result."""
+    executor = SimExecutor(4096, 1000, 0)
+    base = _prefill(1, [(1, "a", 3, 100), (2, "b", 5, 100)])
+    ext = dataclasses.replace(
+        base.extends,
+        token_ids=np.array([1, 1, 1, 10, 11, 12, 13, 14], dtype=np.int64),
+        sample=np.array([True, False]),
+        score_starts=np.array([0, 1], dtype=np.int32),
+        score_lens=np.array([0, 4], dtype=np.int32),
+        next_ids=np.array([-1, 15], dtype=np.int32),
+    )
+    new_seqs = (_new(1, "a", 3, 100), _asking(2, "b", 5, logprobs=2, ids=(12, 3)))
+    bad = dataclasses.replace(ext, next_ids=np.array([-1, -1], dtype=np.int32))
+    assert (
+        "next_ids"
+        in SimExecutor(4096, 1000, 0).execute(dataclasses.replace(base, new_seqs=new_seqs, extends=bad)).error
+    )
+    result = executor.execute(dataclasses.replace(base, new_seqs=new_seqs, extends=ext))
+    assert not result.error, result.error
+    (scores,) = result.prompt_scores
+    assert scores.entry == 1
+    assert [row.top_ids for row in scores.rows] == [(12,), (13,), (14,), (15,)]
+    assert all(row.logprob == 0.0 for row in scores.rows)
+    assert scores.rows[0].ids_logprobs == (0.0, float("-inf"))
+    assert result.logprobs == ()  # the sampled row (entry 0) did not ask
