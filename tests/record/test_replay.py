@@ -227,3 +227,33 @@ def test_a_group_aborted_by_retraction_replays_identically() -> None:
     assert not [e for e in sink.entries if isinstance(e, Abort)]
     report = replay_scheduler([recording_header(config, limits, "test"), *sink.entries])
     assert report.identical, report.describe()
+
+
+def test_requests_with_log_probabilities_record_and_replay_identically() -> None:
+    """Scoring requests under chunking and forced retraction: their parameters survive the record,
+    and the replayed plans, prompt-scoring columns included, are the recorded ones."""
+    scoring = dataclasses.replace(params(12), logprobs=True, logprob_start_len=3)
+    scoring = dataclasses.replace(
+        scoring, sampler=dataclasses.replace(scoring.sampler, logprobs=3, token_ids_logprob=(4, 9))
+    )
+    entry = AddRequest(3, "r", (1, 2, 3, 4), scoring)
+    assert codec.decode(codec.encode(entry)) == entry
+    config = make_config(chunked_prefill_size=16, test_retract=True)
+    limits = WorkerLimits("w0", kv_capacity_tokens=4096, page_size=1, max_context=2048, vocab_size=1000)
+    sink = ListSink()
+    sched = RecordingScheduler(config, limits, sink)
+    worker = FakeWorker(4096)
+    for i in range(4):
+        sched.add_request(f"s{i}", prompt(40, i), dataclasses.replace(scoring, logprob_start_len=i * 9))
+    scored = 0
+    for _ in range(500):
+        if sched.is_idle:
+            break
+        plan = sched.next_plan()
+        assert plan is not None
+        scored += int(plan.extends.score_lens.sum()) if len(plan.extends.score_lens) else 0
+        sched.apply_result(run_plan(sched, worker, plan))
+        sched.take_updates()
+    assert sched.is_idle and sched.num_retracted_total > 0 and scored >= sum(39 - i * 9 for i in range(4))
+    report = replay_scheduler([recording_header(config, limits, "test"), *sink.entries])
+    assert report.identical, report.describe()
