@@ -171,6 +171,19 @@ def test_lm_eval_loglikelihood_request_equals_grpc_prompt_logprobs(up: Up) -> No
     assert choice.text == prompt.text + chunks[0].text
     # lm-eval's is_greedy: at temperature 0 the generated token is the most likely one.
     assert max(tops[-1].items(), key=lambda kv: kv[1])[0] == choice.logprobs.tokens[-1]
+    # Streamed: the echo and the prompt's positions come with the first chunk, the same numbers.
+    tokens: list[str] = []
+    streamed: list[float | None] = []
+    text = ""
+    for chunk in up.openai().completions.create(
+        model="embedded", prompt=[ids], max_tokens=1, logprobs=1, echo=True, temperature=0, stream=True
+    ):
+        for c in chunk.choices:
+            text += c.text
+            if c.logprobs is not None:
+                tokens += c.logprobs.tokens or []
+                streamed += c.logprobs.token_logprobs or []
+    assert (text, tokens, streamed) == (choice.text, choice.logprobs.tokens, expected)
 
 
 def test_echo_with_max_tokens_zero_scores_the_prompt_alone(up: Up) -> None:
