@@ -26,10 +26,13 @@ from starlette.exceptions import HTTPException
 from clients.client import StepwiseClient
 from gateway.chat import ChatTemplate
 from gateway.errors import GatewayError, from_grpc, invalid
-from gateway.formats import ChatFormat, Collected, CompletionFormat
+from gateway.formats import ChatFormat, Collected, CompletionFormat, Echo, Event, ResponseFormat
 from gateway.limits import HttpLimits, read_body
 from gateway.metrics import GatewayMetrics
 from gateway.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields, parse_body, utf8_text
+from gateway.sglang import PARAMS as SGLANG_PARAMS
+from gateway.sglang import GenerateBody, SglangFormat
+from gateway.tokens import DetokenizeRequest, TokenCodec, TokenizeRequest
 from protos.stepwise.v1 import generation_pb2 as gen_pb
 
 HEALTH_TIMEOUT_S = 2.0
@@ -44,6 +47,9 @@ class GatewayConfig:
     template: ChatTemplate | None = None
     tls_ca: Path | None = None
     limits: HttpLimits = field(default_factory=HttpLimits)
+    # The model's tokenizer (the control plane's own class, loaded from the same --model): for
+    # /tokenize, /detokenize, echoing token-id prompts and SGLang's default prompt logprob.
+    tokenizer: TokenCodec | None = None
 
 
 def create_app(config: GatewayConfig) -> FastAPI:
@@ -54,6 +60,10 @@ def create_app(config: GatewayConfig) -> FastAPI:
     app.add_api_route("/v1/completions", gateway.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", gateway.chat_completions, methods=["POST"])
     app.add_api_route("/v1/models", gateway.models, methods=["GET"])
+    app.add_api_route("/tokenize", gateway.tokenize, methods=["POST"])
+    app.add_api_route("/detokenize", gateway.detokenize, methods=["POST"])
+    app.add_api_route("/version", gateway.version, methods=["GET"])
+    app.add_api_route("/generate", gateway.sglang_generate, methods=["POST"])
     # A served name may hold slashes (a Hub id, `acme/tiny`): the id is the rest of the path.
     app.add_api_route("/v1/models/{model_id:path}", gateway.model, methods=["GET"])
     app.add_api_route("/health", gateway.health, methods=["GET"])
@@ -120,8 +130,20 @@ class Gateway:
         try:
             body = parse_body(await read_body(request, self.config.limits), CompletionRequest)
             body.refuse_unsupported()
-            fmt = CompletionFormat(self._model(body))
-            return await self._generate(request, body, body.prompts(), fmt, "completions", started)
+            prompts = body.prompts()
+            echo = None
+            if body.echo:
+                if body.logprobs is None and any(isinstance(p, list) for p in prompts):
+                    self._codec("echo")  # a token-id prompt's text is decoded here
+                texts = [p if isinstance(p, str) else None for p in prompts]
+                echo = Echo(texts, prompts, self._decode_prompt)
+            fmt = CompletionFormat(self._model(body), body.include_usage(), body.wants_logprobs(), echo)
+            requests = self._requests(body, prompts, fmt.id)
+            # The protocol's names for what completions call `logprobs` and `echo`.
+            renames = {"top_logprobs": "logprobs", "logprob_start_len": "echo"}
+            return await self._generate(
+                request, requests, body.n, body.stream, fmt, "completions", started, renames
+            )
         except GatewayError as exc:
             return self._refused("completions", exc, started)
 
@@ -131,10 +153,91 @@ class Gateway:
             body = parse_body(await read_body(request, self.config.limits), ChatCompletionRequest)
             body.refuse_unsupported()
             prompt = self.render_chat(body)
-            fmt = ChatFormat(self._model(body))
-            return await self._generate(request, body, [prompt], fmt, "chat_completions", started)
+            fmt = ChatFormat(self._model(body), body.include_usage(), body.wants_logprobs())
+            requests = self._requests(body, [prompt], fmt.id)
+            return await self._generate(
+                request, requests, body.n, body.stream, fmt, "chat_completions", started
+            )
         except GatewayError as exc:
             return self._refused("chat_completions", exc, started)
+
+    async def sglang_generate(self, request: Request) -> Response:
+        """SGLang's native `/generate`: text or token ids (one or a batch), SGLang's sampling names,
+        its `meta_info` and log probability shapes."""
+        started = time.monotonic()
+        try:
+            body = parse_body(await read_body(request, self.config.limits), GenerateBody)
+            body.refuse_unsupported()
+            prompts = body.prompts()
+            tokenizer = self.config.tokenizer
+            if body.needs_tokenizer(prompts):
+                tokenizer = self._codec("return_logprob")
+            prompt_ids = None
+            if tokenizer is not None and (body.stream or body.needs_tokenizer(prompts)):
+                prompt_ids = await asyncio.to_thread(_encode_all, tokenizer, prompts)
+            fmt = SglangFormat(body, prompts, tokenizer, prompt_ids)
+            requests = body.grpc_requests(prompts, fmt.rids)
+            renames = {**SGLANG_PARAMS, "prompt": "text" if body.text is not None else "input_ids"}
+            return await self._generate(
+                request, requests, body.n(), body.stream, fmt, "generate", started, renames
+            )
+        except GatewayError as exc:
+            return self._refused("generate", exc, started)
+
+    async def tokenize(self, request: Request) -> Response:
+        """vLLM's `/tokenize`: a prompt's token ids, or those of messages rendered by the chat
+        template, as the control plane makes them."""
+        started = time.monotonic()
+        try:
+            body = parse_body(await read_body(request, self.config.limits), TokenizeRequest)
+            body.refuse_unsupported()
+            codec = self._codec("prompt" if body.prompt is not None else "messages")
+            if body.prompt is not None:
+                text = body.prompt
+            else:
+                chat = ChatCompletionRequest(
+                    messages=body.messages or [], add_generation_prompt=body.add_generation_prompt
+                )
+                text = self.render_chat(chat)
+            tokens = await asyncio.to_thread(codec.encode, text)  # megabytes of text take a while
+            info = await self._server_info(request)
+        except GatewayError as exc:
+            return self._refused("tokenize", exc, started)
+        self.metrics.observe("tokenize", 200, time.monotonic() - started)
+        return JSONResponse({"count": len(tokens), "max_model_len": info.max_context, "tokens": tokens})
+
+    async def detokenize(self, request: Request) -> Response:
+        """vLLM's `/detokenize`: the text of token ids, special tokens kept."""
+        started = time.monotonic()
+        try:
+            body = parse_body(await read_body(request, self.config.limits), DetokenizeRequest)
+            body.refuse_unsupported()
+            codec = self._codec("tokens")
+            body.check_vocabulary(codec.vocab_size)
+            text = codec.decode(body.tokens, skip_special_tokens=False)
+        except GatewayError as exc:
+            return self._refused("detokenize", exc, started)
+        self.metrics.observe("detokenize", 200, time.monotonic() - started)
+        return JSONResponse({"prompt": text})
+
+    async def version(self, request: Request) -> Response:
+        """vLLM's `/version`: the serving control plane's version."""
+        started = time.monotonic()
+        try:
+            info = await self._server_info(request)
+        except GatewayError as exc:
+            return self._refused("version", exc, started)
+        self.metrics.observe("version", 200, time.monotonic() - started)
+        return JSONResponse({"version": info.version})
+
+    def _codec(self, param: str) -> TokenCodec:
+        if self.config.tokenizer is None:
+            message = f"{param}: needs the model's tokenizer, and this gateway's --model has none"
+            raise GatewayError(501, message, param=param)
+        return self.config.tokenizer
+
+    def _decode_prompt(self, ids: list[int]) -> str:
+        return self._codec("echo").decode(ids)
 
     def render_chat(self, body: ChatCompletionRequest) -> str:
         """The prompt text the model's chat template makes of the messages."""
@@ -176,11 +279,14 @@ class Gateway:
         self.metrics.observe("models", 200, time.monotonic() - started)
         return JSONResponse(card)
 
-    async def _model_card(self, request: Request) -> dict[str, Any]:
+    async def _server_info(self, request: Request) -> gen_pb.ServerInfo:
         try:
-            info = await self.client.server_info(api_key=bearer_key(request))
+            return await self.client.server_info(api_key=bearer_key(request))
         except grpc.aio.AioRpcError as exc:
             raise from_grpc(exc) from None
+
+    async def _model_card(self, request: Request) -> dict[str, Any]:
+        info = await self._server_info(request)
         return {
             "id": self.config.model_name,
             "object": "model",
@@ -212,37 +318,48 @@ class Gateway:
         self.metrics.observe(endpoint, error.status, time.monotonic() - started)
         return error_response(error)
 
+    def _requests(
+        self, body: SamplingFields, prompts: list[str | list[int]], base_id: str
+    ) -> list[gen_pb.GenerateRequest]:
+        """One GenerateRequest per prompt, ids `BASE` (one prompt) or `BASE-i`."""
+        ids = [base_id] if len(prompts) == 1 else [f"{base_id}-{i}" for i in range(len(prompts))]
+        return [body.grpc_request(prompt, rid) for prompt, rid in zip(prompts, ids, strict=True)]
+
     async def _generate(
         self,
         request: Request,
-        body: SamplingFields,
-        prompts: list[str | list[int]],
-        fmt: CompletionFormat,
+        requests: list[gen_pb.GenerateRequest],
+        n: int,
+        stream: bool,
+        fmt: ResponseFormat,
         endpoint: str,
         started: float,
+        renames: dict[str, str] | None = None,
     ) -> Response:
         """Start one Generate call per prompt and answer with the first response of each in hand,
         so a refused call is an HTTP error status rather than an error event inside a 200 stream
-        (the other calls are then cancelled)."""
+        (the other calls are then cancelled). `renames`: the endpoint's names for protocol fields
+        a refusal names."""
         key = bearer_key(request)
-        ids = [fmt.id] if len(prompts) == 1 else [f"{fmt.id}-{i}" for i in range(len(prompts))]
-        requests = [body.grpc_request(prompt, rid) for prompt, rid in zip(prompts, ids, strict=True)]
         calls = [self.client.stream(one, api_key=key) for one in requests]
         firsts = await asyncio.gather(*(_first(call) for call in calls), return_exceptions=True)
         running = [first for first in firsts if isinstance(first, Call)]
         if len(running) < len(calls):
             for call in calls:
                 _cancel(call)
-            raise next(first for first in firsts if isinstance(first, BaseException))
+            error = next(first for first in firsts if isinstance(first, BaseException))
+            if isinstance(error, GatewayError):
+                raise _renamed(error, renames or {})
+            raise error
         self.metrics.ttft.labels(endpoint).observe(time.monotonic() - started)
-        run = Run(running, Collected.of(body.n, len(prompts)))
-        if body.stream:
-            events = self._stream(run, fmt, body.include_usage(), endpoint, started)
+        run = Run(running, Collected.of(n, len(requests)))
+        if stream:
+            events = self._stream(run, fmt, endpoint, started)
             return StreamingResponse(events, media_type="text/event-stream")
         return await self._whole(request, run, fmt, endpoint, started)
 
     async def _whole(
-        self, request: Request, run: Run, fmt: CompletionFormat, endpoint: str, started: float
+        self, request: Request, run: Run, fmt: ResponseFormat, endpoint: str, started: float
     ) -> Response:
         """Collect every choice, or cancel the call when the client leaves first."""
         collecting = asyncio.ensure_future(run.drain())
@@ -266,18 +383,18 @@ class Gateway:
         return JSONResponse(fmt.whole(run.collected))
 
     async def _stream(
-        self, run: Run, fmt: CompletionFormat, include_usage: bool, endpoint: str, started: float
+        self, run: Run, fmt: ResponseFormat, endpoint: str, started: float
     ) -> AsyncIterator[str]:
         """Server-sent events; an error after the first event is an error event, then the end."""
         status, finished = 200, False
         try:
             for opening in fmt.opening(len(run.collected.choices)):
                 yield sse(opening)
-            async for index, text, reason in run.events():
-                if text or reason:
-                    yield sse(fmt.chunk(index, text, reason))
-            if include_usage:
-                yield sse(fmt.usage_chunk(run.collected))
+            async for event in run.events():
+                for data in fmt.events(event, run.collected):
+                    yield sse(data)
+            for closing in fmt.closing(run.collected):
+                yield sse(closing)
             yield "data: [DONE]\n\n"
             finished = True
         except (GatewayError, grpc.aio.AioRpcError) as exc:
@@ -332,9 +449,9 @@ class Run:
     def __init__(self, calls: list[Call], collected: Collected) -> None:
         self.calls, self.collected = calls, collected
 
-    async def events(self) -> AsyncIterator[tuple[int, str, str | None]]:
-        """(choice index, new text, finish reason or None) per response, recorded in `collected`,
-        in the order the calls' responses arrive."""
+    async def events(self) -> AsyncIterator[Event]:
+        """What each response changed, recorded in `collected`, in the order the calls' responses
+        arrive."""
         if len(self.calls) == 1:
             async for response in self.calls[0].responses():
                 yield self.collected.apply(response)
@@ -378,6 +495,19 @@ async def _pump(
         await queue.put((prompt, exc))
         return
     await queue.put((prompt, None))
+
+
+def _encode_all(tokenizer: TokenCodec, prompts: list[str | list[int]]) -> list[list[int] | None]:
+    return [tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
+
+
+def _renamed(error: GatewayError, renames: dict[str, str]) -> GatewayError:
+    """The refusal naming the endpoint's field for the protocol's (`top_logprobs` -> `logprobs`)."""
+    name = renames.get(error.param or "")
+    if name is None:
+        return error
+    message = error.message.replace(f"{error.param}:", f"{name}:", 1)
+    return GatewayError(error.status, message, param=name, code=error.code)
 
 
 async def _disconnected(request: Request) -> None:

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from clients.client import FINISH_NAMES
 from gateway.errors import GatewayError
+from gateway.logprobs import CompletionLogprobs, chat_content
 from protos.stepwise.v1 import generation_pb2 as gen_pb
 
 
@@ -22,7 +24,25 @@ from protos.stepwise.v1 import generation_pb2 as gen_pb
 class Choice:
     text: str = ""
     finish_reason: str | None = None
+    # The Finished message's detail (`eos`, `stop token 13`, `stop string '\n'`, `max_new_tokens`).
+    finish_message: str = ""
     completion_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[gen_pb.TokenLogprob] = field(default_factory=list)
+    total_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """What one response changed: choice `index` (-1 for a prompt's PromptLogprobs event) of prompt
+    `prompt` got this text, these tokens and their log probabilities, or finished."""
+
+    index: int
+    prompt: int
+    text: str = ""
+    finish_reason: str | None = None
+    token_ids: Sequence[int] = ()
+    logprobs: Sequence[gen_pb.TokenLogprob] = ()
 
 
 @dataclass(slots=True)
@@ -33,6 +53,8 @@ class Collected:
     n: int = 1
     # Per prompt, from its first Finished message: (prompt tokens, cached tokens).
     prompt_usage: dict[int, tuple[int, int]] = field(default_factory=dict)
+    # Per prompt, its PromptLogprobs event (when the request asked for one).
+    prompt_logprobs: dict[int, gen_pb.PromptLogprobs] = field(default_factory=dict)
 
     @classmethod
     def of(cls, n: int, prompts: int = 1) -> Collected:
@@ -46,27 +68,38 @@ class Collected:
     def cached_tokens(self) -> int:
         return sum(cached for _, cached in self.prompt_usage.values())
 
-    def apply(self, response: gen_pb.GenerateResponse, prompt: int = 0) -> tuple[int, str, str | None]:
-        """Record one response of prompt `prompt`'s call; (choice index, new text, finish reason or
-        None).
+    def prompt_of(self, index: int) -> int:
+        return index // self.n
+
+    def apply(self, response: gen_pb.GenerateResponse, prompt: int = 0) -> Event:
+        """Record one response of prompt `prompt`'s call.
 
         An aborted choice (timeout, lost worker, shutdown) is a 503: OpenAI has no finish reason
         for it, and a truncated answer must not pass for a complete one.
         """
         offset = prompt * self.n
-        if response.WhichOneof("event") == "chunk":
+        kind = response.WhichOneof("event")
+        if kind == "prompt_logprobs":
+            self.prompt_logprobs[prompt] = response.prompt_logprobs
+            return Event(-1, prompt)
+        if kind == "chunk":
             chunk = response.chunk
-            self.choices[offset + chunk.index].text += chunk.text
-            return offset + chunk.index, chunk.text, None
+            choice = self.choices[offset + chunk.index]
+            choice.text += chunk.text
+            choice.token_ids.extend(chunk.token_ids)
+            choice.logprobs.extend(chunk.logprobs)
+            return Event(offset + chunk.index, prompt, chunk.text, None, chunk.token_ids, chunk.logprobs)
         fin = response.finished
         if fin.reason == gen_pb.FINISH_REASON_ABORT:
             raise GatewayError(503, f"the generation was aborted: {fin.message}", code="aborted")
         choice = self.choices[offset + fin.index]
         choice.finish_reason = FINISH_NAMES.get(fin.reason, "stop")
+        choice.finish_message = fin.message
         choice.completion_tokens = fin.usage.completion_tokens
+        choice.total_s = fin.timings.total_s
         # A prompt's choices share it: count it (and its cache hits) once, from the first.
         self.prompt_usage.setdefault(prompt, (fin.usage.prompt_tokens, fin.usage.cached_tokens))
-        return offset + fin.index, "", choice.finish_reason
+        return Event(offset + fin.index, prompt, "", choice.finish_reason)
 
     def usage(self) -> dict[str, Any]:
         completion = sum(c.completion_tokens for c in self.choices)
@@ -78,36 +111,117 @@ class Collected:
         }
 
 
-class CompletionFormat:
+class ResponseFormat:
+    """How the collected choices become an HTTP answer: streamed events, or one body."""
+
+    def opening(self, n: int) -> list[dict[str, Any]]:
+        """Events sent before any token."""
+        return []
+
+    def events(self, event: Event, collected: Collected) -> list[dict[str, Any]]:
+        """The events one response becomes (none for a response that changed nothing to send)."""
+        raise NotImplementedError
+
+    def closing(self, collected: Collected) -> list[dict[str, Any]]:
+        """Events sent after the last choice finished, before `[DONE]`."""
+        return []
+
+    def whole(self, collected: Collected) -> Any:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True, slots=True)
+class Echo:
+    """`echo`: each prompt's text goes before its choices' text; with log probabilities, the
+    prompt's positions (from its PromptLogprobs event) before theirs."""
+
+    # Per prompt, its text when the request gave it as text; None for token ids (their text comes
+    # from the PromptLogprobs event, else from `decode`).
+    texts: list[str | None]
+    prompts: list[str | list[int]]
+    decode: Callable[[list[int]], str] | None = None
+
+    def text(self, prompt: int, collected: Collected) -> str:
+        given = self.texts[prompt]
+        if given is not None:
+            return given
+        scored = collected.prompt_logprobs.get(prompt)
+        if scored is not None:
+            return scored.text
+        ids = self.prompts[prompt]
+        assert self.decode is not None and isinstance(ids, list), "checked when the request came in"
+        return self.decode(ids)
+
+
+class CompletionFormat(ResponseFormat):
     """`/v1/completions`: `text_completion` objects, streamed or whole."""
 
     prefix = "cmpl"
 
-    def __init__(self, model: str) -> None:
+    def __init__(
+        self, model: str, include_usage: bool = False, logprobs: bool = False, echo: Echo | None = None
+    ) -> None:
         self.model = model
         self.id = f"{self.prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
+        self.include_usage = include_usage
+        self.logprobs = logprobs
+        self.echo = echo
+        # Streaming: per choice, its log probabilities' running text offset; the choices already
+        # opened (their echo sent).
+        self._streamed: dict[int, CompletionLogprobs] = {}
+        self._opened: set[int] = set()
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         envelope = {"id": self.id, "object": obj, "created": self.created, "model": self.model}
         return {**envelope, "choices": choices}
 
-    def opening(self, n: int) -> list[dict[str, Any]]:
-        """Chunks sent before any token (none for completions)."""
-        return []
+    def _choice(self, index: int, text: str, logprobs: Any, finish_reason: str | None) -> dict[str, Any]:
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
-    def chunk(self, index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
-        choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        return self._envelope("text_completion", [choice])
+    def events(self, event: Event, collected: Collected) -> list[dict[str, Any]]:
+        if event.index < 0:
+            return []
+        text, logprobs = event.text, None
+        if self.logprobs:
+            builder = self._streamed.setdefault(event.index, CompletionLogprobs())
+        if self.echo is not None and event.index not in self._opened:
+            self._opened.add(event.index)
+            text = self.echo.text(event.prompt, collected) + text
+            scored = collected.prompt_logprobs.get(event.prompt)
+            if self.logprobs and scored is not None:
+                builder.add(scored.positions)
+        if self.logprobs:
+            builder.add(event.logprobs)
+            if builder.tokens:
+                logprobs = builder.take()
+        if not (text or event.finish_reason or logprobs):
+            return []
+        return [
+            self._envelope(
+                "text_completion", [self._choice(event.index, text, logprobs, event.finish_reason)]
+            )
+        ]
 
-    def usage_chunk(self, collected: Collected) -> dict[str, Any]:
-        return {**self._envelope("text_completion", []), "usage": collected.usage()}
+    def closing(self, collected: Collected) -> list[dict[str, Any]]:
+        if not self.include_usage:
+            return []
+        return [{**self._envelope("text_completion", []), "usage": collected.usage()}]
 
     def whole(self, collected: Collected) -> dict[str, Any]:
-        choices = [
-            {"index": i, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason}
-            for i, c in enumerate(collected.choices)
-        ]
+        choices = []
+        for i, c in enumerate(collected.choices):
+            prompt = collected.prompt_of(i)
+            text = c.text if self.echo is None else self.echo.text(prompt, collected) + c.text
+            logprobs = None
+            if self.logprobs:
+                builder = CompletionLogprobs()
+                scored = collected.prompt_logprobs.get(prompt)
+                if self.echo is not None and scored is not None:
+                    builder.add(scored.positions)
+                builder.add(c.logprobs)
+                logprobs = builder.body()
+            choices.append(self._choice(i, text, logprobs, c.finish_reason))
         return {**self._envelope("text_completion", choices), "usage": collected.usage()}
 
 
@@ -116,26 +230,41 @@ class ChatFormat(CompletionFormat):
 
     prefix = "chatcmpl"
 
+    def __init__(self, model: str, include_usage: bool = False, logprobs: bool = False) -> None:
+        super().__init__(model, include_usage, logprobs)
+
     def opening(self, n: int) -> list[dict[str, Any]]:
         # OpenAI opens each choice's stream with the role and empty content.
-        return [self._delta(i, {"role": "assistant", "content": ""}, None) for i in range(n)]
+        return [self._delta(i, {"role": "assistant", "content": ""}, None, None) for i in range(n)]
 
-    def _delta(self, index: int, delta: dict[str, Any], finish_reason: str | None) -> dict[str, Any]:
-        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    def _logprobs(self, positions: Sequence[gen_pb.TokenLogprob]) -> dict[str, Any] | None:
+        return {"content": chat_content(positions), "refusal": None} if self.logprobs else None
+
+    def _delta(
+        self, index: int, delta: dict[str, Any], logprobs: dict[str, Any] | None, finish_reason: str | None
+    ) -> dict[str, Any]:
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         return self._envelope("chat.completion.chunk", [choice])
 
-    def chunk(self, index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
-        return self._delta(index, {"content": text} if text else {}, finish_reason)
+    def events(self, event: Event, collected: Collected) -> list[dict[str, Any]]:
+        has_logprobs = self.logprobs and bool(event.logprobs)
+        if event.index < 0 or not (event.text or event.finish_reason or has_logprobs):
+            return []
+        delta = {"content": event.text} if event.text else {}
+        logprobs = self._logprobs(event.logprobs) if has_logprobs else None
+        return [self._delta(event.index, delta, logprobs, event.finish_reason)]
 
-    def usage_chunk(self, collected: Collected) -> dict[str, Any]:
-        return {**self._envelope("chat.completion.chunk", []), "usage": collected.usage()}
+    def closing(self, collected: Collected) -> list[dict[str, Any]]:
+        if not self.include_usage:
+            return []
+        return [{**self._envelope("chat.completion.chunk", []), "usage": collected.usage()}]
 
     def whole(self, collected: Collected) -> dict[str, Any]:
         choices = [
             {
                 "index": i,
                 "message": {"role": "assistant", "content": c.text},
-                "logprobs": None,
+                "logprobs": self._logprobs(c.logprobs),
                 "finish_reason": c.finish_reason,
             }
             for i, c in enumerate(collected.choices)

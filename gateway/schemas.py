@@ -3,8 +3,8 @@
 Nothing a caller asks for is silently dropped. A field the gateway does not implement (OpenAI's
 `response_format`, `tools`, ..., or any other name) is a 400 that names it, unless its
 value asks for nothing: null, false, an empty list or object, or the documented no-op values in
-NO_OP_VALUES. Fields whose meaning the gRPC protocol cannot carry yet (log probabilities, echo,
-suffix, best_of) are refused the same way.
+NO_OP_VALUES. Fields whose meaning the gRPC protocol cannot carry (suffix, best_of other than n)
+are refused the same way.
 """
 
 from __future__ import annotations
@@ -142,12 +142,22 @@ class SamplingFields(BaseModel):
         return biases
 
     def grpc_request(self, prompt: str | list[int], request_id: str) -> gen_pb.GenerateRequest:
-        return generate_request(prompt, self.sampling(), request_id, self.user or "", self.priority)
+        sampling = self.sampling()
+        self.ask_logprobs(sampling)
+        return generate_request(prompt, sampling, request_id, self.user or "", self.priority)
+
+    def ask_logprobs(self, sampling: gen_pb.SamplingParams) -> None:
+        """Set the log probability fields the request asks for (none here)."""
+
+    def wants_logprobs(self) -> bool:
+        return False
 
 
 class CompletionRequest(SamplingFields):
     prompt: Text | list[Int32] | list[Text] | list[list[Int32]]
-    logprobs: int | None = None
+    # The sampled token's log probability and this many most likely alternatives per position
+    # (the control plane refuses more than its --max-top-logprobs).
+    logprobs: Count | None = None
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
@@ -162,12 +172,21 @@ class CompletionRequest(SamplingFields):
             return list(prompt)  # type: ignore[arg-type]
         return [prompt]  # type: ignore[list-item]
 
+    def wants_logprobs(self) -> bool:
+        return self.logprobs is not None
+
+    def ask_logprobs(self, sampling: gen_pb.SamplingParams) -> None:
+        if self.logprobs is None:
+            return
+        sampling.logprobs = True
+        if self.logprobs:
+            sampling.top_logprobs = self.logprobs
+        if self.echo:
+            # The whole prompt scored: its first position has no log probability.
+            sampling.logprob_start_len = 0
+
     def refuse_unsupported(self) -> None:
         self.refuse_extra()
-        if self.logprobs is not None:
-            raise invalid("logprobs", "not supported: the Stepwise protocol carries no log probabilities")
-        if self.echo:
-            raise invalid("echo", "not supported")
         if self.suffix:
             raise invalid("suffix", "not supported")
         if self.best_of is not None and self.best_of != self.n:
@@ -198,14 +217,23 @@ class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Count | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    # OpenAI allows 0..20; the control plane refuses more than its --max-top-logprobs (20).
+    top_logprobs: Count | None = None
     add_generation_prompt: bool = True
+
+    def wants_logprobs(self) -> bool:
+        return self.logprobs
+
+    def ask_logprobs(self, sampling: gen_pb.SamplingParams) -> None:
+        if self.logprobs:
+            sampling.logprobs = True
+            if self.top_logprobs:
+                sampling.top_logprobs = self.top_logprobs
 
     def refuse_unsupported(self) -> None:
         self.refuse_extra()
-        if self.logprobs or self.top_logprobs:
-            param = "logprobs" if self.logprobs else "top_logprobs"
-            raise invalid(param, "not supported: the Stepwise protocol carries no log probabilities")
+        if self.top_logprobs and not self.logprobs:
+            raise invalid("top_logprobs", "needs logprobs: true")
         if self.max_completion_tokens is not None:
             # The newer name wins, as in OpenAI's API.
             self.max_tokens = self.max_completion_tokens

@@ -35,9 +35,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--host", default="127.0.0.1", help="HTTP bind address")
     parser.add_argument("--port", type=PORT, default=8000, help="HTTP port (0: any free port)")
-    parser.add_argument("--model", default="embedded", help="model directory (its chat template) or embedded")
     parser.add_argument(
-        "--served-model-name", default=None, help="the model id clients see (default: the directory name)"
+        "--model",
+        default="embedded",
+        help="the control plane's model: a directory, a Hub id in the local cache, or a named model "
+        "(its chat template and tokenizer)",
+    )
+    parser.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model id clients see (default: a named model's name, a Hub id without its revision, "
+        "else the directory's name)",
     )
     add_tls_ca_argument(parser)
     parser.add_argument("--ready-file", type=Path, default=None, help="write the bound port here as JSON")

@@ -283,14 +283,21 @@ def cmd_gateway(argv: Sequence[str]) -> int:
         template = load_template(model_dir)
     except (OSError, ValueError) as exc:
         raise RoutineError(f"--model: cannot read the chat template of {model_dir}: {exc}") from exc
+    from control_plane.tokenizer import Tokenizer
     from stepwise.models import served_name
 
     name = ns.served_model_name or served_name(ns.model, model_dir)
     try:
+        tokenizer = Tokenizer.from_dir(model_dir)
+    except FileNotFoundError:
+        tokenizer = None  # /tokenize, /detokenize and what needs token ids answer 501
+    except Exception as exc:  # a tokenizer.json the tokenizers library cannot read
+        raise RoutineError(f"--model: cannot load the tokenizer of {model_dir}: {exc}") from exc
+    try:
         limits = server.limits_from_args(ns)
     except ValueError as exc:
         raise RoutineError(str(exc)) from exc
-    config = GatewayConfig(ns.control, name, template, ns.tls_ca, limits)
+    config = GatewayConfig(ns.control, name, template, ns.tls_ca, limits, tokenizer)
     try:
         sock = server.bind(ns.host, ns.port)
     except OSError as exc:

@@ -264,7 +264,7 @@ def test_n_samples_seed_and_stop_strings(up: Up) -> None:
 BAD_REQUESTS = [
     ("completions", {"model": "embedded", "prompt": "x", "max_tokens": -1}, "max_tokens"),
     ("completions", {"model": "embedded", "prompt": "x", "temperature": -0.5}, "temperature"),
-    ("completions", {"model": "embedded", "prompt": "x", "logprobs": 2}, "logprobs"),
+    ("completions", {"model": "embedded", "prompt": "x", "logprobs": -1}, "logprobs"),
     # Refused by the control plane (INVALID_ARGUMENT), named as the OpenAI field.
     ("completions", {"model": "embedded", "prompt": "x", "stop": [f"s{i}" for i in range(70)]}, "stop"),
     ("chat/completions", {"model": "embedded", "messages": [{"role": "wizard", "content": "x"}]}, None),
