@@ -228,6 +228,12 @@ def _up_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--gateway-host", default="127.0.0.1", help="the gateway's HTTP bind address")
     parser.add_argument(
+        "--gateway-served-model-name",
+        default=None,
+        help="the model name the gateway reports and accepts (its --served-model-name; default: the "
+        "model's name, a Hub id without its revision, else the directory's name)",
+    )
+    parser.add_argument(
         "--ready-file", type=Path, default=None, help="write the client and gateway addresses here as JSON"
     )
     # Built from the children's own parsers when --help asks, so the list cannot drift from them.
@@ -256,6 +262,8 @@ def cmd_up(argv: Sequence[str]) -> int:
     gateway = None
     if ns.gateway_port is not None:
         gateway = gateway_args(to_control, ns.gateway_host, ns.gateway_port)
+        if ns.gateway_served_model_name is not None:
+            gateway += ["--served-model-name", ns.gateway_served_model_name]
     stack = Stack(to_control, to_worker, ns.workers, gateway, control_planes=ns.control_planes)
     return asyncio.run(run_up(stack, ns.ready_file))
 

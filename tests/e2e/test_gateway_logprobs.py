@@ -143,6 +143,20 @@ def test_a_model_from_the_hub_cache_is_served_under_its_id(
             stop_processes([proc])
 
 
+def test_up_passes_the_served_model_name_to_its_gateway(tmp_path: Path) -> None:
+    proc = None
+    try:
+        proc, stack = start_up(tmp_path, "--gateway-served-model-name", "team/story-model")
+        client = stack.openai()
+        assert [m.id for m in client.models.list().data] == ["team/story-model"]
+        assert client.completions.create(model="team/story-model", prompt=PROMPT, max_tokens=1).model == (
+            "team/story-model"
+        )
+    finally:
+        if proc is not None:
+            stop_processes([proc])
+
+
 # --- log probabilities from the backend -------------------------------------------------------
 
 
