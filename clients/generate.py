@@ -21,6 +21,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompt", help="prompt text")
     add_connection_arguments(parser)
     add_sampling_arguments(parser)
+    parser.add_argument(
+        "--top-logprobs",
+        type=count(0),
+        default=None,
+        help="after the text, each token's log probability and this many likeliest alternatives "
+        "(0: the token's own only; at most the server's --max-top-logprobs)",
+    )
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser, max_new_tokens: int = 64) -> None:
@@ -56,6 +63,9 @@ async def run(ns: argparse.Namespace, out: TextIO = sys.stdout, echo: str | None
         stop=ns.stop,
         ignore_eos=ns.ignore_eos,
     )
+    top = getattr(ns, "top_logprobs", None)
+    if top is not None:
+        sampling.logprobs, sampling.top_logprobs = True, top
     gen = Generation()
     echoed = False
     async with client_from_args(ns) as client:
@@ -70,9 +80,24 @@ async def run(ns: argparse.Namespace, out: TextIO = sys.stdout, echo: str | None
                 out.write(response.chunk.text)
                 out.flush()
     out.write("\n")
+    if top is not None:
+        out.write(logprob_table(gen))
     out.write(summary(gen) + "\n")
     out.flush()
     return gen
+
+
+def logprob_table(gen: Generation) -> str:
+    """One line per generated token: its text, log probability and the alternatives asked for."""
+    lines = []
+    for score in gen.logprobs:
+        alternatives = "  ".join(
+            f"{t!r} {lp:.3f}" for t, lp in zip(score.top_tokens, score.top_logprobs, strict=False)
+        )
+        lines.append(
+            f"{score.token!r:>16} {score.logprob:9.4f}" + (f"   | {alternatives}" if alternatives else "")
+        )
+    return "".join(line + "\n" for line in lines)
 
 
 def summary(gen: Generation) -> str:

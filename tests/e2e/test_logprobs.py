@@ -208,3 +208,30 @@ async def test_prompt_only_scoring_and_bad_fields(start_stack, model_dir: Path) 
             with pytest.raises(grpc.aio.AioRpcError, match=message) as caught:
                 await _generate(client, ids, params)
             assert caught.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_generate_command_prints_each_tokens_logprobs(start_stack, model_dir: Path) -> None:
+    """`stepwise generate --top-logprobs 2`: after the text, a line per token with its log probability
+    (transformers' number) and two alternatives."""
+    import argparse
+    import io
+
+    from clients import generate
+
+    stack = await start_stack()
+    parser = argparse.ArgumentParser()
+    generate.add_arguments(parser)
+    ns = parser.parse_args(
+        [TEXTS[0], "--address", stack.address, "--max-new-tokens", "5", "--top-logprobs", "2"]
+    )
+    out = io.StringIO()
+    gen = await generate.run(ns, out)
+    lines = out.getvalue().splitlines()
+    table = lines[-6:-1]
+    assert len(gen.token_ids) == 5 and len(table) == 5 and lines[-1].startswith("[finish:")
+    prompt = Tokenizer.from_dir(model_dir).encode(TEXTS[0])
+    ref = _reference(model_dir, prompt + gen.token_ids)
+    for k, line in enumerate(table):
+        value = float(line.split("|")[0].split()[-1])
+        assert abs(value - float(ref[len(prompt) + k - 1][gen.token_ids[k]])) < 1e-3
+        assert len(line.split("|")[1].split("  ")) == 2
