@@ -195,6 +195,15 @@ async def test_prompt_only_scoring_and_bad_fields(start_stack, model_dir: Path) 
         assert gen.prompt_logprobs.text == Tokenizer.from_dir(model_dir).decode(
             ids, skip_special_tokens=False
         )
+        # n = 3: the call hears its prompt's scores once; each sample's tokens carry their own.
+        request = generate_request(ids, _params(2, n=3, temperature=1.0, seed=11, top_logprobs=3))
+        events = [r async for r in client.stream(request)]
+        prompts = [r.prompt_logprobs for r in events if r.WhichOneof("event") == "prompt_logprobs"]
+        assert len(prompts) == 1 and events[0].WhichOneof("event") == "prompt_logprobs"
+        for index in range(3):
+            chunks = [r.chunk for r in events if r.WhichOneof("event") == "chunk" and r.chunk.index == index]
+            tokens = [t for c in chunks for t in c.token_ids]
+            assert [s.token_id for c in chunks for s in c.logprobs] == tokens and len(tokens) == 8
         bad = [
             (sampling_params(top_logprobs=9), r"sampling\.top_logprobs: must be in \[0, 8\]"),
             (sampling_params(logprob_start_len=len(ids)), r"sampling\.logprob_start_len: .* not below"),
