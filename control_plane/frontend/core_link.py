@@ -337,7 +337,9 @@ def _observe_message(sample: Sample, chunk: Chunk, last: float, first: float | N
     if first is None:
         metrics.TTFT.labels(sample.worker).observe(now - sample.call.arrived)
     elif chunk.token_ids:
-        metrics.ITL.labels(sample.worker).observe((now - last) / len(chunk.token_ids))
+        if sample.itl is None:
+            sample.itl = metrics.ITL.labels(sample.worker)
+        sample.itl.observe((now - last) / len(chunk.token_ids))
 
 
 def _arrival(

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from control_plane.frontend.detokenize import TextStream
 from control_plane.request import FinishReason
@@ -97,6 +98,9 @@ class Sample:
     cached_tokens: int = 0
     completion_tokens: int = 0
     worker: str = ""
+    # The inter-token latency histogram's child for `worker`, resolved at the first later message
+    # (prometheus_client's labels() takes a lock and builds a key on every call).
+    itl: Any = None
     done: bool = False
 
     def receive(self, token: int, score: gen_pb.TokenLogprob | None = None) -> str | None:

@@ -4,6 +4,7 @@ its link to the core, started by the supervisor, until SIGTERM or until the core
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import signal
 
@@ -114,6 +115,10 @@ async def serve(config: ControlConfig, index: int, link_path: str, port: int) ->
     """Run one frontend until SIGTERM/SIGINT or until the core goes away."""
     server = FrontendServer(config, index)
     await server.start(link_path, port)
+    # What start-up made (modules, protobuf descriptors, the tokenizer, the gRPC server) lives as long
+    # as the process: frozen, the collector stops walking it on every collection of the streaming path.
+    gc.collect()
+    gc.freeze()
     log.info("frontend listening", index=index, port=server.port, pid=os.getpid())
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

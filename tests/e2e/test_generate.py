@@ -274,6 +274,8 @@ async def test_metrics_endpoint_counts_tokens_and_retractions(start_stack, monke
     assert values["stepwise:num_retracted_requests_total"] > 0
     assert values["stepwise:kv_book_mismatch_total"] == 0
     assert values["stepwise:time_to_first_token_seconds_count"] == 4
+    # Messages after a sample's first, observed under its worker's label (the child resolved once).
+    assert 4 <= values["stepwise:inter_token_latency_seconds_count"] <= 4 * 15
 
 
 # The request that holds the only running slot must outlive the waiting timeout on any machine: on the
