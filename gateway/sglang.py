@@ -241,37 +241,25 @@ class SglangFormat(ResponseFormat):
         return self.tokenizer.decode([token_id], skip_special_tokens=False) if self.tokenizer else None
 
     def _input_logprobs(self, prompt: int, collected: Collected) -> dict[str, Any]:
-        body, text = self.body, self.body.return_text_in_logprobs
-        asked = list(body.token_ids_logprob or ())
-        if body.scores_last_prompt_token():
+        if self.body.scores_last_prompt_token():
+            # SGLang's default start: the last prompt token alone, which carries no number.
             last = self._ids_of(prompt)[-1]
-            entries: dict[str, Any] = {
-                "input_token_logprobs": [[None, last, self._decode_one(last) if text else None]]
-            }
-            if body.top_logprobs_num:
-                entries["input_top_logprobs"] = [None]
-            if asked:
-                entries["input_token_ids_logprobs"] = [None]
-            return entries
-        scored = collected.prompt_logprobs.get(prompt)
-        positions = list(scored.positions) if scored is not None else []
-        entries = {"input_token_logprobs": [sglang_token(p, text) for p in positions]}
-        if body.top_logprobs_num:
-            entries["input_top_logprobs"] = [sglang_top(p, text) for p in positions]
-        if asked:
-            entries["input_token_ids_logprobs"] = [
-                sglang_ids(p, asked, text, self._decode_one) for p in positions
-            ]
-        return entries
+            positions = [gen_pb.TokenLogprob(token_id=last, token=self._decode_one(last) or "")]
+        else:
+            scored = collected.prompt_logprobs.get(prompt)
+            positions = list(scored.positions) if scored is not None else []
+        return self._logprobs("input", positions)
 
-    def _output_logprobs(self, positions: list[gen_pb.TokenLogprob]) -> dict[str, Any]:
+    def _logprobs(self, side: str, positions: list[gen_pb.TokenLogprob]) -> dict[str, Any]:
+        """SGLang's `{side}_token_logprobs`, and `{side}_top_logprobs` / `{side}_token_ids_logprobs`
+        when asked for."""
         body, text = self.body, self.body.return_text_in_logprobs
         asked = list(body.token_ids_logprob or ())
-        entries: dict[str, Any] = {"output_token_logprobs": [sglang_token(p, text) for p in positions]}
+        entries: dict[str, Any] = {f"{side}_token_logprobs": [sglang_token(p, text) for p in positions]}
         if body.top_logprobs_num:
-            entries["output_top_logprobs"] = [sglang_top(p, text) for p in positions]
+            entries[f"{side}_top_logprobs"] = [sglang_top(p, text) for p in positions]
         if asked:
-            entries["output_token_ids_logprobs"] = [
+            entries[f"{side}_token_ids_logprobs"] = [
                 sglang_ids(p, asked, text, self._decode_one) for p in positions
             ]
         return entries
@@ -315,7 +303,7 @@ class SglangFormat(ResponseFormat):
         }
         if self.body.return_logprob:
             meta.update(self._input_logprobs(prompt, collected))
-            meta.update(self._output_logprobs(choice.logprobs))
+            meta.update(self._logprobs("output", list(choice.logprobs)))
         meta["completion_tokens"] = completion
         meta["cached_tokens"] = cached
         if finished:
