@@ -15,6 +15,7 @@ from clients.client import (
     sampling_params,
 )
 from flagtypes import UINT64_MAX, Float, Int, count
+from protos.stepwise.v1 import generation_pb2 as gen_pb
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -52,9 +53,9 @@ def add_sampling_arguments(parser: argparse.ArgumentParser, max_new_tokens: int 
     parser.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
 
 
-async def run(ns: argparse.Namespace, out: TextIO = sys.stdout, echo: str | None = None) -> Generation:
-    """Stream `ns.prompt`'s generation to `out`, after `echo` (default: the prompt itself)."""
-    sampling = sampling_params(
+def sampling_from_args(ns: argparse.Namespace) -> gen_pb.SamplingParams:
+    """SamplingParams from add_sampling_arguments' flags, every one of them."""
+    return sampling_params(
         max_new_tokens=ns.max_new_tokens,
         temperature=ns.temperature,
         top_p=ns.top_p,
@@ -63,6 +64,11 @@ async def run(ns: argparse.Namespace, out: TextIO = sys.stdout, echo: str | None
         stop=ns.stop,
         ignore_eos=ns.ignore_eos,
     )
+
+
+async def run(ns: argparse.Namespace, out: TextIO = sys.stdout, echo: str | None = None) -> Generation:
+    """Stream `ns.prompt`'s generation to `out`, after `echo` (default: the prompt itself)."""
+    sampling = sampling_from_args(ns)
     top = getattr(ns, "top_logprobs", None)
     if top is not None:
         sampling.logprobs, sampling.top_logprobs = True, top

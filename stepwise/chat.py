@@ -24,10 +24,9 @@ from clients.client import (
     apply_response,
     client_from_args,
     generate_request,
-    sampling_params,
 )
 from clients.errors import RoutineError
-from clients.generate import add_sampling_arguments
+from clients.generate import add_sampling_arguments, sampling_from_args
 from gateway.chat import ChatTemplate, load_template
 
 HELP_LINE = "/reset clears the conversation, /exit (or Ctrl-D) leaves"
@@ -137,13 +136,8 @@ def _template(model_dir: Path) -> ChatTemplate:
 
 async def run(ns: argparse.Namespace, model_dir: Path) -> int:
     conversation = Conversation(_template(model_dir), ns.system)
-    sampling = sampling_params(
-        max_new_tokens=ns.max_new_tokens,
-        temperature=ns.temperature,
-        top_p=ns.top_p,
-        top_k=ns.top_k,
-        seed=ns.seed,
-    )
+    # Every sampling flag, --stop and --ignore-eos included (they were parsed and then dropped).
+    sampling = sampling_from_args(ns)
     stack = None
     if ns.address is None:
         from stepwise.up import local_stack

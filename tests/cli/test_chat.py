@@ -80,3 +80,18 @@ def test_a_model_without_a_chat_template_is_one_line(tmp_path: Path) -> None:
     (model / "tokenizer_config.json").write_text(json.dumps(fields))
     result = run_cli(["chat", "--model", str(model), "--address", "127.0.0.1:1"])
     assert_one_line(result.returncode, result.stderr, "--model", "has no chat template")
+
+
+def test_every_sampling_flag_reaches_the_request() -> None:
+    """chat parses generate's sampling flags; --stop and --ignore-eos were parsed and then dropped."""
+    import argparse
+
+    from clients.generate import sampling_from_args
+    from stepwise import chat
+
+    parser = argparse.ArgumentParser()
+    chat.add_arguments(parser)
+    flags = ["--stop", "END", "--ignore-eos", "--temperature", "0.5", "--top-k", "3", "--seed", "9"]
+    sampling = sampling_from_args(parser.parse_args(flags))
+    assert list(sampling.stop) == ["END"] and sampling.ignore_eos
+    assert (sampling.temperature, sampling.top_k, sampling.seed, sampling.max_new_tokens) == (0.5, 3, 9, 256)
