@@ -9,6 +9,8 @@ A file's folder says which process runs it and what it may import:
 - the two planes never import each other: they meet only in `protos/`;
 - `protos/` imports neither plane; no library package imports `stepwise/` (the command line and
   what composes both planes sits above them all);
+- `grammars/` (constrained decoding's grammars and backends, which both planes use) imports
+  nothing of the project but itself;
 - `flagtypes/` (the flag table's range-checked types, which every command line uses) imports
   nothing of the project.
 
@@ -23,7 +25,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-LIBRARIES = ("protos", "control_plane", "data_plane", "clients", "gateway", "flagtypes")
+LIBRARIES = ("protos", "control_plane", "data_plane", "clients", "gateway", "flagtypes", "grammars")
 
 # (files under this prefix, may not import modules under any of these prefixes)
 RULES: list[tuple[str, tuple[str, ...]]] = [
@@ -38,6 +40,7 @@ RULES: list[tuple[str, tuple[str, ...]]] = [
     ("clients", ("control_plane", "data_plane", "stepwise", "gateway")),
     ("gateway", ("control_plane", "data_plane", "stepwise")),
     ("flagtypes", ("protos", "control_plane", "data_plane", "clients", "gateway", "stepwise")),
+    ("grammars", ("protos", "control_plane", "data_plane", "clients", "gateway", "stepwise", "flagtypes")),
 ]
 # The shared root of control_plane: its own modules, not its sub-packages.
 SHARED_ROOT_FORBIDDEN = ("control_plane.core", "control_plane.frontend")

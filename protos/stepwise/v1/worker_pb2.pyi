@@ -75,7 +75,7 @@ class CensusReply(_message.Message):
     def __init__(self, control_plane_id: _Optional[str] = ..., workers: _Optional[int] = ..., queued: _Optional[int] = ..., running: _Optional[int] = ..., accepting: _Optional[bool] = ..., model_fingerprint: _Optional[str] = ..., hello_judged: _Optional[bool] = ..., refusal: _Optional[str] = ...) -> None: ...
 
 class Hello(_message.Message):
-    __slots__ = ("worker_id", "model_fingerprint", "kv_capacity_tokens", "page_size", "max_context", "vocab_size", "dtype", "device", "protocol_version", "eos_token_ids", "host_pool_capacity_tokens")
+    __slots__ = ("worker_id", "model_fingerprint", "kv_capacity_tokens", "page_size", "max_context", "vocab_size", "dtype", "device", "protocol_version", "eos_token_ids", "host_pool_capacity_tokens", "grammar_backends")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     KV_CAPACITY_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -87,6 +87,7 @@ class Hello(_message.Message):
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     HOST_POOL_CAPACITY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_BACKENDS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     model_fingerprint: str
     kv_capacity_tokens: int
@@ -98,7 +99,8 @@ class Hello(_message.Message):
     protocol_version: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     host_pool_capacity_tokens: int
-    def __init__(self, worker_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., kv_capacity_tokens: _Optional[int] = ..., page_size: _Optional[int] = ..., max_context: _Optional[int] = ..., vocab_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., protocol_version: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., host_pool_capacity_tokens: _Optional[int] = ...) -> None: ...
+    grammar_backends: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, worker_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., kv_capacity_tokens: _Optional[int] = ..., page_size: _Optional[int] = ..., max_context: _Optional[int] = ..., vocab_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., protocol_version: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., host_pool_capacity_tokens: _Optional[int] = ..., grammar_backends: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Welcome(_message.Message):
     __slots__ = ("accepted", "reason", "retryable")
@@ -117,7 +119,7 @@ class Shutdown(_message.Message):
     def __init__(self, reason: _Optional[str] = ...) -> None: ...
 
 class SamplerParams(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty", "has_seed", "seed", "logprobs", "logit_bias", "token_ids_logprob", "processed_logprobs")
+    __slots__ = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty", "has_seed", "seed", "logprobs", "logit_bias", "token_ids_logprob", "processed_logprobs", "grammar")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -138,6 +140,7 @@ class SamplerParams(_message.Message):
     LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     PROCESSED_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
@@ -151,7 +154,18 @@ class SamplerParams(_message.Message):
     logit_bias: _containers.ScalarMap[int, float]
     token_ids_logprob: _containers.RepeatedScalarFieldContainer[int]
     processed_logprobs: bool
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ..., logprobs: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., token_ids_logprob: _Optional[_Iterable[int]] = ..., processed_logprobs: _Optional[bool] = ...) -> None: ...
+    grammar: Grammar
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ..., logprobs: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., token_ids_logprob: _Optional[_Iterable[int]] = ..., processed_logprobs: _Optional[bool] = ..., grammar: _Optional[_Union[Grammar, _Mapping]] = ...) -> None: ...
+
+class Grammar(_message.Message):
+    __slots__ = ("backend", "kind", "spec")
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    backend: str
+    kind: str
+    spec: str
+    def __init__(self, backend: _Optional[str] = ..., kind: _Optional[str] = ..., spec: _Optional[str] = ...) -> None: ...
 
 class NewSequence(_message.Message):
     __slots__ = ("handle", "sampler", "prefix_slots", "history_ids", "request_id", "sim_output_len", "prompt_len")
