@@ -18,8 +18,9 @@ from google.protobuf.message import DecodeError, Message
 
 from control_plane.config import Limits
 from control_plane.request import FinishKind, FinishReason, RequestParams
+from grammars import spec as grammar_spec
 from protos.stepwise.v1 import generation_pb2 as gen_pb
-from protos.worker import SamplerParams
+from protos.worker import Grammar, SamplerParams
 
 MAX_SAMPLES = 64
 
@@ -153,6 +154,43 @@ def check_prompt_scoring(params: RequestParams, prompt_len: int, vocab_size: int
         )
 
 
+def constraint_field(msg: gen_pb.SamplingParams) -> str | None:
+    """The name of the request's constraint field (`sampling.json_schema`, ...), None without one."""
+    which = msg.WhichOneof("constraint")
+    return None if which is None else f"sampling.{which}"
+
+
+def _grammar(msg: gen_pb.SamplingParams, limits: Limits) -> Grammar | None:
+    """The request's constraint, checked for what needs no backend: its size, JSON that must be
+    JSON, a well-formed choice list, and the sampling fields it cannot be combined with. The
+    backend is named later (the core's --grammar-backend); compiling is a frontend's
+    (control_plane/frontend/grammars.py)."""
+    which = msg.WhichOneof("constraint")
+    if which is None:
+        return None
+    name = f"sampling.{which}"
+    try:
+        if which == grammar_spec.CHOICE:
+            spec = grammar_spec.from_choices(list(msg.choice.choices))
+        else:
+            spec = grammar_spec.GrammarSpec(which, getattr(msg, which))
+            if which in ("json_schema", "structural_tag"):
+                grammar_spec.check_json(which, spec.text)
+    except grammar_spec.GrammarError as exc:
+        raise InvalidArgument(f"{name}: {exc}") from None
+    _check(
+        spec.size <= limits.max_grammar_bytes,
+        name,
+        f"{spec.size} bytes; at most {limits.max_grammar_bytes} are allowed (--max-grammar-bytes)",
+    )
+    # A finished grammar allows only EOS: ignoring EOS, or not letting it end the output yet, would
+    # leave the output nothing to continue with.
+    _check(not msg.ignore_eos, "sampling.ignore_eos", f"cannot be combined with {name}")
+    min_new = msg.min_new_tokens if msg.HasField("min_new_tokens") else 0
+    _check(min_new == 0, "sampling.min_new_tokens", f"cannot be combined with {name}")
+    return Grammar("", spec.kind, spec.text)
+
+
 def sampling_from_proto(msg: gen_pb.SamplingParams, limits: Limits | None = None) -> RequestParams:
     """Validate and convert sampling parameters; raises InvalidArgument naming the field."""
     limits = limits or Limits()
@@ -191,6 +229,7 @@ def sampling_from_proto(msg: gen_pb.SamplingParams, limits: Limits | None = None
         # The worker scores with the sampled token plus `top` alternatives when anything is asked.
         logprobs=1 + top if logprobs or start >= 0 else 0,
         token_ids_logprob=ids,
+        grammar=_grammar(msg, limits),
     )
     return RequestParams(
         max_new_tokens=max_new,

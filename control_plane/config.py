@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from flagtypes import INT32_MAX, MAX_PROCESSES, MAX_TOKENS, PORT, SEED, Float, Int, count, seconds, switch
+from grammars import backend as grammar_backends
 
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random", "routing-key")
 EVICTION_POLICIES = ("lru", "lfu", "fifo", "mru", "filo", "priority", "slru")
@@ -36,6 +37,8 @@ class Limits:
     max_stop_token_ids: int = 1024
     # Top alternatives per position a request may ask for, and ids in its token_ids_logprob.
     max_top_logprobs: int = 20
+    # UTF-8 bytes of a request's constraint (a JSON schema, regex or grammar's text).
+    max_grammar_bytes: int = 256 * 1024
     # UTF-8 bytes of a text prompt, checked before tokenizing (which costs time in proportion).
     max_prompt_bytes: int = 4 * 1024 * 1024
     # Request ids and routing keys, in characters.
@@ -155,6 +158,10 @@ class ControlConfig:
     # What a log probability is (vLLM's --logprobs-mode): "raw", the log-softmax of the model's logits,
     # or "processed", of what sampling draws from (docs/protocols.md#log-probabilities).
     logprobs_mode: str = "raw"
+    # Constrained decoding's backend (grammars/backend.py), or "none": constraints are refused.
+    grammar_backend: str = "llguidance"
+    # A constraint that has not compiled within this many seconds is refused (its request only).
+    grammar_compile_timeout_s: float = 10.0
     # Two plans in flight per worker (SGLang's overlap scheduling, docs/scheduler.md#overlap).
     overlap: bool = True
     # Concurrent Generate calls one frontend serves; past it, RESOURCE_EXHAUSTED.
@@ -384,6 +391,19 @@ def _add_process_arguments(parser: argparse.ArgumentParser) -> None:
         "penalties, bias, temperature and top-k/top-p/min-p (processed)",
     )
     add(
+        "--grammar-backend",
+        choices=(*grammar_backends.NAMES, grammar_backends.NONE),
+        default=d.grammar_backend,
+        help="what compiles and matches constrained requests' grammars (json_schema, regex, ebnf, lark, "
+        "structural_tag, choice); none refuses them",
+    )
+    add(
+        "--grammar-compile-timeout",
+        type=seconds(0.001),
+        default=d.grammar_compile_timeout_s,
+        help="seconds a request's grammar may take to compile before the request is refused",
+    )
+    add(
         "--disable-overlap-schedule",
         action="store_true",
         help="one plan in flight per worker instead of two (planning no longer overlaps the forward)",
@@ -509,6 +529,12 @@ def _add_limit_arguments(parser: argparse.ArgumentParser) -> None:
         help="top log probabilities per position a request may ask for (and ids in its token_ids_logprob)",
     )
     add(
+        "--max-grammar-bytes",
+        type=count(1),
+        default=d.max_grammar_bytes,
+        help="UTF-8 bytes of a request's constraint (its JSON schema, regex or grammar)",
+    )
+    add(
         "--max-worker-kv-tokens",
         type=Int(1, MAX_TOKENS),
         default=d.max_worker_kv_tokens,
@@ -630,6 +656,7 @@ def limits_from_args(ns: argparse.Namespace) -> Limits:
         max_stop_chars=ns.max_stop_chars,
         max_stop_token_ids=ns.max_stop_token_ids,
         max_top_logprobs=ns.max_top_logprobs,
+        max_grammar_bytes=ns.max_grammar_bytes,
         max_prompt_bytes=ns.max_prompt_bytes,
         max_worker_kv_tokens=ns.max_worker_kv_tokens,
         worker_step_timeout_s=ns.worker_step_timeout,
@@ -693,6 +720,8 @@ def control_config_from_args(ns: argparse.Namespace, model_dir: Path) -> Control
         frontends=ns.frontends,
         stream_interval=ns.stream_interval,
         logprobs_mode=ns.logprobs_mode,
+        grammar_backend=ns.grammar_backend,
+        grammar_compile_timeout_s=ns.grammar_compile_timeout,
         overlap=not ns.disable_overlap_schedule,
         max_concurrent_streams=ns.max_concurrent_streams,
         frontend_heartbeat_interval_s=heartbeat_interval,

@@ -165,6 +165,10 @@ class Tokenizer:
         `max_token_bytes · n` bytes has more than n tokens, known without tokenizing it."""
         return self._max_token_bytes
 
+    def to_json(self) -> str:
+        """The tokenizer as tokenizer.json text (what grammar backends are built from)."""
+        return str(self._tok.to_str())
+
     def encode(self, text: str) -> list[int]:
         """Token ids for a prompt, with the special tokens the model expects.
 

@@ -18,6 +18,7 @@ SCORE_SLICE_BYTES of logits, so scoring a long prompt never holds [positions, vo
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,6 +27,7 @@ import torch
 
 from data_plane.backends.base import AttentionBackend, StepLayout
 from data_plane.backends.sdpa import SdpaBackend
+from data_plane.constraints import Constraints, GrammarMasks
 from data_plane.kv_pool import HostCopy, KvPool
 from data_plane.models.llama import ForwardBatch, LlamaModel
 from data_plane.sampler import BiasRow, PenaltyRow, SampleOutput, ids_logprobs, logprob_rows, sample
@@ -81,8 +83,10 @@ class Executor:
         seed: int | None = None,
         decode_cache: bool = True,
         attention: AttentionBackend | None = None,
+        constraints: Constraints | None = None,
     ) -> None:
-        """`attention` defaults to the SDPA backend, with the decode block unless `decode_cache` is off."""
+        """`attention` defaults to the SDPA backend, with the decode block unless `decode_cache` is off;
+        `constraints` to none (a worker without a tokenizer cannot constrain)."""
         self.model = model
         self.pool = pool
         self.table = SequenceTable(model.config.max_position_embeddings)
@@ -91,6 +95,13 @@ class Executor:
         self.rng = np.random.default_rng(seed)
         self.device = model.device
         self.attention = attention or SdpaBackend(model, decode_cache=decode_cache)
+        self.constraints = (
+            constraints
+            if constraints is not None
+            else Constraints(None, model.config.vocab_size, model.config.eos_token_ids)
+        )
+        # Fills the step's grammar masks while the forward runs (made on the first constrained step).
+        self._mask_thread: ThreadPoolExecutor | None = None
 
     # ---- the step ----------------------------------------------------------------------------
 
@@ -111,8 +122,11 @@ class Executor:
         prepared = self._apply(plan)
         if prepared is None:
             return self._result(plan.step_id, np.zeros(0, np.int64), (), started)
+        masks = self._start_masks(prepared.sample_rows)
         forward = self.model.forward(prepared.batch, self.pool)
-        output = self._sample(forward.logits, prepared.sample_rows)
+        output = self._sample(forward.logits, prepared.sample_rows, masks.result() if masks else None)
+        if self.constraints:
+            self.constraints.accept(prepared.sample_rows, output.token_ids)
         self.table.last_token[prepared.sample_rows] = output.token_ids
         ones = np.ones(len(prepared.sample_rows), dtype=np.int64)
         self.table.extend_history(prepared.sample_rows, ones, output.token_ids)
@@ -121,6 +135,15 @@ class Executor:
             assert prepared.ext_rows is not None
             scores = self._score_prompts(forward.scored_hidden, prepared.scoring, prepared.ext_rows)
         return self._result(plan.step_id, output.token_ids, output.logprobs, started, prompt_scores=scores)
+
+    def _start_masks(self, rows: np.ndarray) -> Future[GrammarMasks | None] | None:
+        """Fill the constrained rows' masks on a thread of their own while the forward runs (the
+        masks depend only on the tokens already accepted); None when no sequence is constrained."""
+        if not self.constraints:
+            return None
+        if self._mask_thread is None:
+            self._mask_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-masks")
+        return self._mask_thread.submit(self.constraints.fill, rows)
 
     def runs_inline(self, plan: StepPlan) -> bool:
         """A CPU step of few tokens; CUDA steps wait for the device, so they never block the loop."""
@@ -172,6 +195,10 @@ class Executor:
         self._restore(plan.restores)
         for seq in plan.new_seqs:
             self.table.add(seq.handle, seq.sampler, seq.prefix_slots, seq.history_ids)
+            if seq.sampler.grammar is not None:
+                self.constraints.start(
+                    self.table.row(seq.handle), seq.sampler.grammar, seq.prompt_len, seq.history_ids
+                )
         return self._prepare(plan)
 
     def _check_slots(self, plan: StepPlan) -> None:
@@ -186,6 +213,7 @@ class Executor:
     def _release(self, handles: np.ndarray) -> None:
         for handle in handles.tolist():
             self.host.pop(handle, None)
+            self.constraints.remove(self.table.row(handle))
             self.table.remove(handle)
 
     def _offload(self, transfers: tuple[KvTransfer, ...]) -> None:
@@ -231,6 +259,8 @@ class Executor:
         ext_rows, dec_rows = self._check_work(plan)
         scoring = score_rows(ext)
         self.table.extend_history(ext_rows, ext.lens, ext.token_ids)
+        if self.constraints:
+            self.constraints.feed(ext_rows, ext.starts, ext.lens, ext.token_ids)
         ext_positions = self.table.append_slots(ext_rows, ext.lens, ext.slots)
         dec_ones = np.ones(len(dec_rows), dtype=np.int64)
         dec_positions = self.table.append_slots(dec_rows, dec_ones, dec.slots)
@@ -301,7 +331,7 @@ class Executor:
 
     # ---- sampling and results ----------------------------------------------------------------
 
-    def _sample(self, logits: torch.Tensor, rows: np.ndarray) -> SampleOutput:
+    def _sample(self, logits: torch.Tensor, rows: np.ndarray, masks: GrammarMasks | None) -> SampleOutput:
         penalties = []
         if self.table.any_penalties:  # skip the per-row scan in the common case
             penalties = [
@@ -321,7 +351,9 @@ class Executor:
         ids: list[np.ndarray] = []
         if int(cols.logprobs.max(initial=0)) > 0:  # per-row lookups only when some row asks
             ids = [_ids_of(self.table.params(row)) for row in rows.tolist()]
-        return sample(logits, cols, positions, penalties, self.rng, biases, logprob_ids=ids)
+        return sample(
+            logits, cols, positions, penalties, self.rng, biases, logprob_ids=ids, grammar_masks=masks
+        )
 
     @torch.inference_mode()
     def _score_prompts(

@@ -1,8 +1,9 @@
 """Batched token sampling: penalties, greedy, temperature, top-k, top-p, min-p, seeded draws.
 
 Order of operations (as transformers' processors and warpers apply them): penalties on the raw
-logits, then the logit bias (OpenAI's `logit_bias`), then temperature, top-k, top-p and min-p, then
-one draw.
+logits, then the logit bias (OpenAI's `logit_bias`), then the grammar mask of a constrained row
+(data_plane/constraints.py: every token the grammar does not allow next gets -inf), then
+temperature, top-k, top-p and min-p, then one draw. Greedy rows are masked too.
 
 Logprobs (SamplerParams.logprobs > 0 for some row of the step; otherwise none are computed, so a
 step that asks for none pays nothing): every row then gets an entry, with the sampled token's
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from data_plane.constraints import GrammarMasks
 from data_plane.state import SamplerColumns
 from protos.worker import SamplerParams, TokenLogprobs
 
@@ -68,6 +70,7 @@ def sample(
     rng: np.random.Generator,
     biases: list[BiasRow] | tuple[BiasRow, ...] = (),
     logprob_ids: Sequence[np.ndarray] = (),
+    grammar_masks: GrammarMasks | None = None,
 ) -> SampleOutput:
     """Pick one token per row of `logits` ([S, vocab], float32; modified in place by penalties and
     biases).
@@ -80,6 +83,8 @@ def sample(
     logprobs = torch.log_softmax(logits, dim=-1) if wants_logprobs else None
     apply_penalties(logits, penalties)
     apply_biases(logits, biases)
+    if grammar_masks is not None:
+        apply_grammar_masks(logits, grammar_masks)
     if logprobs is not None and cols.processed is not None:
         processed = np.flatnonzero(cols.processed)
         if len(processed):
@@ -123,6 +128,25 @@ def apply_biases(logits: torch.Tensor, rows: list[BiasRow] | tuple[BiasRow, ...]
         ids = torch.from_numpy(row.ids[keep]).to(logits.device)
         values = torch.from_numpy(row.values[keep]).to(logits.device, logits.dtype)
         logits[row.index].index_add_(0, ids, values)
+
+
+def apply_grammar_masks(logits: torch.Tensor, masks: GrammarMasks) -> None:
+    """Set to -inf the logits of every token a constrained row's grammar does not allow next.
+
+    On CPU the bitmask is unpacked by numpy (bit j of word w is token 32·w + j, so the words'
+    little-endian bytes unpack with bitorder "little"); on a GPU the words are copied over and
+    unpacked there by shifts, so only ceil(vocab / 32) int32 words per row cross the bus.
+    """
+    vocab = logits.shape[-1]
+    index = torch.from_numpy(masks.index).to(logits.device)
+    if logits.device.type == "cpu":
+        bits = np.unpackbits(masks.words.view(np.uint8), axis=1, count=vocab, bitorder="little")
+        allowed = torch.from_numpy(bits.view(np.bool_))
+    else:
+        words = torch.from_numpy(masks.words).to(logits.device, non_blocking=True)
+        shifts = torch.arange(32, device=logits.device, dtype=torch.int32)
+        allowed = ((words.unsqueeze(-1) >> shifts) & 1).reshape(len(masks.index), -1)[:, :vocab].bool()
+    logits[index] = logits[index].masked_fill_(~allowed, float("-inf"))
 
 
 def _subset(cols: SamplerColumns, index: np.ndarray) -> SamplerColumns:

@@ -31,6 +31,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import json
+import pathlib
 import signal
 import sys
 import threading
@@ -47,6 +48,7 @@ from data_plane.backends.base import BackendError
 from data_plane.config import CUDA_KV_MEMORY_FRACTION, DEFAULT_CPU_KV_BYTES, WorkerConfig
 from data_plane.config import add_arguments as add_arguments
 from data_plane.config import config_from_args as config_from_args
+from data_plane.constraints import Constraints
 from data_plane.dialer import Candidate, Dialer, Refusal, Retry
 from data_plane.executor import Executor
 from data_plane.health import WorkerHealth
@@ -132,7 +134,12 @@ def load_worker(config: WorkerConfig) -> LoadedWorker:
         attention = make_backend(config.attention_backend, model, decode_cache=decode_cache)
     except BackendError as exc:
         raise ModelLoadError(str(exc)) from exc
-    executor = Executor(model, pool, host_pool_tokens=config.host_pool_tokens, attention=attention)
+    constraints = Constraints(
+        _tokenizer_json(config.model), model.config.vocab_size, model.config.eos_token_ids
+    )
+    executor = Executor(
+        model, pool, host_pool_tokens=config.host_pool_tokens, attention=attention, constraints=constraints
+    )
     hello = WorkerLimits(
         worker_id=config.worker_id,
         model_fingerprint=model_fingerprint(config.model),
@@ -144,8 +151,18 @@ def load_worker(config: WorkerConfig) -> LoadedWorker:
         device=str(device),
         eos_token_ids=frozenset(model.config.eos_token_ids),
         host_pool_capacity_tokens=config.host_pool_tokens,
+        grammar_backends=constraints.backends,
     )
     return LoadedWorker(executor, hello)
+
+
+def _tokenizer_json(model_dir: pathlib.Path) -> str | None:
+    """The checkpoint's tokenizer.json text, which grammar backends read; None without one (the
+    worker then constrains nothing, and says so in its hello)."""
+    try:
+        return (model_dir / "tokenizer.json").read_text(encoding="utf-8")
+    except OSError:
+        return None
 
 
 SIM_DEFAULT_KV_TOKENS = 1 << 18

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -22,6 +23,10 @@ try:
 except ImportError:  # pragma: no cover - the backend is then reported as not installed
     llguidance = None  # type: ignore[assignment]
 
+# JSON is written in one layout, Python's json.dumps default (", " and ": ", no other whitespace):
+# with whitespace free, a weak model can fill a value's gaps with spaces until max_tokens. A
+# schema's own "x-guidance" options override these.
+JSON_LAYOUT: Any = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 KINDS = frozenset({"json_schema", "regex", "ebnf", "lark", "structural_tag"})
 
 
@@ -85,7 +90,7 @@ def _grammar(spec: GrammarSpec) -> str:
     if spec.kind == "json_schema":
         check_json(spec.kind, spec.text)
         try:
-            return str(LLMatcher.grammar_from_json_schema(spec.text))
+            return str(LLMatcher.grammar_from_json_schema(spec.text, defaults=JSON_LAYOUT))
         except ValueError as exc:
             raise GrammarError(str(exc)) from None
     if spec.kind == "regex":
@@ -124,7 +129,7 @@ def _structural_tag(text: str) -> str:
             llguidance.StructTag(
                 trigger=trigger,
                 begin=item["begin"],
-                grammar=schema,
+                grammar=LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_LAYOUT),
                 end=item["end"],
             )
         )
@@ -132,5 +137,10 @@ def _structural_tag(text: str) -> str:
 
 
 def _first_line(message: str) -> str:
+    """llguidance's message in one line: its first, and the regex parser's "error:" line if any
+    (the lines between draw a caret under the grammar's text)."""
     lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
-    return lines[0] if lines else "invalid grammar"
+    if not lines:
+        return "invalid grammar"
+    detail = next((line for line in lines[1:] if line.startswith("error:")), None)
+    return lines[0] if detail is None else f"{lines[0].rstrip(':')}: {detail.removeprefix('error:').strip()}"

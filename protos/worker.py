@@ -35,6 +35,16 @@ def _i32(values: object = ()) -> np.ndarray:
 
 
 @dataclass(frozen=True, slots=True)
+class Grammar:
+    """A constraint the control plane compiled (worker.proto: Grammar): the backend that compiled
+    it, and its kind and text (grammars/spec.py)."""
+
+    backend: str
+    kind: str
+    spec: str
+
+
+@dataclass(frozen=True, slots=True)
 class SamplerParams:
     """How the worker samples for one sequence (fixed for its life); every default means "off".
 
@@ -58,6 +68,15 @@ class SamplerParams:
     token_ids_logprob: tuple[int, ...] = ()
     # False: logprobs of the model's logits (raw); True: of what sampling draws from (processed).
     processed_logprobs: bool = False
+    # The grammar the output is held to; None: unconstrained.
+    grammar: Grammar | None = None
+
+    @property
+    def needs_history(self) -> bool:
+        """Whether the worker needs the tokens before the first extend: penalties count them, and a
+        grammar's matcher accepts the output tokens among them again (a retracted or handed-over
+        sequence rebuilds its matcher that way)."""
+        return self.uses_penalties or self.grammar is not None
 
     @property
     def uses_penalties(self) -> bool:
@@ -263,6 +282,8 @@ class WorkerLimits:
     # 0: the worker cannot back sequences up to host memory.
     host_pool_capacity_tokens: int = 0
     protocol_version: int = PROTOCOL_VERSION
+    # The grammar backends the worker can run (constrained decoding).
+    grammar_backends: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -41,6 +41,7 @@ from protos.worker import (
     Drain,
     Dropped,
     ExtendWork,
+    Grammar,
     KvReport,
     KvTransfer,
     Move,
@@ -68,6 +69,17 @@ class ProtocolError(ValueError):
 
 
 def sampler_to_proto(s: SamplerParams) -> wk_pb.SamplerParams:
+    msg = _sampler_to_proto(s)
+    if s.grammar is not None:
+        msg.grammar.backend, msg.grammar.kind, msg.grammar.spec = (
+            s.grammar.backend,
+            s.grammar.kind,
+            s.grammar.spec,
+        )
+    return msg
+
+
+def _sampler_to_proto(s: SamplerParams) -> wk_pb.SamplerParams:
     return wk_pb.SamplerParams(
         temperature=s.temperature,
         top_p=s.top_p,
@@ -99,6 +111,7 @@ def sampler_from_proto(p: wk_pb.SamplerParams) -> SamplerParams:
         logit_bias=tuple(sorted(p.logit_bias.items())),
         token_ids_logprob=tuple(p.token_ids_logprob),
         processed_logprobs=p.processed_logprobs,
+        grammar=Grammar(p.grammar.backend, p.grammar.kind, p.grammar.spec) if p.HasField("grammar") else None,
     )
 
 
@@ -412,6 +425,7 @@ def hello_to_proto(limits: WorkerLimits) -> wk_pb.WorkerMessage:
         protocol_version=limits.protocol_version,
         eos_token_ids=sorted(limits.eos_token_ids),
         host_pool_capacity_tokens=limits.host_pool_capacity_tokens,
+        grammar_backends=limits.grammar_backends,
     )
     return wk_pb.WorkerMessage(hello=hello)
 
@@ -431,6 +445,7 @@ def hello_from_proto(hello: wk_pb.Hello) -> WorkerLimits:
         device=hello.device,
         host_pool_capacity_tokens=hello.host_pool_capacity_tokens,
         protocol_version=hello.protocol_version,
+        grammar_backends=tuple(hello.grammar_backends),
     )
 
 

@@ -382,6 +382,12 @@ class FrontendHub:
         except client_codec.InvalidArgument as exc:
             self.verdict(uids[0], Verdict.INVALID, str(exc))
             return
+        grammar = params.sampler.grammar
+        if grammar is not None and grammar.backend not in engine.limits.grammar_backends:
+            field_name = client_codec.constraint_field(msg.sampling)
+            message = f"worker {engine.worker} cannot run the {grammar.backend} grammar backend"
+            self.verdict(uids[0], Verdict.INVALID, f"{field_name}: {message}")
+            return
         rids = [msg.request_id] if len(uids) == 1 else [f"{msg.request_id}/{i}" for i in range(len(uids))]
         samples = tuple(
             LiveSample(rid, uid, msg.request_id, msg.owner, msg.arrived)
@@ -422,4 +428,9 @@ def _params(msg: fe_pb.Arrival, config: ControlConfig) -> RequestParams:
         params = dataclasses.replace(
             params, sampler=dataclasses.replace(params.sampler, processed_logprobs=True)
         )
+    grammar = params.sampler.grammar
+    if grammar is not None:
+        # The frontend compiled it with this backend (control_plane/frontend/grammars.py).
+        grammar = dataclasses.replace(grammar, backend=config.grammar_backend)
+        params = dataclasses.replace(params, sampler=dataclasses.replace(params.sampler, grammar=grammar))
     return params

@@ -15,6 +15,7 @@ import grpc
 
 from control_plane import client_codec
 from control_plane.frontend.core_link import CORE_GONE, CoreState, Frontend
+from control_plane.frontend.grammars import GrammarCompiler
 from control_plane.frontend.samples import Call, Chunk, Done, Lost, Prompt
 from control_plane.link import DRAINING, LinkClosed
 from protos.stepwise.v1 import generation_pb2 as gen_pb
@@ -76,6 +77,13 @@ class GenerationService(gen_grpc.GenerationServicer):
         self.config = frontend.config
         self.tokenizer = frontend.tokenizer
         self.keys = ApiKeys(self.config.security.api_keys)
+        self.grammars = GrammarCompiler(
+            self.config.grammar_backend,
+            self.tokenizer.to_json,
+            self.tokenizer.vocab_size,
+            self.tokenizer.eos_token_ids,
+            self.config.grammar_compile_timeout_s,
+        )
         # Generate calls being served (bounded by --max-concurrent-streams).
         self.streams = 0
 
@@ -155,6 +163,11 @@ class GenerationService(gen_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, DRAINING)
         try:
             ids = await self._prompt_ids(inp, state)
+            grammar = inp.params.sampler.grammar
+            if grammar is not None:
+                await self.grammars.check(
+                    grammar, client_codec.constraint_field(request.sampling) or "sampling"
+                )
         except client_codec.InvalidArgument as exc:
             await context.abort(invalid, str(exc))
         rid = inp.request_id or uuid.uuid4().hex

@@ -85,7 +85,7 @@ class PlanBuilder:
 
     def _new_seq(self, req: Request, start: int) -> NewSeq:
         history = np.zeros(0, dtype=np.int32)
-        if req.params.sampler.uses_penalties:
+        if req.params.sampler.needs_history:
             history = np.asarray(req.fill_ids[:start], dtype=np.int32)
         return NewSeq(
             req.handle,
