@@ -1,0 +1,178 @@
+"""A frontend's grammar compiler (control_plane/frontend/grammars.py) and the constraint fields'
+checks in client_codec: what is refused, with which field named, and that compiles run off the
+event loop, are cached, shared while running, and bounded in time."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from control_plane import client_codec
+from control_plane.config import Limits
+from control_plane.frontend import grammars as compiler_module
+from control_plane.frontend.grammars import GrammarCompiler
+from grammars.spec import GrammarError, GrammarSpec
+from protos.stepwise.v1 import generation_pb2 as gen_pb
+from protos.worker import Grammar
+from stepwise.models import resolve_model
+
+TOKENIZER = (resolve_model("embedded") / "tokenizer.json").read_text(encoding="utf-8")
+
+
+def _compiler(backend: str = "llguidance", timeout_s: float = 10.0) -> GrammarCompiler:
+    return GrammarCompiler(backend, lambda: TOKENIZER, 1024, {0}, timeout_s)
+
+
+async def test_a_valid_grammar_comes_back_with_its_backend_named() -> None:
+    checked = await _compiler().check(Grammar("", "regex", "[a-z]+"), "sampling.regex")
+    assert checked == Grammar("llguidance", "regex", "[a-z]+")
+
+
+@pytest.mark.parametrize(
+    ("kind", "text", "words"),
+    [
+        ("regex", "a(b", "unclosed group"),
+        ("json_schema", '{"type": "objectx"}', "objectx"),
+        ("lark", "start: missing_rule", "missing_rule"),
+    ],
+)
+async def test_a_grammar_that_does_not_compile_is_refused_naming_the_field(
+    kind: str, text: str, words: str
+) -> None:
+    with pytest.raises(client_codec.InvalidArgument) as info:
+        await _compiler().check(Grammar("", kind, text), f"sampling.{kind}")
+    assert str(info.value).startswith(f"sampling.{kind}: ")
+    assert words in str(info.value)
+
+
+async def test_grammar_backend_none_refuses_every_constraint() -> None:
+    with pytest.raises(client_codec.InvalidArgument, match=r"sampling.regex: .*--grammar-backend none"):
+        await _compiler("none").check(Grammar("", "regex", "a"), "sampling.regex")
+
+
+class _SlowBackend:
+    """A backend whose compiles wait for `release`, counting them."""
+
+    name = "slow"
+    kinds = frozenset({"regex"})
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.compiles = 0
+        self.threads: set[str] = set()
+
+    def compile(self, spec: GrammarSpec) -> object:
+        self.compiles += 1
+        self.threads.add(threading.current_thread().name)
+        self.release.wait(10)
+        if spec.text == "bad":
+            raise GrammarError("bad grammar")
+        return object()
+
+    def matcher(self, compiled: object) -> object:
+        raise NotImplementedError
+
+
+@pytest.fixture
+def slow(monkeypatch: pytest.MonkeyPatch) -> _SlowBackend:
+    backend = _SlowBackend()
+    monkeypatch.setattr(compiler_module.grammar_backend, "create", lambda *args: backend)
+    return backend
+
+
+async def test_compiles_run_off_the_loop_and_one_compile_serves_every_call_waiting_for_it(
+    slow: _SlowBackend,
+) -> None:
+    compiler = _compiler("slow")
+    calls = [
+        asyncio.create_task(compiler.check(Grammar("", "regex", "x"), "sampling.regex")) for _ in range(5)
+    ]
+    await asyncio.sleep(0.05)
+    # The loop is free while they compile: this coroutine runs.
+    assert not any(call.done() for call in calls)
+    slow.release.set()
+    assert all(g.backend == "slow" for g in await asyncio.gather(*calls))
+    assert slow.compiles == 1
+    assert threading.current_thread().name not in slow.threads
+    # Cached: no compile for the next call, errors included.
+    await compiler.check(Grammar("", "regex", "x"), "sampling.regex")
+    for _ in range(2):
+        with pytest.raises(client_codec.InvalidArgument, match="bad grammar"):
+            await compiler.check(Grammar("", "regex", "bad"), "sampling.regex")
+    assert slow.compiles == 2
+
+
+async def test_a_compile_past_the_timeout_refuses_only_its_call_and_its_result_is_kept(
+    slow: _SlowBackend,
+) -> None:
+    compiler = _compiler("slow", timeout_s=0.1)
+    other = asyncio.create_task(asyncio.sleep(0.3, result="served"))
+    with pytest.raises(client_codec.InvalidArgument, match=r"sampling.regex: did not compile within 0.1 s"):
+        await compiler.check(Grammar("", "regex", "x"), "sampling.regex")
+    assert await other == "served"
+    slow.release.set()
+    for _ in range(100):  # the compile goes on; once done, the next call is answered from the cache
+        if slow.compiles and not compiler._running:
+            break
+        await asyncio.sleep(0.02)
+    assert (await compiler.check(Grammar("", "regex", "x"), "sampling.regex")).backend == "slow"
+    assert slow.compiles == 1
+
+
+async def test_a_kind_the_backend_does_not_read_is_refused(slow: _SlowBackend) -> None:
+    slow.release.set()
+    with pytest.raises(
+        client_codec.InvalidArgument, match=r"sampling.lark: the slow grammar backend does not read lark"
+    ):
+        await _compiler("slow").check(Grammar("", "lark", "start: x"), "sampling.lark")
+
+
+# --- client_codec: what needs no compile -----------------------------------------------------------
+
+
+def _sampling(**fields: object) -> gen_pb.SamplingParams:
+    choices = fields.pop("choice", None)
+    msg = gen_pb.SamplingParams(**fields)  # type: ignore[arg-type]
+    if choices is not None:
+        msg.choice.choices.extend(choices)  # type: ignore[arg-type]
+    return msg
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"json_schema": "{"}, "sampling.json_schema: is not valid JSON"),
+        ({"json_schema": "[1]"}, "sampling.json_schema: must be a JSON object"),
+        ({"structural_tag": "3"}, "sampling.structural_tag: must be a JSON object"),
+        ({"choice": []}, "sampling.choice: must list at least one choice"),
+        ({"choice": ["a", ""]}, "sampling.choice: choice 1 is empty"),
+        ({"choice": ["a", "a"]}, "sampling.choice: lists a choice twice"),
+        ({"regex": "a", "ignore_eos": True}, "sampling.ignore_eos: cannot be combined with sampling.regex"),
+        (
+            {"regex": "a", "min_new_tokens": 3},
+            "sampling.min_new_tokens: cannot be combined with sampling.regex",
+        ),
+        ({"regex": "a" * 101}, "sampling.regex: 101 bytes; at most 100 are allowed (--max-grammar-bytes)"),
+    ],
+)
+def test_constraint_fields_are_checked_before_any_compile(fields: dict[str, object], message: str) -> None:
+    with pytest.raises(client_codec.InvalidArgument) as info:
+        client_codec.sampling_from_proto(_sampling(**fields), Limits(max_grammar_bytes=100))
+    assert str(info.value).startswith(message)
+
+
+def test_a_choice_list_becomes_a_regex_matching_exactly_its_strings() -> None:
+    import re
+
+    choices = ["a.b-c (x)?", "1+1", "x/y", "[z]", "plain"]
+    params = client_codec.sampling_from_proto(_sampling(choice=choices))
+    grammar = params.sampler.grammar
+    assert grammar is not None and grammar.kind == "regex"
+    assert all(re.fullmatch(grammar.spec, c) for c in choices)
+    assert not re.fullmatch(grammar.spec, "a.b-c (x)")
+
+
+def test_an_unconstrained_request_has_no_grammar() -> None:
+    assert client_codec.sampling_from_proto(_sampling()).sampler.grammar is None
