@@ -16,6 +16,14 @@ Instead: the cost of logprobs on the decode step. For each batch size, ours deco
 workload three ways, side by side: no logprobs, logprobs (the sampled token's only) and
 top_logprobs=20 (SamplerParams.logprobs=21). Output: tokens/s and CPU time per token
 (time.process_time, all threads) of each, and the ratio of each CPU time to the no-logprobs one.
+
+    python bench/bench_worker.py --constrained [--batches 1 32 128] ...
+
+Instead: the cost of constrained decoding (data_plane/constraints.py) on the decode step. For each
+batch size, 0%, 50% and 100% of the sequences are held to a JSON schema (an array of at least
+64 short strings, so no grammar finishes within the timed steps and every step fills real
+masks), side by side. Output: tokens/s and CPU time per token of each, and each CPU time's
+ratio to the unconstrained one.
 """
 
 from __future__ import annotations
@@ -32,10 +40,11 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from data_plane.backends import make_backend
+from data_plane.constraints import Constraints
 from data_plane.executor import Executor
 from data_plane.kv_pool import KvPool
 from data_plane.models.llama import LlamaModel
-from protos.worker import DecodeWork, ExtendWork, NewSeq, SamplerParams, StepKind, StepPlan
+from protos.worker import DecodeWork, ExtendWork, Grammar, NewSeq, SamplerParams, StepKind, StepPlan
 from stepwise.models import resolve_model
 
 
@@ -60,13 +69,18 @@ def make_workload(batch: int, prompt_len: int, steps: int, vocab: int, seed: int
     return Workload(batch, prompt_len, steps, prompts.astype(np.int64))
 
 
-def prefill_plan(w: Workload, sampler: SamplerParams | None = None) -> StepPlan:
+def prefill_plan(w: Workload, sampler: SamplerParams | list[SamplerParams] | None = None) -> StepPlan:
+    """The workload's prefill, every sequence sampling with `sampler` (or sequence i with sampler[i])."""
     handles = np.arange(w.batch, dtype=np.int64)
     positions = np.arange(w.prompt_len)
+    samplers = sampler if isinstance(sampler, list) else [sampler or SamplerParams()] * w.batch
     return StepPlan(
         step_id=0,
         kind=StepKind.PREFILL,
-        new_seqs=tuple(NewSeq(handle=int(h), sampler=sampler or SamplerParams()) for h in handles),
+        new_seqs=tuple(
+            NewSeq(handle=int(h), sampler=s, prompt_len=w.prompt_len)
+            for h, s in zip(handles, samplers, strict=True)
+        ),
         extends=ExtendWork(
             handles=handles,
             starts=np.zeros(w.batch, dtype=np.int64),
@@ -98,14 +112,16 @@ def ours_decode_cost(
     model: LlamaModel,
     w: Workload,
     device: torch.device,
-    sampler: SamplerParams | None = None,
+    sampler: SamplerParams | list[SamplerParams] | None = None,
     decode_cache: bool = True,
     backend: str = "sdpa",
+    constraints: Constraints | None = None,
 ) -> tuple[float, float]:
     """(decode tokens/s, CPU seconds per decoded token) of the Executor, every sequence sampling
-    with `sampler` (greedy by default)."""
+    with `sampler` (greedy by default; a list: one per sequence)."""
     pool = KvPool(model.config, w.batch * w.max_len, model.dtype, device)
-    executor = Executor(model, pool, attention=make_backend(backend, model, decode_cache=decode_cache))
+    attention = make_backend(backend, model, decode_cache=decode_cache)
+    executor = Executor(model, pool, attention=attention, constraints=constraints)
     plans = decode_plans(w)
     _check(executor.execute(prefill_plan(w, sampler)).error)
     _sync(device)
@@ -141,6 +157,35 @@ def logprobs_table(model: LlamaModel, args: argparse.Namespace, device: torch.de
         base = best["none"][1]
         ratios = "/".join(f"{best[name][1] / base:.2f}" for name, _ in LOGPROB_MODES[1:])
         print(f"{batch:>5} {cells} {ratios:>16}")
+
+
+# The --constrained schema: no output finishes it within the timed steps.
+BENCH_SCHEMA = '{"type": "array", "items": {"type": "string", "maxLength": 12}, "minItems": 64}'
+CONSTRAINED_SHARES = (0.0, 0.5, 1.0)
+
+
+def constrained_table(
+    model: LlamaModel, model_dir: pathlib.Path, args: argparse.Namespace, device: torch.device
+) -> None:
+    """Decode with 0%, 50% and 100% of the batch constrained, side by side (interleaved per repeat)."""
+    tokenizer_json = (model_dir / "tokenizer.json").read_text(encoding="utf-8")
+    grammar = SamplerParams(grammar=Grammar("llguidance", "json_schema", BENCH_SCHEMA))
+    names = " ".join(f"{f'{share:.0%} tok/s':>12} {'us cpu/tok':>10}" for share in CONSTRAINED_SHARES)
+    print(f"{'batch':>5} {names} {'cpu vs 0%':>10}")
+    for batch in args.batches:
+        w = make_workload(batch, args.prompt_len, args.steps, model.config.vocab_size)
+        runs: dict[float, list[tuple[float, float]]] = {share: [] for share in CONSTRAINED_SHARES}
+        ours_decode_cost(model, w, device)  # warm-up (the first run of a batch size pays allocations)
+        for _ in range(args.repeats):
+            for share in CONSTRAINED_SHARES:
+                held = round(share * batch)
+                samplers = [grammar if i < held else SamplerParams() for i in range(batch)]
+                constraints = Constraints(tokenizer_json, model.config.vocab_size, model.config.eos_token_ids)
+                runs[share].append(ours_decode_cost(model, w, device, samplers, constraints=constraints))
+        best = {share: (max(r[0] for r in rs), min(r[1] for r in rs)) for share, rs in runs.items()}
+        cells = " ".join(f"{rate:>12.0f} {1e6 * cpu:>10.1f}" for rate, cpu in best.values())
+        ratios = "/".join(f"{best[s][1] / best[0.0][1]:.2f}" for s in CONSTRAINED_SHARES[1:])
+        print(f"{batch:>5} {cells} {ratios:>10}")
 
 
 @torch.inference_mode()
@@ -187,6 +232,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--logprobs", action="store_true", help="compare decode with and without logprobs (ours only)"
     )
+    parser.add_argument(
+        "--constrained",
+        action="store_true",
+        help="compare decode with 0%%, 50%% and 100%% of the batch held to a JSON schema (ours only)",
+    )
     return parser.parse_args(argv)
 
 
@@ -199,6 +249,14 @@ def main(argv: list[str] | None = None) -> None:
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     model_dir = resolve_model(args.model)
     ours = LlamaModel.from_dir(model_dir, device, dtype)
+    if args.constrained:
+        print(
+            f"model {model_dir.name} on {device} {args.dtype}, torch threads {torch.get_num_threads()}, ",
+            end="",
+        )
+        print(f"prompt {args.prompt_len} tokens, {args.steps} decode steps, best of {args.repeats}")
+        constrained_table(ours, model_dir, args, device)
+        return
     if args.logprobs:
         print(
             f"model {model_dir.name} on {device} {args.dtype}, torch threads {torch.get_num_threads()}, ",

@@ -50,6 +50,7 @@ class GrammarMasks:
 class _Sequence:
     matcher: grammar_backend.Matcher
     prompt_len: int
+    backend: str
 
 
 class Constraints:
@@ -83,7 +84,7 @@ class Constraints:
         """Give `row` a fresh matcher that has accepted the output tokens among `history` (the
         tokens at positions 0..len-1, before the sequence's first extend)."""
         matcher = self._matcher(grammar)
-        self._rows[row] = _Sequence(matcher, prompt_len)
+        self._rows[row] = _Sequence(matcher, prompt_len, grammar.backend)
         for token in history[prompt_len:].tolist():
             matcher.accept(token)
 
@@ -115,8 +116,15 @@ class Constraints:
         if len(self._buffer) < len(index):
             self._buffer = np.zeros((max(len(index), 2 * len(self._buffer)), self.words), dtype=np.int32)
         words = self._buffer[: len(index)]
-        for k, i in enumerate(index):
-            self._rows[int(rows[i])].matcher.fill(words[k])
+        seqs = [self._rows[int(rows[i])] for i in index]
+        backend = self._backends[seqs[0].backend]
+        if isinstance(backend, grammar_backend.BatchFiller) and all(
+            s.backend == seqs[0].backend for s in seqs
+        ):
+            backend.fill_many([s.matcher for s in seqs], words)
+        else:
+            for k, seq in enumerate(seqs):
+                seq.matcher.fill(words[k])
         empty = np.flatnonzero(~words.any(axis=1))
         for k in empty.tolist():
             _allow(words[k], self._eos)

@@ -5,7 +5,8 @@ ids a finished grammar allows); `compile` turns a GrammarSpec into the backend's
 or raises GrammarError; `matcher` starts a fresh matcher on a compiled grammar. A `Matcher`
 follows one sequence's output: `fill` writes the bitmask of the tokens allowed next, `accept`
 advances by the token sampled (False: the token broke the grammar, and the matcher then allows
-only EOS), `finished` says the grammar is complete and only EOS may follow.
+only EOS), `finished` says the grammar is complete and only EOS may follow. A backend may also offer
+`fill_many` (BatchFiller), filling a whole step's masks in one call.
 
 Backends are imported lazily, so a process that never constrains a request never loads one.
 """
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
@@ -50,6 +51,13 @@ class Backend(Protocol):
     def compile(self, spec: GrammarSpec) -> Compiled: ...
 
     def matcher(self, compiled: Compiled) -> Matcher: ...
+
+
+@runtime_checkable
+class BatchFiller(Protocol):
+    """A backend that fills many matchers' masks in one call (`fill_many`; optional)."""
+
+    def fill_many(self, matchers: Sequence[Matcher], words: np.ndarray) -> None: ...
 
 
 def mask_words(vocab_size: int) -> int:
