@@ -68,8 +68,17 @@ def sampling_params(
     top_logprobs: int | None = None,
     token_ids_logprob: Sequence[int] = (),
     logprob_start_len: int | None = None,
+    json_schema: str | Mapping[str, object] | None = None,
+    regex: str | None = None,
+    ebnf: str | None = None,
+    lark: str | None = None,
+    structural_tag: str | Mapping[str, object] | None = None,
+    choice: Sequence[str] | None = None,
 ) -> gen_pb.SamplingParams:
-    """Build SamplingParams, leaving unset what the caller did not give (server defaults apply)."""
+    """Build SamplingParams, leaving unset what the caller did not give (server defaults apply).
+
+    At most one constraint (json_schema, regex, ebnf, lark, structural_tag, choice); a schema or
+    structural tag may be given as a dict, sent as JSON text. ValueError when more than one is."""
     msg = gen_pb.SamplingParams(
         stop=list(stop),
         stop_token_ids=list(stop_token_ids),
@@ -96,6 +105,23 @@ def sampling_params(
     for name, value in optional.items():
         if value is not None:
             setattr(msg, name, value)
+    constraints: dict[str, object] = {
+        "json_schema": json_schema,
+        "regex": regex,
+        "ebnf": ebnf,
+        "lark": lark,
+        "structural_tag": structural_tag,
+        "choice": choice,
+    }
+    given = [key for key, held in constraints.items() if held is not None]
+    if len(given) > 1:
+        raise ValueError(f"at most one constraint may be given, got {', '.join(given)}")
+    if given:
+        key, held = given[0], constraints[given[0]]
+        if key == "choice":
+            msg.choice.choices.extend(held)  # type: ignore[arg-type]
+        else:
+            setattr(msg, key, held if isinstance(held, str) else json.dumps(held))
     return msg
 
 

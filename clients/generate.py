@@ -29,6 +29,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="after the text, each token's log probability and this many likeliest alternatives "
         "(0: the token's own only; at most the server's --max-top-logprobs)",
     )
+    held = parser.add_mutually_exclusive_group()
+    held.add_argument(
+        "--json-schema",
+        type=_text_or_file,
+        default=None,
+        help="hold the output to this JSON Schema (JSON text, or @FILE to read it from a file)",
+    )
+    held.add_argument("--regex", default=None, help="hold the output to a whole match of this regex")
+    held.add_argument(
+        "--ebnf",
+        type=_text_or_file,
+        default=None,
+        help="hold the output to this GBNF grammar (text or @FILE)",
+    )
+    held.add_argument(
+        "--choice", action="append", default=None, help="the output is exactly one of these (repeatable)"
+    )
+
+
+def _text_or_file(value: str) -> str:
+    """A flag's text, or the contents of the file named after an @."""
+    if not value.startswith("@"):
+        return value
+    try:
+        with open(value[1:], encoding="utf-8") as f:
+            return f.read()
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"cannot read {value[1:]}: {exc.strerror}") from None
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser, max_new_tokens: int = 64) -> None:
@@ -69,6 +97,13 @@ def sampling_from_args(ns: argparse.Namespace) -> gen_pb.SamplingParams:
 async def run(ns: argparse.Namespace, out: TextIO = sys.stdout, echo: str | None = None) -> Generation:
     """Stream `ns.prompt`'s generation to `out`, after `echo` (default: the prompt itself)."""
     sampling = sampling_from_args(ns)
+    constraint = sampling_params(
+        json_schema=getattr(ns, "json_schema", None),
+        regex=getattr(ns, "regex", None),
+        ebnf=getattr(ns, "ebnf", None),
+        choice=getattr(ns, "choice", None),
+    )
+    sampling.MergeFrom(constraint)
     top = getattr(ns, "top_logprobs", None)
     if top is not None:
         sampling.logprobs, sampling.top_logprobs = True, top

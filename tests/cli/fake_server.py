@@ -34,6 +34,7 @@ class FakeState:
     metadata: dict[str, list[dict[str, str]]] = field(default_factory=lambda: defaultdict(list))
     address: str = ""
     prompts: list[str] = field(default_factory=list)  # each Generate call's prompt text, in order
+    requests: list[gen_pb.GenerateRequest] = field(default_factory=list)  # each Generate call, in order
 
     async def admit(self, method: str, context: grpc.aio.ServicerContext) -> None:
         """Record the call's metadata; abort UNAUTHENTICATED when a key is required and missing."""
@@ -55,6 +56,7 @@ class FakeGeneration(gen_grpc.GenerationServicer):
         await self.state.admit("Generate", context)
         self.state.calls += 1
         self.state.prompts.append(request.text)
+        self.state.requests.append(request)
         if self.state.refuse_every and self.state.calls % self.state.refuse_every == 0:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "the queue is full")
         rid = request.request_id or f"fake-{self.state.calls}"

@@ -107,3 +107,37 @@ def test_targets_that_name_several_control_planes_spread_calls():
         assert config["methodConfig"][0]["retryPolicy"]["retryableStatusCodes"] == ["UNAVAILABLE"]
     with pytest.raises(ValueError, match="dns:///NAME:PORT"):
         channel_target("a.example:1,b.example:2")
+
+
+async def test_generate_sends_the_constraint_flags(tmp_path: Path) -> None:
+    """`stepwise generate --choice/--json-schema @FILE/--regex/--ebnf` reach the request's constraint."""
+    from tests.cli.runner import run_cli_async
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}}
+    (tmp_path / "schema.json").write_text(json.dumps(schema))
+    cases = [
+        (["--choice", "red", "--choice", "green"], "choice"),
+        (["--json-schema", f"@{tmp_path / 'schema.json'}"], "json_schema"),
+        (["--regex", "[0-9]+"], "regex"),
+        (["--ebnf", 'root ::= "a"'], "ebnf"),
+    ]
+    async with serve_fake() as fake:
+        for flags, field_name in cases:
+            code, _, err = await run_cli_async(["generate", "hi", "--address", fake.address, *flags])
+            assert code == 0, err
+            sampling = fake.requests[-1].sampling
+            assert sampling.WhichOneof("constraint") == field_name
+        assert list(fake.requests[0].sampling.choice.choices) == ["red", "green"]
+        assert json.loads(fake.requests[1].sampling.json_schema) == schema
+        code, _, err = await run_cli_async(
+            ["generate", "hi", "--address", fake.address, "--regex", "a", "--choice", "b"]
+        )
+        assert code == 2 and "not allowed with argument" in err
+
+
+def test_sampling_params_refuses_two_constraints() -> None:
+    from clients.client import sampling_params
+
+    with pytest.raises(ValueError, match="at most one constraint"):
+        sampling_params(regex="a", choice=["b"])
+    assert sampling_params(json_schema={"type": "object"}).json_schema == '{"type": "object"}'
