@@ -60,6 +60,25 @@ ROUTING_DECISIONS = Counter(
     ("how",),
     registry=REGISTRY,
 )
+# Constrained decoding (control_plane/frontend/grammars.py): the frontends' compiles.
+GRAMMAR_COMPILES = Counter(
+    "stepwise:grammar_compiles",
+    "Grammar compiles of constrained requests, by outcome: ok, invalid (refused), timeout (refused "
+    "past --grammar-compile-timeout); a cache hit compiles nothing",
+    ("outcome",),
+    registry=REGISTRY,
+)
+GRAMMAR_CACHE_HITS = Counter(
+    "stepwise:grammar_cache_hits",
+    "Constrained requests whose grammar's outcome was cached",
+    registry=REGISTRY,
+)
+GRAMMAR_COMPILE_TIME = Histogram(
+    "stepwise:grammar_compile_seconds",
+    "Seconds a grammar took to compile (its thread's time, whether or not its call still waited)",
+    buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10),
+    registry=REGISTRY,
+)
 QUEUE_TIME = _histogram("queue_time_seconds", "Arrival to first admission", _LATENCY_BUCKETS)
 TTFT = _histogram("time_to_first_token_seconds", "Arrival to first output token", _LATENCY_BUCKETS)
 ITL = _histogram(

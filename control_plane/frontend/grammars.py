@@ -21,9 +21,11 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Collection
 
+from control_plane import metrics
 from control_plane.client_codec import InvalidArgument
 from grammars import backend as grammar_backend
 from grammars.spec import GrammarError, GrammarSpec
@@ -69,6 +71,7 @@ class GrammarCompiler:
         if outcome is None:
             outcome = await self._compile(key, field)
         else:
+            metrics.GRAMMAR_CACHE_HITS.inc()
             self._outcomes.move_to_end(key)
         if outcome:
             raise InvalidArgument(f"{field}: {outcome}")
@@ -85,6 +88,7 @@ class GrammarCompiler:
         try:
             return await asyncio.wait_for(asyncio.shield(future), self.timeout_s)
         except TimeoutError:
+            metrics.GRAMMAR_COMPILES.labels("timeout").inc()
             raise InvalidArgument(
                 f"{field}: did not compile within {self.timeout_s:g} s (--grammar-compile-timeout)"
             ) from None
@@ -94,6 +98,7 @@ class GrammarCompiler:
         if done.cancelled() or done.exception() is not None:
             return
         self._outcomes[key] = done.result()
+        metrics.GRAMMAR_COMPILES.labels("invalid" if done.result() else "ok").inc()
         if len(self._outcomes) > CACHE_ENTRIES:
             self._outcomes.popitem(last=False)
 
@@ -106,10 +111,13 @@ class GrammarCompiler:
         kind, text = key
         if kind not in backend.kinds:
             return f"the {backend.name} grammar backend does not read {kind} grammars (--grammar-backend)"
+        started = time.perf_counter()
         try:
             backend.compile(GrammarSpec(kind, text))
         except GrammarError as exc:
             return str(exc)
+        finally:
+            metrics.GRAMMAR_COMPILE_TIME.observe(time.perf_counter() - started)
         return ""
 
     def _get_backend(self) -> grammar_backend.Backend:

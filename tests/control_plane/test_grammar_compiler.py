@@ -176,3 +176,20 @@ def test_a_choice_list_becomes_a_regex_matching_exactly_its_strings() -> None:
 
 def test_an_unconstrained_request_has_no_grammar() -> None:
     assert client_codec.sampling_from_proto(_sampling()).sampler.grammar is None
+
+
+async def test_compiles_and_cache_hits_are_counted() -> None:
+    from control_plane import metrics
+
+    def value(name: str, labels: dict[str, str] | None = None) -> float:
+        return metrics.REGISTRY.get_sample_value(name, labels or {}) or 0.0
+
+    ok, hits = (
+        value("stepwise:grammar_compiles_total", {"outcome": "ok"}),
+        value("stepwise:grammar_cache_hits_total"),
+    )
+    compiler = _compiler()
+    for _ in range(3):
+        await compiler.check(Grammar("", "regex", "[0-9]{2}"), "sampling.regex")
+    assert value("stepwise:grammar_compiles_total", {"outcome": "ok"}) == ok + 1
+    assert value("stepwise:grammar_cache_hits_total") == hits + 2
