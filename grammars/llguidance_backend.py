@@ -34,11 +34,14 @@ def available() -> bool:
     return llguidance is not None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Compiled:
-    """llguidance's grammar text (a matcher is built from it in about a millisecond)."""
+    """llguidance's grammar text, and a fresh matcher of it once one was asked for: building a
+    matcher takes milliseconds (6.5 ms for a 30-field schema at a 49k vocabulary), copying a
+    fresh one about ten microseconds, so every matcher after the first is a copy."""
 
     grammar: str
+    prototype: LLMatcher | None = None
 
 
 class Matcher:
@@ -85,10 +88,12 @@ class Backend:
         self._executor.unsafe_compute_mask_ptr(pairs, words.ctypes.data, self._words * 4, len(matchers))
 
     def matcher(self, compiled: Compiled) -> Matcher:  # type: ignore[override]
-        matcher = LLMatcher(self._tokenizer, compiled.grammar, log_level=0)
-        if matcher.is_error():
-            raise GrammarError(_first_line(matcher.get_error()))
-        return Matcher(matcher, self._words)
+        if compiled.prototype is None:
+            prototype = LLMatcher(self._tokenizer, compiled.grammar, log_level=0)
+            if prototype.is_error():
+                raise GrammarError(_first_line(prototype.get_error()))
+            compiled.prototype = prototype
+        return Matcher(compiled.prototype.deep_copy(), self._words)
 
 
 def create(tokenizer_json: str, vocab_size: int, eos_ids: Sequence[int]) -> Backend:
