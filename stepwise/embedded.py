@@ -45,7 +45,7 @@ CHAT_TEMPLATE = (
     "{% for tool in tools %}{{ '\\n' + (tool | tojson) }}{% endfor %}"
     "{{ '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments "
     "within <tool_call></tool_call> XML tags:\\n<tool_call>\\n"
-    "{\"name\": <function-name>, \"arguments\": <args-json-object>}\\n</tool_call>\\n\\n' }}"
+    '{"name": <function-name>, "arguments": <args-json-object>}\\n</tool_call>\\n\\n\' }}'
     "{% endif %}"
     "{% for message in messages %}"
     "{% if message['role'] == 'system' %}"
