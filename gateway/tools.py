@@ -261,13 +261,12 @@ class OutputParser:
         return delta
 
     def _content(self, text: str) -> str:
-        """Content to send now: whitespace waits until something else follows it."""
+        """Content to send now. Trailing whitespace waits for what follows it: before a call it is
+        layout and is dropped (so a split anywhere in the text gives the same content)."""
         text = self._space + text
-        if text.isspace() or not text:
-            self._space = text
-            return ""
-        self._space = ""
-        return text
+        kept = text.rstrip()
+        self._space = text[len(kept) :]
+        return kept
 
     def _rest(self) -> str:
         """At the end: held whitespace is content only in an answer without calls."""
