@@ -29,10 +29,12 @@ from gateway.errors import GatewayError, from_grpc, invalid
 from gateway.formats import ChatFormat, Collected, CompletionFormat, Echo, Event, ResponseFormat
 from gateway.limits import HttpLimits, read_body
 from gateway.metrics import GatewayMetrics
-from gateway.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields, parse_body, utf8_text
+from gateway.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields, parse_body
 from gateway.sglang import PARAMS as SGLANG_PARAMS
 from gateway.sglang import GenerateBody, SglangFormat
+from gateway.text import utf8_text
 from gateway.tokens import DetokenizeRequest, TokenCodec, TokenizeRequest
+from gateway.tools import ParserName, default_parser
 from protos.stepwise.v1 import generation_pb2 as gen_pb
 
 HEALTH_TIMEOUT_S = 2.0
@@ -50,6 +52,14 @@ class GatewayConfig:
     # The model's tokenizer (the control plane's own class, loaded from the same --model): for
     # /tokenize, /detokenize, echoing token-id prompts and SGLang's default prompt logprob.
     tokenizer: TokenCodec | None = None
+    # How tool_choice auto reads calls from the text (--tool-call-parser); None: the format the
+    # chat template teaches (gateway/tools.py, default_parser).
+    tool_call_parser: ParserName | None = None
+
+    def parser(self) -> ParserName:
+        if self.tool_call_parser is not None:
+            return self.tool_call_parser
+        return default_parser(self.template.source) if self.template is not None else "hermes"
 
 
 def create_app(config: GatewayConfig) -> FastAPI:
@@ -140,7 +150,7 @@ class Gateway:
             fmt = CompletionFormat(self._model(body), body.include_usage(), body.wants_logprobs(), echo)
             requests = self._requests(body, prompts, fmt.id)
             # The protocol's names for what completions call `logprobs` and `echo`.
-            renames = {"top_logprobs": "logprobs", "logprob_start_len": "echo"}
+            renames = {"top_logprobs": "logprobs", "logprob_start_len": "echo", **body.renames()}
             return await self._generate(
                 request, requests, body.n, body.stream, fmt, "completions", started, renames
             )
@@ -151,12 +161,12 @@ class Gateway:
         started = time.monotonic()
         try:
             body = parse_body(await read_body(request, self.config.limits), ChatCompletionRequest)
-            body.refuse_unsupported()
+            body.refuse_unsupported(self.config.parser())
             prompt = self.render_chat(body)
-            fmt = ChatFormat(self._model(body), body.include_usage(), body.wants_logprobs())
+            fmt = ChatFormat(self._model(body), body.include_usage(), body.wants_logprobs(), body.tool_plan)
             requests = self._requests(body, [prompt], fmt.id)
             return await self._generate(
-                request, requests, body.n, body.stream, fmt, "chat_completions", started
+                request, requests, body.n, body.stream, fmt, "chat_completions", started, body.renames()
             )
         except GatewayError as exc:
             return self._refused("chat_completions", exc, started)
@@ -177,7 +187,11 @@ class Gateway:
                 prompt_ids = await asyncio.to_thread(_encode_all, tokenizer, prompts)
             fmt = SglangFormat(body, prompts, tokenizer, prompt_ids)
             requests = body.grpc_requests(prompts, fmt.rids)
-            renames = {**SGLANG_PARAMS, "prompt": "text" if body.text is not None else "input_ids"}
+            renames = {
+                **SGLANG_PARAMS,
+                "prompt": "text" if body.text is not None else "input_ids",
+                **body.sampling_params.renames(),
+            }
             return await self._generate(
                 request, requests, body.n(), body.stream, fmt, "generate", started, renames
             )
@@ -244,11 +258,16 @@ class Gateway:
         if self.config.template is None:
             problem = "messages: the model has no chat template; use /v1/completions"
             raise GatewayError(400, problem, "messages")
-        messages = [m.template_dict() for m in body.messages]
+        messages = [m.template_dict(i) for i, m in enumerate(body.messages)]
         if "developer" not in self.config.template.source:
             # OpenAI's newer name for the system role, for templates that know only the older one.
             messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
-        prompt = self.config.template.render(messages, body.add_generation_prompt)
+        plan = body.tool_plan
+        if plan is not None and "tools" not in self.config.template.source:
+            # The template would render the prompt without them: the model would never hear of them.
+            raise invalid("tools", "the model's chat template does not render tools")
+        tools = plan.tools if plan is not None else None
+        prompt = self.config.template.render(messages, body.add_generation_prompt, tools)
         try:  # the typed fields are checked already; this catches a surrogate in an extra field
             return utf8_text(prompt)
         except ValueError as exc:

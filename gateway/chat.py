@@ -27,12 +27,18 @@ class ChatTemplate:
     source: str
     special_tokens: dict[str, str] = field(default_factory=dict)
 
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """The prompt text; a template's `raise_exception` or error is a 400 naming `messages`."""
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
+        """The prompt text; a template's `raise_exception` or error is a 400 naming `messages`.
+        `tools`: OpenAI's tool objects, as transformers passes dicts (unchanged)."""
         try:
             return _compile(self.source).render(
                 messages=messages,
-                tools=None,
+                tools=tools,
                 documents=None,
                 add_generation_prompt=add_generation_prompt,
                 **self.special_tokens,

@@ -17,6 +17,7 @@ from typing import Any
 from clients.client import FINISH_NAMES
 from gateway.errors import GatewayError
 from gateway.logprobs import CompletionLogprobs, chat_content
+from gateway.tools import OutputParser, Parsed, ToolPlan, assemble
 from protos.stepwise.v1 import generation_pb2 as gen_pb
 
 
@@ -226,12 +227,19 @@ class CompletionFormat(ResponseFormat):
 
 
 class ChatFormat(CompletionFormat):
-    """`/v1/chat/completions`: `chat.completion` and `chat.completion.chunk` objects."""
+    """`/v1/chat/completions`: `chat.completion` and `chat.completion.chunk` objects. With tools
+    (gateway/tools.py), each choice's text goes through the plan's output parser: content and
+    `tool_calls`, and finish reason `tool_calls` for an answer that called a tool."""
 
     prefix = "chatcmpl"
 
-    def __init__(self, model: str, include_usage: bool = False, logprobs: bool = False) -> None:
+    def __init__(
+        self, model: str, include_usage: bool = False, logprobs: bool = False, tools: ToolPlan | None = None
+    ) -> None:
         super().__init__(model, include_usage, logprobs)
+        self.tools = tools
+        # Streaming: per choice, its parser.
+        self._parsers: dict[int, OutputParser] = {}
 
     def opening(self, n: int) -> list[dict[str, Any]]:
         # OpenAI opens each choice's stream with the role and empty content.
@@ -250,23 +258,61 @@ class ChatFormat(CompletionFormat):
         has_logprobs = self.logprobs and bool(event.logprobs)
         if event.index < 0 or not (event.text or event.finish_reason or has_logprobs):
             return []
-        delta = {"content": event.text} if event.text else {}
         logprobs = self._logprobs(event.logprobs) if has_logprobs else None
-        return [self._delta(event.index, delta, logprobs, event.finish_reason)]
+        if self.tools is None:
+            text = {"content": event.text} if event.text else {}
+            return [self._delta(event.index, text, logprobs, event.finish_reason)]
+        parser = self._parsers.setdefault(event.index, self.tools.output_parser())
+        parsed = parser.feed(event.text) if event.text else Parsed()
+        finish = event.finish_reason
+        if finish is not None:
+            parsed += parser.finish()
+            finish = _tool_finish(finish, parser.called)
+        out = []
+        if parsed.content or parsed.calls or logprobs is not None:
+            delta: dict[str, Any] = {"content": parsed.content} if parsed.content else {}
+            if parsed.calls:
+                delta["tool_calls"] = [call.body() for call in parsed.calls]
+            out.append(self._delta(event.index, delta, logprobs, None))
+        if finish is not None:
+            out.append(self._delta(event.index, {}, None, finish))
+        return out
 
     def closing(self, collected: Collected) -> list[dict[str, Any]]:
         if not self.include_usage:
             return []
         return [{**self._envelope("chat.completion.chunk", []), "usage": collected.usage()}]
 
+    def _message(self, choice: Choice) -> tuple[dict[str, Any], str | None]:
+        """A whole choice's message and finish reason."""
+        if self.tools is None:
+            return {"role": "assistant", "content": choice.text}, choice.finish_reason
+        parser = self.tools.output_parser()
+        parsed = parser.feed(choice.text)
+        parsed += parser.finish()
+        if not parsed.calls:
+            return {"role": "assistant", "content": parsed.content}, choice.finish_reason
+        calls = assemble(parsed.calls)
+        message = {"role": "assistant", "content": parsed.content or None, "tool_calls": calls}
+        reason = choice.finish_reason
+        return message, None if reason is None else _tool_finish(reason, True)
+
     def whole(self, collected: Collected) -> dict[str, Any]:
-        choices = [
-            {
-                "index": i,
-                "message": {"role": "assistant", "content": c.text},
-                "logprobs": self._logprobs(c.logprobs),
-                "finish_reason": c.finish_reason,
-            }
-            for i, c in enumerate(collected.choices)
-        ]
+        choices = []
+        for i, c in enumerate(collected.choices):
+            message, finish_reason = self._message(c)
+            choices.append(
+                {
+                    "index": i,
+                    "message": message,
+                    "logprobs": self._logprobs(c.logprobs),
+                    "finish_reason": finish_reason,
+                }
+            )
         return {**self._envelope("chat.completion", choices), "usage": collected.usage()}
+
+
+def _tool_finish(reason: str, called: bool) -> str:
+    """OpenAI's `tool_calls` for an answer that ended by itself with calls; a cut-off one stays
+    `length`."""
+    return "tool_calls" if called and reason == "stop" else reason

@@ -1,10 +1,11 @@
 """The OpenAI request bodies the gateway accepts, and their translation to a GenerateRequest.
 
 Nothing a caller asks for is silently dropped. A field the gateway does not implement (OpenAI's
-`response_format`, `tools`, ..., or any other name) is a 400 that names it, unless its
+`audio`, `web_search_options`, ..., or any other name) is a 400 that names it, unless its
 value asks for nothing: null, false, an empty list or object, or the documented no-op values in
 NO_OP_VALUES. Fields whose meaning the gRPC protocol cannot carry (suffix, best_of other than n)
-are refused the same way.
+are refused the same way. Output constraints (gateway/structured.py) and tools (gateway/tools.py)
+have modules of their own.
 """
 
 from __future__ import annotations
@@ -13,12 +14,15 @@ import json
 import reprlib
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 from pydantic_core import ErrorDetails
 
 from clients.client import generate_request, sampling_params
 from flagtypes import INT32_MAX, INT32_MIN, UINT64_MAX
 from gateway.errors import GatewayError, invalid
+from gateway.structured import Constraint, ConstraintFields, one_constraint, refuse_with_ignore_eos
+from gateway.text import Text
+from gateway.tools import ParserName, Tool, ToolPlan, plan_tools, template_arguments
 from protos.stepwise.v1 import generation_pb2 as gen_pb
 
 M = TypeVar("M", bound=BaseModel)
@@ -28,17 +32,6 @@ Role = Literal["system", "developer", "user", "assistant", "tool"]
 MAX_PROMPTS = 256
 
 
-def utf8_text(text: str) -> str:
-    """JSON may escape a lone surrogate (`"\\ud800"`), which no UTF-8 string (and so no protobuf
-    string) can hold."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise ValueError(f"not valid UTF-8: a lone surrogate at index {exc.start}") from None
-    return text
-
-
-Text = Annotated[str, AfterValidator(utf8_text)]
 # The protocol's field widths: past them protobuf refuses the value, so the schema must first.
 Int32 = Annotated[int, Field(ge=INT32_MIN, le=INT32_MAX)]
 Count = Annotated[int, Field(ge=0, le=INT32_MAX)]
@@ -47,7 +40,7 @@ Count = Annotated[int, Field(ge=0, le=INT32_MAX)]
 # Unimplemented fields accepted at these values (and at null, false, [] and {}): they ask for what
 # the gateway does anyway.
 NO_OP_VALUES: dict[str, tuple[object, ...]] = {
-    "response_format": ({"type": "text"},),
+    # On completions, which take no tools.
     "tool_choice": ("none",),
     "parallel_tool_calls": (True,),
     "modalities": (["text"],),
@@ -70,8 +63,8 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class SamplingFields(BaseModel):
-    """What completions and chat completions share."""
+class SamplingFields(ConstraintFields):
+    """What completions and chat completions share: sampling, and the output constraint fields."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -96,6 +89,8 @@ class SamplingFields(BaseModel):
     priority: Int32 | None = None
     # OpenAI's shape: token ids as JSON object keys (strings), biases in [-100, 100].
     logit_bias: dict[Text, float] | None = None
+    # The constraint, once worked out (a tuple: None is an answer too).
+    _constraint: tuple[Constraint | None] | None = PrivateAttr(default=None)
 
     def refuse_extra(self) -> None:
         refuse_extra_fields(self)
@@ -104,6 +99,24 @@ class SamplingFields(BaseModel):
 
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    def extra_constraints(self) -> list[Constraint | None]:
+        """Constraints other fields ask for (chat: a tool choice that forces a call)."""
+        return []
+
+    def constraint(self) -> Constraint | None:
+        """The one output constraint the request asks for, if any; a 400 naming both fields when
+        it asks for two, or pairs one with ignore_eos."""
+        if self._constraint is None:
+            constraint = one_constraint([*self.constraints(), *self.extra_constraints()])
+            refuse_with_ignore_eos(constraint, self.ignore_eos, "ignore_eos")
+            self._constraint = (constraint,)
+        return self._constraint[0]
+
+    def renames(self) -> dict[str, str]:
+        """The caller's names for the protocol fields a control plane's refusal may name."""
+        constraint = self.constraint()
+        return constraint.renames() if constraint is not None else {}
 
     def sampling(self) -> gen_pb.SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
@@ -143,6 +156,9 @@ class SamplingFields(BaseModel):
 
     def grpc_request(self, prompt: str | list[int], request_id: str) -> gen_pb.GenerateRequest:
         sampling = self.sampling()
+        constraint = self.constraint()
+        if constraint is not None:
+            constraint.apply(sampling)
         self.ask_logprobs(sampling)
         return generate_request(prompt, sampling, request_id, self.user or "", self.priority)
 
@@ -187,6 +203,7 @@ class CompletionRequest(SamplingFields):
 
     def refuse_unsupported(self) -> None:
         self.refuse_extra()
+        self.constraint()
         if self.suffix:
             raise invalid("suffix", "not supported")
         if self.best_of is not None and self.best_of != self.n:
@@ -198,18 +215,62 @@ class TextPart(BaseModel):
     text: Text
 
 
+class CalledFunction(BaseModel):
+    name: Text
+    # OpenAI's JSON text; the template sees it parsed (gateway/tools.py, template_arguments).
+    arguments: Text
+
+
+class MessageToolCall(BaseModel):
+    """A call in an assistant message of the history."""
+
+    model_config = ConfigDict(extra="allow")
+
+    id: Text
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: Role
     content: Text | list[TextPart] | None = None
+    # An assistant's calls, and a tool message's answer to one of them.
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: Text | None = None
 
-    def template_dict(self) -> dict[str, Any]:
-        """The message as a chat template sees it: text parts joined into one string."""
+    def check(self, index: int) -> None:
+        """A 400 naming the field for tool fields on the wrong role, or a tool result without the
+        call it answers."""
+        where = f"messages.{index}"
+        if self.tool_calls and self.role != "assistant":
+            raise invalid(f"{where}.tool_calls", f"only on assistant messages, not {self.role}")
+        if self.role == "tool" and not self.tool_call_id:
+            raise invalid(f"{where}.tool_call_id", "required on a tool message: the call it answers")
+        for j, call in enumerate(self.tool_calls or []):
+            refuse_extra_fields(call, f"{where}.tool_calls.{j}.")
+
+    def template_dict(self, index: int = 0) -> dict[str, Any]:
+        """The message as a chat template sees it: text parts joined into one string, tool call
+        arguments as objects (transformers' convention)."""
         data = self.model_dump(exclude_none=True)
         if isinstance(self.content, list):
             data["content"] = "".join(part.text for part in self.content)
         data.setdefault("content", "")
+        if self.tool_calls:
+            data["tool_calls"] = [
+                {
+                    **call.model_dump(exclude_none=True),
+                    "function": {
+                        "name": call.function.name,
+                        "arguments": template_arguments(
+                            call.function.arguments, f"messages.{index}.tool_calls.{j}.function.arguments"
+                        ),
+                    },
+                }
+                for j, call in enumerate(self.tool_calls)
+            ]
         return data
 
 
@@ -220,6 +281,11 @@ class ChatCompletionRequest(SamplingFields):
     # OpenAI allows 0..20; the control plane refuses more than its --max-top-logprobs (20).
     top_logprobs: Count | None = None
     add_generation_prompt: bool = True
+    tools: list[Tool] | None = None
+    tool_choice: Text | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    # Worked out by plan(): what the tools come to.
+    _tool_plan: ToolPlan | None = PrivateAttr(default=None)
 
     def wants_logprobs(self) -> bool:
         return self.logprobs
@@ -230,13 +296,30 @@ class ChatCompletionRequest(SamplingFields):
             if self.top_logprobs:
                 sampling.top_logprobs = self.top_logprobs
 
-    def refuse_unsupported(self) -> None:
+    def refuse_unsupported(self, parser: ParserName = "hermes") -> None:
+        """Everything a 400 can be for, before the prompt is rendered; `parser`: the gateway's
+        --tool-call-parser, for tool_choice auto."""
         self.refuse_extra()
         if self.top_logprobs and not self.logprobs:
             raise invalid("top_logprobs", "needs logprobs: true")
         if self.max_completion_tokens is not None:
             # The newer name wins, as in OpenAI's API.
             self.max_tokens = self.max_completion_tokens
+        for i, message in enumerate(self.messages):
+            message.check(i)
+        self._tool_plan = plan_tools(self.tools, self.tool_choice, self.parallel_tool_calls, parser)
+        plan = self._tool_plan
+        constraint = self.constraint()
+        if plan is not None and plan.mode == "auto" and constraint is not None:
+            # Held to the constraint, the model could never write a call: the tools would be dropped.
+            raise invalid("tool_choice", f"auto cannot be combined with {constraint.field}")
+
+    @property
+    def tool_plan(self) -> ToolPlan | None:
+        return self._tool_plan
+
+    def extra_constraints(self) -> list[Constraint | None]:
+        return [self._tool_plan.constraint if self._tool_plan is not None else None]
 
 
 def parse_body(raw: bytes, model: type[M]) -> M:

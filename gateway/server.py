@@ -25,6 +25,7 @@ from gateway.limits import (
     default_max_connections,
     open_files_limit,
 )
+from gateway.tools import PARSERS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -46,6 +47,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="the model id clients see (default: a named model's name, a Hub id without its revision, "
         "else the directory's name)",
+    )
+    parser.add_argument(
+        "--tool-call-parser",
+        choices=PARSERS,
+        default=None,
+        help="how chat completions with tool_choice auto read tool calls from the model's text: hermes "
+        '(<tool_call>{...}</tool_call>, Hermes and Qwen) or llama3 (a bare {"name", "parameters"} '
+        "object, Llama 3.1+); default: the format the model's chat template teaches, else hermes",
     )
     add_tls_ca_argument(parser)
     parser.add_argument("--ready-file", type=Path, default=None, help="write the bound port here as JSON")

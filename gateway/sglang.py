@@ -27,6 +27,7 @@ from gateway.errors import GatewayError, invalid
 from gateway.formats import Collected, Event, ResponseFormat
 from gateway.logprobs import sglang_ids, sglang_token, sglang_top
 from gateway.schemas import Count, Int32, SamplingFields, Text, refuse_extra_fields
+from gateway.structured import Constraint, one_constraint, refuse_with_ignore_eos, schema_text
 from gateway.tokens import TokenCodec
 from protos.stepwise.v1 import generation_pb2 as gen_pb
 
@@ -59,9 +60,38 @@ class SglangSampling(BaseModel):
     skip_special_tokens: bool | None = True
     spaces_between_special_tokens: bool | None = True
     no_stop_trim: bool | None = False
+    # SGLang's output constraints (at most one): a JSON Schema as text, a regular expression, a
+    # GBNF grammar, a structural tag as JSON text.
+    json_schema: Text | None = None
+    regex: Text | None = None
+    ebnf: Text | None = None
+    structural_tag: Text | None = None
+
+    def constraint(self) -> Constraint | None:
+        p = "sampling_params."
+        found = [
+            None
+            if self.json_schema is None
+            else Constraint(
+                f"{p}json_schema", "json_schema", schema_text(f"{p}json_schema", self.json_schema)
+            ),
+            None if self.regex is None else Constraint(f"{p}regex", "regex", self.regex),
+            None if self.ebnf is None else Constraint(f"{p}ebnf", "ebnf", self.ebnf),
+            None
+            if self.structural_tag is None
+            else Constraint(f"{p}structural_tag", "structural_tag", self.structural_tag),
+        ]
+        constraint = one_constraint(found)
+        refuse_with_ignore_eos(constraint, bool(self.ignore_eos), f"{p}ignore_eos")
+        return constraint
+
+    def renames(self) -> dict[str, str]:
+        constraint = self.constraint()
+        return constraint.renames() if constraint is not None else {}
 
     def refuse_unsupported(self) -> None:
         refuse_extra_fields(self, "sampling_params.")
+        self.constraint()
         if self.skip_special_tokens is False:
             raise invalid("sampling_params.skip_special_tokens", "not supported (special tokens are skipped)")
         if self.spaces_between_special_tokens is False:
@@ -88,11 +118,15 @@ class SglangSampling(BaseModel):
             logit_bias=self.logit_bias,
         )
         try:
-            return fields.sampling()
+            sampling = fields.sampling()
         except GatewayError as exc:
             if exc.param == "logit_bias":
                 raise invalid("sampling_params.logit_bias", exc.message.partition(": ")[2]) from None
             raise
+        constraint = self.constraint()
+        if constraint is not None:
+            constraint.apply(sampling)
+        return sampling
 
 
 # The protocol's fields (as the gateway's errors name them) and /generate's names for them.

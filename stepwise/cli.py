@@ -305,7 +305,7 @@ def cmd_gateway(argv: Sequence[str]) -> int:
         limits = server.limits_from_args(ns)
     except ValueError as exc:
         raise RoutineError(str(exc)) from exc
-    config = GatewayConfig(ns.control, name, template, ns.tls_ca, limits, tokenizer)
+    config = GatewayConfig(ns.control, name, template, ns.tls_ca, limits, tokenizer, ns.tool_call_parser)
     try:
         sock = server.bind(ns.host, ns.port)
     except OSError as exc:

@@ -28,13 +28,42 @@ CORPUS_PATH = ASSETS_DIR / "corpus" / "english.txt"
 EMBEDDED_SPEC = "embedded"
 EOS_TOKEN = "<|endoftext|>"
 # The demo's chat template (transformers' Jinja conventions): plain "User:" / "Assistant:" turns, close
-# to the prose the model was trained on, so `/v1/chat/completions` has something to render.
+# to the prose the model was trained on, so `/v1/chat/completions` has something to render. Tools are
+# rendered in the Hermes/Qwen style the gateway's default tool-call parser reads (gateway/tools.py):
+# the tools as JSON lines inside <tools></tools> after the system text, an assistant's calls as
+# <tool_call>{"name": ..., "arguments": {...}}</tool_call>, a tool's result as a "Tool:" turn holding
+# a <tool_response> block. Only this text changes the template; the weights and tokenizer do not
+# depend on it.
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
+    "{% if tools %}"
+    "{% if messages and messages[0]['role'] == 'system' %}"
+    "{{ (messages[0]['content'] or '') + '\\n\\n' }}"
+    "{% endif %}"
+    "{{ '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{% for tool in tools %}{{ '\\n' + (tool | tojson) }}{% endfor %}"
+    "{{ '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments "
+    "within <tool_call></tool_call> XML tags:\\n<tool_call>\\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}\\n</tool_call>\\n\\n\' }}'
+    "{% endif %}"
     "{% for message in messages %}"
-    "{% if message['role'] == 'system' %}{{ message['content'] + '\\n\\n' }}"
-    "{% elif message['role'] == 'user' %}{{ 'User: ' + message['content'] + '\\n' }}"
-    "{% elif message['role'] == 'assistant' %}{{ 'Assistant: ' + message['content'] + eos_token + '\\n' }}"
+    "{% if message['role'] == 'system' %}"
+    "{% if not (tools and loop.first) %}{{ (message['content'] or '') + '\\n\\n' }}{% endif %}"
+    "{% elif message['role'] == 'user' %}{{ 'User: ' + (message['content'] or '') + '\\n' }}"
+    "{% elif message['role'] == 'assistant' %}{{ 'Assistant: ' + (message['content'] or '') }}"
+    "{% if message['tool_calls'] is defined and message['tool_calls'] %}"
+    "{% for tool_call in message['tool_calls'] %}"
+    "{% set call = tool_call['function'] if tool_call['function'] is defined else tool_call %}"
+    "{% if message['content'] or not loop.first %}{{ '\\n' }}{% endif %}"
+    "{{ '<tool_call>\\n{\"name\": ' + (call['name'] | tojson) + ', \"arguments\": ' }}"
+    "{{ call['arguments'] if call['arguments'] is string else (call['arguments'] | tojson) }}"
+    "{{ '}\\n</tool_call>' }}"
+    "{% endfor %}"
+    "{% endif %}"
+    "{{ eos_token + '\\n' }}"
+    "{% elif message['role'] == 'tool' %}"
+    "{{ 'Tool: <tool_response>\\n' + (message['content'] or '') + '\\n</tool_response>\\n' }}"
     "{% else %}{{ raise_exception('unknown role: ' + message['role']) }}"
     "{% endif %}"
     "{% endfor %}"

@@ -276,12 +276,12 @@ BAD_REQUESTS = [
     (
         "chat/completions",
         {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
-        "tools",
+        "tools.0.function",
     ),
     (
         "chat/completions",
-        {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
-        "response_format",
+        {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema"}},
+        "response_format.json_schema",
     ),
     (
         "chat/completions",

@@ -4,7 +4,7 @@ served through httpx's ASGI transport (no process, no port)."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -96,9 +96,19 @@ class FakeControlPlane:
     tokenizer: FakeTokenizer = field(default_factory=FakeTokenizer)
     requests: list[gen_pb.GenerateRequest] = field(default_factory=list)
     max_context: int = 512
+    # A scripted model: the text every sample of a request answers (in chunks of `chunk_chars`
+    # characters, one token each, then EOS), instead of the synthetic tokens.
+    reply: Callable[[gen_pb.GenerateRequest], str] | None = None
+    chunk_chars: int = 3
+    # Refuse every request with INVALID_ARGUMENT and these details (a control plane's refusal).
+    refuse_with: str | None = None
 
     def stream(self, request: gen_pb.GenerateRequest, *, api_key: str | None = None) -> Call:
         self.requests.append(request)
+        if self.refuse_with is not None:
+            return Call([], refusal(self.refuse_with))
+        if self.reply is not None:
+            return self._scripted(request, self.reply(request))
         s = request.sampling
         prompt = (
             list(request.input_ids.ids)
@@ -150,6 +160,30 @@ class FakeControlPlane:
             reason, message = reasons[sample]
             fin = gen_pb.Finished(index=sample, reason=reason, message=message, usage=usage)
             fin.timings.total_s = 0.5
+            out.append(gen_pb.GenerateResponse(request_id=rid, finished=fin))
+        return Call(out)
+
+    def _scripted(self, request: gen_pb.GenerateRequest, text: str) -> Call:
+        """`text` for each sample, a chunk of a few characters per token, then STOP (eos); LENGTH
+        when max_new_tokens (in chunks) cuts it short."""
+        s, rid = request.sampling, request.request_id
+        pieces = [text[i : i + self.chunk_chars] for i in range(0, len(text), self.chunk_chars)]
+        reason, message = gen_pb.FINISH_REASON_STOP, "eos"
+        if s.HasField("max_new_tokens") and s.max_new_tokens < len(pieces):
+            pieces, reason, message = (
+                pieces[: s.max_new_tokens],
+                gen_pb.FINISH_REASON_LENGTH,
+                "max_new_tokens",
+            )
+        out = []
+        for sample in range(s.n or 1):
+            for i, part in enumerate(pieces):
+                token = 2 + (i % (VOCAB - 2))
+                chunk = gen_pb.TokenChunk(index=sample, token_ids=[token], text=part)
+                out.append(gen_pb.GenerateResponse(request_id=rid, chunk=chunk))
+        for sample in range(s.n or 1):
+            usage = gen_pb.Usage(prompt_tokens=10, completion_tokens=len(pieces))
+            fin = gen_pb.Finished(index=sample, reason=reason, message=message, usage=usage)
             out.append(gen_pb.GenerateResponse(request_id=rid, finished=fin))
         return Call(out)
 

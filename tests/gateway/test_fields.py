@@ -34,12 +34,17 @@ IMPLEMENTED: dict[str, Any] = {
     "stream_options": {"include_usage": True},
     "user": "tenant-a",
     "echo": True,
+    "response_format": {"type": "json_object"},
+    "tools": [{"type": "function", "function": {"name": "f"}}],
 }
+TOOL = [{"type": "function", "function": {"name": "f"}}]
 # Per schema, where the two spell a field differently, or it needs another to ask for anything.
 IMPLEMENTED_AS: dict[tuple[str, str], dict[str, Any]] = {
     ("CompletionRequest", "logprobs"): {"logprobs": 2},
     ("ChatCompletionRequest", "logprobs"): {"logprobs": True},
     ("ChatCompletionRequest", "top_logprobs"): {"logprobs": True, "top_logprobs": 2},
+    ("ChatCompletionRequest", "tool_choice"): {"tools": TOOL, "tool_choice": "required"},
+    ("ChatCompletionRequest", "parallel_tool_calls"): {"tools": TOOL, "parallel_tool_calls": False},
 }
 # A value that asks for something, for any field type the schemas use.
 ASKING = {"x": 1}
@@ -103,17 +108,49 @@ def test_stream_options_fields_are_implemented_or_refused_by_name() -> None:
 @pytest.mark.parametrize(
     ("field", "value"),
     [
-        ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
-        ("response_format", {"type": "json_object"}),
-        ("tools", [{"type": "function", "function": {"name": "f"}}]),
-        ("tool_choice", "required"),
-        ("regex", "[ab]+"),  # SGLang's extra field
+        ("audio", {"voice": "alloy"}),
+        ("lora_path", "adapter"),
         ("some_vendor_knob", "on"),
     ],
 )
 def test_what_is_asked_for_and_not_implemented_is_a_400(field: str, value: object) -> None:
     assert _refused_param(ChatCompletionRequest, {**CHAT, field: value}) == field
     assert _refused_param(CompletionRequest, {**COMPLETION, field: value}) == field
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("tools", [{"type": "function", "function": {"name": "f"}}]),
+        ("tool_choice", "required"),
+    ],
+)
+def test_completions_take_no_tools(field: str, value: object) -> None:
+    assert _refused_param(CompletionRequest, {**COMPLETION, field: value}) == field
+
+
+# The constraint fields of gateway/structured.py, on both endpoints (the SGLang and vLLM extras).
+CONSTRAINT_FIELDS: list[tuple[str, object]] = [
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
+    ("response_format", {"type": "json_object"}),
+    ("regex", "[ab]+"),
+    ("ebnf", 'root ::= "a"'),
+    ("json_schema", '{"type": "string"}'),
+    ("structured_outputs", {"json": {"type": "string"}}),
+    ("structured_outputs", {"regex": "a+"}),
+    ("structured_outputs", {"choice": ["a", "b"]}),
+    ("structured_outputs", {"grammar": 'root ::= "a"'}),
+    ("guided_json", {"type": "string"}),
+    ("guided_regex", "a+"),
+    ("guided_choice", ["a"]),
+    ("guided_grammar", 'root ::= "a"'),
+]
+
+
+@pytest.mark.parametrize(("field", "value"), CONSTRAINT_FIELDS)
+def test_constraint_fields_are_implemented_on_both_endpoints(field: str, value: object) -> None:
+    assert _refused_param(ChatCompletionRequest, {**CHAT, field: value}) is None
+    assert _refused_param(CompletionRequest, {**COMPLETION, field: value}) is None
 
 
 @pytest.mark.parametrize(

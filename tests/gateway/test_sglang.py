@@ -157,8 +157,14 @@ async def test_a_stop_token_finish_names_it(plane: FakeControlPlane) -> None:
 @pytest.mark.parametrize(
     ("body", "param"),
     [
-        ({"text": "x", "sampling_params": {"regex": "[ab]+"}}, "sampling_params.regex"),
-        ({"text": "x", "sampling_params": {"json_schema": "{}"}}, "sampling_params.json_schema"),
+        # One constraint per request; a schema that is no JSON; a constraint with ignore_eos.
+        ({"text": "x", "sampling_params": {"regex": "a", "ebnf": "root ::= x"}}, "sampling_params.ebnf"),
+        ({"text": "x", "sampling_params": {"json_schema": "{"}}, "sampling_params.json_schema"),
+        (
+            {"text": "x", "sampling_params": {"regex": "a", "ignore_eos": True}},
+            "sampling_params.ignore_eos",
+        ),
+        ({"text": "x", "sampling_params": {"choices": ["a"]}}, "sampling_params.choices"),
         (
             {"text": "x", "sampling_params": {"skip_special_tokens": False}},
             "sampling_params.skip_special_tokens",
