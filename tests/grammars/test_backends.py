@@ -10,7 +10,10 @@ property a worker relies on when it samples from the masked logits.
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
 from functools import cache
 from pathlib import Path
 
@@ -57,8 +60,8 @@ SCHEMAS = [
         "additionalProperties": False,
     },
 ]
-# [0-9], not \d: llguidance's \d is Unicode's digits (as Python's is), and it knows newer
-# Unicode than this Python's `re`, which then refuses a digit the grammar rightly allowed.
+# [0-9], not \d: llguidance's \d is every Unicode digit (xgrammar's only 0-9), and it knows
+# newer Unicode than this Python's `re`, which then refuses a digit the grammar rightly allowed.
 REGEXES = [
     r"[a-z]{1,6}@[a-z]{2,5}\.(com|org)",
     r"[0-9]{3}-[0-9]{4}",
@@ -278,3 +281,13 @@ def test_kinds_and_names() -> None:
     assert "lark" in _backend("llguidance", EMBEDDED, (0,)).kinds
     if "xgrammar" in BACKENDS:
         assert "lark" not in _backend("xgrammar", EMBEDDED, (0,)).kinds
+
+
+def test_listing_backends_loads_neither_torch_nor_transformers() -> None:
+    # The control plane lists backends at start-up; xgrammar's import would load both.
+    code = (
+        "import sys; from grammars import backend; backend.installed(); "
+        "assert not {'torch', 'transformers', 'xgrammar'} & set(sys.modules), sorted(sys.modules)"
+    )
+    path = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, env={**os.environ, "PYTHONPATH": path})
