@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from grammars.spec import GrammarError, GrammarSpec, check_json
+from grammars.spec import GrammarError, GrammarSpec, check_json, structural_tags
 
 try:
     import llguidance
@@ -117,37 +117,26 @@ def _grammar(spec: GrammarSpec) -> str:
         except Exception as exc:  # the translator raises plain exceptions on bad GBNF
             raise GrammarError(f"is not valid GBNF: {exc}") from None
         return str(LLMatcher.grammar_from_lark(lark))
-    check_json(spec.kind, spec.text)
     return _structural_tag(spec.text)
 
 
 def _structural_tag(text: str) -> str:
-    """SGLang's structural tag ({"structures": [{begin, schema, end}], "triggers": [...]}) as an
-    llguidance grammar: free text, where each trigger starts a section held to its schema."""
-    value = json.loads(text)
-    structures = value.get("structures")
-    triggers = value.get("triggers")
-    if not isinstance(structures, list) or not structures or not isinstance(triggers, list) or not triggers:
-        raise GrammarError('needs non-empty "structures" and "triggers" lists')
-    tags = []
-    for i, item in enumerate(structures):
-        if not isinstance(item, dict) or not all(isinstance(item.get(k), str) for k in ("begin", "end")):
-            raise GrammarError(f'structures[{i}] needs "begin" and "end" strings')
-        schema = item.get("schema", {})
-        if not isinstance(schema, dict):
-            raise GrammarError(f"structures[{i}].schema must be a JSON object")
-        trigger = next((t for t in triggers if isinstance(t, str) and item["begin"].startswith(t)), None)
-        if trigger is None:
-            raise GrammarError(f"structures[{i}].begin {item['begin']!r} starts with no trigger")
-        tags.append(
-            llguidance.StructTag(
-                trigger=trigger,
-                begin=item["begin"],
-                grammar=LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_LAYOUT),
-                end=item["end"],
-            )
+    """SGLang's structural tag as an llguidance grammar: free text, where each trigger starts a
+    section held to its schema."""
+    tags, _ = structural_tags(text)
+    return str(
+        llguidance.StructTag.to_grammar(
+            [
+                llguidance.StructTag(
+                    trigger=tag.trigger,
+                    begin=tag.begin,
+                    grammar=LLMatcher.grammar_from_json_schema(json.dumps(tag.schema), defaults=JSON_LAYOUT),
+                    end=tag.end,
+                )
+                for tag in tags
+            ]
         )
-    return str(llguidance.StructTag.to_grammar(tags))
+    )
 
 
 def _first_line(message: str) -> str:

@@ -55,6 +55,43 @@ def from_choices(choices: Sequence[str]) -> GrammarSpec:
     return GrammarSpec("regex", "(" + "|".join(escape_regex(c) for c in choices) + ")")
 
 
+@dataclass(frozen=True, slots=True)
+class StructuralTag:
+    """One structure of a structural tag: after `trigger` (a prefix of `begin`) is generated,
+    `begin`, then JSON held to `schema`, then `end`."""
+
+    trigger: str
+    begin: str
+    schema: dict[str, object]
+    end: str
+
+
+def structural_tags(text: str) -> tuple[list[StructuralTag], list[str]]:
+    """SGLang's structural tag ({"structures": [{begin, schema, end}], "triggers": [...]}) read
+    once for every backend, so they refuse the same texts with the same messages: the
+    structures, each with the trigger that starts it, and the triggers."""
+    check_json("structural_tag", text)
+    value = json.loads(text)
+    structures = value.get("structures")
+    triggers = value.get("triggers")
+    if not isinstance(structures, list) or not structures or not isinstance(triggers, list) or not triggers:
+        raise GrammarError('needs non-empty "structures" and "triggers" lists')
+    if not all(isinstance(t, str) and t for t in triggers):
+        raise GrammarError("triggers must be non-empty strings")
+    tags = []
+    for i, item in enumerate(structures):
+        if not isinstance(item, dict) or not all(isinstance(item.get(k), str) for k in ("begin", "end")):
+            raise GrammarError(f'structures[{i}] needs "begin" and "end" strings')
+        schema = item.get("schema", {})
+        if not isinstance(schema, dict):
+            raise GrammarError(f"structures[{i}].schema must be a JSON object")
+        trigger = next((t for t in triggers if item["begin"].startswith(t)), None)
+        if trigger is None:
+            raise GrammarError(f"structures[{i}].begin {item['begin']!r} starts with no trigger")
+        tags.append(StructuralTag(trigger, item["begin"], schema, item["end"]))
+    return tags, triggers
+
+
 def check_json(kind: str, text: str) -> None:
     """json_schema and structural_tag must be a JSON object; GrammarError otherwise."""
     try:
