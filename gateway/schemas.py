@@ -310,7 +310,12 @@ class ChatCompletionRequest(SamplingFields):
         self._tool_plan = plan_tools(self.tools, self.tool_choice, self.parallel_tool_calls, parser)
         plan = self._tool_plan
         constraint = self.constraint()
-        if plan is not None and plan.mode == "auto" and constraint is not None:
+        if (
+            plan is not None
+            and plan.mode == "auto"
+            and constraint is not None
+            and constraint is not plan.constraint
+        ):
             # Held to the constraint, the model could never write a call: the tools would be dropped.
             raise invalid("tool_choice", f"auto cannot be combined with {constraint.field}")
 

@@ -98,16 +98,19 @@ def plan_tools(
     if choice == "none" or not names:
         return None
     parallel = parallel_tool_calls is not False
-    if choice == "auto":
-        for i, tool in enumerate(tools or []):
-            if tool.function.strict:
-                raise invalid(
-                    f"tools.{i}.function.strict",
-                    "true is enforced only under tool_choice required or a named tool "
-                    "(auto generates freely and reads the calls from the text)",
-                )
     rendered = [tool.model_dump(exclude_none=True) for tool in tools or []]
     by_name = {tool.function.name: tool.function for tool in tools or []}
+    if choice == "auto":
+        strict = [i for i, tool in enumerate(tools or []) if tool.function.strict]
+        if strict and parser != "hermes":
+            raise invalid(
+                f"tools.{strict[0]}.function.strict",
+                "true under tool_choice auto is enforced only in the hermes tool-call format "
+                "(--tool-call-parser hermes); use tool_choice required or a named tool",
+            )
+        if strict:
+            tag = Constraint("tools", "structural_tag", _json(hermes_calls_tag(by_name)))
+            return ToolPlan(rendered, "auto", names, parser, "", parallel, tag)
     if choice == "named":
         schema = by_name[named].parameter_schema()
         where = f"tools.{names.index(named)}.function.parameters"
@@ -139,6 +142,24 @@ def _choice(tool_choice: str | dict[str, Any] | None, names: tuple[str, ...]) ->
     if name not in names:
         raise invalid("tool_choice", f"names the function {name!r}, which is not among the tools")
     return "named", str(name)
+
+
+HERMES_TRIGGER = "<tool_call>"
+
+
+def hermes_calls_tag(functions: dict[str, FunctionDefinition]) -> dict[str, Any]:
+    """`tool_choice: auto` with a strict tool: free text, but every `<tool_call>` the model opens is
+    held to one of the tools, its arguments to that tool's parameter schema (a structural tag: the
+    grammar is free until the trigger, then a call in the template's layout)."""
+    structures = [
+        {
+            "begin": f'{HERMES_TRIGGER}\n{{"name": {json.dumps(name)}, "arguments": ',
+            "schema": f.parameter_schema(),
+            "end": "}\n</tool_call>",
+        }
+        for name, f in functions.items()
+    ]
+    return {"structures": structures, "triggers": [HERMES_TRIGGER]}
 
 
 def required_schema(functions: dict[str, FunctionDefinition], parallel: bool) -> dict[str, Any]:

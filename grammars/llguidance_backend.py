@@ -8,7 +8,6 @@ Lark dialect; structural tags use its StructTag grammar.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -73,7 +72,7 @@ class Backend:
         self._executor = llguidance.LLExecutor()
 
     def compile(self, spec: GrammarSpec) -> Compiled:
-        grammar = _grammar(spec)
+        grammar = _grammar(spec, self._tokenizer)
         error = LLMatcher.validate_grammar(grammar, self._tokenizer)
         if error and not error.startswith("WARNING"):
             raise GrammarError(_first_line(error))
@@ -100,7 +99,7 @@ def create(tokenizer_json: str, vocab_size: int, eos_ids: Sequence[int]) -> Back
     return Backend(tokenizer_json, vocab_size, eos_ids)
 
 
-def _grammar(spec: GrammarSpec) -> str:
+def _grammar(spec: GrammarSpec, tokenizer: LLTokenizer) -> str:
     if spec.kind == "json_schema":
         check_json(spec.kind, spec.text)
         try:
@@ -117,26 +116,35 @@ def _grammar(spec: GrammarSpec) -> str:
         except Exception as exc:  # the translator raises plain exceptions on bad GBNF
             raise GrammarError(f"is not valid GBNF: {exc}") from None
         return str(LLMatcher.grammar_from_lark(lark))
-    return _structural_tag(spec.text)
+    return _structural_tag(spec.text, tokenizer)
 
 
-def _structural_tag(text: str) -> str:
+def _structural_tag(text: str, tokenizer: LLTokenizer) -> str:
     """SGLang's structural tag as an llguidance grammar: free text, where each trigger starts a
-    section held to its schema."""
+    section held to its schema. Triggers are matched as special tokens when every one of them is
+    one in this vocabulary (`<|python_tag|>`), else as text (`<tool_call>` in most vocabularies)."""
     tags, _ = structural_tags(text)
     return str(
         llguidance.StructTag.to_grammar(
-            [
+            assume_special=all(_is_special(tokenizer, tag.trigger) for tag in tags),
+            tags=[
                 llguidance.StructTag(
                     trigger=tag.trigger,
                     begin=tag.begin,
-                    grammar=LLMatcher.grammar_from_json_schema(json.dumps(tag.schema), defaults=JSON_LAYOUT),
+                    # The schema itself (to_grammar embeds it with %json), with our JSON layout
+                    # as its options unless it sets its own.
+                    grammar={"x-guidance": JSON_LAYOUT, **tag.schema},
                     end=tag.end,
                 )
                 for tag in tags
-            ]
+            ],
         )
     )
+
+
+def _is_special(tokenizer: LLTokenizer, text: str) -> bool:
+    ids = tokenizer.tokenize_str(text)
+    return len(ids) == 1 and tokenizer.is_special_token(ids[0])
 
 
 def _first_line(message: str) -> str:

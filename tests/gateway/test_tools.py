@@ -367,6 +367,53 @@ async def test_auto_with_text_and_a_call_and_the_llama3_parser(plane: FakeContro
     assert [c.function.name for c in reply.choices[0].message.tool_calls or []] == ["now"]  # type: ignore[union-attr]
 
 
+async def test_auto_with_a_strict_tool_holds_every_call_to_its_tool_and_leaves_text_free(
+    plane: FakeControlPlane,
+) -> None:
+    """strict under auto: a structural tag (the text is free until `<tool_call>`, then the call is
+    held to one of the tools, its arguments to that tool's schema), checked with the real backend."""
+    import numpy as np
+
+    from grammars import backend as grammar_backend
+    from grammars.spec import GrammarSpec
+
+    strict_tools = [{"type": "function", "function": {**t["function"], "strict": True}} for t in TOOLS]
+    async with http_client(app(plane)) as http:
+        reply = await http.post("/v1/chat/completions", json=chat(tools=strict_tools))
+    assert reply.status_code == 200, reply.text
+    sampling = plane.requests[-1].sampling
+    assert sampling.WhichOneof("constraint") == "structural_tag"
+    tokenizer = (resolve_model("embedded") / "tokenizer.json").read_text()
+    backend = grammar_backend.create("llguidance", tokenizer, 1024, [0])
+    compiled = backend.compile(GrammarSpec("structural_tag", sampling.structural_tag))
+    import tokenizers
+
+    tok = tokenizers.Tokenizer.from_str(tokenizer)
+
+    def accepts(text: str) -> bool:
+        matcher = backend.matcher(compiled)
+        words = np.zeros(32, dtype=np.int32)
+        for token in tok.encode(text, add_special_tokens=False).ids:
+            matcher.fill(words)
+            if not (int(words[token // 32]) >> (token % 32)) & 1:
+                return False
+            matcher.accept(token)
+        return True
+
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    assert accepts("Let me look. " + call)
+    assert not accepts('Let me look. <tool_call>\n{"name": "get_weather", "arguments": {"town": 3}}')
+    assert not accepts('<tool_call>\n{"name": "other", "arguments": {}}')
+
+
+async def test_strict_under_auto_is_refused_where_calls_are_not_hermes_tags(plane: FakeControlPlane) -> None:
+    strict_tools = [{"type": "function", "function": {"name": "a", "strict": True}}]
+    async with http_client(app(plane, tool_call_parser="llama3")) as http:
+        reply = await http.post("/v1/chat/completions", json=chat(tools=strict_tools))
+    assert reply.status_code == 400
+    assert "tools.0.function.strict" in reply.text and "hermes" in reply.text
+
+
 async def test_a_cut_off_call_keeps_finish_reason_length(plane: FakeControlPlane) -> None:
     plane.reply = lambda request: '{"city": "Rome"}'
     named = {"type": "function", "function": {"name": "get_weather"}}
@@ -412,11 +459,6 @@ REFUSED = [
         {"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "a", "x": 1}}]},
         "tools.0.function.x",
         "",
-    ),
-    (
-        {"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "a", "strict": True}}]},
-        "tools.0.function.strict",
-        "auto",
     ),
     (
         chat(tool_choice="required", response_format={"type": "json_object"}),
