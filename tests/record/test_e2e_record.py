@@ -8,10 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from clients.client import StepwiseClient
+from clients.client import Generation, StepwiseClient, apply_response, generate_request
 from control_plane.record import codec
 from control_plane.record.entries import ApplyResult, NextPlan
 from control_plane.record.files import read_entries, recording_parts, varint
+from protos.stepwise.v1 import generation_pb2 as gen_pb
 from stepwise import replay
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -100,3 +101,66 @@ async def test_recorded_session_replays_identically_and_edits_are_found(
     _rewrite(path, edited)
     assert replay.main(["worker", str(path), "--model", str(model_dir)]) == 1
     assert f"step {result.step_id}: result.token_ids[0] differs" in capsys.readouterr().out
+
+
+async def test_recorded_constrained_session_replays_identically(
+    start_stack, model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    """Constrained requests (JSON schemas, regexes, a choice, GBNF; greedy, seeded, n = 2) under
+    forced retraction and chunked prefill: both replays are identical, so the worker's replay masks
+    as the live run did; a recorded grammar edited is found (the replay really applies it)."""
+    from tests.e2e.test_constrained import CASES, check
+
+    monkeypatch.setenv("STEPWISE_TEST_RETRACT", "1")
+    rec_dir = tmp_path / "rec"
+    stack = await start_stack(["--record", str(rec_dir), "--chunked-prefill-size", "16"])
+    cases = CASES[::3]
+    calls = [
+        (case, generate_request(PROMPTS[i % len(PROMPTS)], case.params(temperature=t, seed=i, n=n)))
+        for t, n in ((0.0, 1), (1.0, 1), (1.0, 2))
+        for i, case in enumerate(cases)
+    ]
+
+    async def samples(request: gen_pb.GenerateRequest) -> list[Generation]:
+        gens = [Generation() for _ in range(request.sampling.n)]
+        async for response in client.stream(request):
+            apply_response(gens[getattr(response, response.WhichOneof("event")).index], response)
+        return gens
+
+    async with StepwiseClient(stack.address) as client:
+        results = await asyncio.gather(*(samples(request) for _, request in calls))
+        info = await client.server_info()
+    assert info.workers[0].retractions > 0, "STEPWISE_TEST_RETRACT was meant to force retractions"
+    for (case, request), gens in zip(calls, results, strict=True):
+        for gen in gens:
+            check(case, gen, f"recorded, temperature {request.sampling.temperature:g}")
+    path = await _wait_for_idle_flush(rec_dir)
+    stack.stop()
+
+    capsys.readouterr()
+    assert replay.main(["scheduler", str(path)]) == 0
+    assert replay.main(["worker", str(path), "--model", str(model_dir)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("identical:") and out[1].startswith("identical:"), out
+
+    # The grammar of one greedy sequence swapped for another: the worker's replay samples otherwise.
+    entries = list(read_entries(path))
+    i, seq = next(
+        (k, s)
+        for k, e in enumerate(entries)
+        if isinstance(e, NextPlan) and e.plan is not None
+        for s in e.plan.new_seqs
+        if s.sampler.grammar is not None
+        and s.sampler.temperature == 0.0
+        and s.sampler.grammar.kind == "regex"
+    )
+    entry = entries[i]
+    assert isinstance(entry, NextPlan) and entry.plan is not None and seq.sampler.grammar is not None
+    grammar = dataclasses.replace(seq.sampler.grammar, spec="[a-z]{40}")
+    swapped = dataclasses.replace(seq, sampler=dataclasses.replace(seq.sampler, grammar=grammar))
+    new_seqs = tuple(swapped if s is seq else s for s in entry.plan.new_seqs)
+    edited = list(entries)
+    edited[i] = NextPlan(entry.step, dataclasses.replace(entry.plan, new_seqs=new_seqs))
+    _rewrite(path, edited)
+    assert replay.main(["worker", str(path), "--model", str(model_dir)]) == 1
+    assert "differs" in capsys.readouterr().out
