@@ -169,7 +169,7 @@ def constrained_table(
 ) -> None:
     """Decode with 0%, 50% and 100% of the batch constrained, side by side (interleaved per repeat)."""
     tokenizer_json = (model_dir / "tokenizer.json").read_text(encoding="utf-8")
-    grammar = SamplerParams(grammar=Grammar("llguidance", "json_schema", BENCH_SCHEMA))
+    grammar = SamplerParams(grammar=Grammar(args.grammar_backend, "json_schema", BENCH_SCHEMA))
     names = " ".join(f"{f'{share:.0%} tok/s':>12} {'us cpu/tok':>10}" for share in CONSTRAINED_SHARES)
     print(f"{'batch':>5} {names} {'cpu vs 0%':>10}")
     for batch in args.batches:
@@ -237,6 +237,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="compare decode with 0%%, 50%% and 100%% of the batch held to a JSON schema (ours only)",
     )
+    parser.add_argument(
+        "--grammar-backend", default="llguidance", help="with --constrained: llguidance or xgrammar"
+    )
     return parser.parse_args(argv)
 
 
@@ -254,7 +257,8 @@ def main(argv: list[str] | None = None) -> None:
             f"model {model_dir.name} on {device} {args.dtype}, torch threads {torch.get_num_threads()}, ",
             end="",
         )
-        print(f"prompt {args.prompt_len} tokens, {args.steps} decode steps, best of {args.repeats}")
+        print(f"prompt {args.prompt_len} tokens, {args.steps} decode steps, best of {args.repeats}, ", end="")
+        print(f"grammar backend {args.grammar_backend}")
         constrained_table(ours, model_dir, args, device)
         return
     if args.logprobs:
