@@ -31,6 +31,7 @@ COPY clients/ clients/
 COPY gateway/ gateway/
 COPY stepwise/ stepwise/
 COPY flagtypes/ flagtypes/
+COPY grammars/ grammars/
 # A regular (not editable) install: the runtime stage copies only the venv, the embedded model included.
 RUN pip install --no-cache-dir . \
     && python -c "import torch; assert torch.__version__.split('+')[0] == '2.13.0', torch.__version__"
