@@ -84,6 +84,14 @@ TTFT = _histogram("time_to_first_token_seconds", "Arrival to first output token"
 ITL = _histogram(
     "inter_token_latency_seconds", "Time between a request's client messages, per token", _ITL_BUCKETS
 )
+# Coalescing (docs/protocols.md#streaming): --stream-interval tokens a message, more when a frontend
+# is behind and a stream's handler sends everything that arrived since its last message at once.
+TOKENS_PER_MESSAGE = Histogram(
+    "stepwise:tokens_per_message",
+    "Output tokens per client message after a sample's first",
+    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 1024),
+    registry=REGISTRY,
+)
 E2E_LATENCY = _histogram("e2e_request_latency_seconds", "Arrival to finish", _LATENCY_BUCKETS)
 WORKER_WAIT = _histogram(
     "worker_wait_seconds", "Time a worker waited for its next plan after finishing a step", _ITL_BUCKETS

@@ -25,7 +25,7 @@ from control_plane import client_codec, metrics
 from control_plane.config import ControlConfig
 from control_plane.frontend.detokenize import TextStream
 from control_plane.frontend.heartbeat import Heartbeat
-from control_plane.frontend.samples import Call, Chunk, Lost, Prompt, Sample
+from control_plane.frontend.samples import Call, Chunk, Event, Lost, Prompt, Sample
 from control_plane.link import UID_LINK_SHIFT, FrameReader, FrameWriter, LinkClosed, TurnFlush
 from control_plane.request import AbortCode, FinishKind, FinishReason
 from control_plane.tokenizer import Tokenizer
@@ -255,7 +255,7 @@ class Frontend:
         ids = [p.token_id for p in positions]
         text = self.tokenizer.decode(ids, skip_special_tokens=False)
         prompt = gen_pb.PromptLogprobs(start=msg.start, positions=positions, text=text)
-        sample.call.events.put_nowait(Prompt(prompt))
+        sample.call.post(Prompt(prompt))
 
     def _add_texts(self, score: gen_pb.TokenLogprob) -> None:
         """Each token's text decoded alone (special tokens kept), for clients that show tokens."""
@@ -286,15 +286,24 @@ class Frontend:
         interval = self.config.stream_interval
         for sample in touched.values():
             if not sample.done and sample.message_due(interval):
-                self._message(sample)
+                sample.call.mark_due(sample)
 
-    def _message(self, sample: Sample) -> None:
-        last, first = sample.last_message, sample.first_token
-        chunk = sample.flush()
-        if chunk is None:
-            return
-        _observe_message(sample, chunk, last, first)
-        sample.call.events.put_nowait(chunk)
+    def take(self, call: Call) -> list[Event]:
+        """What the call's handler sends now, in order: its posted events, then a chunk of every
+        sample whose message is due, with all the ids it received so far."""
+        events = list(call.events)
+        call.events.clear()
+        for sample in call.due:
+            sample.queued = False
+            if sample.done:
+                continue  # its last chunk went with its Done
+            last, first = sample.last_message, sample.first_token
+            chunk = sample.flush()
+            if chunk is not None:
+                _observe_message(sample, chunk, last, first)
+                events.append(chunk)
+        call.due.clear()
+        return events
 
     def _stopped(self, sample: Sample, stop: str) -> None:
         """A stop string ended the sample here; the core finishes it one step late."""
@@ -316,7 +325,7 @@ class Frontend:
         for event in events:
             if isinstance(event, Chunk):
                 _observe_message(sample, event, last, first)
-            sample.call.events.put_nowait(event)
+            sample.call.post(event)
         metrics.E2E_LATENCY.labels(sample.worker).observe(time.monotonic() - sample.call.arrived)
         self.samples.pop(sample.uid, None)
 
@@ -324,7 +333,7 @@ class Frontend:
         for call in {id(s.call): s.call for s in self.samples.values()}.values():
             if call.verdict is not None and not call.verdict.done():
                 call.verdict.set_result((grpc.StatusCode.UNAVAILABLE.value[0], message))
-            call.events.put_nowait(Lost(message))
+            call.post(Lost(message))
         self.samples.clear()
         for future in self._queries.values():
             if not future.done():
@@ -340,6 +349,7 @@ def _observe_message(sample: Sample, chunk: Chunk, last: float, first: float | N
         if sample.itl is None:
             sample.itl = metrics.ITL.labels(sample.worker)
         sample.itl.observe((now - last) / len(chunk.token_ids))
+        metrics.TOKENS_PER_MESSAGE.observe(len(chunk.token_ids))
 
 
 def _arrival(

@@ -128,9 +128,8 @@ class GenerationService(gen_grpc.GenerationServicer):
         remaining = len(call.samples)
         try:
             while remaining:
-                events = [await call.events.get()]
-                while not call.events.empty():
-                    events.append(call.events.get_nowait())
+                await call.wait()
+                events = self.frontend.take(call)
                 lost = next((e for e in events if isinstance(e, Lost)), None)
                 for response in coalesce(call.rid, [e for e in events if not isinstance(e, Lost)]):
                     yield response

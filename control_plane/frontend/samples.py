@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,19 +61,55 @@ Event = Chunk | Done | Lost | Prompt
 
 @dataclass(slots=True, eq=False)
 class Call:
-    """One Generate call: its samples and the queue their events reach the handler on."""
+    """One Generate call: its samples, and what its handler has to send next.
+
+    The link's reader only records: ids go to a sample's `pending` (cheap, per token), and a sample
+    whose message is due joins `due`. The handler cuts the messages when it runs (`take`): text is
+    decoded there, once per message, for every id that arrived meanwhile. So the reader keeps up
+    with the core however far behind the streams are (verdicts and replies behind it are read at
+    once), and a stream that cannot keep up gets fewer, larger messages instead of a backlog.
+    """
 
     rid: str
     owner: str
     arrived: float
-    events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
+    # Events in order (a prompt's scores, a sample's last chunk and Done, Lost), before `due`.
+    events: deque[Event] = field(default_factory=deque)
+    # Samples with a message due, cut by the handler when it runs.
+    due: list[Sample] = field(default_factory=list)
     samples: list[Sample] = field(default_factory=list)
     # Resolves with the core's verdict: (grpc status code value, message); 0 is accepted.
     verdict: asyncio.Future[tuple[int, str]] | None = None
+    # The handler's wait for something to send, while it waits.
+    _waiter: asyncio.Future[None] | None = None
 
     @property
     def live(self) -> bool:
         return any(not s.done for s in self.samples)
+
+    def post(self, event: Event) -> None:
+        self.events.append(event)
+        self._wake()
+
+    def mark_due(self, sample: Sample) -> None:
+        if not sample.queued:
+            sample.queued = True
+            self.due.append(sample)
+            self._wake()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def wait(self) -> None:
+        """Until there is something to send (at once when there is)."""
+        while not self.events and not self.due:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
 
 
 @dataclass(slots=True, eq=False)
@@ -101,6 +138,8 @@ class Sample:
     # The inter-token latency histogram's child for `worker`, resolved at the first later message
     # (prometheus_client's labels() takes a lock and builds a key on every call).
     itl: Any = None
+    # In its call's `due` list.
+    queued: bool = False
     done: bool = False
 
     def receive(self, token: int, score: gen_pb.TokenLogprob | None = None) -> str | None:

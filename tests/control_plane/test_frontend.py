@@ -52,11 +52,9 @@ def _tokens(uid: int, ids: list[int]) -> fe_pb.CoreMessage:
     )
 
 
-def _events(call: Call) -> list[Chunk | Done]:
-    out = []
-    while not call.events.empty():
-        out.append(call.events.get_nowait())
-    return out
+def _events(frontend: Frontend, call: Call) -> list[Chunk | Done]:
+    """What the call's handler would send if it ran now."""
+    return frontend.take(call)  # type: ignore[return-value]
 
 
 def _text_ids(tokenizer: Tokenizer, text: str) -> list[int]:
@@ -84,15 +82,57 @@ async def test_the_first_token_goes_at_once_then_one_message_per_interval(tokeni
     sizes = []
     for token in ids:
         frontend.apply(_tokens(uid, [token]))
-        sizes += [len(e.token_ids) for e in _events(call) if isinstance(e, Chunk)]
+        sizes += [len(e.token_ids) for e in _events(frontend, call) if isinstance(e, Chunk)]
     assert sizes == [1, 4, 4]  # token 1 at once; then 2-5 and 6-9; the tenth waits
     frontend.apply(fe_pb.CoreMessage(finished=[fe_pb.LinkFinished(uid=uid, kind="length", cached_tokens=3)]))
-    last = _events(call)
+    last = _events(frontend, call)
     assert isinstance(last[0], Chunk) and last[0].token_ids == (ids[9],)
     done = last[-1]
     assert isinstance(done, Done) and done.completion_tokens == 10 and done.cached_tokens == 3
     assert done.reason.kind.value == "length"
     assert not frontend.samples
+
+
+async def test_the_reader_only_records_and_a_late_handler_gets_one_message_of_everything(
+    tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Applying the core's messages decodes nothing for a sample without stop strings: the handler
+    decodes when it runs, once, for every id that arrived meanwhile (so a backlog of token messages
+    never builds up in front of the verdicts and replies behind it)."""
+    frontend = _frontend(tokenizer, interval=1)
+    call = _open(frontend, tokenizer)
+    uid = call.samples[0].uid
+    ids = _text_ids(tokenizer, " and the king said hello to the queen of the land, who smiled")
+    decodes = []
+    real_decode = Tokenizer.decode
+
+    def counted(self: Tokenizer, *args: object, **kwargs: object) -> str:
+        decodes.append(args)
+        return real_decode(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Tokenizer, "decode", counted)
+    for token in ids:
+        frontend.apply(_tokens(uid, [token]))
+    assert decodes == [] and call.due == [call.samples[0]]
+    (chunk,) = _events(frontend, call)
+    assert isinstance(chunk, Chunk) and chunk.token_ids == tuple(ids)
+    assert chunk.text == real_decode(tokenizer, ids, skip_special_tokens=True)
+    assert decodes, "the handler decoded through the patched method"
+    assert _events(frontend, call) == []
+    frontend.apply(_tokens(uid, [ids[0]]))
+    assert [len(e.token_ids) for e in _events(frontend, call) if isinstance(e, Chunk)] == [1]
+
+
+async def test_a_finish_after_a_due_message_sends_each_token_once_in_order(tokenizer: Tokenizer) -> None:
+    frontend = _frontend(tokenizer, interval=1)
+    call = _open(frontend, tokenizer)
+    uid = call.samples[0].uid
+    ids = _text_ids(tokenizer, " and the king said hello")
+    frontend.apply(_tokens(uid, ids))
+    frontend.apply(fe_pb.CoreMessage(finished=[fe_pb.LinkFinished(uid=uid, kind="length")]))
+    events = _events(frontend, call)
+    assert [type(e) for e in events] == [Chunk, Done]
+    assert events[0].token_ids == tuple(ids)  # type: ignore[union-attr]
 
 
 async def test_a_stop_string_ends_the_stream_here_and_tells_the_core(tokenizer: Tokenizer) -> None:
@@ -101,7 +141,7 @@ async def test_a_stop_string_ends_the_stream_here_and_tells_the_core(tokenizer: 
     uid = call.samples[0].uid
     for token in _text_ids(tokenizer, " and the king said hello"):
         frontend.apply(_tokens(uid, [token]))
-    events = _events(call)
+    events = _events(frontend, call)
     text = "".join(e.text for e in events if isinstance(e, Chunk))
     assert text == " and the "
     done = events[-1]
@@ -111,7 +151,7 @@ async def test_a_stop_string_ends_the_stream_here_and_tells_the_core(tokenizer: 
     # The core finishes it one step late: what it produced meanwhile, and its finish, are dropped.
     frontend.apply(_tokens(uid, [5, 6]))
     frontend.apply(fe_pb.CoreMessage(finished=[fe_pb.LinkFinished(uid=uid, kind="stop")]))
-    assert _events(call) == []
+    assert _events(frontend, call) == []
 
 
 async def test_a_refused_call_gets_the_status_and_leaves_nothing_behind(tokenizer: Tokenizer) -> None:
@@ -136,7 +176,7 @@ async def test_losing_the_core_ends_every_call_with_unavailable(tokenizer: Token
     frontend._end_everything("the control plane's core went away; retry")
     assert waiting.verdict is not None and waiting.verdict.result()[0] == grpc.StatusCode.UNAVAILABLE.value[0]
     # A call already streaming ends with status UNAVAILABLE too: the control plane failed as a whole.
-    lost = _events(running)[-1]
+    lost = _events(frontend, running)[-1]
     assert isinstance(lost, Lost) and "went away" in lost.message
     assert not frontend.samples
 

@@ -1,0 +1,100 @@
+"""New calls and control calls are served first: under a streaming load that saturates the one
+frontend, a new caller's first token and a GetServerInfo answer still come in well under a second.
+
+The load runs in a process of its own (load_streams.py), so this process's loop only probes. The
+bounds are loose for a loaded 2-core machine; a frontend that lets streaming work queue ahead of
+admission and replies (the link from the core read behind a backlog of token messages) misses
+them by seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+
+from clients.client import generate_request, sampling_params
+from protos.stepwise.v1 import generation_pb2 as gen_pb
+from protos.stepwise.v1 import generation_pb2_grpc as gen_grpc
+
+pytestmark = pytest.mark.timeout(240)
+
+# 256 streams on one sim worker of 5 ms steps: 51,200 tokens/s at --stream-interval 1, more client
+# messages than one frontend process sends on any machine (about 20,000 a second per core).
+LOAD_CONNECTIONS, LOAD_STREAMS = 32, 32
+STEP_S = 0.01
+WORKERS = 4
+PROBES = 8
+# A new call's first token and a GetServerInfo answer, worst of the probes, in seconds.
+TTFT_BOUND_S = 1.0
+INFO_BOUND_S = 0.5
+
+
+async def _first_token_s(address: str) -> float:
+    """A new caller on a connection of its own: seconds from sending to its first chunk."""
+    sampling = sampling_params(max_new_tokens=2, ignore_eos=True, temperature=0.0)
+    options = [("grpc.use_local_subchannel_pool", 1)]
+    async with grpc.aio.insecure_channel(address, options=options) as channel:
+        await asyncio.wait_for(channel.channel_ready(), 10)
+        stub = gen_grpc.GenerationStub(channel)
+        started = time.perf_counter()
+        call = stub.Generate(generate_request([9, 10, 11], sampling), timeout=30)
+        async for response in call:
+            if response.WhichOneof("event") == "chunk":
+                took = time.perf_counter() - started
+                call.cancel()
+                return took
+    raise AssertionError("the probe ended without a chunk")
+
+
+async def _server_info_s(stub: gen_grpc.GenerationStub) -> float:
+    started = time.perf_counter()
+    await stub.GetServerInfo(gen_pb.GetServerInfoRequest(), timeout=30)
+    return time.perf_counter() - started
+
+
+async def test_new_calls_and_server_info_are_answered_first_under_a_saturating_stream_load(
+    start_control,
+) -> None:
+    plane = await start_control("--stream-interval", "1", "--frontends", "1")
+    for k in range(WORKERS):
+        plane.add_worker(f"sim-{k}", "--sim-cost", f"{STEP_S},0,0", "--kv-tokens", "1048576")
+    await plane.wait_workers(WORKERS)
+    load = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tests.e2e.load_streams",
+            plane.address,
+            str(LOAD_CONNECTIONS),
+            str(LOAD_STREAMS),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    plane.procs.append(load)  # type: ignore[arg-type]
+    assert load.stdout is not None
+    line = await asyncio.wait_for(asyncio.to_thread(load.stdout.readline), 90)
+    assert line.strip() == "ready", line
+    await asyncio.sleep(3.0)  # the load settles: the frontend is as far behind as it gets
+    async with grpc.aio.insecure_channel(plane.address) as channel:
+        stub = gen_grpc.GenerationStub(channel)
+        await _server_info_s(stub)
+        ttfts, infos = [], []
+        for _ in range(PROBES):
+            ttfts.append(await _first_token_s(plane.address))
+            infos.append(await _server_info_s(stub))
+            await asyncio.sleep(0.2)
+    assert load.poll() is None, "the load client died"
+    summary = (
+        f"first token p50 {statistics.median(ttfts):.3f} s, max {max(ttfts):.3f} s; "
+        f"GetServerInfo p50 {statistics.median(infos):.3f} s, max {max(infos):.3f} s"
+    )
+    print(summary)
+    assert max(ttfts) <= TTFT_BOUND_S, summary
+    assert max(infos) <= INFO_BOUND_S, summary
