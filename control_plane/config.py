@@ -14,7 +14,20 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from flagtypes import INT32_MAX, MAX_PROCESSES, MAX_TOKENS, PORT, SEED, Float, Int, count, seconds, switch
+from control_plane.cpus import AUTO_FRONTENDS_CAP, auto_frontends, available_cpus
+from flagtypes import (
+    INT32_MAX,
+    MAX_PROCESSES,
+    MAX_TOKENS,
+    PORT,
+    SEED,
+    Float,
+    Int,
+    IntOr,
+    count,
+    seconds,
+    switch,
+)
 from grammars import backend as grammar_backends
 
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random", "routing-key")
@@ -369,13 +382,20 @@ def _add_record_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def frontends_from_arg(value: int | str) -> int:
+    """The frontend count --frontends names (auto: from the CPUs this process may use)."""
+    return auto_frontends(available_cpus()) if value == "auto" else int(value)
+
+
 def _add_process_arguments(parser: argparse.ArgumentParser) -> None:
     add, d = parser.add_argument, ControlConfig(Path("."))
     add(
         "--frontends",
-        type=Int(1, MAX_PROCESSES),
-        default=d.frontends,
-        help="client-facing processes sharing the client port (validation, tokenizing, streaming)",
+        type=IntOr(1, MAX_PROCESSES, "auto"),
+        default="auto",
+        help="client-facing processes sharing the client port (validation, tokenizing, streaming): "
+        f"a count, or auto (the default): one per CPU this process may use beyond the core's own, "
+        f"1 to {AUTO_FRONTENDS_CAP}, CPU affinity and cgroup quota counted",
     )
     add(
         "--stream-interval",
@@ -717,7 +737,7 @@ def control_config_from_args(ns: argparse.Namespace, model_dir: Path) -> Control
         record_max_bytes=getattr(ns, "record_max_bytes", DEFAULT_RECORD_MAX_BYTES),
         limits=limits_from_args(ns),
         security=security_from_args(ns, ns.host),
-        frontends=ns.frontends,
+        frontends=frontends_from_arg(ns.frontends),
         stream_interval=ns.stream_interval,
         logprobs_mode=ns.logprobs_mode,
         grammar_backend=ns.grammar_backend,

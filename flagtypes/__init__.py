@@ -94,6 +94,23 @@ class Int:
 
 
 @dataclass(frozen=True, slots=True)
+class IntOr(Int):
+    """argparse type: `word` itself (e.g. auto), or an integer in lo..hi."""
+
+    word: str = "auto"
+
+    def __call__(self, text: str) -> int | str:  # type: ignore[override]
+        return self.word if text == self.word else _parsed(self, int, text)
+
+    def contains(self, value: object) -> bool:
+        return value == self.word or Int.contains(self, value)
+
+    @property
+    def expected(self) -> str:
+        return f"{self.word} or an integer in {self.lo}..{self.hi}"
+
+
+@dataclass(frozen=True, slots=True)
 class Float:
     """argparse type: a number in lo..hi (both included); never NaN, infinite only at an infinite bound."""
 

@@ -353,3 +353,16 @@ async def test_frontends_leave_a_core_that_stops_answering(start_control) -> Non
             await ch.close()
     # The core, resumed, restarts its frontends and serves again.
     await _all_served(plane.address, 4)
+
+
+async def test_frontends_auto_runs_one_per_spare_cpu_and_serves(start_control) -> None:
+    """The default, --frontends auto: as many frontends as the CPUs the control plane may use give
+    (control_plane/cpus.py), every one of them serving."""
+    from control_plane.cpus import auto_frontends, available_cpus
+
+    plane = await start_control("--frontends", "auto")
+    plane.add_worker("sim-0")
+    await plane.wait_workers(1)
+    expected = auto_frontends(available_cpus())
+    assert len(plane.ready["frontend_pids"]) == expected  # type: ignore[arg-type]
+    await _all_served(plane.address, 4 * expected)
