@@ -1,21 +1,46 @@
-"""Is the control plane ever the bottleneck? One `stepwise control` with sim workers and a load client.
+"""Is the control plane ever the bottleneck, and do new callers get their first token in milliseconds
+while it streams? One `stepwise control` with sim workers, a streaming load from several client
+processes, and probes beside it.
 
 Each sim worker takes a fixed time per step (10 ms by default), so its ideal step rate is known: a
-control plane that keeps it fed reaches it. The load client keeps `--running` streams per worker
-open (long greedy generations with ignore_eos, a new one as soon as one ends) and reports, over a
-measured window after a warm-up:
+control plane that keeps it fed reaches it. The load keeps `--running` streams per worker open (long
+greedy generations with ignore_eos, a new one as soon as one ends), spread over `--client-procs`
+processes with `--connections` channels each. Every channel has its own TCP connection (a local
+subchannel pool), so SO_REUSEPORT spreads the connections, and with them the streams, over all the
+frontends (one connection, as one channel in one process would be, would load one frontend only).
+
+After the streams have started and a warm-up, over a measured window of `--seconds`:
 
 - per worker: the achieved fraction of the ideal step rate, and its idle gap between finishing a
   step and receiving the next plan (p50, p99; from GetServerInfo, when the server reports it);
-- core CPU µs per generated token and frontend CPU µs per client message (/proc, Linux);
-- total generated tokens/s as the client received them;
-- Generate calls accepted per second while streaming (a burst of short calls beside the load).
+- tokens/s and client messages/s as the load processes received them, and tokens per message;
+- core CPU µs per generated token, frontend CPU µs per client message and each frontend's CPU
+  fraction (/proc, Linux; the frontends' pids come from the ready file, when the server writes
+  them), and the load processes' own CPU fraction (a client at 100 % of a core is the limit);
+- time to first token of new calls: `--probe-rate` short Generate calls per second, sent open-loop
+  (on schedule, whether or not earlier ones answered), each timed from sending it to its first
+  chunk. By default every probe opens a fresh channel, so a probe is a new caller and its time
+  includes the TCP connect and HTTP/2 handshake; `--probe-channels N` sends them over N channels
+  connected before the window instead (a known caller). p50/p99/max over the probes that got a
+  first chunk; a probe without one within `--probe-timeout` counts as a timeout, not in the
+  percentiles. Probes sent in the window are waited for, up to `--probe-timeout`, after it;
+- GetServerInfo latency: `--info-rate` calls per second, open-loop, on one channel: p50/p99/max;
+- after the window, with the load still streaming: Generate calls accepted per second, a burst of
+  `--burst-calls` short calls `--burst-concurrency` at a time over `--connections` channels from a
+  process of its own (so this process's loop is not the limit), each timed to its first message
+  (a call is accepted once the control plane has queued it and it streams).
+
+`--stream-interval` takes several values: the stack is started once per value, one JSON object is
+printed per value as it finishes, and a compact table of all of them at the end. `--busy-fraction F`
+runs a process that spins F of every 10 ms on one core for the whole run ("another process takes
+half a core"). The bench stops every process it started when it ends, also on Ctrl-C or SIGTERM.
 
 Run from the repository root (or `--root` another checkout, e.g. a worktree of an older commit, to
-compare in one run); every flag the server does not know is left out:
+compare in one run; the load and probes always use this checkout's client). Every server flag the
+checkout does not know is left out (`--frontends auto` too, where it does not take `auto`):
 
-    python bench/bench_control.py --workers 8 --running 32 --stream-interval 8
-    python bench/bench_control.py --workers 4 --running 128 --stream-interval 16
+    python bench/bench_control.py --workers 4 --running 128 --stream-interval 1 8 16
+    python bench/bench_control.py --workers 8 --running 32 --frontends 2 --busy-fraction 0.5
 """
 
 from __future__ import annotations
@@ -23,25 +48,53 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
+import math
 import os
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
+
+import grpc
 
 ROOT = Path(__file__).resolve().parent.parent
+THIS = Path(__file__).resolve()
+sys.path.insert(0, str(ROOT))  # this checkout's client, also when run as `python bench/bench_control.py`
+
+from clients.client import StepwiseClient, generate_request, sampling_params  # noqa: E402
+from protos.stepwise.v1 import generation_pb2 as gen_pb  # noqa: E402
+from protos.stepwise.v1 import generation_pb2_grpc as gen_grpc  # noqa: E402
+
+PROBE_PROMPT = [11, 12, 13]
+PROBE_TOKENS = 4  # a probe is a short call: read to its end, not aborted
+# Channel arguments for a channel with a TCP connection of its own: by default channels to one
+# target in one process share their subchannels, and so one connection.
+OWN_CONNECTION = [("grpc.use_local_subchannel_pool", 1)]
 
 
-@dataclass(slots=True)
-class Load:
-    tokens: int = 0
-    messages: int = 0
-    finished: int = 0
-    errors: dict[str, int] = field(default_factory=dict)
+def _channel(address: str) -> grpc.aio.Channel:
+    return grpc.aio.insecure_channel(address, options=OWN_CONNECTION)
+
+
+def _stub(channel: grpc.aio.Channel) -> gen_grpc.GenerationStub:
+    return gen_grpc.GenerationStub(channel)
+
+
+def _error_name(exc: BaseException) -> str:
+    return exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else type(exc).__name__
+
+
+def _emit(message: dict[str, object]) -> None:
+    """A child's report to the bench: one JSON line on stdout."""
+    sys.stdout.write(json.dumps(message) + "\n")
+    sys.stdout.flush()
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -53,83 +106,296 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _supports(root: Path, flag: str) -> bool:
-    out = subprocess.run(
-        [sys.executable, "-m", "stepwise.cli", "control", "--help"],
+def _quantiles_ms(seconds: Sequence[float]) -> dict[str, float | None]:
+    """p50, p99 (nearest rank) and max, in ms; None when there is no sample."""
+    if not seconds:
+        return {"p50_ms": None, "p99_ms": None, "max_ms": None}
+    ordered = sorted(seconds)
+
+    def rank(q: float) -> float:
+        return round(ordered[max(0, math.ceil(q * len(ordered)) - 1)] * 1e3, 2)
+
+    return {"p50_ms": rank(0.50), "p99_ms": rank(0.99), "max_ms": round(ordered[-1] * 1e3, 2)}
+
+
+# --- what the server under test knows ---------------------------------------------------------
+
+
+def _control(root: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "stepwise.cli", "control", *args],
         cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root)},
         capture_output=True,
         text=True,
         check=False,
     )
-    return flag in out.stdout
+
+
+@functools.cache
+def _control_help(root: Path) -> str:
+    return _control(root, "--help").stdout
+
+
+def _supports(root: Path, flag: str) -> bool:
+    return flag in _control_help(root)
+
+
+@functools.cache
+def _accepts(root: Path, flag: str, value: str) -> bool:
+    """Whether `control FLAG VALUE` parses: argparse checks the value before it reaches --help."""
+    return _supports(root, flag) and _control(root, flag, value, "--help").returncode == 0
+
+
+# --- child processes: this file run with --load-client, --burst-client or --busy-loop --------------
+
+
+@dataclass(slots=True)
+class Counts:
+    tokens: int = 0
+    messages: int = 0
+    finished: int = 0
+    errors: dict[str, int] = field(default_factory=dict)
+
+    def error(self, name: str) -> None:
+        self.errors[name] = self.errors.get(name, 0) + 1
+
+    def __add__(self, other: Counts) -> Counts:
+        errors = dict(self.errors)
+        for name, n in other.errors.items():
+            errors[name] = errors.get(name, 0) + n
+        return Counts(
+            self.tokens + other.tokens, self.messages + other.messages, self.finished + other.finished, errors
+        )
+
+    def __sub__(self, other: Counts) -> Counts:
+        errors = {k: n - other.errors.get(k, 0) for k, n in self.errors.items()}
+        return Counts(
+            self.tokens - other.tokens,
+            self.messages - other.messages,
+            self.finished - other.finished,
+            {k: n for k, n in errors.items() if n},
+        )
+
+
+async def _stream_forever(
+    stub: gen_grpc.GenerationStub, counts: Counts, first: asyncio.Event, ns: argparse.Namespace
+) -> None:
+    sampling = sampling_params(max_new_tokens=ns.output_len, ignore_eos=True, temperature=0.0)
+    request = generate_request(list(range(10, 10 + ns.prompt_len)), sampling)
+    while True:
+        try:
+            async for response in stub.Generate(request):
+                if response.WhichOneof("event") == "chunk":
+                    counts.tokens += len(response.chunk.token_ids)
+                    counts.messages += 1
+                    first.set()
+                elif response.WhichOneof("event") == "finished":
+                    counts.finished += 1
+        except grpc.aio.AioRpcError as exc:  # counted, the stream starts over
+            counts.error(_error_name(exc))
+            await asyncio.sleep(0.05)
+
+
+async def _stdin_reader() -> asyncio.StreamReader:
+    reader = asyncio.StreamReader()
+    loop = asyncio.get_running_loop()
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    return reader
+
+
+async def _announce_ready(firsts: list[asyncio.Event]) -> None:
+    await asyncio.gather(*(first.wait() for first in firsts))
+    _emit({"event": "ready"})
+
+
+async def load_client(ns: argparse.Namespace) -> None:
+    """`--streams` streams over `--connections` channels; says `ready` once each had a chunk, and
+    answers `counts` (cumulative) on stdin until `stop` or the end of stdin (the bench is gone)."""
+    counts = Counts()
+    channels = [_channel(ns.load_client) for _ in range(max(1, min(ns.connections, ns.streams)))]
+    firsts = [asyncio.Event() for _ in range(ns.streams)]
+    tasks = [
+        asyncio.create_task(_stream_forever(_stub(channels[i % len(channels)]), counts, first, ns))
+        for i, first in enumerate(firsts)
+    ]
+    tasks.append(asyncio.create_task(_announce_ready(firsts)))
+    commands = await _stdin_reader()
+    while (line := (await commands.readline()).strip()) not in (b"", b"stop"):
+        if line == b"counts":
+            _emit({"event": "counts", **asdict(counts)})
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    await asyncio.gather(*(channel.close(None) for channel in channels))
+
+
+async def burst_client(ns: argparse.Namespace) -> None:
+    """`--burst-calls` short Generate calls, `--burst-concurrency` at a time over `--connections`
+    channels, each timed to its first message; reports calls accepted per second."""
+    request = generate_request(PROBE_PROMPT, sampling_params(max_new_tokens=1, ignore_eos=True))
+    channels = [_channel(ns.burst_client) for _ in range(max(1, ns.connections))]
+    await asyncio.gather(*(channel.channel_ready() for channel in channels))
+    stubs = [_stub(channel) for channel in channels]
+    left = iter(range(ns.burst_calls))
+    counts = Counts()
+
+    async def caller() -> None:
+        for i in left:
+            call = stubs[i % len(stubs)].Generate(request)
+            try:
+                async for _ in call:
+                    counts.messages += 1
+                    break
+            except grpc.aio.AioRpcError as exc:
+                counts.error(_error_name(exc))
+            call.cancel()
+
+    started = time.perf_counter()
+    await asyncio.gather(*(caller() for _ in range(ns.burst_concurrency)))
+    elapsed = time.perf_counter() - started
+    await asyncio.gather(*(channel.close(None) for channel in channels))
+    _emit({"event": "burst", "seconds": elapsed, "accepted": counts.messages, "errors": counts.errors})
+
+
+def busy_loop(fraction: float, period: float = 0.01) -> None:
+    """Spin `fraction` of every `period` on one core until the bench is gone."""
+    parent = os.getppid()
+    while os.getppid() == parent:
+        started = time.perf_counter()
+        while time.perf_counter() - started < fraction * period:
+            pass
+        time.sleep(max(0.0, period - (time.perf_counter() - started)))
+
+
+# --- the bench's side ---------------------------------------------------------------------------
+
+
+class Child:
+    """This file run in a child mode; JSON lines on its stdout, commands on its stdin."""
+
+    def __init__(self, proc: asyncio.subprocess.Process, name: str) -> None:
+        self.proc, self.name = proc, name
+
+    @classmethod
+    async def start(cls, name: str, *args: str) -> Child:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, str(THIS), *args, stdin=subprocess.PIPE, stdout=subprocess.PIPE
+        )
+        return cls(proc, name)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    async def send(self, command: str) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(command.encode() + b"\n")
+        await self.proc.stdin.drain()
+
+    async def read(self, event: str, timeout: float) -> dict[str, Any]:
+        """The next message of kind `event` (others are skipped)."""
+        assert self.proc.stdout is not None
+        async with asyncio.timeout(timeout):
+            while line := await self.proc.stdout.readline():
+                message: dict[str, Any] = json.loads(line)
+                if message.get("event") == event:
+                    return message
+        raise RuntimeError(f"{self.name} exited (status {await self.proc.wait()})")
+
+    async def counts(self) -> Counts:
+        await self.send("counts")
+        message = await self.read("counts", 30)
+        return Counts(message["tokens"], message["messages"], message["finished"], message["errors"])
+
+    async def stop(self) -> None:
+        if self.proc.returncode is None and self.proc.stdin is not None:
+            with contextlib.suppress(OSError):  # it is gone already
+                await self.send("stop")
+                self.proc.stdin.close()
+        try:
+            await asyncio.wait_for(self.proc.wait(), 5)
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.kill()
+            await self.proc.wait()
 
 
 class Stack:
-    def __init__(self, ns: argparse.Namespace) -> None:
+    """A `stepwise control` of the checkout at --root, and its sim workers."""
+
+    def __init__(self, ns: argparse.Namespace, stream_interval: int) -> None:
         self.ns = ns
+        self.stream_interval = stream_interval
         self.root = Path(ns.root).resolve()
         self.tmp = tempfile.TemporaryDirectory(prefix="bench-control-")
         self.procs: list[subprocess.Popen[bytes]] = []
-        self.ready: dict[str, object] = {}
+        self.ready: dict[str, Any] = {}
+        self.frontends_flag: str | None = None
 
     def _spawn(self, *args: str) -> subprocess.Popen[bytes]:
-        env = {**os.environ, "PYTHONPATH": str(self.root)}
         proc = subprocess.Popen(
             [sys.executable, "-m", "stepwise.cli", *args],
             cwd=self.root,
-            env=env,
-            stderr=subprocess.DEVNULL if not self.ns.verbose else None,
+            env={**os.environ, "PYTHONPATH": str(self.root)},
+            stderr=None if self.ns.verbose else subprocess.DEVNULL,
         )
         self.procs.append(proc)
         return proc
 
-    async def start(self) -> str:
-        ns = self.ns
-        ready = Path(self.tmp.name) / "ready.json"
+    def _control_flags(self) -> list[str]:
+        ns, root = self.ns, self.root
         flags = ["--port", "0", "--worker-port", "0", "--log-level", "warning"]
         flags += ["--chunked-prefill-size", "-1"]
-        optional = {
-            "--stream-interval": str(ns.stream_interval),
-            "--frontends": str(ns.frontends),
-        }
-        for flag, value in optional.items():
-            if _supports(self.root, flag):
-                flags += [flag, value]
-        if ns.disable_overlap and _supports(self.root, "--disable-overlap-schedule"):
+        if _supports(root, "--stream-interval"):
+            flags += ["--stream-interval", str(self.stream_interval)]
+        if _accepts(root, "--frontends", ns.frontends):
+            flags += ["--frontends", ns.frontends]
+            self.frontends_flag = ns.frontends
+        elif _supports(root, "--frontends"):
+            print(f"{root}: --frontends does not take {ns.frontends!r}; left out", file=sys.stderr)
+        if ns.disable_overlap and _supports(root, "--disable-overlap-schedule"):
             flags.append("--disable-overlap-schedule")
-        control = self._spawn("control", *flags, "--ready-file", str(ready))
+        return flags
+
+    def _spawn_worker(self, i: int) -> None:
+        self._spawn(
+            "worker",
+            "--backend",
+            "sim",
+            "--sim-cost",
+            f"{self.ns.step_ms / 1000},0,0",
+            "--kv-tokens",
+            str(self.ns.kv_tokens),
+            "--control",
+            f"127.0.0.1:{self.ready['worker_port']}",
+            "--worker-id",
+            f"sim-{i}",
+            "--log-level",
+            "warning",
+        )
+
+    async def start(self) -> str:
+        """Start the control plane and its workers; the client address."""
+        ready = Path(self.tmp.name) / "ready.json"
+        control = self._spawn("control", *self._control_flags(), "--ready-file", str(ready))
         deadline = time.monotonic() + 60
         while not ready.exists():
             if control.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("control plane did not start")
+                raise RuntimeError("control plane did not start (--verbose shows its log)")
             await asyncio.sleep(0.05)
         self.ready = json.loads(ready.read_text())
-        worker_port = self.ready["worker_port"]
-        for i in range(ns.workers):
-            self._spawn(
-                "worker",
-                "--backend",
-                "sim",
-                "--sim-cost",
-                f"{ns.step_ms / 1000},0,0",
-                "--kv-tokens",
-                str(ns.kv_tokens),
-                "--control",
-                f"127.0.0.1:{worker_port}",
-                "--worker-id",
-                f"sim-{i}",
-                "--log-level",
-                "warning",
-            )
+        for i in range(self.ns.workers):
+            self._spawn_worker(i)
         return f"127.0.0.1:{self.ready['port']}"
 
     @property
     def core_pid(self) -> int:
-        return int(self.ready.get("pid", self.procs[0].pid))  # type: ignore[call-overload]
+        return int(self.ready.get("pid", self.procs[0].pid))
 
     @property
     def frontend_pids(self) -> list[int]:
-        return [int(p) for p in self.ready.get("frontend_pids", [])]  # type: ignore[attr-defined]
+        return [int(p) for p in self.ready.get("frontend_pids", [])]
 
     def stop(self) -> None:
         for proc in reversed(self.procs):
@@ -140,150 +406,397 @@ class Stack:
                 proc.wait(10)
             except subprocess.TimeoutExpired:
                 proc.kill()
+                proc.wait()
         self.tmp.cleanup()
 
 
-async def _stream_forever(client: object, load: Load, stop: asyncio.Event, ns: argparse.Namespace) -> None:
-    from clients.client import generate_request, sampling_params
+@dataclass(slots=True)
+class ProbeStats:
+    seconds: list[float] = field(default_factory=list)
+    sent: int = 0
+    timeouts: int = 0
+    errors: dict[str, int] = field(default_factory=dict)
 
-    sampling = sampling_params(max_new_tokens=ns.output_len, ignore_eos=True, temperature=0.0)
-    prompt = list(range(10, 10 + ns.prompt_len))
-    stub = client.stub  # type: ignore[attr-defined]
-    while not stop.is_set():
-        try:
-            call = stub.Generate(generate_request(prompt, sampling), metadata=client.metadata)  # type: ignore[attr-defined]
-            async for response in call:
-                if response.WhichOneof("event") == "chunk":
-                    load.tokens += len(response.chunk.token_ids)
-                    load.messages += 1
-                else:
-                    load.finished += 1
-                if stop.is_set():
-                    call.cancel()
-                    break
-        except Exception as exc:  # counted, the stream starts over
-            name = str(exc.code()) if hasattr(exc, "code") else type(exc).__name__
-            load.errors[name] = load.errors.get(name, 0) + 1
-            await asyncio.sleep(0.05)
+    def fail(self, exc: BaseException) -> None:
+        if isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+            self.timeouts += 1
+        else:
+            self.errors[_error_name(exc)] = self.errors.get(_error_name(exc), 0) + 1
+
+    def summary(self) -> dict[str, object]:
+        return {"sent": self.sent, "answered": len(self.seconds), **_quantiles_ms(self.seconds)} | {
+            "timeouts": self.timeouts,
+            "errors": self.errors,
+        }
 
 
-async def _burst(address: str, calls: int, concurrency: int) -> tuple[float, int]:
-    """Calls accepted per second: short Generate calls, `concurrency` at a time, timed to their first
-    message (a call is accepted once the control plane has queued it and it streams)."""
-    from clients.client import StepwiseClient, generate_request, sampling_params
+class ProbeChannels:
+    """size 0: a fresh channel (a connection of its own) per probe, closed after it; size N: N
+    channels connected up front, used in turn."""
 
-    sampling = sampling_params(max_new_tokens=1, ignore_eos=True, temperature=0.0)
-    done = 0
-    queue: asyncio.Queue[int] = asyncio.Queue()
-    for i in range(calls):
-        queue.put_nowait(i)
+    def __init__(self, address: str, size: int) -> None:
+        self.address = address
+        self.pool = [_channel(address) for _ in range(size)]
+        self.turn = 0
 
-    async with StepwiseClient(address) as client:
+    async def connect(self) -> None:
+        await asyncio.gather(*(channel.channel_ready() for channel in self.pool))
 
-        async def one() -> None:
-            nonlocal done
-            while not queue.empty():
-                queue.get_nowait()
-                call = client.stub.Generate(
-                    generate_request([11, 12, 13], sampling), metadata=client.metadata
-                )
-                with contextlib.suppress(Exception):
-                    async for _ in call:
-                        done += 1
-                        call.cancel()
-                        break
+    def take(self) -> grpc.aio.Channel:
+        if not self.pool:
+            return _channel(self.address)
+        self.turn += 1
+        return self.pool[self.turn % len(self.pool)]
 
-        started = time.perf_counter()
-        await asyncio.gather(*(one() for _ in range(concurrency)))
-        return calls / (time.perf_counter() - started), done
+    async def give_back(self, channel: grpc.aio.Channel) -> None:
+        if not self.pool:
+            await channel.close(None)
+
+    async def close(self) -> None:
+        await asyncio.gather(*(channel.close(None) for channel in self.pool))
 
 
-async def run(ns: argparse.Namespace) -> dict[str, object]:
-    from clients.client import StepwiseClient
-
-    stack = Stack(ns)
+async def _ttft_probe(channels: ProbeChannels, ns: argparse.Namespace, stats: ProbeStats) -> None:
+    """One short call, timed from sending it to its first chunk; read to its end."""
+    request = generate_request(PROBE_PROMPT, sampling_params(max_new_tokens=PROBE_TOKENS, ignore_eos=True))
+    stats.sent += 1
+    channel = channels.take()
+    first = False
     try:
-        address = await stack.start()
-        async with StepwiseClient(address) as client:
-            await client.wait_ready(60)
-            while len((await client.server_info()).workers) < ns.workers:
-                await asyncio.sleep(0.1)
-            load, stop = Load(), asyncio.Event()
-            streams = [
-                asyncio.create_task(_stream_forever(client, load, stop, ns))
-                for _ in range(ns.workers * ns.running)
-            ]
-            await asyncio.sleep(ns.warmup)
-            before = await client.server_info()
-            cpu0 = _cpu_seconds(stack.core_pid), sum(_cpu_seconds(p) for p in stack.frontend_pids)
-            tokens0, messages0, t0 = load.tokens, load.messages, time.perf_counter()
-            await asyncio.sleep(ns.seconds)
-            elapsed = time.perf_counter() - t0
-            tokens, messages = load.tokens - tokens0, load.messages - messages0
-            cpu1 = _cpu_seconds(stack.core_pid), sum(_cpu_seconds(p) for p in stack.frontend_pids)
-            after = await client.server_info()
-            rate, accepted = await _burst(address, ns.burst_calls, ns.burst_concurrency)
-            stop.set()
-            for task in streams:
-                task.cancel()
-            await asyncio.gather(*streams, return_exceptions=True)
+        started = time.perf_counter()
+        async for response in _stub(channel).Generate(request, timeout=ns.probe_timeout):
+            if not first and response.WhichOneof("event") == "chunk":
+                stats.seconds.append(time.perf_counter() - started)
+                first = True
+        if not first:
+            stats.errors["no chunk"] = stats.errors.get("no chunk", 0) + 1
+    except grpc.aio.AioRpcError as exc:
+        if not first:
+            stats.fail(exc)
     finally:
-        stack.stop()
+        await channels.give_back(channel)
+
+
+async def _info_probe(client: StepwiseClient, ns: argparse.Namespace, stats: ProbeStats) -> None:
+    stats.sent += 1
+    try:
+        started = time.perf_counter()
+        await client.stub.GetServerInfo(gen_pb.GetServerInfoRequest(), timeout=ns.probe_timeout)
+        stats.seconds.append(time.perf_counter() - started)
+    except grpc.aio.AioRpcError as exc:
+        stats.fail(exc)
+
+
+async def _open_loop(
+    rate: float,
+    stop: asyncio.Event,
+    probe: Callable[[], Coroutine[Any, Any, None]],
+    tasks: list[asyncio.Task[None]],
+) -> None:
+    """Start `probe` `rate` times a second, on schedule whether or not earlier ones answered."""
+    if rate <= 0:
+        return
+    due = time.monotonic()
+    while not stop.is_set():
+        tasks.append(asyncio.create_task(probe()))
+        due += 1.0 / rate
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), max(0.0, due - time.monotonic()))
+
+
+def load_plan(ns: argparse.Namespace) -> list[tuple[int, int]]:
+    """(streams, connections) for each load process: the streams split evenly over --client-procs,
+    at most one connection per stream."""
+    total, parts = ns.workers * ns.running, ns.client_procs
+    streams = [total // parts + (1 if i < total % parts else 0) for i in range(parts)]
+    return [(n, min(n, ns.connections)) for n in streams if n]
+
+
+async def _start_load(ns: argparse.Namespace, address: str, children: list[Child]) -> list[Child]:
+    started = await asyncio.gather(
+        *(
+            Child.start(
+                f"load client {i}",
+                *("--load-client", address, "--streams", str(n), "--connections", str(c)),
+                *("--prompt-len", str(ns.prompt_len), "--output-len", str(ns.output_len)),
+            )
+            for i, (n, c) in enumerate(load_plan(ns))
+        )
+    )
+    children += started
+    try:
+        await asyncio.gather(*(child.read("ready", ns.ready_timeout) for child in started))
+    except TimeoutError:
+        print(
+            f"not every stream had a chunk within {ns.ready_timeout:g} s; measuring anyway", file=sys.stderr
+        )
+    return list(started)
+
+
+async def _burst(ns: argparse.Namespace, address: str, children: list[Child]) -> dict[str, object]:
+    child = await Child.start(
+        "burst client",
+        *("--burst-client", address, "--connections", str(ns.connections)),
+        *("--burst-calls", str(ns.burst_calls), "--burst-concurrency", str(ns.burst_concurrency)),
+    )
+    children.append(child)
+    report = await child.read("burst", 300)
+    return {
+        "calls": ns.burst_calls,
+        "accepted": report["accepted"],
+        "accepted_per_s": round(report["accepted"] / report["seconds"], 1),
+        "errors": report["errors"],
+    }
+
+
+@dataclass(slots=True)
+class Window:
+    """What the measured window saw."""
+
+    elapsed: float
+    counts: Counts
+    core_cpu: float
+    frontend_cpu: list[float]
+    client_cpu: float
+    busy_cpu: float
+    steps: dict[str, int]
+    after: gen_pb.ServerInfo
+    ttft: ProbeStats
+    info: ProbeStats
+
+
+def _cpu(pids: Sequence[int]) -> list[float]:
+    return [_cpu_seconds(pid) for pid in pids]
+
+
+async def _measure(
+    ns: argparse.Namespace, stack: Stack, client: StepwiseClient, load: list[Child], busy: int | None
+) -> Window:
+    ttft, info, stop = ProbeStats(), ProbeStats(), asyncio.Event()
+    channels = ProbeChannels(client.address, ns.probe_channels)
+    probes: list[asyncio.Task[None]] = []
+    drivers: list[asyncio.Task[None]] = []
+    try:
+        await channels.connect()
+        before = await client.server_info()
+        counts0 = await asyncio.gather(*(child.counts() for child in load))
+        pids = [stack.core_pid, busy or 0, *(c.pid for c in load), *stack.frontend_pids]
+        cpu0, t0 = _cpu(pids), time.perf_counter()
+        drivers = [
+            asyncio.create_task(
+                _open_loop(ns.probe_rate, stop, lambda: _ttft_probe(channels, ns, ttft), probes)
+            ),
+            asyncio.create_task(
+                _open_loop(ns.info_rate, stop, lambda: _info_probe(client, ns, info), probes)
+            ),
+        ]
+        await asyncio.sleep(ns.seconds)
+        stop.set()
+        await asyncio.gather(*drivers)
+        counts1 = await asyncio.gather(*(child.counts() for child in load))
+        cpu1, elapsed = _cpu(pids), time.perf_counter() - t0
+        after = await client.server_info()
+        if probes:  # the last ones sent have up to their timeout to answer
+            await asyncio.wait(probes, timeout=ns.probe_timeout + 1)
+    finally:  # also when cancelled (Ctrl-C): no probe may outlive the channels
+        stop.set()
+        for tasks in (drivers, probes):
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        await channels.close()
+    cpu = [b - a for a, b in zip(cpu0, cpu1, strict=True)]
+    return Window(
+        elapsed=elapsed,
+        counts=sum((b - a for a, b in zip(counts0, counts1, strict=True)), Counts()),
+        core_cpu=cpu[0],
+        busy_cpu=cpu[1],
+        client_cpu=sum(cpu[2 : 2 + len(load)]),
+        frontend_cpu=cpu[2 + len(load) :],
+        steps={w.worker_id: w.steps for w in before.workers},
+        after=after,
+        ttft=ttft,
+        info=info,
+    )
+
+
+def _per_worker(ns: argparse.Namespace, window: Window) -> dict[str, dict[str, float]]:
     ideal = 1000.0 / ns.step_ms
-    steps0 = {w.worker_id: w.steps for w in before.workers}
-    workers = {}
-    for w in after.workers:
-        achieved = (w.steps - steps0.get(w.worker_id, 0)) / elapsed
+    workers: dict[str, dict[str, float]] = {}
+    for w in window.after.workers:
+        achieved = (w.steps - window.steps.get(w.worker_id, 0)) / window.elapsed
         workers[w.worker_id] = {
             "step_rate_fraction": round(achieved / ideal, 3),
             "running": w.running,
             "idle_gap_p50_ms": round(getattr(w, "wait_p50_s", 0.0) * 1e3, 3),
             "idle_gap_p99_ms": round(getattr(w, "wait_p99_s", 0.0) * 1e3, 3),
         }
-    core_cpu, frontend_cpu = cpu1[0] - cpu0[0], cpu1[1] - cpu0[1]
+    return workers
+
+
+def _report(ns: argparse.Namespace, stack: Stack, w: Window, burst: dict[str, object]) -> dict[str, object]:
+    tokens, messages, s = w.counts.tokens, w.counts.messages, w.elapsed
+    workers = _per_worker(ns, w)
     return {
         "root": str(stack.root),
+        "stream_interval": stack.stream_interval,
         "workers": ns.workers,
         "running_per_worker": ns.running,
-        "stream_interval": ns.stream_interval,
+        "client_procs": len(load_plan(ns)),
+        "connections": sum(c for _, c in load_plan(ns)),
+        "frontends_flag": stack.frontends_flag,
+        "frontend_processes": len(stack.frontend_pids),
         "overlap": not ns.disable_overlap,
         "step_ms": ns.step_ms,
-        "tokens_per_s": round(tokens / elapsed, 1),
-        "client_messages_per_s": round(messages / elapsed, 1),
-        "core_cpu_us_per_token": round(core_cpu / max(tokens, 1) * 1e6, 2),
-        "core_cpu_fraction": round(core_cpu / elapsed, 3),
-        "frontend_cpu_us_per_message": round(frontend_cpu / max(messages, 1) * 1e6, 2)
-        if stack.frontend_pids
+        "busy_fraction": ns.busy_fraction,
+        "seconds": round(s, 2),
+        "tokens_per_s": round(tokens / s, 1),
+        "client_messages_per_s": round(messages / s, 1),
+        "tokens_per_message": round(tokens / max(messages, 1), 2),
+        "finished": w.counts.finished,
+        "core_cpu_us_per_token": round(w.core_cpu / max(tokens, 1) * 1e6, 2),
+        "core_cpu_fraction": round(w.core_cpu / s, 3),
+        "frontend_cpu_us_per_message": round(sum(w.frontend_cpu) / max(messages, 1) * 1e6, 2)
+        if w.frontend_cpu
         else None,
-        "calls_accepted_per_s": round(rate, 1),
-        "burst_calls_streamed": accepted,
-        "min_step_rate_fraction": min((w["step_rate_fraction"] for w in workers.values()), default=0.0),
-        "errors": load.errors,
+        "frontend_cpu_fraction": [round(c / s, 3) for c in w.frontend_cpu],
+        "client_cpu_fraction": round(w.client_cpu / s, 3),
+        "busy_cpu_fraction": round(w.busy_cpu / s, 3),
+        "ttft": w.ttft.summary(),
+        "ttft_channels": f"a pool of {ns.probe_channels}" if ns.probe_channels else "fresh per probe",
+        "server_info": w.info.summary(),
+        "calls_accepted_per_s": burst["accepted_per_s"],
+        "burst": burst,
+        "min_step_rate_fraction": min((v["step_rate_fraction"] for v in workers.values()), default=0.0),
+        "errors": w.counts.errors,
         "per_worker": workers,
     }
 
 
-def main() -> None:
+async def run_once(ns: argparse.Namespace, stream_interval: int, busy: int | None) -> dict[str, object]:
+    """Start the stack with this stream interval, load it, measure, stop everything."""
+    stack = Stack(ns, stream_interval)
+    children: list[Child] = []
+    try:
+        address = await stack.start()
+        async with StepwiseClient(address) as client:
+            await client.wait_ready(60)
+            while len((await client.server_info()).workers) < ns.workers:
+                await asyncio.sleep(0.1)
+            load = await _start_load(ns, address, children)
+            await asyncio.sleep(ns.warmup)
+            window = await _measure(ns, stack, client, load, busy)
+            burst = await _burst(ns, address, children)
+    finally:
+        await asyncio.gather(*(child.stop() for child in children), return_exceptions=True)
+        stack.stop()
+    return _report(ns, stack, window, burst)
+
+
+COLUMNS: list[tuple[str, Callable[[dict[str, Any]], object]]] = [
+    ("interval", lambda r: r["stream_interval"]),
+    ("tok/s", lambda r: r["tokens_per_s"]),
+    ("tok/msg", lambda r: r["tokens_per_message"]),
+    ("core µs/tok", lambda r: r["core_cpu_us_per_token"]),
+    ("fe µs/msg", lambda r: r["frontend_cpu_us_per_message"]),
+    ("min step", lambda r: r["min_step_rate_fraction"]),
+    ("ttft p50/p99/max ms", lambda r: "{p50_ms}/{p99_ms}/{max_ms}".format(**r["ttft"])),
+    ("ttft t/o", lambda r: f"{r['ttft']['timeouts']}/{r['ttft']['sent']}"),
+    ("info p99 ms", lambda r: r["server_info"]["p99_ms"]),
+    ("calls/s", lambda r: r["calls_accepted_per_s"]),
+]
+
+
+def table(results: Sequence[dict[str, Any]]) -> str:
+    rows = [[name for name, _ in COLUMNS]] + [[str(cell(r)) for _, cell in COLUMNS] for r in results]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
+    return "\n".join("  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in rows)
+
+
+async def bench(ns: argparse.Namespace) -> None:
+    loop, task = asyncio.get_running_loop(), asyncio.current_task()
+    assert task is not None
+    loop.add_signal_handler(signal.SIGTERM, task.cancel)
+    busy: subprocess.Popen[bytes] | None = None
+    results = []
+    try:
+        if ns.busy_fraction > 0:
+            busy = subprocess.Popen([sys.executable, str(THIS), "--busy-loop", str(ns.busy_fraction)])
+        for interval in ns.stream_interval:
+            results.append(await run_once(ns, interval, busy.pid if busy else None))
+            print(json.dumps(results[-1], indent=2), flush=True)
+    finally:
+        if busy is not None:
+            busy.kill()
+            busy.wait()
+    print(table(results))
+
+
+def _frontends(text: str) -> str:
+    if text != "auto" and not text.isdigit():
+        raise argparse.ArgumentTypeError("an integer or auto")
+    return text
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--root", default=str(ROOT), help="the checkout whose `stepwise` to run")
-    parser.add_argument("--workers", type=int, default=4)
-    parser.add_argument("--running", type=int, default=32, help="streams per worker")
-    parser.add_argument("--stream-interval", type=int, default=1)
-    parser.add_argument("--frontends", type=int, default=1)
-    parser.add_argument("--disable-overlap", action="store_true")
-    parser.add_argument("--step-ms", type=float, default=10.0, help="the sim worker's time per step")
-    parser.add_argument("--prompt-len", type=int, default=16)
-    parser.add_argument("--output-len", type=int, default=4000)
-    parser.add_argument("--kv-tokens", type=int, default=1 << 20)
-    parser.add_argument("--warmup", type=float, default=5.0)
-    parser.add_argument("--seconds", type=float, default=15.0)
-    parser.add_argument("--burst-calls", type=int, default=2000)
-    parser.add_argument("--burst-concurrency", type=int, default=200)
-    parser.add_argument("--verbose", action="store_true", help="show the servers' logs")
-    ns = parser.parse_args()
-    print(json.dumps(asyncio.run(run(ns)), indent=2))
+    add = parser.add_argument
+    add("--root", default=str(ROOT), help="the checkout whose `stepwise` to run")
+    add("--workers", type=int, default=4)
+    add("--running", type=int, default=32, help="streams per worker")
+    add("--stream-interval", type=int, nargs="+", default=[1], help="one run per value")
+    add("--frontends", type=_frontends, default="1", help="an integer, or auto where the server takes it")
+    add("--disable-overlap", action="store_true")
+    add("--step-ms", type=float, default=10.0, help="the sim worker's time per step")
+    add("--prompt-len", type=int, default=16)
+    add("--output-len", type=int, default=4000)
+    add("--kv-tokens", type=int, default=1 << 20)
+    add("--client-procs", type=int, default=4, help="processes the streaming load is spread over")
+    add("--connections", type=int, help="channels (TCP connections) per client process (default: 32 in all)")
+    add("--probe-rate", type=float, default=20.0, help="new short calls per second, timed to first chunk")
+    add("--probe-channels", type=int, default=0, help="0: a fresh channel per probe; N: a pool of N")
+    add("--probe-timeout", type=float, default=5.0, help="a probe without a first chunk by then times out")
+    add("--info-rate", type=float, default=5.0, help="GetServerInfo calls per second")
+    add("--warmup", type=float, default=5.0, help="seconds between the streams' start and the window")
+    add("--seconds", type=float, default=15.0, help="the measured window")
+    add("--ready-timeout", type=float, default=60.0, help="the longest wait for every stream's first chunk")
+    add("--burst-calls", type=int, default=2000)
+    add("--burst-concurrency", type=int, default=200)
+    add("--busy-fraction", type=float, default=0.0, help="a competing process spins this much of a core")
+    add("--verbose", action="store_true", help="show the servers' logs")
+    # The child modes: this file run by the bench itself.
+    add("--load-client", metavar="ADDRESS", help=argparse.SUPPRESS)
+    add("--burst-client", metavar="ADDRESS", help=argparse.SUPPRESS)
+    add("--busy-loop", type=float, metavar="FRACTION", help=argparse.SUPPRESS)
+    add("--streams", type=int, default=1, help=argparse.SUPPRESS)
+    ns = parser.parse_args(argv)
+    if not 0 <= ns.busy_fraction <= 1:
+        parser.error("--busy-fraction: between 0 and 1")
+    if ns.client_procs < 1:
+        parser.error("--client-procs: at least 1")
+    if ns.connections is None:
+        ns.connections = max(1, math.ceil(32 / ns.client_procs))
+    return ns
+
+
+def main() -> None:
+    ns = parse_args()
+    if ns.busy_loop is not None or ns.load_client or ns.burst_client:
+        # A child: Ctrl-C reaches the bench, which stops it; it must not die half-way on its own.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if ns.busy_loop is not None:
+        busy_loop(ns.busy_loop)
+    elif ns.load_client:
+        asyncio.run(load_client(ns))
+    elif ns.burst_client:
+        asyncio.run(burst_client(ns))
+    else:
+        try:
+            asyncio.run(bench(ns))
+        except (KeyboardInterrupt, asyncio.CancelledError):
+            sys.exit(130)
 
 
 if __name__ == "__main__":
