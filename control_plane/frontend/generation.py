@@ -16,6 +16,7 @@ import grpc
 from control_plane import client_codec
 from control_plane.frontend.core_link import CORE_GONE, CoreState, Frontend
 from control_plane.frontend.grammars import GrammarCompiler
+from control_plane.frontend.pacer import Pacer
 from control_plane.frontend.samples import Call, Chunk, Done, Lost, Prompt
 from control_plane.link import DRAINING, LinkClosed
 from protos.stepwise.v1 import generation_pb2 as gen_pb
@@ -86,6 +87,7 @@ class GenerationService(gen_grpc.GenerationServicer):
         )
         # Generate calls being served (bounded by --max-concurrent-streams).
         self.streams = 0
+        self.pacer = Pacer()
 
     async def _caller(self, context: grpc.aio.ServicerContext) -> Caller:
         """Authenticate the call, or end it with UNAUTHENTICATED."""
@@ -101,7 +103,7 @@ class GenerationService(gen_grpc.GenerationServicer):
 
     async def Generate(
         self, request: gen_pb.GenerateRequest | client_codec.Unparsable, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[gen_pb.GenerateResponse]:
+    ) -> AsyncIterator[gen_pb.GenerateResponse | bytes]:
         caller = await self._caller(context)
         # The bound counts Generate calls only (not gRPC's maximum_concurrent_rpcs, which counts every
         # call): health probes, GetServerInfo and Abort answer however many streams are open.
@@ -123,17 +125,22 @@ class GenerationService(gen_grpc.GenerationServicer):
         request: gen_pb.GenerateRequest | client_codec.Unparsable,
         context: grpc.aio.ServicerContext,
         caller: Caller,
-    ) -> AsyncIterator[gen_pb.GenerateResponse]:
+    ) -> AsyncIterator[gen_pb.GenerateResponse | bytes]:
         call = await self._accept(request, context, caller)
+        rid_field = client_codec.request_id_field(call.rid)
         remaining = len(call.samples)
         try:
             while remaining:
                 await call.wait()
+                if call.streaming:
+                    await self.pacer.slot()
                 events = self.frontend.take(call)
                 lost = next((e for e in events if isinstance(e, Lost)), None)
-                for response in coalesce(call.rid, [e for e in events if not isinstance(e, Lost)]):
+                for response, finished in coalesce(
+                    rid_field, call.rid, [e for e in events if not isinstance(e, Lost)]
+                ):
                     yield response
-                    remaining -= response.WhichOneof("event") == "finished"
+                    remaining -= finished
                 if lost is not None:
                     remaining = 0
                     await context.abort(grpc.StatusCode.UNAVAILABLE, lost.message)
@@ -257,14 +264,18 @@ def generation_handler(service: GenerationService) -> grpc.GenericRpcHandler:
         handlers[name] = factory(
             getattr(service, name),
             request_deserializer=client_codec.lenient_parser(request_cls),
-            response_serializer=response_cls.SerializeToString,
+            response_serializer=_serialize if method.server_streaming else response_cls.SerializeToString,
         )
     return grpc.method_handlers_generic_handler(GENERATION_SERVICE, handlers)
 
 
-def coalesce(rid: str, events: Sequence[Chunk | Done | Prompt]) -> list[gen_pb.GenerateResponse]:
-    """Merge consecutive chunks of a sample into one message (a slow reader gets fewer, larger ones)."""
-    out: list[gen_pb.GenerateResponse] = []
+def coalesce(
+    rid_field: bytes, rid: str, events: Sequence[Chunk | Done | Prompt]
+) -> list[tuple[gen_pb.GenerateResponse | bytes, bool]]:
+    """Merge consecutive chunks of a sample into one message (a slow reader gets fewer, larger ones).
+    Each message comes with whether it is a sample's Finished; chunks without log probabilities come
+    encoded (`rid_field` is the call's encoded request id)."""
+    out: list[tuple[gen_pb.GenerateResponse | bytes, bool]] = []
     pending: Chunk | None = None
     for event in events:
         if isinstance(event, Chunk):
@@ -276,29 +287,40 @@ def coalesce(rid: str, events: Sequence[Chunk | Done | Prompt]) -> list[gen_pb.G
                     pending.logprobs + event.logprobs,
                 )
                 continue
-            _flush_chunk(rid, pending, out)
+            _flush_chunk(rid_field, rid, pending, out)
             pending = event
             continue
-        _flush_chunk(rid, pending, out)
+        _flush_chunk(rid_field, rid, pending, out)
         pending = None
         if isinstance(event, Prompt):
-            out.append(gen_pb.GenerateResponse(request_id=rid, prompt_logprobs=event.logprobs))
+            out.append((gen_pb.GenerateResponse(request_id=rid, prompt_logprobs=event.logprobs), False))
             continue
-        out.append(
-            client_codec.finished_response(
-                rid,
-                event.index,
-                event.reason,
-                (event.prompt_tokens, event.cached_tokens, event.completion_tokens),
-                (event.queue_s, event.ttft_s, event.total_s),
-            )
+        finished = client_codec.finished_response(
+            rid,
+            event.index,
+            event.reason,
+            (event.prompt_tokens, event.cached_tokens, event.completion_tokens),
+            (event.queue_s, event.ttft_s, event.total_s),
         )
-    _flush_chunk(rid, pending, out)
+        out.append((finished, True))
+    _flush_chunk(rid_field, rid, pending, out)
     return out
 
 
-def _flush_chunk(rid: str, chunk: Chunk | None, out: list[gen_pb.GenerateResponse]) -> None:
-    if chunk is not None and (chunk.token_ids or chunk.text):
-        out.append(
-            client_codec.chunk_response(rid, chunk.index, list(chunk.token_ids), chunk.text, chunk.logprobs)
+def _flush_chunk(
+    rid_field: bytes, rid: str, chunk: Chunk | None, out: list[tuple[gen_pb.GenerateResponse | bytes, bool]]
+) -> None:
+    if chunk is None or not (chunk.token_ids or chunk.text):
+        return
+    if chunk.logprobs:
+        response = client_codec.chunk_response(
+            rid, chunk.index, list(chunk.token_ids), chunk.text, chunk.logprobs
         )
+        out.append((response, False))
+    else:
+        out.append((client_codec.chunk_bytes(rid_field, chunk.index, chunk.token_ids, chunk.text), False))
+
+
+def _serialize(message: gen_pb.GenerateResponse | bytes) -> bytes:
+    """A response as gRPC sends it: encoded already, or a message to encode."""
+    return message if type(message) is bytes else message.SerializeToString()  # type: ignore[union-attr]

@@ -87,6 +87,11 @@ class Call:
     def live(self) -> bool:
         return any(not s.done for s in self.samples)
 
+    @property
+    def streaming(self) -> bool:
+        """Every sample's first message went: later ones wait for the pacer's slot (pacer.py)."""
+        return all(s.first_token is not None or s.done for s in self.samples)
+
     def post(self, event: Event) -> None:
         self.events.append(event)
         self._wake()
