@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -377,6 +377,45 @@ _FINISH_TO_PROTO = {
     FinishKind.LENGTH: gen_pb.FINISH_REASON_LENGTH,
     FinishKind.ABORT: gen_pb.FINISH_REASON_ABORT,
 }
+
+
+def request_id_field(request_id: str) -> bytes:
+    """`GenerateResponse.request_id` as its encoded field: a call's messages all begin with it."""
+    rid = request_id.encode()
+    return b"\x0a" + _varint(len(rid)) + rid if rid else b""
+
+
+def chunk_bytes(request_id_field: bytes, index: int, token_ids: Sequence[int], text: str) -> bytes:
+    """A `GenerateResponse` with a `TokenChunk` (no log probabilities), encoded by hand: the bytes
+    `chunk_response(...).SerializeToString()` gives, without building two messages per client
+    message on the streaming path."""
+    ids = b"".join(map(_varint, token_ids))
+    body = b"\x0a" + _varint(len(ids)) + ids if ids else b""
+    if text:
+        encoded = text.encode("utf-8", "surrogatepass")
+        body += b"\x12" + _varint(len(encoded)) + encoded
+    if index:
+        body += b"\x18" + _varint(index)
+    return request_id_field + b"\x12" + _varint(len(body)) + body
+
+
+def _varint(value: int) -> bytes:
+    """A non-negative integer as a protobuf varint (token ids take 1-3 bytes)."""
+    if value < 0x80:
+        return _ONE_BYTE[value]
+    if value < 0x4000:
+        return bytes((value & 0x7F | 0x80, value >> 7))
+    if value < 0x200000:
+        return bytes((value & 0x7F | 0x80, (value >> 7) & 0x7F | 0x80, value >> 14))
+    out = bytearray()
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+_ONE_BYTE = [bytes((v,)) for v in range(0x80)]
 
 
 def chunk_response(
