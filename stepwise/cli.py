@@ -32,6 +32,7 @@ from stepwise import flags, logs
 if TYPE_CHECKING:
     from control_plane.config import ControlConfig
     from control_plane.core.server import ControlPlane
+    from gateway.app import GatewayConfig
 
 DEMO_PROMPT = "Once upon a time"
 # The exit status when stdout's reader went away: a shell's for a process ended by SIGPIPE.
@@ -306,11 +307,29 @@ def cmd_gateway(argv: Sequence[str]) -> int:
     except ValueError as exc:
         raise RoutineError(str(exc)) from exc
     config = GatewayConfig(ns.control, name, template, ns.tls_ca, limits, tokenizer, ns.tool_call_parser)
+    if ns.workers > 1:
+        return _gateway_workers(config, ns)
     try:
         sock = server.bind(ns.host, ns.port)
     except OSError as exc:
         raise RoutineError(str(exc)) from exc
     return asyncio.run(server.serve(config, sock, ns.log_level, ns.ready_file))
+
+
+def _gateway_workers(config: GatewayConfig, ns: argparse.Namespace) -> int:
+    """`stepwise gateway --workers N`: this process holds the port and supervises N that serve it."""
+    from gateway import workers
+    from stepwise import gateway_worker
+
+    try:
+        sock = workers.reserve_port(ns.host, ns.port)
+    except OSError as exc:
+        raise RoutineError(str(exc)) from exc
+    supervisor = workers.Supervisor(config, ns.host, sock, ns.workers, ns.log_level, gateway_worker.main)
+    try:
+        return supervisor.run(ns.ready_file)
+    except workers.WorkerStartError as exc:
+        raise RoutineError(str(exc)) from exc
 
 
 def _quiet_grpc() -> None:
