@@ -235,6 +235,12 @@ def _up_parser() -> argparse.ArgumentParser:
         "model's name, a Hub id without its revision, else the directory's name)",
     )
     parser.add_argument(
+        "--gateway-workers",
+        type=Int(1, MAX_PROCESSES),
+        default=1,
+        help="gateway processes serving --gateway-port (its --workers)",
+    )
+    parser.add_argument(
         "--ready-file", type=Path, default=None, help="write the client and gateway addresses here as JSON"
     )
     # Built from the children's own parsers when --help asks, so the list cannot drift from them.
@@ -262,9 +268,9 @@ def cmd_up(argv: Sequence[str]) -> int:
         _resolve_model(spec)
     gateway = None
     if ns.gateway_port is not None:
-        gateway = gateway_args(to_control, ns.gateway_host, ns.gateway_port)
-        if ns.gateway_served_model_name is not None:
-            gateway += ["--served-model-name", ns.gateway_served_model_name]
+        gateway = gateway_args(
+            to_control, ns.gateway_host, ns.gateway_port, ns.gateway_served_model_name, ns.gateway_workers
+        )
     stack = Stack(to_control, to_worker, ns.workers, gateway, control_planes=ns.control_planes)
     return asyncio.run(run_up(stack, ns.ready_file))
 
