@@ -72,8 +72,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=Int(1, MAX_PROCESSES),
         default=1,
         help="gateway processes serving the port (SO_REUSEPORT; each one's limits are its own); past 1, "
-        "this process supervises them: it restarts one that exits, and SIGTERM drains them all. "
-        "About one per core the gateway may use",
+        "this process supervises them: it restarts one that exits, and SIGTERM drains them all. At "
+        "most one per core the gateway may use (sizing: docs/performance.md#the-gateway)",
     )
     parser.add_argument(
         "--ready-file",
