@@ -1,19 +1,33 @@
-"""The gateway's added latency per token: the same streamed generations, direct gRPC vs HTTP/SSE.
+"""The gateway's cost: its added latency per token, and its CPU per server-sent event under load.
 
-One `stepwise up` (embedded model, CPU) with the gateway; N greedy generations of T tokens each
-(ignore_eos, so every one is T tokens), one at a time, alternating paths so both see the same cache
-and load. Prints ms/token (whole request / T, and inter-token after the first) per path and the ratio.
+Two modes, each on one `stepwise up` with the gateway:
+
+- latency (the default): the embedded model on CPU; N greedy generations of T tokens each
+  (ignore_eos, so every one is T tokens), one at a time, alternating direct gRPC and HTTP/SSE so both
+  see the same cache and load. Prints ms/token (whole request / T, and inter-token after the first)
+  per path and the ratio.
+- load (`--streams S`): a sim worker (`--sim-cost`) and the control plane at `--stream-interval`;
+  rounds of S concurrent streams of T tokens each, alternating direct gRPC and the gateway's
+  `/v1/completions` (read by a minimal HTTP/1.1 client, so the client's own cost stays small). Prints
+  tokens/s per path, and the gateway's CPU (user + system, its process and every descendant: all
+  of `--gateway-workers`, from /proc) per SSE event and per token.
 
     .venv/bin/python bench/bench_gateway.py --requests 20 --tokens 64
+    .venv/bin/python bench/bench_gateway.py --streams 64 --tokens 256 --rounds 3
+    .venv/bin/python bench/bench_gateway.py --streams 64 --tokens 256 --rounds 3 --gateway-workers 2
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import os
 import statistics
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 
@@ -63,8 +77,9 @@ def report(name: str, runs: list[tuple[float, float, int]]) -> tuple[float, floa
     return total, itl
 
 
-async def main(ns: argparse.Namespace) -> None:
-    stack = Stack(CONTROL, ["--log-level", "warning"], 1, gateway_args(CONTROL, "127.0.0.1", 0))
+async def latency(ns: argparse.Namespace) -> None:
+    gateway = gateway_args(CONTROL, "127.0.0.1", 0) + _workers_flag(ns)
+    stack = Stack(CONTROL, ["--log-level", "warning"], 1, gateway)
     try:
         await stack.start()
         prompts = [f"Once upon a time, number {i}," for i in range(ns.requests)]
@@ -88,8 +103,161 @@ async def main(ns: argparse.Namespace) -> None:
         stack.stop()
 
 
+# --- load: S concurrent streams, tokens/s and the gateway's CPU per event ------------------------
+
+
+@dataclass(slots=True)
+class Round:
+    tokens: int = 0
+    events: int = 0  # SSE `data:` events read (the gateway path), [DONE] included
+    seconds: float = 0.0
+    gateway_cpu_s: float = 0.0
+
+
+async def grpc_stream(client: StepwiseClient, prompt: str, tokens: int) -> tuple[int, int]:
+    """(tokens, messages) of one streamed generation, directly over gRPC."""
+    request = generate_request(
+        prompt, sampling_params(max_new_tokens=tokens, temperature=0.0, ignore_eos=True)
+    )
+    count = messages = 0
+    async for response in client.stream(request):
+        messages += 1
+        if response.WhichOneof("event") == "chunk":
+            count += len(response.chunk.token_ids)
+    return count, messages
+
+
+async def sse_stream(host: str, port: int, prompt: str, tokens: int) -> tuple[int, int]:
+    """(tokens, SSE events) of one streamed `/v1/completions`, read chunk by chunk off the socket."""
+    body = {"prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+    body["stream_options"] = {"include_usage": True}
+    data = json.dumps(body).encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nhost: {host}\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(data)}\r\nconnection: close\r\n\r\n"
+    )
+    reader, writer = await asyncio.open_connection(host, port)
+    try:
+        writer.write(head.encode() + data)
+        reply = await reader.readuntil(b"\r\n\r\n")
+        if not reply.startswith(b"HTTP/1.1 200") or b"transfer-encoding: chunked" not in reply.lower():
+            raise RuntimeError(f"the gateway answered {reply[:200]!r}")
+        count = events = 0
+        while True:
+            size = int((await reader.readline()).split(b";")[0], 16)
+            if size == 0:
+                break
+            chunk = await reader.readexactly(size + 2)
+            events += chunk.count(b"data: ")
+            if b'"usage"' in chunk:
+                count = json.loads(chunk[6:])["usage"]["completion_tokens"]
+        return count, events
+    finally:
+        writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()
+
+
+def tree_cpu_s(root: int) -> float:
+    """CPU seconds (user + system) of `root` and its live descendants, from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                children.setdefault(int(_stat(int(entry.name))[1]), []).append(int(entry.name))
+    pids, todo = [root], [root]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        pids.extend(kids)
+        todo.extend(kids)
+    total = 0
+    for pid in pids:
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = _stat(pid)
+            total += int(fields[11]) + int(fields[12])  # utime, stime (clock ticks)
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def _stat(pid: int) -> list[str]:
+    text = Path(f"/proc/{pid}/stat").read_text()
+    return text[text.rindex(")") + 2 :].split()
+
+
+async def load(ns: argparse.Namespace) -> None:
+    control = [*CONTROL, "--stream-interval", str(ns.stream_interval), "--model", "embedded"]
+    worker = ["--log-level", "warning", "--backend", "sim", "--sim-cost", ns.sim_cost]
+    gateway = gateway_args(control, "127.0.0.1", 0) + _workers_flag(ns)
+    stack = Stack(control, worker, 1, gateway)
+    try:
+        await stack.start()
+        gateway_pid = next(child.proc.pid for child in stack.children if child.name == "gateway")
+        host, port = stack.gateway_address.rsplit(":", 1)
+        async with StepwiseClient(stack.address) as client:
+
+            async def round_of(path: str, number: int) -> Round:
+                prompts = [f"Once upon a time, round {number} stream {i}," for i in range(ns.streams)]
+                if path == "gRPC":
+                    calls = [grpc_stream(client, p, ns.tokens) for p in prompts]
+                else:
+                    calls = [sse_stream(host, int(port), p, ns.tokens) for p in prompts]
+                cpu, start = tree_cpu_s(gateway_pid), time.perf_counter()
+                results = await asyncio.gather(*calls)
+                seconds = time.perf_counter() - start
+                one = Round(sum(t for t, _ in results), 0, seconds, tree_cpu_s(gateway_pid) - cpu)
+                if path == "gateway":
+                    one.events = sum(e for _, e in results)
+                expected = ns.streams * ns.tokens
+                if one.tokens != expected:
+                    raise RuntimeError(f"{path}: {one.tokens} tokens, expected {expected}")
+                return one
+
+            await round_of("gRPC", -1)
+            await round_of("gateway", -1)
+            rounds: dict[str, list[Round]] = {"gRPC": [], "gateway": []}
+            for number in range(ns.rounds):
+                for path in rounds:
+                    rounds[path].append(await round_of(path, number))
+        print(
+            f"{ns.streams} streams x {ns.tokens} tokens, --stream-interval {ns.stream_interval}, sim "
+            f"--sim-cost {ns.sim_cost}, gateway --workers {ns.gateway_workers}, {ns.rounds} rounds each"
+        )
+        rates = {}
+        for path, runs in rounds.items():
+            rate = sum(r.tokens for r in runs) / sum(r.seconds for r in runs)
+            rates[path] = rate
+            print(f"{path:8} {rate:9,.0f} tokens/s")
+        runs = rounds["gateway"]
+        cpu, events, tokens = (
+            sum(getattr(r, f) for r in runs) for f in ("gateway_cpu_s", "events", "tokens")
+        )
+        per_round = ", ".join(f"{1e6 * r.gateway_cpu_s / r.events:.1f}" for r in runs)
+        print(f"gateway/gRPC tokens/s: {rates['gateway'] / rates['gRPC']:.3f}")
+        print(
+            f"gateway CPU: {1e6 * cpu / events:.1f} µs per SSE event ({events:,} events; per round "
+            f"{per_round}), {1e6 * cpu / tokens:.1f} µs per token, {cpu / sum(r.seconds for r in runs):.2f} "
+            "cores while streaming"
+        )
+    finally:
+        stack.stop()
+
+
+def _workers_flag(ns: argparse.Namespace) -> list[str]:
+    """The gateway's --workers, left out at 1 (so a checkout from before the flag runs too)."""
+    return ["--workers", str(ns.gateway_workers)] if ns.gateway_workers != 1 else []
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=20)
-    parser.add_argument("--tokens", type=int, default=64)
-    asyncio.run(main(parser.parse_args()))
+    parser.add_argument("--requests", type=int, default=20, help="latency mode: generations per path")
+    parser.add_argument("--tokens", type=int, default=64, help="tokens per generation")
+    parser.add_argument(
+        "--streams", type=int, default=0, help="load mode: concurrent streams per round (0: latency mode)"
+    )
+    parser.add_argument("--rounds", type=int, default=3, help="load mode: measured rounds per path")
+    parser.add_argument("--stream-interval", type=int, default=1, help="load mode: the control plane's")
+    parser.add_argument(
+        "--sim-cost", default="0.005,0,0", help="load mode: the sim worker's step time a,b,c (seconds)"
+    )
+    parser.add_argument("--gateway-workers", type=int, default=1, help="the gateway's --workers")
+    ns = parser.parse_args()
+    asyncio.run(load(ns) if ns.streams else latency(ns))

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import orjson
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from grpc_health.v1 import health_pb2
@@ -106,8 +107,17 @@ def bearer_key(request: Request) -> str | None:
     return key
 
 
-def sse(data: dict[str, Any]) -> str:
-    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def sse(data: dict[str, Any]) -> bytes:
+    """One server-sent event, compact JSON in UTF-8. orjson takes about a tenth of json's time per
+    event; what it refuses (a key that is not a string, an integer past 64 bits) json writes."""
+    try:
+        body = orjson.dumps(data)
+    except orjson.JSONEncodeError:
+        body = json.dumps(data, separators=(",", ":"), ensure_ascii=False).encode()
+    return b"data: " + body + b"\n\n"
 
 
 class Gateway:
@@ -403,7 +413,7 @@ class Gateway:
 
     async def _stream(
         self, run: Run, fmt: ResponseFormat, endpoint: str, started: float
-    ) -> AsyncIterator[str]:
+    ) -> AsyncIterator[bytes]:
         """Server-sent events; an error after the first event is an error event, then the end."""
         status, finished = 200, False
         try:
@@ -414,7 +424,7 @@ class Gateway:
                     yield sse(data)
             for closing in fmt.closing(run.collected):
                 yield sse(closing)
-            yield "data: [DONE]\n\n"
+            yield SSE_DONE
             finished = True
         except (GatewayError, grpc.aio.AioRpcError) as exc:
             error = exc if isinstance(exc, GatewayError) else from_grpc(exc)
@@ -471,8 +481,10 @@ class Run:
     async def events(self) -> AsyncIterator[Event]:
         """What each response changed, recorded in `collected`, in the order the calls' responses
         arrive."""
-        if len(self.calls) == 1:
-            async for response in self.calls[0].responses():
+        if len(self.calls) == 1:  # read the call itself: one generator less per event
+            call = self.calls[0]
+            yield self.collected.apply(call.first)
+            async for response in call.rest:
                 yield self.collected.apply(response)
             return
         queue: asyncio.Queue[tuple[int, gen_pb.GenerateResponse | BaseException | None]] = asyncio.Queue()

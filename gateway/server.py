@@ -1,7 +1,11 @@
 """`stepwise gateway`: flags, and uvicorn serving the app on a socket bound before it starts.
 
 Binding the socket here (not in uvicorn) lets `--port 0` work: the bound port goes to
-`--ready-file` once uvicorn accepts connections.
+`--ready-file` once uvicorn accepts connections. With `--workers N` (N > 1) the process binds the
+port and supervises N worker processes that serve it (gateway/workers.py).
+
+SIGTERM (and SIGINT) drain: uvicorn stops accepting, lets in-flight responses finish for up to
+GRACEFUL_S, then the process exits, 0 after SIGTERM (130 after SIGINT).
 """
 
 from __future__ import annotations
@@ -9,13 +13,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import signal
 import socket
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import uvicorn
 
 from clients.client import add_tls_ca_argument
-from flagtypes import PORT, Int, count, seconds
+from flagtypes import MAX_PROCESSES, PORT, Int, count, seconds
 from gateway.app import GatewayConfig, create_app
 from gateway.connections import AcceptErrorLog, protocol_class
 from gateway.limits import (
@@ -26,6 +33,9 @@ from gateway.limits import (
     open_files_limit,
 )
 from gateway.tools import PARSERS
+
+# uvicorn's graceful shutdown: seconds in-flight responses get to finish after SIGTERM or SIGINT.
+GRACEFUL_S = 5
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -57,7 +67,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "object, Llama 3.1+); default: the format the model's chat template teaches, else hermes",
     )
     add_tls_ca_argument(parser)
-    parser.add_argument("--ready-file", type=Path, default=None, help="write the bound port here as JSON")
+    parser.add_argument(
+        "--workers",
+        type=Int(1, MAX_PROCESSES),
+        default=1,
+        help="gateway processes serving the port (SO_REUSEPORT; each one's limits are its own); past 1, "
+        "this process supervises them: it restarts one that exits, and SIGTERM drains them all. At "
+        "most one per core the gateway may use (sizing: docs/performance.md#the-gateway)",
+    )
+    parser.add_argument(
+        "--ready-file",
+        type=Path,
+        default=None,
+        help="write the bound port here as JSON once every process accepts (with --workers past 1 also "
+        "the supervisor's pid and the workers' pids)",
+    )
     add_limit_arguments(parser)
 
 
@@ -87,8 +111,9 @@ def add_limit_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-connections",
         type=count(1),
         default=None,
-        help="open HTTP connections at most; one more is answered 503 (Retry-After: 1) and closed "
-        f"(default {DEFAULT_MAX_CONNECTIONS}, or the open-file limit less the process's own files)",
+        help="open HTTP connections at most, per process with --workers; one more is answered 503 "
+        f"(Retry-After: 1) and closed (default {DEFAULT_MAX_CONNECTIONS}, or the open-file limit less "
+        "the process's own files)",
     )
 
 
@@ -115,20 +140,41 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-async def serve(config: GatewayConfig, sock: socket.socket, log_level: str, ready_file: Path | None) -> int:
-    """Serve until SIGINT or SIGTERM (uvicorn's handlers); write `ready_file` once accepting."""
+async def serve(
+    config: GatewayConfig,
+    sock: socket.socket,
+    log_level: str,
+    ready_file: Path | None,
+    accepting: Callable[[], None] | None = None,
+) -> int:
+    """Serve until SIGINT or SIGTERM (uvicorn's handlers); write `ready_file` and call `accepting`
+    once accepting. 0 after a SIGTERM's drain; SIGINT's ends in KeyboardInterrupt, as Python's does."""
     asyncio.get_running_loop().set_exception_handler(AcceptErrorLog())
     app = create_app(config)
     http = protocol_class(config.limits)
     server = uvicorn.Server(
-        uvicorn.Config(app, http=http, log_level=log_level, access_log=False, timeout_graceful_shutdown=5)
+        uvicorn.Config(
+            app, http=http, log_level=log_level, access_log=False, timeout_graceful_shutdown=GRACEFUL_S
+        )
     )
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    while not server.started and not task.done():
-        await asyncio.sleep(0.02)
-    if ready_file is not None and server.started:
-        tmp = ready_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"port": sock.getsockname()[1]}))
-        tmp.rename(ready_file)
-    await task
+    # uvicorn raises the signal again once it has drained, for the handler it found: Python's default
+    # for SIGTERM would end the process by the signal. Its own handler here, a SIGTERM before uvicorn
+    # takes over is a drain too, and the one raised again changes nothing.
+    main = threading.current_thread() is threading.main_thread()  # signals are the main thread's
+    previous = signal.signal(signal.SIGTERM, server.handle_exit) if main else None
+    try:
+        task = asyncio.create_task(server.serve(sockets=[sock]))
+        while not server.started and not task.done():
+            await asyncio.sleep(0.02)
+        if server.started:
+            if ready_file is not None:
+                tmp = ready_file.with_suffix(".tmp")
+                tmp.write_text(json.dumps({"port": sock.getsockname()[1]}))
+                tmp.rename(ready_file)
+            if accepting is not None:
+                accepting()
+        await task
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, previous)
     return 0 if server.started else 1

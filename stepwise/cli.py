@@ -32,6 +32,7 @@ from stepwise import flags, logs
 if TYPE_CHECKING:
     from control_plane.config import ControlConfig
     from control_plane.core.server import ControlPlane
+    from gateway.app import GatewayConfig
 
 DEMO_PROMPT = "Once upon a time"
 # The exit status when stdout's reader went away: a shell's for a process ended by SIGPIPE.
@@ -234,6 +235,12 @@ def _up_parser() -> argparse.ArgumentParser:
         "model's name, a Hub id without its revision, else the directory's name)",
     )
     parser.add_argument(
+        "--gateway-workers",
+        type=Int(1, MAX_PROCESSES),
+        default=1,
+        help="gateway processes serving --gateway-port (its --workers)",
+    )
+    parser.add_argument(
         "--ready-file", type=Path, default=None, help="write the client and gateway addresses here as JSON"
     )
     # Built from the children's own parsers when --help asks, so the list cannot drift from them.
@@ -261,9 +268,9 @@ def cmd_up(argv: Sequence[str]) -> int:
         _resolve_model(spec)
     gateway = None
     if ns.gateway_port is not None:
-        gateway = gateway_args(to_control, ns.gateway_host, ns.gateway_port)
-        if ns.gateway_served_model_name is not None:
-            gateway += ["--served-model-name", ns.gateway_served_model_name]
+        gateway = gateway_args(
+            to_control, ns.gateway_host, ns.gateway_port, ns.gateway_served_model_name, ns.gateway_workers
+        )
     stack = Stack(to_control, to_worker, ns.workers, gateway, control_planes=ns.control_planes)
     return asyncio.run(run_up(stack, ns.ready_file))
 
@@ -306,11 +313,29 @@ def cmd_gateway(argv: Sequence[str]) -> int:
     except ValueError as exc:
         raise RoutineError(str(exc)) from exc
     config = GatewayConfig(ns.control, name, template, ns.tls_ca, limits, tokenizer, ns.tool_call_parser)
+    if ns.workers > 1:
+        return _gateway_workers(config, ns)
     try:
         sock = server.bind(ns.host, ns.port)
     except OSError as exc:
         raise RoutineError(str(exc)) from exc
     return asyncio.run(server.serve(config, sock, ns.log_level, ns.ready_file))
+
+
+def _gateway_workers(config: GatewayConfig, ns: argparse.Namespace) -> int:
+    """`stepwise gateway --workers N`: this process holds the port and supervises N that serve it."""
+    from gateway import workers
+    from stepwise import gateway_worker
+
+    try:
+        sock = workers.reserve_port(ns.host, ns.port)
+    except OSError as exc:
+        raise RoutineError(str(exc)) from exc
+    supervisor = workers.Supervisor(config, ns.host, sock, ns.workers, ns.log_level, gateway_worker.main)
+    try:
+        return supervisor.run(ns.ready_file)
+    except workers.WorkerStartError as exc:
+        raise RoutineError(str(exc)) from exc
 
 
 def _quiet_grpc() -> None:

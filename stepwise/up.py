@@ -109,7 +109,9 @@ def passed_on_sections(
         ),
         HelpSection(
             "set by up itself",
-            f"each worker's {' and '.join(SET_BY_UP)} (refused if given), each child's --ready-file; with "
+            f"each worker's {' and '.join(SET_BY_UP)} (refused if given), each child's --ready-file, the "
+            "gateway's --workers and --served-model-name (from --gateway-workers and "
+            "--gateway-served-model-name); with "
             "--control-planes K > 1 also each control plane's --worker-port and --peers, and --port is "
             "the first of K consecutive client ports (0: any free ones)",
             (),
@@ -372,14 +374,24 @@ def _flag_value(args: Sequence[str], flag: str) -> str | None:
     return value
 
 
-def gateway_args(control_args: Sequence[str], host: str, port: int) -> list[str]:
-    """`stepwise gateway` flags for `up --gateway-port`: the control plane's model and log level."""
+def gateway_args(
+    control_args: Sequence[str],
+    host: str,
+    port: int,
+    served_model_name: str | None = None,
+    workers: int = 1,
+) -> list[str]:
+    """`stepwise gateway` flags for `up --gateway-port`: the control plane's model and log level,
+    `--gateway-served-model-name` and `--gateway-workers`."""
     args = ["--host", host, "--port", str(port)]
     for flag in GATEWAY_FLAGS:
         value = _flag_value(control_args, flag)
         if value is not None:
             args += [flag, value]
-    return args
+    if served_model_name is not None:
+        args += ["--served-model-name", served_model_name]
+    # Always given: the gateway would otherwise read STEPWISE_WORKERS, which is `up --workers`' too.
+    return [*args, "--workers", str(workers)]
 
 
 def stop_processes(

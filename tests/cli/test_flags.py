@@ -174,3 +174,19 @@ def test_up_help_says_which_child_gets_each_flag() -> None:
 def test_up_refuses_the_flags_it_sets_itself() -> None:
     with pytest.raises(ValueError, match="--worker-id is set by up itself"):
         split_flags(["--worker-id", "w"], _control_parser(), _worker_parser())
+
+
+def test_up_gives_the_gateway_its_process_count_whatever_stepwise_workers_says(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """STEPWISE_WORKERS is `up --workers` (model workers) and `gateway --workers` alike, and `up`'s
+    children inherit its environment: `up` always writes the gateway's count out."""
+    from stepwise.cli import _gateway_parser
+    from stepwise.up import gateway_args
+
+    monkeypatch.setenv("STEPWISE_WORKERS", "5")
+    args = gateway_args(["--model", "embedded", "--log-level", "warning"], "127.0.0.1", 0, "team/m", 2)
+    ns = _gateway_parser().parse_args(args)
+    assert (ns.workers, ns.served_model_name, ns.model, ns.log_level) == (2, "team/m", "embedded", "warning")
+    assert _gateway_parser().parse_args(gateway_args([], "127.0.0.1", 0)).workers == 1
+    assert _up_parser().parse_args(["--gateway-workers", "3"]).gateway_workers == 3
