@@ -11,11 +11,12 @@ control_plane/frontend/detokenize.py.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
 import tokenizers
+import tokenizers.decoders
 
 TOKENIZER_FILE = "tokenizer.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
@@ -27,6 +28,26 @@ class Decoder(Protocol):
     """Anything that turns token ids into text (a `Tokenizer`, or a stand-in in tests)."""
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
+
+
+def _byte_level_chars() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: the character standing for each byte in a byte-level token.
+
+    Printable Latin-1 bytes stand for themselves; the others (controls, space, 0x7F-0xA0, the
+    soft hyphen) for U+0100 onwards, in byte order. `tokenizers.pre_tokenizers.ByteLevel.alphabet()`
+    is the same set of characters.
+    """
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    others = [b for b in range(256) if b not in printable]
+    return {b: chr(b) for b in printable} | {b: chr(0x100 + n) for n, b in enumerate(others)}
+
+
+BYTE_LEVEL_CHARS = _byte_level_chars()
+# str.translate tables: byte-level characters to the Latin-1 character of their byte (its
+# latin-1 encoding is then the byte), and byte-level characters deleted (what is left of a token
+# after it is not byte-level text).
+_TO_LATIN1 = {ord(char): byte for byte, char in BYTE_LEVEL_CHARS.items()}
+_DROP_BYTE_LEVEL: dict[int, None] = dict.fromkeys(_TO_LATIN1)
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -79,6 +100,7 @@ class Tokenizer:
     __slots__ = (
         "_add_bos",
         "_bos_token_id",
+        "_byte_tables",
         "_eos_token_ids",
         "_max_token_bytes",
         "_special_ids",
@@ -110,6 +132,7 @@ class Tokenizer:
         # BPE maps each byte to one character, SentencePiece writes spaces as a 3-byte character).
         vocab = tok.get_vocab(with_added_tokens=True)
         self._max_token_bytes = max((len(t.encode("utf-8")) for t in vocab), default=1)
+        self._byte_tables: dict[bool, Mapping[int, bytes] | None] = {}
 
     @classmethod
     def from_dir(cls, model_dir: Path) -> Tokenizer:
@@ -189,3 +212,47 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text for `ids`; incomplete UTF-8 sequences become U+FFFD."""
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, skip_special_tokens: bool = True) -> Mapping[int, bytes] | None:
+        """The bytes each id adds to `decode`'s output, for tokenizers whose decoder is byte-level.
+
+        With a byte-level decoder (GPT-2's, Llama 3's, Qwen's, SmolLM2's; the embedded model's),
+        `decode` maps each token's characters to bytes, joins the bytes and decodes them as UTF-8,
+        replacing invalid sequences with U+FFFD. So for ids all in the table,
+        `decode(ids, skip_special_tokens) == b"".join(table[i] for i in ids).decode("utf-8",
+        "replace")`; special tokens map to b"" when they are skipped. Left out, because `decode`
+        does not treat them so: added tokens otherwise, tokens that decode to nothing, ids beyond
+        the vocabulary. None when the decoder is another kind (SentencePiece's, WordPiece's), or
+        when a check of the table against `decode` fails.
+
+        Built on first use (about 0.1 s for a 49k vocabulary) and kept; frontends build it at start.
+        """
+        if skip_special_tokens not in self._byte_tables:
+            self._byte_tables[skip_special_tokens] = self._build_token_bytes(skip_special_tokens)
+        return self._byte_tables[skip_special_tokens]
+
+    def _build_token_bytes(self, skip_special_tokens: bool) -> Mapping[int, bytes] | None:
+        tok = self._tok
+        if not isinstance(tok.decoder, tokenizers.decoders.ByteLevel):
+            return None
+        added = tok.get_added_tokens_decoder()
+        # `decode` looks ids up among added tokens first, and skips tokens by their content.
+        added_content = {token.content for token in added.values()}
+        table: dict[int, bytes] = {}
+        for token, token_id in tok.get_vocab(with_added_tokens=False).items():
+            if token_id in added or token in added_content or not token:
+                continue
+            if token.translate(_DROP_BYTE_LEVEL):
+                # Not all byte-level characters: the decoder takes the token's own UTF-8 bytes.
+                table[token_id] = token.encode("utf-8")
+            else:
+                table[token_id] = token.translate(_TO_LATIN1).encode("latin-1")
+        if skip_special_tokens:
+            table.update((token_id, b"") for token_id in self._special_ids)
+        # One decode of the whole table, in id order, against the bytes: a tokenizers release
+        # that decoded otherwise would fall back to decoding windows of ids, not stream wrong text.
+        ids = sorted(table)
+        expected = b"".join(table[i] for i in ids).decode("utf-8", "replace")
+        if tok.decode(ids, skip_special_tokens=skip_special_tokens) != expected:
+            return None
+        return table

@@ -5,6 +5,7 @@ The core's messages are built by hand here; the real link is exercised end to en
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import grpc
@@ -16,6 +17,7 @@ from hypothesis import strategies as st
 from control_plane import client_codec
 from control_plane.config import ControlConfig, Limits
 from control_plane.frontend.core_link import Frontend
+from control_plane.frontend.detokenize import IncrementalDetokenizer
 from control_plane.frontend.samples import Call, Chunk, Done, Lost
 from control_plane.frontend.server import GRPC_DEFAULT_MESSAGE_BYTES, max_request_bytes
 from control_plane.link import UID_LINK_SHIFT
@@ -105,21 +107,23 @@ async def test_the_reader_only_records_and_a_late_handler_gets_one_message_of_ev
     call = _open(frontend, tokenizer)
     uid = call.samples[0].uid
     ids = _text_ids(tokenizer, " and the king said hello to the queen of the land, who smiled")
-    decodes = []
-    real_decode = Tokenizer.decode
+    # Detokenizing is pushing ids into the sample's detokenizer (a byte-level tokenizer's are not
+    # decoded by `Tokenizer.decode` at all): counted there.
+    pushes: list[tuple[int, ...]] = []
+    real_push = IncrementalDetokenizer.push
 
-    def counted(self: Tokenizer, *args: object, **kwargs: object) -> str:
-        decodes.append(args)
-        return real_decode(self, *args, **kwargs)  # type: ignore[arg-type]
+    def counted(self: IncrementalDetokenizer, token_ids: Sequence[int]) -> str:
+        pushes.append(tuple(token_ids))
+        return real_push(self, token_ids)
 
-    monkeypatch.setattr(Tokenizer, "decode", counted)
+    monkeypatch.setattr(IncrementalDetokenizer, "push", counted)
     for token in ids:
         frontend.apply(_tokens(uid, [token]))
-    assert decodes == [] and call.due == [call.samples[0]]
+    assert pushes == [] and call.due == [call.samples[0]]
     (chunk,) = _events(frontend, call)
     assert isinstance(chunk, Chunk) and chunk.token_ids == tuple(ids)
-    assert chunk.text == real_decode(tokenizer, ids, skip_special_tokens=True)
-    assert decodes, "the handler decoded through the patched method"
+    assert chunk.text == tokenizer.decode(ids, skip_special_tokens=True)
+    assert pushes == [tuple(ids)], "the handler detokenized once, every id at once"
     assert _events(frontend, call) == []
     frontend.apply(_tokens(uid, [ids[0]]))
     assert [len(e.token_ids) for e in _events(frontend, call) if isinstance(e, Chunk)] == [1]

@@ -216,6 +216,28 @@ async def test_stop_strings_never_leak(start_stack, model_dir: Path) -> None:
     assert gen.text == free.text[: free.text.index(stop)]
 
 
+async def test_streamed_text_is_transformers_decode_of_the_streamed_ids(start_stack, model_dir: Path) -> None:
+    """Sampled hot (invalid UTF-8, characters split across tokens) and cut every 3 tokens, the text
+    a client gets equals transformers' decode of the ids it gets, whether the frontend detokenizes
+    token by token (a sample with stop strings) or a message's ids at once (without)."""
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(model_dir))
+    stack = await start_stack(["--stream-interval", "3"])
+    async with StepwiseClient(stack.address) as client:
+        calls = [
+            client.generate(
+                "Once upon a time 日本 😀", max_new_tokens=48, temperature=2.0, seed=seed, stop=stop
+            )
+            for seed in range(6)
+            for stop in ([], ["never in this text"])
+        ]
+        gens = await asyncio.gather(*calls)
+    for gen in gens:
+        assert gen.text == hf.decode(gen.token_ids, skip_special_tokens=True), gen.token_ids
+    assert any(not gen.text.isascii() for gen in gens)
+
+
 async def test_server_info_and_usage(start_stack) -> None:
     stack = await start_stack()
     async with StepwiseClient(stack.address) as client:
