@@ -1,10 +1,12 @@
-"""New calls and control calls are served first: under a streaming load that saturates the one
-frontend, a new caller's first token and a GetServerInfo answer still come in well under a second.
+"""New calls and control calls are served under a streaming load that outruns the one frontend: a
+new caller's first token and a GetServerInfo answer still come within seconds' bounds.
 
 The load runs in a process of its own (load_streams.py), so this process's loop only probes. The
-bounds are loose for a loaded 2-core machine; a frontend that lets streaming work queue ahead of
-admission and replies (the link from the core read behind a backlog of token messages) misses
-them by seconds.
+bounds are a guard against the stalls a frontend falls into when streaming work queues ahead of
+admission and replies (the old design read the core's verdicts and replies behind a backlog of
+token messages: probes waited up to 6.6 s here); they are loose enough for a loaded 2-core
+machine, where the processes of this test alone take both cores. The finer measure, TTFT p50/p99
+beside the load, is bench/bench_control.py's (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -24,15 +26,15 @@ from protos.stepwise.v1 import generation_pb2_grpc as gen_grpc
 
 pytestmark = pytest.mark.timeout(240)
 
-# 256 streams on one sim worker of 5 ms steps: 51,200 tokens/s at --stream-interval 1, more client
-# messages than one frontend process sends on any machine (about 20,000 a second per core).
+# 1,024 streams on four sim workers of 10 ms steps: up to 102,400 tokens/s at --stream-interval 1,
+# more client messages than one frontend process sends (about 20,000 a second per core).
 LOAD_CONNECTIONS, LOAD_STREAMS = 32, 32
 STEP_S = 0.01
 WORKERS = 4
 PROBES = 8
 # A new call's first token and a GetServerInfo answer, worst of the probes, in seconds.
-TTFT_BOUND_S = 1.0
-INFO_BOUND_S = 0.5
+TTFT_BOUND_S = 2.5
+INFO_BOUND_S = 2.0
 
 
 async def _first_token_s(address: str) -> float:
