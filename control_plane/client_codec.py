@@ -17,6 +17,7 @@ from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from google.protobuf.message import DecodeError, Message
 
 from control_plane.config import Limits
+from control_plane.record.files import varint
 from control_plane.request import FinishKind, FinishReason, RequestParams
 from grammars import spec as grammar_spec
 from protos.stepwise.v1 import generation_pb2 as gen_pb
@@ -400,19 +401,15 @@ def chunk_bytes(request_id_field: bytes, index: int, token_ids: Sequence[int], t
 
 
 def _varint(value: int) -> bytes:
-    """A non-negative integer as a protobuf varint (token ids take 1-3 bytes)."""
+    """A non-negative integer as a protobuf varint: the 1-3 bytes of a token id inline, longer ones
+    by the recordings' encoder."""
     if value < 0x80:
         return _ONE_BYTE[value]
     if value < 0x4000:
         return bytes((value & 0x7F | 0x80, value >> 7))
     if value < 0x200000:
         return bytes((value & 0x7F | 0x80, (value >> 7) & 0x7F | 0x80, value >> 14))
-    out = bytearray()
-    while value > 0x7F:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
+    return varint(value)
 
 
 _ONE_BYTE = [bytes((v,)) for v in range(0x80)]

@@ -38,9 +38,8 @@ async def test_no_turn_grants_more_than_its_share_and_the_first_to_ask_go_first(
         per_turn[turn] = per_turn.get(turn, 0) + 1
     assert max(per_turn.values()) <= 4
     assert len(per_turn) >= 5  # 20 streams need at least 5 turns
-    order = sorted(granted, key=lambda k: granted[k])
-    assert [granted[k] for k in order] == sorted(granted.values())
-    assert all(granted[a] <= granted[b] for a, b in zip(range(19), range(1, 20), strict=True))
+    # First come, first served: a stream that asked later never got an earlier turn.
+    assert all(granted[k] <= granted[k + 1] for k in range(19))
 
 
 def test_a_stream_alone_never_waits() -> None:
