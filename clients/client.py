@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import ipaddress
 import json
 import time
@@ -15,6 +16,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from clients.wakeups import read_in_bulk
 from flagtypes import seconds
 from protos.stepwise.v1 import generation_pb2 as gen_pb
 from protos.stepwise.v1 import generation_pb2_grpc as gen_grpc
@@ -220,13 +222,18 @@ def open_channel(
     """
     target, options = channel_target(address)
     if tls_ca is None:
-        return grpc.aio.insecure_channel(target, options=options)
-    credentials = grpc.ssl_channel_credentials(root_certificates=Path(tls_ca).read_bytes())
-    if api_key:
-        credentials = grpc.composite_channel_credentials(
-            credentials, grpc.access_token_call_credentials(api_key)
-        )
-    return grpc.aio.secure_channel(target, credentials, options=options)
+        channel = grpc.aio.insecure_channel(target, options=options)
+    else:
+        credentials = grpc.ssl_channel_credentials(root_certificates=Path(tls_ca).read_bytes())
+        if api_key:
+            credentials = grpc.composite_channel_credentials(
+                credentials, grpc.access_token_call_credentials(api_key)
+            )
+        channel = grpc.aio.secure_channel(target, credentials, options=options)
+    # A client with many streams would otherwise get its messages behind gRPC's wake-ups (wakeups.py).
+    with contextlib.suppress(RuntimeError):
+        read_in_bulk(asyncio.get_running_loop())
+    return channel
 
 
 def bearer_metadata(api_key: str) -> tuple[tuple[str, str], ...]:

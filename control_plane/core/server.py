@@ -34,6 +34,7 @@ import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from clients.wakeups import read_in_bulk
 from control_plane import metrics
 from control_plane.config import ControlConfig
 from control_plane.core import census
@@ -233,6 +234,8 @@ class ControlPlane:
         await self.health.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
         await self._set_health(False)
         await self.worker_server.start()
+        if not read_in_bulk(asyncio.get_running_loop()):
+            log.warning("gRPC's wake-up socket not found: its completions reach the loop one a turn")
         self.port = await self.frontends.start(self.hub.connected)
         metrics.serve(self.config.metrics_port, self.config.host)
         self._start_rebalancing()

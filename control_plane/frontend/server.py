@@ -12,6 +12,7 @@ import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from clients.wakeups import read_in_bulk
 from control_plane.config import ControlConfig, Limits
 from control_plane.frontend.core_link import CoreState, Frontend
 from control_plane.frontend.generation import GENERATION_SERVICE, GenerationService, generation_handler
@@ -94,6 +95,8 @@ class FrontendServer:
         self.port = bind(self.server, self.config.host, port, client_creds, probe=False)
         await self._set_health(False)
         await self.server.start()
+        if not read_in_bulk(asyncio.get_running_loop()):
+            log.warning("gRPC's wake-up socket not found: its completions reach the loop one a turn")
         self.frontend.on_state.append(self._on_state)
         await self.frontend.connect(link_path)
         await self._set_health(self.frontend.state.serving)
