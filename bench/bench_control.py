@@ -69,6 +69,7 @@ THIS = Path(__file__).resolve()
 sys.path.insert(0, str(ROOT))  # this checkout's client, also when run as `python bench/bench_control.py`
 
 from clients.client import StepwiseClient, generate_request, sampling_params  # noqa: E402
+from clients.wakeups import read_in_bulk  # noqa: E402
 from protos.stepwise.v1 import generation_pb2 as gen_pb  # noqa: E402
 from protos.stepwise.v1 import generation_pb2_grpc as gen_grpc  # noqa: E402
 
@@ -80,7 +81,9 @@ OWN_CONNECTION = [("grpc.use_local_subchannel_pool", 1)]
 
 
 def _channel(address: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=OWN_CONNECTION)
+    channel = grpc.aio.insecure_channel(address, options=OWN_CONNECTION)
+    read_in_bulk(asyncio.get_running_loop())  # as the project's own client does (clients/wakeups.py)
+    return channel
 
 
 def _stub(channel: grpc.aio.Channel) -> gen_grpc.GenerationStub:
