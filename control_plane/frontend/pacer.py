@@ -16,9 +16,11 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 
-# Messages cut per loop turn: with gRPC's work about 40-70 µs of CPU a message, a turn's streaming
-# costs 1-3 ms, so a new call or a reply waits at most that long at each of its steps.
-MESSAGES_PER_TURN = 32
+# Messages cut per loop turn. A new call takes several turns to reach its handler (grpc.aio accepts
+# one call per trip through its polling thread and the loop), so the turn's length is what admission
+# waits on: 8 gave new callers 3.7x the accepts a second of 32 and half the first-token time, at the
+# same tokens a second (docs/performance.md#the-pacers-share-of-a-turn).
+MESSAGES_PER_TURN = 8
 
 
 class Pacer:

@@ -125,7 +125,9 @@ async def test_new_callers_keep_getting_first_tokens_while_restarting_streams_ou
     (streams end and start over, so arrivals keep coming), and new callers open-loop beside them.
     A frontend that read its core's messages behind a backlog of token batches gave 200 such probes
     a median first token of 1.4 and 2.1 s on a 2-core machine (a third got none in 5 s in the
-    bench's longer run); one that coalesces gave 0.14 and 0.23 s."""
+    bench's longer run); one that coalesces but left gRPC's wake-ups to one a loop turn gave 0.84
+    s, and 3.1 and 1.4 s on another day (the accepts queue behind every completion:
+    clients/wakeups.py); with both, 0.11 and 0.14 s, and 0.25 s with a spinning process beside."""
     plane = await start_control("--stream-interval", "1", "--frontends", "1")
     for k in range(WORKERS):
         plane.add_worker(f"sim-{k}", "--sim-cost", f"{STEP_S},0,0", "--kv-tokens", "1048576")
