@@ -14,9 +14,10 @@ After the streams have started and a warm-up, over a measured window of `--secon
 - per worker: the achieved fraction of the ideal step rate, and its idle gap between finishing a
   step and receiving the next plan (p50, p99; from GetServerInfo, when the server reports it);
 - tokens/s and client messages/s as the load processes received them, and tokens per message;
-- core CPU µs per generated token, frontend CPU µs per client message and each frontend's CPU
-  fraction (/proc, Linux; the frontends' pids come from the ready file, when the server writes
-  them), and the load processes' own CPU fraction (a client at 100 % of a core is the limit);
+- core CPU µs per generated token and per worker step (all workers' steps), frontend CPU µs per
+  client message and each frontend's CPU fraction (/proc, Linux; the frontends' pids come from the
+  ready file, when the server writes them), and the load processes' own CPU fraction (a client at
+  100 % of a core is the limit);
 - time to first token of new calls: `--probe-rate` short Generate calls per second, sent open-loop
   (on schedule, whether or not earlier ones answered), each timed from sending it to its first
   chunk. By default every probe opens a fresh channel, so a probe is a new caller and its time
@@ -637,6 +638,11 @@ def _per_worker(ns: argparse.Namespace, window: Window) -> dict[str, dict[str, f
     return workers
 
 
+def _steps(window: Window) -> int:
+    """Steps every worker made in the window, together."""
+    return sum(w.steps - window.steps.get(w.worker_id, 0) for w in window.after.workers)
+
+
 def _report(ns: argparse.Namespace, stack: Stack, w: Window, burst: dict[str, object]) -> dict[str, object]:
     tokens, messages, s = w.counts.tokens, w.counts.messages, w.elapsed
     workers = _per_worker(ns, w)
@@ -658,6 +664,7 @@ def _report(ns: argparse.Namespace, stack: Stack, w: Window, burst: dict[str, ob
         "tokens_per_message": round(tokens / max(messages, 1), 2),
         "finished": w.counts.finished,
         "core_cpu_us_per_token": round(w.core_cpu / max(tokens, 1) * 1e6, 2),
+        "core_cpu_us_per_step": round(w.core_cpu / max(_steps(w), 1) * 1e6, 1),
         "core_cpu_fraction": round(w.core_cpu / s, 3),
         "frontend_cpu_us_per_message": round(sum(w.frontend_cpu) / max(messages, 1) * 1e6, 2)
         if w.frontend_cpu
@@ -701,6 +708,7 @@ COLUMNS: list[tuple[str, Callable[[dict[str, Any]], object]]] = [
     ("tok/s", lambda r: r["tokens_per_s"]),
     ("tok/msg", lambda r: r["tokens_per_message"]),
     ("core µs/tok", lambda r: r["core_cpu_us_per_token"]),
+    ("core µs/step", lambda r: r["core_cpu_us_per_step"]),
     ("fe µs/msg", lambda r: r["frontend_cpu_us_per_message"]),
     ("min step", lambda r: r["min_step_rate_fraction"]),
     ("ttft p50/p99/max ms", lambda r: "{p50_ms}/{p99_ms}/{max_ms}".format(**r["ttft"])),
