@@ -31,6 +31,7 @@ import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from clients.wakeups import read_in_bulk
+from control_plane import acceptor
 
 SERVICE = "floor.Floor"
 
@@ -57,8 +58,8 @@ async def _spin(turn_ms: float) -> None:
         await asyncio.sleep(0)
 
 
-async def serve(port_file: Path, turn_ms: float) -> None:
-    server = grpc.aio.server()
+async def serve(port_file: Path, turn_ms: float, depth: int) -> None:
+    server = acceptor.server(depth=depth)
     handlers = {
         "Answer": grpc.unary_unary_rpc_method_handler(_answer),
         "Exchange": grpc.stream_stream_rpc_method_handler(_exchange),
@@ -107,14 +108,15 @@ async def exchange(port: int, count: int) -> None:
 class Server:
     """The server in a process of its own, stopped when the block ends."""
 
-    def __init__(self, turn_ms: float) -> None:
-        self.turn_ms = turn_ms
+    def __init__(self, turn_ms: float, depth: int = 1) -> None:
+        self.turn_ms, self.depth = turn_ms, depth
         self.tmp = tempfile.TemporaryDirectory(prefix="grpc-floor-")
         self.proc: subprocess.Popen[str] | None = None
 
     def __enter__(self) -> tuple[int, subprocess.Popen[str]]:
         port_file = Path(self.tmp.name) / "port"
         args = [sys.executable, __file__, "--serve", str(port_file), "--turn-ms", str(self.turn_ms)]
+        args += ["--accept-depth", str(self.depth)]
         self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
         deadline = time.monotonic() + 30
         while not port_file.exists() or not port_file.read_text():
@@ -137,17 +139,25 @@ def main() -> None:
     parser.add_argument("--turn-ms", type=float, nargs="+", default=[0, 2, 5, 10], help="spin per loop turn")
     parser.add_argument("--calls", type=int, default=300, help="unary calls per accept measurement")
     parser.add_argument("--exchanges", type=int, default=5000, help="plan/result-shaped exchanges")
+    parser.add_argument(
+        "--accept-depth",
+        type=int,
+        nargs="+",
+        default=[1, acceptor.ACCEPT_DEPTH],
+        help="requests for new calls outstanding per method (control_plane/acceptor.py); one row each",
+    )
     parser.add_argument("--serve", type=Path, help=argparse.SUPPRESS)
     ns = parser.parse_args()
     if ns.serve is not None:
-        asyncio.run(serve(ns.serve, ns.turn_ms[0]))
+        asyncio.run(serve(ns.serve, ns.turn_ms[0], ns.accept_depth[0]))
         return
-    print("turn ms  calls/s  turns/call")
-    for turn_ms in ns.turn_ms:
-        with Server(turn_ms) as (port, _):
-            rate = asyncio.run(send_calls(port, ns.calls))
-        turns = f"{1000 / (turn_ms * rate):.1f}" if turn_ms > 0 else "-"
-        print(f"{turn_ms:7g}  {rate:7.0f}  {turns:>10}")
+    print("depth  turn ms  calls/s  turns/call")
+    for depth in ns.accept_depth:
+        for turn_ms in ns.turn_ms:
+            with Server(turn_ms, depth) as (port, _):
+                rate = asyncio.run(send_calls(port, ns.calls))
+            turns = f"{1000 / (turn_ms * rate):.1f}" if turn_ms > 0 else "-"
+            print(f"{depth:5}  {turn_ms:7g}  {rate:7.0f}  {turns:>10}")
     with Server(0) as (port, proc):
         asyncio.run(exchange(port, ns.exchanges))
         assert proc.stdout is not None
