@@ -249,8 +249,11 @@ class GenerationService(gen_grpc.GenerationServicer):
         return info
 
 
-def generation_handler(service: GenerationService) -> grpc.GenericRpcHandler:
-    """The Generation service, parsing requests leniently (see client_codec.lenient_parser)."""
+def generation_handlers(service: GenerationService) -> dict[str, grpc.RpcMethodHandler]:
+    """The Generation service's methods by name, parsing requests leniently (see
+    client_codec.lenient_parser). The server registers them (`add_registered_method_handlers`):
+    grpc.aio then accepts each method's calls on its own, so a burst of Generate calls does not
+    delay a GetServerInfo's or an Abort's accept."""
     methods = gen_pb.DESCRIPTOR.services_by_name["Generation"].methods_by_name
     handlers = {}
     for name, method in methods.items():
@@ -266,7 +269,7 @@ def generation_handler(service: GenerationService) -> grpc.GenericRpcHandler:
             request_deserializer=client_codec.lenient_parser(request_cls),
             response_serializer=_serialize if method.server_streaming else response_cls.SerializeToString,
         )
-    return grpc.method_handlers_generic_handler(GENERATION_SERVICE, handlers)
+    return handlers
 
 
 def coalesce(

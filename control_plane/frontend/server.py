@@ -8,14 +8,14 @@ import gc
 import os
 import signal
 
-import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from clients.wakeups import read_in_bulk
+from control_plane import acceptor
 from control_plane.config import ControlConfig, Limits
 from control_plane.frontend.core_link import CoreState, Frontend
-from control_plane.frontend.generation import GENERATION_SERVICE, GenerationService, generation_handler
+from control_plane.frontend.generation import GENERATION_SERVICE, GenerationService, generation_handlers
 from control_plane.listen import bind, server_credentials
 from control_plane.reflection import enable_reflection
 from control_plane.tokenizer import Tokenizer
@@ -82,13 +82,15 @@ class FrontendServer:
         tokenizer.token_bytes()
         self.frontend = Frontend(config, tokenizer, index)
         self.health = health.aio.HealthServicer()  # type: ignore[attr-defined]
-        self.server = grpc.aio.server(options=server_options(reuse_port, config.limits))
+        self.server = acceptor.server(server_options(reuse_port, config.limits))
         self.port = 0
 
     async def start(self, link_path: str, port: int) -> int:
         """Listen on `port` (the core holds it until every frontend listens; see listen.py), then dial
         the core. Until the core's state arrives, health says NOT_SERVING and calls are refused."""
-        self.server.add_generic_rpc_handlers((generation_handler(GenerationService(self.frontend)),))
+        handlers = generation_handlers(GenerationService(self.frontend))
+        # Registered, not generic: each method gets its own accept (grpcio's stubs lack the method).
+        self.server.add_registered_method_handlers(GENERATION_SERVICE, handlers)  # type: ignore[attr-defined]
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         enable_reflection((GENERATION_SERVICE, health.SERVICE_NAME), self.server)
         client_creds, _ = server_credentials(self.config.security)
