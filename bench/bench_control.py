@@ -151,7 +151,7 @@ def _accepts(root: Path, flag: str, value: str) -> bool:
     return _supports(root, flag) and _control(root, flag, value, "--help").returncode == 0
 
 
-# --- child processes: this file run with --load-client, --burst-client or --busy-loop --------------
+# --- child processes: this file run with --load-client, --sse-client, --burst-client, --busy-loop
 
 
 @dataclass(slots=True)
@@ -213,6 +213,19 @@ async def _announce_ready(firsts: list[asyncio.Event]) -> None:
     _emit({"event": "ready"})
 
 
+async def _serve_counts(counts: Counts, firsts: list[asyncio.Event], tasks: list[asyncio.Task[None]]) -> None:
+    """Say `ready` once every stream had its first tokens; answer `counts` (cumulative) on stdin
+    until `stop` or the end of stdin (the bench is gone); then cancel the streams."""
+    tasks.append(asyncio.create_task(_announce_ready(firsts)))
+    commands = await _stdin_reader()
+    while (line := (await commands.readline()).strip()) not in (b"", b"stop"):
+        if line == b"counts":
+            _emit({"event": "counts", **asdict(counts)})
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
 async def load_client(ns: argparse.Namespace) -> None:
     """`--streams` streams over `--connections` channels; says `ready` once each had a chunk, and
     answers `counts` (cumulative) on stdin until `stop` or the end of stdin (the bench is gone)."""
@@ -223,15 +236,113 @@ async def load_client(ns: argparse.Namespace) -> None:
         asyncio.create_task(_stream_forever(_stub(channels[i % len(channels)]), counts, first, ns))
         for i, first in enumerate(firsts)
     ]
-    tasks.append(asyncio.create_task(_announce_ready(firsts)))
-    commands = await _stdin_reader()
-    while (line := (await commands.readline()).strip()) not in (b"", b"stop"):
-        if line == b"counts":
-            _emit({"event": "counts", **asdict(counts)})
-    for task in tasks:
-        task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
+    await _serve_counts(counts, firsts, tasks)
     await asyncio.gather(*(channel.close(None) for channel in channels))
+
+
+def completion_body(prompt: str, output_len: int) -> dict[str, object]:
+    """The SSE client's `/v1/completions` request: a long greedy stream, every chunk one event.
+
+    `logprobs: 0` (the sampled token only, no alternatives) makes each event carry its tokens
+    (`logprobs.tokens`, one entry per token), so they can be counted exactly as they arrive, and a
+    chunk whose text is still empty (a token that ends inside a UTF-8 character) is an event too.
+    The usage event at the end (`include_usage`) is the check: its `completion_tokens` must equal
+    the stream's count."""
+    return {
+        "prompt": prompt,
+        "max_tokens": output_len,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "logprobs": 0,
+        "stream_options": {"include_usage": True},
+    }
+
+
+async def sse_stream(
+    host: str, port: int, body: dict[str, object], on_event: Callable[[bytes], None]
+) -> None:
+    """POST `body` to `/v1/completions` on a connection of its own (HTTP/1.1, `connection: close`)
+    and call `on_event` with each SSE event's `data:` payload (`[DONE]` included), read off the
+    socket chunk by chunk (the chunked transfer coding) with no HTTP library, so the client's own
+    cost stays small. An event split over chunks is put together first."""
+    data = json.dumps(body).encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nhost: {host}:{port}\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(data)}\r\nconnection: close\r\n\r\n"
+    )
+    reader, writer = await asyncio.open_connection(host, port)
+    try:
+        writer.write(head.encode() + data)
+        reply = await reader.readuntil(b"\r\n\r\n")
+        if not reply.startswith(b"HTTP/1.1 200") or b"transfer-encoding: chunked" not in reply.lower():
+            raise RuntimeError(f"the gateway answered {reply[:200]!r}")
+        pending = b""
+        while size := int((await reader.readline()).split(b";")[0], 16):
+            pending += (await reader.readexactly(size + 2))[:-2]
+            *events, pending = pending.split(b"\n\n")
+            for event in events:
+                for line in event.splitlines():
+                    if line.startswith(b"data:"):
+                        on_event(line[5:].strip())
+    finally:
+        writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()
+
+
+class SseCount:
+    """One completion stream's events, added to `counts` as they come: every `data:` event is a
+    message, `[DONE]` and the usage event included; tokens are the entries of each choice's
+    `logprobs.tokens`; a `finish_reason` finishes the stream. A usage event whose
+    `completion_tokens` differs from the stream's count is an error (`usage mismatch`)."""
+
+    def __init__(self, counts: Counts, first: asyncio.Event) -> None:
+        self.counts, self.first, self.tokens = counts, first, 0
+
+    def __call__(self, data: bytes) -> None:
+        self.counts.messages += 1
+        if data == b"[DONE]":
+            return
+        event = json.loads(data)
+        for choice in event["choices"]:
+            if choice.get("logprobs"):
+                n = len(choice["logprobs"]["tokens"])
+                self.tokens += n
+                self.counts.tokens += n
+                self.first.set()
+            if choice.get("finish_reason"):
+                self.counts.finished += 1
+        usage = event.get("usage")
+        if usage and usage["completion_tokens"] != self.tokens:
+            self.counts.error("usage mismatch")
+
+
+async def _sse_forever(
+    host: str, port: int, prompt: str, counts: Counts, first: asyncio.Event, ns: argparse.Namespace
+) -> None:
+    body = completion_body(prompt, ns.output_len)
+    while True:
+        try:
+            await sse_stream(host, port, body, SseCount(counts, first))
+        except (OSError, EOFError, RuntimeError, ValueError) as exc:  # counted, the stream starts over
+            counts.error(type(exc).__name__)
+            await asyncio.sleep(0.05)
+
+
+async def sse_client(ns: argparse.Namespace) -> None:
+    """`--streams` completion streams through the gateway at `--sse-client`, each on a connection
+    of its own; `ready` and `counts` as the gRPC load client's (messages are SSE events)."""
+    host, port = ns.sse_client.rsplit(":", 1)
+    counts = Counts()
+    firsts = [asyncio.Event() for _ in range(ns.streams)]
+    tasks = [
+        asyncio.create_task(
+            _sse_forever(host, int(port), f"Once upon a time, stream {i},", counts, first, ns)
+        )
+        for i, first in enumerate(firsts)
+    ]
+    await _serve_counts(counts, firsts, tasks)
 
 
 async def burst_client(ns: argparse.Namespace) -> None:
@@ -780,6 +891,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     # The child modes: this file run by the bench itself.
     add("--load-client", metavar="ADDRESS", help=argparse.SUPPRESS)
     add("--burst-client", metavar="ADDRESS", help=argparse.SUPPRESS)
+    add("--sse-client", metavar="HOST:PORT", help=argparse.SUPPRESS)
     add("--busy-loop", type=float, metavar="FRACTION", help=argparse.SUPPRESS)
     add("--streams", type=int, default=1, help=argparse.SUPPRESS)
     ns = parser.parse_args(argv)
@@ -794,7 +906,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main() -> None:
     ns = parse_args()
-    if ns.busy_loop is not None or ns.load_client or ns.burst_client:
+    if ns.busy_loop is not None or ns.load_client or ns.burst_client or ns.sse_client:
         # A child: Ctrl-C reaches the bench, which stops it; it must not die half-way on its own.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     if ns.busy_loop is not None:
@@ -803,6 +915,8 @@ def main() -> None:
         asyncio.run(load_client(ns))
     elif ns.burst_client:
         asyncio.run(burst_client(ns))
+    elif ns.sse_client:
+        asyncio.run(sse_client(ns))
     else:
         try:
             asyncio.run(bench(ns))
