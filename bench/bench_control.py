@@ -31,6 +31,21 @@ After the streams have started and a warm-up, over a measured window of `--secon
   process of its own (so this process's loop is not the limit), each timed to its first message
   (a call is accepted once the control plane has queued it and it streams).
 
+`--gateway-streams N` adds the OpenAI gateway: once the control plane is up, one `stepwise gateway`
+(`--gateway-workers` processes) in front of it, and a client process of its own that keeps N
+`/v1/completions` streams open through it on top of the gRPC load (the same long greedy generations
+of `--output-len` tokens with ignore_eos, a text prompt, a new one as soon as one ends, each on a
+connection of its own read by a minimal HTTP/1.1 chunked reader). Each asks `logprobs: 0`, so every
+SSE event names its tokens (`logprobs.tokens`) and they are counted exactly as they arrive, not
+guessed from text (a byte-level BPE token can end inside a character, and its text is then empty);
+each stream's usage event must agree with its count, else it is an error. In the window:
+
+- the gateway's events/s and tokens/s as that client read them (an event is a `data:` line, the
+  usage event and `[DONE]` included), its CPU (user + system, its process and every descendant,
+  from /proc) per event and per token, and the ratio of its tokens/s per stream to the gRPC load's
+  (1: a stream through the gateway keeps the pace of one straight to the control plane; short
+  `--output-len` streams lower it, since a new stream's setup is in the gateway's share).
+
 `--stream-interval` takes several values: the stack is started once per value, one JSON object is
 printed per value as it finishes, and a compact table of all of them at the end. `--busy-fraction F`
 runs a process that spins F of every 10 ms on one core for the whole run ("another process takes
@@ -42,6 +57,7 @@ checkout does not know is left out (`--frontends auto` too, where it does not ta
 
     python bench/bench_control.py --workers 4 --running 128 --stream-interval 1 8 16
     python bench/bench_control.py --workers 8 --running 32 --frontends 2 --busy-fraction 0.5
+    python bench/bench_control.py --workers 4 --running 32 --gateway-streams 64 --gateway-workers 2
 """
 
 from __future__ import annotations
@@ -108,6 +124,23 @@ def _cpu_seconds(pid: int) -> float:
     except OSError:
         return 0.0
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _tree_cpu_seconds(root: int) -> float:
+    """User + system CPU of `root` and every live descendant (a gateway's worker processes), from
+    /proc (0 when it is gone)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                parent = int(Path(f"/proc/{entry.name}/stat").read_text().rsplit(")", 1)[1].split()[1])
+                children.setdefault(parent, []).append(int(entry.name))
+    pids, todo = [root], [root]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        pids += kids
+        todo += kids
+    return sum(_cpu_seconds(pid) for pid in pids)
 
 
 def _quantiles_ms(seconds: Sequence[float]) -> dict[str, float | None]:
@@ -437,7 +470,8 @@ class Child:
 
 
 class Stack:
-    """A `stepwise control` of the checkout at --root, and its sim workers."""
+    """A `stepwise control` of the checkout at --root, its sim workers, and with --gateway-streams
+    a `stepwise gateway` in front of it."""
 
     def __init__(self, ns: argparse.Namespace, stream_interval: int) -> None:
         self.ns = ns
@@ -447,6 +481,7 @@ class Stack:
         self.procs: list[subprocess.Popen[bytes]] = []
         self.ready: dict[str, Any] = {}
         self.frontends_flag: str | None = None
+        self.gateway_proc: subprocess.Popen[bytes] | None = None
 
     def _spawn(self, *args: str) -> subprocess.Popen[bytes]:
         proc = subprocess.Popen(
@@ -503,6 +538,25 @@ class Stack:
         for i in range(self.ns.workers):
             self._spawn_worker(i)
         return f"127.0.0.1:{self.ready['port']}"
+
+    async def start_gateway(self, address: str) -> str:
+        """Start `stepwise gateway --workers --gateway-workers` in front of the control plane at
+        `address` (the model is both sides' default, the embedded one); its HTTP address, once it
+        accepts."""
+        ready = Path(self.tmp.name) / "gateway.json"
+        gateway = self._spawn(
+            "gateway",
+            *("--control", address, "--host", "127.0.0.1", "--port", "0"),
+            *("--workers", str(self.ns.gateway_workers), "--log-level", "warning"),
+            *("--ready-file", str(ready)),
+        )
+        self.gateway_proc = gateway
+        deadline = time.monotonic() + 60
+        while not ready.exists():
+            if gateway.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("the gateway did not start (--verbose shows its log)")
+            await asyncio.sleep(0.05)
+        return f"127.0.0.1:{json.loads(ready.read_text())['port']}"
 
     @property
     def core_pid(self) -> int:
@@ -648,6 +702,23 @@ async def _start_load(ns: argparse.Namespace, address: str, children: list[Child
     return list(started)
 
 
+async def _start_sse(ns: argparse.Namespace, gateway: str, children: list[Child]) -> Child:
+    child = await Child.start(
+        "SSE client",
+        *("--sse-client", gateway, "--streams", str(ns.gateway_streams)),
+        *("--output-len", str(ns.output_len)),
+    )
+    children.append(child)
+    try:
+        await child.read("ready", ns.ready_timeout)
+    except TimeoutError:
+        print(
+            f"not every SSE stream had a token within {ns.ready_timeout:g} s; measuring anyway",
+            file=sys.stderr,
+        )
+    return child
+
+
 async def _burst(ns: argparse.Namespace, address: str, children: list[Child]) -> dict[str, object]:
     child = await Child.start(
         "burst client",
@@ -678,6 +749,11 @@ class Window:
     after: gen_pb.ServerInfo
     ttft: ProbeStats
     info: ProbeStats
+    # With --gateway-streams: what the SSE client read (messages are SSE events), the gateway's CPU
+    # (its process tree) and the SSE client's.
+    sse: Counts | None = None
+    gateway_cpu: float = 0.0
+    sse_client_cpu: float = 0.0
 
 
 def _cpu(pids: Sequence[int]) -> list[float]:
@@ -685,7 +761,12 @@ def _cpu(pids: Sequence[int]) -> list[float]:
 
 
 async def _measure(
-    ns: argparse.Namespace, stack: Stack, client: StepwiseClient, load: list[Child], busy: int | None
+    ns: argparse.Namespace,
+    stack: Stack,
+    client: StepwiseClient,
+    load: list[Child],
+    busy: int | None,
+    sse: Child | None = None,
 ) -> Window:
     ttft, info, stop = ProbeStats(), ProbeStats(), asyncio.Event()
     channels = ProbeChannels(client.address, ns.probe_channels)
@@ -694,8 +775,17 @@ async def _measure(
     try:
         await channels.connect()
         before = await client.server_info()
-        counts0 = await asyncio.gather(*(child.counts() for child in load))
-        pids = [stack.core_pid, busy or 0, *(c.pid for c in load), *stack.frontend_pids]
+        readers = [*load, *([sse] if sse else [])]  # the SSE client's counts last
+        counts0 = await asyncio.gather(*(child.counts() for child in readers))
+        pids = [
+            stack.core_pid,
+            busy or 0,
+            sse.pid if sse else 0,
+            *(c.pid for c in load),
+            *stack.frontend_pids,
+        ]
+        gateway = stack.gateway_proc.pid if stack.gateway_proc else 0
+        gateway0 = _tree_cpu_seconds(gateway) if gateway else 0.0
         cpu0, t0 = _cpu(pids), time.perf_counter()
         drivers = [
             asyncio.create_task(
@@ -708,7 +798,8 @@ async def _measure(
         await asyncio.sleep(ns.seconds)
         stop.set()
         await asyncio.gather(*drivers)
-        counts1 = await asyncio.gather(*(child.counts() for child in load))
+        counts1 = await asyncio.gather(*(child.counts() for child in readers))
+        gateway1 = _tree_cpu_seconds(gateway) if gateway else 0.0
         cpu1, elapsed = _cpu(pids), time.perf_counter() - t0
         after = await client.server_info()
         if probes:  # the last ones sent have up to their timeout to answer
@@ -723,15 +814,20 @@ async def _measure(
     cpu = [b - a for a, b in zip(cpu0, cpu1, strict=True)]
     return Window(
         elapsed=elapsed,
-        counts=sum((b - a for a, b in zip(counts0, counts1, strict=True)), Counts()),
+        counts=sum(
+            (b - a for a, b in zip(counts0[: len(load)], counts1[: len(load)], strict=True)), Counts()
+        ),
         core_cpu=cpu[0],
         busy_cpu=cpu[1],
-        client_cpu=sum(cpu[2 : 2 + len(load)]),
-        frontend_cpu=cpu[2 + len(load) :],
+        client_cpu=sum(cpu[3 : 3 + len(load)]),
+        frontend_cpu=cpu[3 + len(load) :],
         steps={w.worker_id: w.steps for w in before.workers},
         after=after,
         ttft=ttft,
         info=info,
+        sse=counts1[-1] - counts0[-1] if sse else None,
+        gateway_cpu=gateway1 - gateway0,
+        sse_client_cpu=cpu[2],
     )
 
 
@@ -752,6 +848,34 @@ def _per_worker(ns: argparse.Namespace, window: Window) -> dict[str, dict[str, f
 def _steps(window: Window) -> int:
     """Steps every worker made in the window, together."""
     return sum(w.steps - window.steps.get(w.worker_id, 0) for w in window.after.workers)
+
+
+def _gateway_report(ns: argparse.Namespace, w: Window) -> dict[str, object]:
+    """The gateway's figures in the window (None without --gateway-streams). The per-stream ratio is
+    the SSE streams' tokens/s per stream over the gRPC load's: 1 when a stream through the gateway
+    keeps the pace of one straight to the control plane."""
+    keys = ("events_per_s", "tokens_per_s", "cpu_us_per_event", "cpu_us_per_token", "cpu_fraction")
+    keys += ("per_stream_ratio", "sse_client_cpu_fraction", "finished", "errors")
+    if w.sse is None:
+        return {"gateway_streams": 0, "gateway_workers": None} | {f"gateway_{k}": None for k in keys}
+    s, events, tokens = w.elapsed, w.sse.messages, w.sse.tokens
+    grpc_per_stream = w.counts.tokens / s / max(ns.workers * ns.running, 1)
+    figures = {
+        "events_per_s": round(events / s, 1),
+        "tokens_per_s": round(tokens / s, 1),
+        "cpu_us_per_event": round(w.gateway_cpu / max(events, 1) * 1e6, 1),
+        "cpu_us_per_token": round(w.gateway_cpu / max(tokens, 1) * 1e6, 1),
+        "cpu_fraction": round(w.gateway_cpu / s, 3),
+        "per_stream_ratio": round(tokens / s / ns.gateway_streams / grpc_per_stream, 3)
+        if grpc_per_stream
+        else None,
+        "sse_client_cpu_fraction": round(w.sse_client_cpu / s, 3),
+        "finished": w.sse.finished,
+        "errors": w.sse.errors,
+    }
+    return {"gateway_streams": ns.gateway_streams, "gateway_workers": ns.gateway_workers} | {
+        f"gateway_{k}": v for k, v in figures.items()
+    }
 
 
 def _report(ns: argparse.Namespace, stack: Stack, w: Window, burst: dict[str, object]) -> dict[str, object]:
@@ -790,6 +914,7 @@ def _report(ns: argparse.Namespace, stack: Stack, w: Window, burst: dict[str, ob
         "burst": burst,
         "min_step_rate_fraction": min((v["step_rate_fraction"] for v in workers.values()), default=0.0),
         "errors": w.counts.errors,
+        **_gateway_report(ns, w),
         "per_worker": workers,
     }
 
@@ -805,8 +930,11 @@ async def run_once(ns: argparse.Namespace, stream_interval: int, busy: int | Non
             while len((await client.server_info()).workers) < ns.workers:
                 await asyncio.sleep(0.1)
             load = await _start_load(ns, address, children)
+            sse = None
+            if ns.gateway_streams > 0:
+                sse = await _start_sse(ns, await stack.start_gateway(address), children)
             await asyncio.sleep(ns.warmup)
-            window = await _measure(ns, stack, client, load, busy)
+            window = await _measure(ns, stack, client, load, busy, sse)
             burst = await _burst(ns, address, children)
     finally:
         await asyncio.gather(*(child.stop() for child in children), return_exceptions=True)
@@ -821,6 +949,10 @@ COLUMNS: list[tuple[str, Callable[[dict[str, Any]], object]]] = [
     ("core µs/tok", lambda r: r["core_cpu_us_per_token"]),
     ("core µs/step", lambda r: r["core_cpu_us_per_step"]),
     ("fe µs/msg", lambda r: r["frontend_cpu_us_per_message"]),
+    (
+        "gw µs/event",
+        lambda r: "-" if r["gateway_cpu_us_per_event"] is None else r["gateway_cpu_us_per_event"],
+    ),
     ("min step", lambda r: r["min_step_rate_fraction"]),
     ("ttft p50/p99/max ms", lambda r: "{p50_ms}/{p99_ms}/{max_ms}".format(**r["ttft"])),
     ("ttft t/o", lambda r: f"{r['ttft']['timeouts']}/{r['ttft']['sent']}"),
@@ -887,6 +1019,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--burst-calls", type=int, default=2000)
     add("--burst-concurrency", type=int, default=200)
     add("--busy-fraction", type=float, default=0.0, help="a competing process spins this much of a core")
+    add(
+        "--gateway-streams",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also start a `stepwise gateway` and keep N /v1/completions SSE streams open through it, on "
+        "top of the gRPC load (default 0: no gateway)",
+    )
+    add("--gateway-workers", type=int, default=1, help="the gateway's --workers (with --gateway-streams)")
     add("--verbose", action="store_true", help="show the servers' logs")
     # The child modes: this file run by the bench itself.
     add("--load-client", metavar="ADDRESS", help=argparse.SUPPRESS)
@@ -899,6 +1040,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("--busy-fraction: between 0 and 1")
     if ns.client_procs < 1:
         parser.error("--client-procs: at least 1")
+    if ns.gateway_streams < 0:
+        parser.error("--gateway-streams: 0 or more")
+    if ns.gateway_workers < 1:
+        parser.error("--gateway-workers: at least 1")
     if ns.connections is None:
         ns.connections = max(1, math.ceil(32 / ns.client_procs))
     return ns
