@@ -15,9 +15,10 @@ After the streams have started and a warm-up, over a measured window of `--secon
   step and receiving the next plan (p50, p99; from GetServerInfo, when the server reports it);
 - tokens/s and client messages/s as the load processes received them, and tokens per message;
 - core CPU µs per generated token and per worker step (all workers' steps), frontend CPU µs per
-  client message and each frontend's CPU fraction (/proc, Linux; the frontends' pids come from the
-  ready file, when the server writes them), and the load processes' own CPU fraction (a client at
-  100 % of a core is the limit);
+  client message (with `--gateway-streams`, the tokens and messages of the gateway's streams too)
+  and each frontend's CPU fraction (/proc, Linux; the frontends' pids come from the ready file,
+  when the server writes them), and the load processes' own CPU fraction (a client at 100 % of a
+  core is the limit);
 - time to first token of new calls: `--probe-rate` short Generate calls per second, sent open-loop
   (on schedule, whether or not earlier ones answered), each timed from sending it to its first
   chunk. By default every probe opens a fresh channel, so a probe is a new caller and its time
@@ -190,9 +191,10 @@ def _accepts(root: Path, flag: str, value: str) -> bool:
 @dataclass(slots=True)
 class Counts:
     tokens: int = 0
-    messages: int = 0
+    messages: int = 0  # gRPC: chunk messages; SSE: `data:` events, usage and `[DONE]` included
     finished: int = 0
     errors: dict[str, int] = field(default_factory=dict)
+    token_events: int = 0  # SSE: the events that carried tokens (a chunk the gateway was sent each)
 
     def error(self, name: str) -> None:
         self.errors[name] = self.errors.get(name, 0) + 1
@@ -202,7 +204,11 @@ class Counts:
         for name, n in other.errors.items():
             errors[name] = errors.get(name, 0) + n
         return Counts(
-            self.tokens + other.tokens, self.messages + other.messages, self.finished + other.finished, errors
+            self.tokens + other.tokens,
+            self.messages + other.messages,
+            self.finished + other.finished,
+            errors,
+            self.token_events + other.token_events,
         )
 
     def __sub__(self, other: Counts) -> Counts:
@@ -212,6 +218,7 @@ class Counts:
             self.messages - other.messages,
             self.finished - other.finished,
             {k: n for k, n in errors.items() if n},
+            self.token_events - other.token_events,
         )
 
 
@@ -343,6 +350,7 @@ class SseCount:
                 n = len(choice["logprobs"]["tokens"])
                 self.tokens += n
                 self.counts.tokens += n
+                self.counts.token_events += 1
                 self.first.set()
             if choice.get("finish_reason"):
                 self.counts.finished += 1
@@ -454,7 +462,7 @@ class Child:
     async def counts(self) -> Counts:
         await self.send("counts")
         message = await self.read("counts", 30)
-        return Counts(message["tokens"], message["messages"], message["finished"], message["errors"])
+        return Counts(**{name: message[name] for name in Counts.__dataclass_fields__})
 
     async def stop(self) -> None:
         if self.proc.returncode is None and self.proc.stdin is not None:
@@ -880,6 +888,10 @@ def _gateway_report(ns: argparse.Namespace, w: Window) -> dict[str, object]:
 
 def _report(ns: argparse.Namespace, stack: Stack, w: Window, burst: dict[str, object]) -> dict[str, object]:
     tokens, messages, s = w.counts.tokens, w.counts.messages, w.elapsed
+    # What the control plane streamed in all: the gateway's streams too (its token events are the
+    # chunk messages the frontends sent it); the core's and the frontends' CPU is over these.
+    served = w.counts + w.sse if w.sse else w.counts
+    served_tokens, served_messages = served.tokens, w.counts.messages + served.token_events
     workers = _per_worker(ns, w)
     return {
         "root": str(stack.root),
@@ -898,10 +910,10 @@ def _report(ns: argparse.Namespace, stack: Stack, w: Window, burst: dict[str, ob
         "client_messages_per_s": round(messages / s, 1),
         "tokens_per_message": round(tokens / max(messages, 1), 2),
         "finished": w.counts.finished,
-        "core_cpu_us_per_token": round(w.core_cpu / max(tokens, 1) * 1e6, 2),
+        "core_cpu_us_per_token": round(w.core_cpu / max(served_tokens, 1) * 1e6, 2),
         "core_cpu_us_per_step": round(w.core_cpu / max(_steps(w), 1) * 1e6, 1),
         "core_cpu_fraction": round(w.core_cpu / s, 3),
-        "frontend_cpu_us_per_message": round(sum(w.frontend_cpu) / max(messages, 1) * 1e6, 2)
+        "frontend_cpu_us_per_message": round(sum(w.frontend_cpu) / max(served_messages, 1) * 1e6, 2)
         if w.frontend_cpu
         else None,
         "frontend_cpu_fraction": [round(c / s, 3) for c in w.frontend_cpu],

@@ -79,6 +79,7 @@ def test_sse_client_counts_every_event_and_each_token_of_it() -> None:
     # Split anywhere, an event over two chunks included: the reader puts them together.
     counts, requests = asyncio.run(_read([whole[:10], whole[10:77], whole[77:]]))
     assert (counts.messages, counts.tokens, counts.finished, counts.errors) == (5, 4, 1, {})
+    assert counts.token_events == 3  # the usage event and [DONE] carry none
     request = json.loads(requests[0].split(b"\r\n\r\n", 1)[1])
     assert request["stream"] and request["ignore_eos"] and request["logprobs"] == 0
     assert request["max_tokens"] == 4 and request["stream_options"] == {"include_usage": True}
