@@ -335,7 +335,8 @@ class SseCount:
     """One completion stream's events, added to `counts` as they come: every `data:` event is a
     message, `[DONE]` and the usage event included; tokens are the entries of each choice's
     `logprobs.tokens`; a `finish_reason` finishes the stream. A usage event whose
-    `completion_tokens` differs from the stream's count is an error (`usage mismatch`)."""
+    `completion_tokens` differs from the stream's count is an error (`usage mismatch`), and so is an
+    `error` event."""
 
     def __init__(self, counts: Counts, first: asyncio.Event) -> None:
         self.counts, self.first, self.tokens = counts, first, 0
@@ -345,7 +346,9 @@ class SseCount:
         if data == b"[DONE]":
             return
         event = json.loads(data)
-        for choice in event["choices"]:
+        if "error" in event:  # the gateway ends a failed stream with one
+            self.counts.error(f"stream error {event['error'].get('code') or event['error'].get('type')}")
+        for choice in event.get("choices", []):
             if choice.get("logprobs"):
                 n = len(choice["logprobs"]["tokens"])
                 self.tokens += n

@@ -88,3 +88,9 @@ def test_sse_client_counts_every_event_and_each_token_of_it() -> None:
 def test_sse_client_counts_a_usage_that_disagrees_as_an_error() -> None:
     counts, _ = asyncio.run(_read([_event("Once", ["Once"], "length") + _usage(2) + b"data: [DONE]\n\n"]))
     assert (counts.messages, counts.tokens, counts.errors) == (3, 1, {"usage mismatch": 1})
+
+
+def test_sse_client_counts_an_error_event_as_an_error() -> None:
+    error = b'data: {"error": {"message": "aborted", "type": "server_error", "code": 503}}\n\n'
+    counts, _ = asyncio.run(_read([_event("Once", ["Once"]) + error + b"data: [DONE]\n\n"]))
+    assert (counts.messages, counts.tokens, counts.errors) == (3, 1, {"stream error 503": 1})
