@@ -6,6 +6,7 @@ certificate signed by the CA, and the client presents the worker's own.
 
 from __future__ import annotations
 
+import asyncio
 import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -37,6 +38,9 @@ MESSAGE_OPTIONS: list[tuple[str, int]] = [
 ]
 # Without SO_REUSEPORT, a port another process holds is an error here, not a shared port.
 SERVER_OPTIONS = [*MESSAGE_OPTIONS, ("grpc.so_reuseport", 0)]
+# The receiver's initial metadata once it has taken a header: the sender may write the data.
+ACCEPTED_KEY = "stepwise-kv-accepted"
+ACCEPTED = ((ACCEPTED_KEY, "1"),)
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,15 +101,21 @@ class GrpcKvTransport(KvTransport):
         call = stub.Send()
         try:
             await call.write(kv_pb.KvChunk(header=_header_to_proto(header)))
-            for part in (host_bytes(k), host_bytes(v)):
-                for start in range(0, len(part), self._chunk_bytes):
-                    await call.write(kv_pb.KvChunk(data=part[start : start + self._chunk_bytes].tobytes()))
-            await call.done_writing()
-            reply: kv_pb.KvReceived = await call
-        except grpc.aio.AioRpcError as exc:
-            raise TransferFailed(exc.code().name, exc.details() or "") from None
-        finally:
-            call.cancel()  # a no-op once the call is done
+            # No data before the receiver accepts the header: a refusal then ends the call with
+            # nothing in flight (a write after the call's end would hide its status as INTERNAL).
+            accepted = await call.initial_metadata()
+            if accepted is not None and ACCEPTED_KEY in accepted:
+                for part in (host_bytes(k), host_bytes(v)):
+                    for start in range(0, len(part), self._chunk_bytes):
+                        chunk = part[start : start + self._chunk_bytes].tobytes()
+                        await call.write(kv_pb.KvChunk(data=chunk))
+                await call.done_writing()
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+            pass  # the call ended early: its status says why
+        code = await call.code()
+        if code != grpc.StatusCode.OK:
+            raise TransferFailed(code.name, await call.details() or "")
+        reply: kv_pb.KvReceived = await call
         return reply.bytes_received
 
     async def stop(self) -> None:
@@ -146,8 +156,8 @@ def _header_to_proto(header: TransferHeader) -> kv_pb.KvHeader:
 
 
 class _Receiver(kv_grpc.KvTransferServiceServicer):
-    """Takes transfers into `store`: the header reserves room, the chunks fill one buffer, and K and
-    V become views of it."""
+    """Takes transfers into `store`: the header reserves room and is accepted, the chunks fill one
+    buffer, and K and V become views of it."""
 
     def __init__(self, store: TransferStore) -> None:
         self._store = store
@@ -155,41 +165,53 @@ class _Receiver(kv_grpc.KvTransferServiceServicer):
     async def Send(
         self, request_iterator: AsyncIterator[kv_pb.KvChunk], context: grpc.aio.ServicerContext
     ) -> kv_pb.KvReceived:
+        chunks = aiter(request_iterator)
         try:
-            return await self._receive(request_iterator)
+            header = await self._accept(chunks)
         except BadTransfer as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except TransferRefused as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-        raise AssertionError("unreachable: abort raises")
+        try:
+            await context.send_initial_metadata(ACCEPTED)
+            received = await self._fill(header, chunks)
+        except BadTransfer as exc:
+            # The sender is still writing: read what it sends, so that it sees this status rather
+            # than a failed write (grpc.aio reports a write after the call's end as INTERNAL).
+            async for _ in chunks:
+                pass
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        finally:
+            self._store.release(header.transfer_id)
+        return kv_pb.KvReceived(bytes_received=received, ok=True)
 
-    async def _receive(self, chunks: AsyncIterator[kv_pb.KvChunk]) -> kv_pb.KvReceived:
-        first = await anext(aiter(chunks), None)
+    async def _accept(self, chunks: AsyncIterator[kv_pb.KvChunk]) -> TransferHeader:
+        first = await anext(chunks, None)
         if first is None or first.WhichOneof("msg") != "header":
             raise BadTransfer("the first message must be a header")
         h = first.header
         header = TransferHeader(h.transfer_id, h.dtype, tuple(h.shape), h.total_bytes)
         header.check()
         self._store.reserve(header)
-        try:
-            buffer = bytearray(header.total_bytes)
-            view = memoryview(buffer)
-            received = 0
-            async for chunk in chunks:
-                if chunk.WhichOneof("msg") != "data":
-                    raise BadTransfer(f"transfer {header.transfer_id!r}: a second header")
-                end = received + len(chunk.data)
-                if end > header.total_bytes:
-                    raise BadTransfer(
-                        f"transfer {header.transfer_id!r}: more than total_bytes {header.total_bytes}"
-                    )
-                view[received:end] = chunk.data
-                received = end
-            if received != header.total_bytes:
+        return header
+
+    async def _fill(self, header: TransferHeader, chunks: AsyncIterator[kv_pb.KvChunk]) -> int:
+        buffer = bytearray(header.total_bytes)
+        view = memoryview(buffer)
+        received = 0
+        async for chunk in chunks:
+            if chunk.WhichOneof("msg") != "data":
+                raise BadTransfer(f"transfer {header.transfer_id!r}: a second header")
+            end = received + len(chunk.data)
+            if end > header.total_bytes:
                 raise BadTransfer(
-                    f"transfer {header.transfer_id!r}: {received} bytes, not total_bytes {header.total_bytes}"
+                    f"transfer {header.transfer_id!r}: more than total_bytes {header.total_bytes}"
                 )
-            self._store.complete(header.transfer_id, tensors_from(buffer, header))
-        finally:
-            self._store.release(header.transfer_id)
-        return kv_pb.KvReceived(bytes_received=received, ok=True)
+            view[received:end] = chunk.data
+            received = end
+        if received != header.total_bytes:
+            raise BadTransfer(
+                f"transfer {header.transfer_id!r}: {received} bytes, not total_bytes {header.total_bytes}"
+            )
+        self._store.complete(header.transfer_id, tensors_from(buffer, header))
+        return received
