@@ -10,7 +10,7 @@ import grpc
 import pytest
 import torch
 
-from data_plane.kv_transfer import BadTransfer, TransferFailed, TransferHeader
+from data_plane.kv_transfer import BadTransfer, TransferFailed, TransferHeader, TransferStore
 from data_plane.kv_transfer_grpc import GrpcKvTransport, TlsFiles
 from protos.stepwise.v1 import kv_transfer_pb2 as kv_pb
 from protos.stepwise.v1 import kv_transfer_pb2_grpc as kv_grpc
@@ -84,11 +84,14 @@ async def test_a_non_contiguous_tensor_goes_as_its_values(start) -> None:
 
 
 async def test_the_received_callback_names_the_transfer(start) -> None:
-    receiver, address = await start()
     seen: list[str] = []
-    receiver.received._on_received = seen.append
-    sender, _ = await start()
-    await sender.send(address, "a", *_kv((1, 2, 1, 4), torch.float32))
+    receiver = GrpcKvTransport("127.0.0.1", 0, 0, received=TransferStore(MiB, seen.append))
+    try:
+        address = await receiver.start()
+        sender, _ = await start()
+        await sender.send(address, "a", *_kv((1, 2, 1, 4), torch.float32))
+    finally:
+        await receiver.stop()
     assert seen == ["a"] and "a" in receiver.received
 
 
