@@ -16,6 +16,8 @@ DEFAULT_CONTROL = "127.0.0.1:50052"
 DEFAULT_CPU_KV_BYTES = 256 * 1024 * 1024
 # On CUDA, the share of free memory (after weights) the KV pool takes when no budget is given.
 CUDA_KV_MEMORY_FRACTION = 0.85
+# Received KV transfers the worker holds at most, until steps write them into slots.
+DEFAULT_TRANSFER_BUFFER_BYTES = 1 << 30
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # Attention backends (data_plane/backends); named here so that flag parsing needs no torch.
 BACKENDS = ("auto", "sdpa", "flashinfer")
@@ -64,6 +66,11 @@ class WorkerConfig:
     tls_cert: pathlib.Path | None = None
     tls_key: pathlib.Path | None = None
     tls_server_name: str = ""
+    # The KV transfer service (data_plane/kv_transfer.py): its port (0: a free one; -1: none), the
+    # address it listens on, and the bytes of received transfers it holds at most.
+    transfer_port: int = 0
+    transfer_host: str = "127.0.0.1"
+    transfer_buffer_bytes: int = DEFAULT_TRANSFER_BUFFER_BYTES
 
 
 def default_worker_id() -> str:
@@ -155,6 +162,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="",
         help="name the control plane's certificate carries, if not the host",
     )
+    parser.add_argument(
+        "--transfer-port",
+        type=Int(-1, 65535),
+        default=0,
+        help="port of the worker-to-worker KV transfer service (0: a free port, -1: none); mutual TLS "
+        "with --tls-ca/--tls-cert/--tls-key when given (without --tls-cert: none)",
+    )
+    parser.add_argument(
+        "--transfer-host",
+        default="127.0.0.1",
+        help="address the KV transfer service listens on; the worker announces it in its hello "
+        "(0.0.0.0 or ::: announced as this machine's host name)",
+    )
+    parser.add_argument(
+        "--transfer-buffer-bytes",
+        type=Int(0, 2**50),
+        default=DEFAULT_TRANSFER_BUFFER_BYTES,
+        help="received KV transfers held at most, in bytes; a transfer that does not fit is refused",
+    )
 
 
 def config_from_args(ns: argparse.Namespace) -> WorkerConfig:
@@ -189,6 +215,9 @@ def config_from_args(ns: argparse.Namespace) -> WorkerConfig:
         tls_cert=ns.tls_cert,
         tls_key=ns.tls_key,
         tls_server_name=ns.tls_server_name,
+        transfer_port=ns.transfer_port,
+        transfer_host=ns.transfer_host,
+        transfer_buffer_bytes=ns.transfer_buffer_bytes,
     )
 
 

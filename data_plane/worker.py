@@ -18,7 +18,7 @@ without either it exits anyway. A second signal, or a signal while not attached,
 Exit codes:
   0  stopped: Shutdown, a finished (or timed-out) drain, a signal while not attached;
   2  every control plane of --control refused the worker for good (one line for each says why), or
-     --health-port cannot be had;
+     --health-port or --transfer-port cannot be had;
   3  no control plane took the worker within --connect-timeout;
   4  the model cannot be loaded.
 A broken stream does not end the process: the worker searches again.
@@ -37,7 +37,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Coroutine, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 import structlog
@@ -53,6 +53,7 @@ from data_plane.dialer import Candidate, Dialer, Refusal, Retry
 from data_plane.executor import Executor
 from data_plane.health import WorkerHealth
 from data_plane.kv_pool import KvPool, capacity_tokens
+from data_plane.kv_transfer_grpc import GrpcKvTransport, TlsFiles
 from data_plane.link import Link
 from data_plane.models.llama import LlamaModel
 from data_plane.models.loader import ModelLoadError, model_fingerprint
@@ -382,8 +383,35 @@ async def _load_and_serve(config: WorkerConfig, health: WorkerHealth, signals: a
         device=hello.device,
         dtype=hello.dtype,
     )
-    await health.set_loaded()
-    return await serve_until_signal(worker, config, signals, Link(health))
+    transport = make_transport(config)
+    try:
+        if transport is not None:
+            try:
+                transfer_address = await transport.start()
+            except OSError as exc:
+                log.error("transfer_port_failed", error=str(exc))
+                return EXIT_REFUSED
+            log.info("transfer_listening", address=transfer_address)
+            worker = replace(worker, hello=replace(hello, transfer_address=transfer_address))
+        await health.set_loaded()
+        return await serve_until_signal(worker, config, signals, Link(health))
+    finally:
+        if transport is not None:
+            await transport.stop()
+
+
+def make_transport(config: WorkerConfig) -> GrpcKvTransport | None:
+    """The KV transfer service the flags ask for (not started): None with --transfer-port -1, or
+    with TLS to the control plane but no certificate of the worker's own to serve it with."""
+    if config.transfer_port < 0:
+        return None
+    tls = None
+    if config.tls_ca is not None:
+        if config.tls_cert is None or config.tls_key is None:
+            log.warning("transfer_off", reason="--tls-ca without --tls-cert: no certificate to serve it with")
+            return None
+        tls = TlsFiles(config.tls_ca, config.tls_cert, config.tls_key)
+    return GrpcKvTransport(config.transfer_host, config.transfer_port, config.transfer_buffer_bytes, tls)
 
 
 async def _in_daemon_thread(fn: Callable[[], T]) -> T:

@@ -284,6 +284,8 @@ class WorkerLimits:
     protocol_version: int = PROTOCOL_VERSION
     # The grammar backends the worker can run (constrained decoding).
     grammar_backends: tuple[str, ...] = ()
+    # HOST:PORT of the worker's KV transfer service (data_plane/kv_transfer.py); "": none.
+    transfer_address: str = ""
 
 
 @dataclass(frozen=True, slots=True)

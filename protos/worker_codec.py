@@ -426,6 +426,7 @@ def hello_to_proto(limits: WorkerLimits) -> wk_pb.WorkerMessage:
         eos_token_ids=sorted(limits.eos_token_ids),
         host_pool_capacity_tokens=limits.host_pool_capacity_tokens,
         grammar_backends=limits.grammar_backends,
+        transfer_address=limits.transfer_address,
     )
     return wk_pb.WorkerMessage(hello=hello)
 
@@ -446,6 +447,7 @@ def hello_from_proto(hello: wk_pb.Hello) -> WorkerLimits:
         host_pool_capacity_tokens=hello.host_pool_capacity_tokens,
         protocol_version=hello.protocol_version,
         grammar_backends=tuple(hello.grammar_backends),
+        transfer_address=hello.transfer_address,
     )
 
 

@@ -158,6 +158,7 @@ class Router:
             leaving=engine.leaving is not None,
             prompt_tokens_total=engine.step_log.prompt_tokens_total,
             cached_tokens_total=engine.step_log.cached_tokens_total,
+            transfer_address=engine.limits.transfer_address,
         )
 
 

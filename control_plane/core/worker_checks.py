@@ -63,7 +63,7 @@ def hello_refusal(limits: WorkerLimits, bounds: Limits, tokenizer_vocab: int) ->
     for ok, name, rule in checks:
         if not ok:
             return f"{name} {_shown(getattr(limits, name))} is not plausible: must be {rule}"
-    for name in ("dtype", "device", "model_fingerprint"):
+    for name in ("dtype", "device", "model_fingerprint", "transfer_address"):
         if len(getattr(limits, name)) > MAX_LABEL_CHARS:
             return f"{name} is longer than {MAX_LABEL_CHARS} characters"
     return ""

@@ -243,9 +243,11 @@ class GenerationService(gen_grpc.GenerationServicer):
         except LinkClosed:
             await context.abort(grpc.StatusCode.UNAVAILABLE, CORE_GONE)
         if not caller.authenticated:
-            # No filesystem paths or weight fingerprints to callers we do not know.
+            # No filesystem paths, weight fingerprints or workers' addresses to callers we do not know.
             info.model = Path(info.model).name
             info.model_fingerprint = ""
+            for worker in info.workers:
+                worker.transfer_address = ""
         return info
 
 

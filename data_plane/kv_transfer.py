@@ -1,0 +1,177 @@
+"""Worker-to-worker KV transfer: what any transport does, and where received transfers wait.
+
+A transfer moves the K and V of some of a worker's slots ([num_layers, n_tokens, num_kv_heads,
+head_dim] each) to another worker, under an id the control plane chose. The receiver keeps it in
+host memory, in its `TransferStore`, until a later step writes it into slots it names.
+
+`KvTransport` is the interface: data_plane/kv_transfer_grpc.py implements it over gRPC; an RDMA
+(NIXL) transport would implement the same four methods and check the same `TransferHeader`.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from data_plane.kv_pool import HostCopy
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+_TRANSFER_ID = re.compile(r"[A-Za-z0-9._:@/-]{1,128}")
+
+
+class BadTransfer(ValueError):
+    """The transfer is malformed: its header, its byte count, or an id the receiver already holds."""
+
+
+class TransferRefused(Exception):
+    """The receiver will not take the transfer (its buffer cannot hold it)."""
+
+
+class TransferFailed(Exception):
+    """A send did not complete; `code` is the receiver's (or the transport's) status name."""
+
+    def __init__(self, code: str, details: str) -> None:
+        super().__init__(f"{code}: {details}")
+        self.code = code
+        self.details = details
+
+
+@dataclass(frozen=True, slots=True)
+class TransferHeader:
+    """What precedes a transfer's bytes: its id, and the dtype and shape of K and of V."""
+
+    transfer_id: str
+    dtype: str
+    shape: tuple[int, ...]
+    total_bytes: int
+
+    @staticmethod
+    def of(transfer_id: str, k: torch.Tensor, v: torch.Tensor) -> TransferHeader:
+        """The header for sending `k` and `v`; BadTransfer when they cannot go together."""
+        if k.shape != v.shape or k.dtype != v.dtype:
+            raise BadTransfer(f"k and v differ: {tuple(k.shape)} {k.dtype} and {tuple(v.shape)} {v.dtype}")
+        dtype = str(k.dtype).removeprefix("torch.")
+        header = TransferHeader(transfer_id, dtype, tuple(k.shape), 2 * k.numel() * k.element_size())
+        header.check()
+        return header
+
+    def check(self) -> torch.dtype:
+        """The torch dtype; BadTransfer naming the field that is wrong."""
+        if _TRANSFER_ID.fullmatch(self.transfer_id) is None:
+            raise BadTransfer(f"transfer_id {self.transfer_id[:40]!r}: must be 1-128 of [A-Za-z0-9._:@/-]")
+        dtype = DTYPES.get(self.dtype)
+        if dtype is None:
+            raise BadTransfer(f"dtype {self.dtype[:40]!r}: must be one of {', '.join(DTYPES)}")
+        if len(self.shape) != 4 or min(self.shape) < 1:
+            raise BadTransfer(
+                f"shape {list(self.shape)[:8]}: must be 4 positive sizes "
+                "[num_layers, n_tokens, num_kv_heads, head_dim]"
+            )
+        expected = 2 * math.prod(self.shape) * dtype.itemsize
+        if self.total_bytes != expected:
+            raise BadTransfer(
+                f"total_bytes {self.total_bytes}: K and V of shape {list(self.shape)} in {self.dtype} "
+                f"are {expected} bytes"
+            )
+        return dtype
+
+
+class TransferStore:
+    """Received transfers by id, in host memory, at most `capacity_bytes` of them (counting those
+    still arriving). `on_received(transfer_id)` runs when one is complete."""
+
+    def __init__(self, capacity_bytes: int, on_received: Callable[[str], None] | None = None) -> None:
+        self.capacity_bytes = capacity_bytes
+        self._on_received = on_received
+        self._reserved: dict[str, int] = {}
+        self._held: dict[str, HostCopy] = {}
+
+    @property
+    def used_bytes(self) -> int:
+        return sum(self._reserved.values())
+
+    def reserve(self, header: TransferHeader) -> None:
+        """Room for `header`'s bytes; BadTransfer for an id already held or arriving,
+        TransferRefused when the buffer cannot hold it."""
+        if header.transfer_id in self._reserved:
+            raise BadTransfer(f"transfer_id {header.transfer_id!r}: already received or arriving")
+        free = self.capacity_bytes - self.used_bytes
+        if header.total_bytes > free:
+            raise TransferRefused(
+                f"transfer {header.transfer_id!r} needs {header.total_bytes} bytes; the buffer has "
+                f"{free} of {self.capacity_bytes} free (--transfer-buffer-bytes)"
+            )
+        self._reserved[header.transfer_id] = header.total_bytes
+
+    def release(self, transfer_id: str) -> None:
+        """Give back a reservation whose transfer did not complete."""
+        if transfer_id not in self._held:
+            self._reserved.pop(transfer_id, None)
+
+    def complete(self, transfer_id: str, copy: HostCopy) -> None:
+        """Hold a reserved transfer's K and V, and say so."""
+        self._held[transfer_id] = copy
+        if self._on_received is not None:
+            self._on_received(transfer_id)
+
+    def take(self, transfer_id: str) -> HostCopy:
+        """A completed transfer, which the store then forgets; KeyError naming it when none."""
+        try:
+            copy = self._held.pop(transfer_id)
+        except KeyError:
+            raise KeyError(f"no received transfer {transfer_id!r}") from None
+        del self._reserved[transfer_id]
+        return copy
+
+    def __contains__(self, transfer_id: str) -> bool:
+        return transfer_id in self._held
+
+
+class KvTransport(abc.ABC):
+    """Sends K/V to other workers' transports and receives theirs into `received`."""
+
+    received: TransferStore
+
+    @abc.abstractmethod
+    async def start(self) -> str:
+        """Start receiving; the address other workers send to (HOST:PORT)."""
+
+    @abc.abstractmethod
+    async def send(self, dest_address: str, transfer_id: str, k: torch.Tensor, v: torch.Tensor) -> int:
+        """Send `k` and `v` to the transport at `dest_address`; the bytes it received once it holds
+        them. BadTransfer for tensors that cannot go; TransferFailed when the receiver refuses or
+        the link breaks."""
+
+    @abc.abstractmethod
+    async def stop(self) -> None:
+        """Stop receiving and close links to other workers."""
+
+
+def host_bytes(tensor: torch.Tensor) -> memoryview:
+    """The bytes of `tensor` in host memory, contiguous: a view of it on CPU (a copy only when it is
+    not contiguous); a CUDA tensor is staged through pinned host memory."""
+    if tensor.is_cuda:
+        staged = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        staged.copy_(tensor, non_blocking=True)
+        torch.cuda.current_stream(tensor.device).synchronize()
+        tensor = staged
+    flat = tensor.contiguous().reshape(-1).view(torch.uint8)
+    return flat.numpy().data
+
+
+def tensors_from(buffer: bytearray, header: TransferHeader) -> HostCopy:
+    """K and V as views of `buffer` (K's bytes, then V's), without a copy."""
+    dtype = header.check()
+    half = header.total_bytes // 2
+    k = torch.frombuffer(buffer, dtype=dtype, count=half // dtype.itemsize).view(header.shape)
+    v = torch.frombuffer(buffer, dtype=dtype, offset=half, count=half // dtype.itemsize).view(header.shape)
+    return HostCopy(k=k, v=v)

@@ -1,0 +1,217 @@
+"""The KV transport over gRPC (protos/stepwise/v1/kv_transfer.proto): one client-streaming Send call
+per transfer, a header then chunks of raw bytes; the sender awaits each write, so gRPC's flow control
+bounds the bytes in flight. With TLS files, both ends use mutual TLS: the server asks for a client
+certificate signed by the CA, and the client presents the worker's own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import torch
+
+from data_plane.kv_transfer import (
+    BadTransfer,
+    KvTransport,
+    TransferFailed,
+    TransferHeader,
+    TransferRefused,
+    TransferStore,
+    host_bytes,
+    tensors_from,
+)
+from protos.stepwise.v1 import kv_transfer_pb2 as kv_pb
+from protos.stepwise.v1 import kv_transfer_pb2_grpc as kv_grpc
+
+DEFAULT_CHUNK_BYTES = 1 << 20
+MAX_CHUNK_BYTES = 4 << 20
+# A chunk's framing and a header fit in this much beyond the chunk itself.
+_MESSAGE_MARGIN = 64 * 1024
+MESSAGE_OPTIONS: list[tuple[str, int]] = [
+    ("grpc.max_receive_message_length", MAX_CHUNK_BYTES + _MESSAGE_MARGIN),
+    ("grpc.max_send_message_length", MAX_CHUNK_BYTES + _MESSAGE_MARGIN),
+]
+# Without SO_REUSEPORT, a port another process holds is an error here, not a shared port.
+SERVER_OPTIONS = [*MESSAGE_OPTIONS, ("grpc.so_reuseport", 0)]
+# The receiver's initial metadata once it has taken a header: the sender may write the data.
+ACCEPTED_KEY = "stepwise-kv-accepted"
+ACCEPTED = ((ACCEPTED_KEY, "1"),)
+
+
+@dataclass(frozen=True, slots=True)
+class TlsFiles:
+    """PEM files for mutual TLS: the CA both ends trust, and this worker's certificate and key."""
+
+    ca: Path
+    cert: Path
+    key: Path
+
+
+class GrpcKvTransport(KvTransport):
+    """Serves KvTransferService on `host:port` (0: a free port) and sends to other workers' ones."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        buffer_bytes: int,
+        tls: TlsFiles | None = None,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        received: TransferStore | None = None,
+    ) -> None:
+        if not 1 <= chunk_bytes <= MAX_CHUNK_BYTES:
+            raise ValueError(f"chunk_bytes {chunk_bytes}: must be in [1, {MAX_CHUNK_BYTES}]")
+        self.received = received or TransferStore(buffer_bytes)
+        self._host, self._port = host, port
+        self._chunk_bytes = chunk_bytes
+        self._server_creds: grpc.ServerCredentials | None = None
+        self._channel_creds: grpc.ChannelCredentials | None = None
+        if tls is not None:
+            key, cert, ca = tls.key.read_bytes(), tls.cert.read_bytes(), tls.ca.read_bytes()
+            self._server_creds = grpc.ssl_server_credentials(
+                [(key, cert)], root_certificates=ca, require_client_auth=True
+            )
+            self._channel_creds = grpc.ssl_channel_credentials(ca, private_key=key, certificate_chain=cert)
+        self._server: grpc.aio.Server | None = None
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    async def start(self) -> str:
+        server = grpc.aio.server(options=SERVER_OPTIONS)
+        kv_grpc.add_KvTransferServiceServicer_to_server(_Receiver(self.received), server)
+        where = _address(self._host, self._port)
+        try:
+            creds = self._server_creds
+            port = server.add_secure_port(where, creds) if creds else server.add_insecure_port(where)
+        except RuntimeError:
+            port = 0
+        if not port:
+            raise OSError(f"--transfer-port: cannot listen on {where} (is another server using it?)")
+        await server.start()
+        self._server = server
+        return _address(advertised_host(self._host), port)
+
+    async def send(self, dest_address: str, transfer_id: str, k: torch.Tensor, v: torch.Tensor) -> int:
+        header = TransferHeader.of(transfer_id, k, v)
+        stub = kv_grpc.KvTransferServiceStub(self._channel(dest_address))
+        call = stub.Send()
+        try:
+            await call.write(kv_pb.KvChunk(header=_header_to_proto(header)))
+            # No data before the receiver accepts the header: a refusal then ends the call with
+            # nothing in flight (a write after the call's end would hide its status as INTERNAL).
+            accepted = await call.initial_metadata()
+            if accepted is not None and ACCEPTED_KEY in accepted:
+                for part in (host_bytes(k), host_bytes(v)):
+                    for start in range(0, len(part), self._chunk_bytes):
+                        chunk = part[start : start + self._chunk_bytes].tobytes()
+                        await call.write(kv_pb.KvChunk(data=chunk))
+                await call.done_writing()
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+            pass  # the call ended early: its status says why
+        code = await call.code()
+        if code != grpc.StatusCode.OK:
+            raise TransferFailed(code.name, await call.details() or "")
+        reply: kv_pb.KvReceived = await call
+        return reply.bytes_received
+
+    async def stop(self) -> None:
+        for channel in self._channels.values():
+            await channel.close(None)
+        self._channels.clear()
+        if self._server is not None:
+            await self._server.stop(grace=1.0)
+            self._server = None
+
+    def _channel(self, dest_address: str) -> grpc.aio.Channel:
+        channel = self._channels.get(dest_address)
+        if channel is None:
+            if self._channel_creds is None:
+                channel = grpc.aio.insecure_channel(dest_address, options=MESSAGE_OPTIONS)
+            else:
+                channel = grpc.aio.secure_channel(dest_address, self._channel_creds, options=MESSAGE_OPTIONS)
+            self._channels[dest_address] = channel
+        return channel
+
+
+def advertised_host(host: str) -> str:
+    """The host other workers dial: the bound one, or this machine's name for a wildcard."""
+    return socket.gethostname() if host in ("0.0.0.0", "::", "[::]") else host
+
+
+def _address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+def _header_to_proto(header: TransferHeader) -> kv_pb.KvHeader:
+    return kv_pb.KvHeader(
+        transfer_id=header.transfer_id,
+        dtype=header.dtype,
+        shape=list(header.shape),
+        total_bytes=header.total_bytes,
+    )
+
+
+class _Receiver(kv_grpc.KvTransferServiceServicer):
+    """Takes transfers into `store`: the header reserves room and is accepted, the chunks fill one
+    buffer, and K and V become views of it."""
+
+    def __init__(self, store: TransferStore) -> None:
+        self._store = store
+
+    async def Send(
+        self, request_iterator: AsyncIterator[kv_pb.KvChunk], context: grpc.aio.ServicerContext
+    ) -> kv_pb.KvReceived:
+        chunks = aiter(request_iterator)
+        try:
+            header = await self._accept(chunks)
+        except BadTransfer as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except TransferRefused as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        try:
+            await context.send_initial_metadata(ACCEPTED)
+            received = await self._fill(header, chunks)
+        except BadTransfer as exc:
+            # The sender is still writing: read what it sends, so that it sees this status rather
+            # than a failed write (grpc.aio reports a write after the call's end as INTERNAL).
+            async for _ in chunks:
+                pass
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        finally:
+            self._store.release(header.transfer_id)
+        return kv_pb.KvReceived(bytes_received=received, ok=True)
+
+    async def _accept(self, chunks: AsyncIterator[kv_pb.KvChunk]) -> TransferHeader:
+        first = await anext(chunks, None)
+        if first is None or first.WhichOneof("msg") != "header":
+            raise BadTransfer("the first message must be a header")
+        h = first.header
+        header = TransferHeader(h.transfer_id, h.dtype, tuple(h.shape), h.total_bytes)
+        header.check()
+        self._store.reserve(header)
+        return header
+
+    async def _fill(self, header: TransferHeader, chunks: AsyncIterator[kv_pb.KvChunk]) -> int:
+        buffer = bytearray(header.total_bytes)
+        view = memoryview(buffer)
+        received = 0
+        async for chunk in chunks:
+            if chunk.WhichOneof("msg") != "data":
+                raise BadTransfer(f"transfer {header.transfer_id!r}: a second header")
+            end = received + len(chunk.data)
+            if end > header.total_bytes:
+                raise BadTransfer(
+                    f"transfer {header.transfer_id!r}: more than total_bytes {header.total_bytes}"
+                )
+            view[received:end] = chunk.data
+            received = end
+        if received != header.total_bytes:
+            raise BadTransfer(
+                f"transfer {header.transfer_id!r}: {received} bytes, not total_bytes {header.total_bytes}"
+            )
+        self._store.complete(header.transfer_id, tensors_from(buffer, header))
+        return received
