@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+from bench_control import sse_stream as read_sse  # the sibling script: bench/ is on sys.path
 
 from clients.client import StepwiseClient, generate_request, sampling_params
 from stepwise.up import Stack, gateway_args
@@ -128,34 +129,19 @@ async def grpc_stream(client: StepwiseClient, prompt: str, tokens: int) -> tuple
 
 
 async def sse_stream(host: str, port: int, prompt: str, tokens: int) -> tuple[int, int]:
-    """(tokens, SSE events) of one streamed `/v1/completions`, read chunk by chunk off the socket."""
+    """(tokens, SSE events) of one streamed `/v1/completions`, read off the socket by bench_control's
+    raw HTTP/1.1 reader (so the client's own cost stays small)."""
     body = {"prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True, "stream": True}
     body["stream_options"] = {"include_usage": True}
-    data = json.dumps(body).encode()
-    head = (
-        f"POST /v1/completions HTTP/1.1\r\nhost: {host}\r\ncontent-type: application/json\r\n"
-        f"content-length: {len(data)}\r\nconnection: close\r\n\r\n"
-    )
-    reader, writer = await asyncio.open_connection(host, port)
-    try:
-        writer.write(head.encode() + data)
-        reply = await reader.readuntil(b"\r\n\r\n")
-        if not reply.startswith(b"HTTP/1.1 200") or b"transfer-encoding: chunked" not in reply.lower():
-            raise RuntimeError(f"the gateway answered {reply[:200]!r}")
-        count = events = 0
-        while True:
-            size = int((await reader.readline()).split(b";")[0], 16)
-            if size == 0:
-                break
-            chunk = await reader.readexactly(size + 2)
-            events += chunk.count(b"data: ")
-            if b'"usage"' in chunk:
-                count = json.loads(chunk[6:])["usage"]["completion_tokens"]
-        return count, events
-    finally:
-        writer.close()
-        with contextlib.suppress(OSError):
-            await writer.wait_closed()
+    seen = [0, 0]  # tokens (from the usage event), events
+
+    def on_event(data: bytes) -> None:
+        seen[1] += 1
+        if b'"usage"' in data and (usage := json.loads(data).get("usage")):
+            seen[0] = usage["completion_tokens"]
+
+    await read_sse(host, port, body, on_event)
+    return seen[0], seen[1]
 
 
 def tree_cpu_s(root: int) -> float:
