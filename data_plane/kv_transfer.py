@@ -20,6 +20,7 @@ import torch
 
 from data_plane.kv_pool import HostCopy
 
+# The dtypes a worker runs in (--dtype) and so the ones its K and V travel in.
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "float16": torch.float16,

@@ -53,6 +53,7 @@ from data_plane.dialer import Candidate, Dialer, Refusal, Retry
 from data_plane.executor import Executor
 from data_plane.health import WorkerHealth
 from data_plane.kv_pool import KvPool, capacity_tokens
+from data_plane.kv_transfer import DTYPES
 from data_plane.kv_transfer_grpc import GrpcKvTransport, TlsFiles
 from data_plane.link import Link
 from data_plane.models.llama import LlamaModel
@@ -113,7 +114,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """auto: float32 on CPU, bfloat16 on CUDA."""
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+    return DTYPES[name]
 
 
 def load_worker(config: WorkerConfig) -> LoadedWorker:
