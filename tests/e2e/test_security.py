@@ -168,14 +168,15 @@ async def test_a_live_request_id_is_refused_on_every_worker(start_control) -> No
         await first
 
 
-async def test_server_info_tells_strangers_no_paths_or_fingerprints(start_control) -> None:
+async def test_server_info_tells_strangers_no_paths_fingerprints_or_worker_addresses(start_control) -> None:
     plane = await start_control()
-    plane.add_worker("w0")
+    plane.add_worker("w0")  # serves KV transfers (the default), so it has an address to hide
     await plane.wait_workers(1)
     async with StepwiseClient(plane.address) as client:
         info = await client.server_info()
     assert "/" not in info.model and info.model
     assert info.model_fingerprint == ""
+    assert [w.transfer_address for w in info.workers] == [""]
 
 
 def _free_port() -> int:
