@@ -104,3 +104,19 @@ def test_flags_build_a_frozen_config() -> None:
     with pytest.raises(SystemExit) as exited:  # out of its flag's range (tests/cli/test_flag_table.py)
         parser.parse_args(["--model", "/m", "--page-size", "0"])
     assert exited.value.code == 2
+
+
+def test_the_transfer_flags_reach_the_config_and_choose_the_transport(tmp_path: pathlib.Path) -> None:
+    default = parse()
+    assert (default.transfer_port, default.transfer_host, default.transfer_buffer_bytes) == (
+        0,
+        "127.0.0.1",
+        1 << 30,
+    )
+    assert worker.make_transport(default) is not None
+    config = parse("--transfer-port", "7000", "--transfer-host", "::1", "--transfer-buffer-bytes", "0")
+    assert (config.transfer_port, config.transfer_host, config.transfer_buffer_bytes) == (7000, "::1", 0)
+    assert worker.make_transport(parse("--transfer-port", "-1")) is None
+    ca = tmp_path / "ca.crt"
+    ca.write_text("not read here")
+    assert worker.make_transport(parse("--tls-ca", str(ca))) is None  # no certificate to serve with
