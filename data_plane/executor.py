@@ -29,12 +29,15 @@ from data_plane.backends.base import AttentionBackend, StepLayout
 from data_plane.backends.sdpa import SdpaBackend
 from data_plane.constraints import Constraints, GrammarMasks
 from data_plane.kv_pool import HostCopy, KvPool
+from data_plane.kv_transfer import TransferAgent
 from data_plane.models.llama import ForwardBatch, LlamaModel
 from data_plane.sampler import BiasRow, PenaltyRow, SampleOutput, ids_logprobs, logprob_rows, sample
 from data_plane.scoring import ScoreRows, score_rows
 from data_plane.state import NO_TOKEN, PlanError, SequenceTable
 from protos.worker import (
+    KvReceive,
     KvReport,
+    KvSend,
     KvTransfer,
     PromptScores,
     SamplerParams,
@@ -102,6 +105,9 @@ class Executor:
         )
         # Fills the step's grammar masks while the forward runs (made on the first constrained step).
         self._mask_thread: ThreadPoolExecutor | None = None
+        # Sends and receives KV from other workers (set once the worker's transport serves); None:
+        # a plan that asks for either is refused.
+        self.transfers: TransferAgent | None = None
 
     # ---- the step ----------------------------------------------------------------------------
 
@@ -186,6 +192,7 @@ class Executor:
         """Apply every delta in protocol order; None when the plan has no forward work."""
         self._check_slots(plan)
         self._forget_cached_kv(plan)
+        self._send(plan.sends)  # first: the slots may be freed and reused by this very plan
         if plan.reset:
             self.reset()
         self._release(plan.releases)
@@ -193,6 +200,7 @@ class Executor:
             self.table.remap(remap.handle, remap.start, remap.slots)
         self._offload(plan.offloads)
         self._restore(plan.restores)
+        self._receive(plan.receives)
         for seq in plan.new_seqs:
             self.table.add(seq.handle, seq.sampler, seq.prefix_slots, seq.history_ids)
             if seq.sampler.grammar is not None:
@@ -206,6 +214,9 @@ class Executor:
         arrays += [s.prefix_slots for s in plan.new_seqs]
         arrays += [t.slots for t in (*plan.offloads, *plan.restores)]
         arrays += [r.slots for r in plan.remaps]
+        arrays += [t.slots for t in plan.sends] + [t.slots for t in plan.receives]
+        if (plan.sends or plan.receives) and self.transfers is None:
+            raise PlanError("the plan sends or receives KV, but this worker serves no KV transfer link")
         for slots in arrays:
             if len(slots) and (int(slots.min()) < 0 or int(slots.max()) >= self.pool.capacity):
                 raise PlanError(f"slot id out of range [0, {self.pool.capacity})")
@@ -242,6 +253,42 @@ class Executor:
             self.pool.copy_in(self._slot_tensor(t.slots), saved)
             self.table.replace_slots(t.handle, t.slots)
             del self.host[t.handle]
+
+    def _send(self, sends: tuple[KvSend, ...]) -> None:
+        """Snapshot each send's slots into host memory and start sending it."""
+        if not sends:
+            return
+        assert self.transfers is not None  # _check_slots refused the plan otherwise
+        for send in sends:
+            snapshot = self.pool.copy_out(self._slot_tensor(send.slots))
+            self.transfers.send(send.address, send.transfer_id, snapshot)
+
+    def _receive(self, receives: tuple[KvReceive, ...]) -> None:
+        """Write each received transfer into its slots (or forget it, for a receive without slots)."""
+        if not receives:
+            return
+        assert self.transfers is not None
+        store = self.transfers.received
+        for receive in receives:
+            if not len(receive.slots):
+                store.discard(receive.transfer_id)
+                continue
+            try:
+                copy = store.take(receive.transfer_id)
+            except KeyError:
+                raise PlanError(f"receives: no transfer {receive.transfer_id!r} has arrived") from None
+            if copy.tokens != len(receive.slots) or copy.k.dtype != self.pool.k.dtype:
+                raise PlanError(
+                    f"receives: transfer {receive.transfer_id!r} holds {copy.tokens} tokens of "
+                    f"{copy.k.dtype}; the plan names {len(receive.slots)} slots of a {self.pool.k.dtype} pool"
+                )
+            pool_shape = self.pool.k.shape
+            if (copy.k.shape[0], *copy.k.shape[2:]) != (pool_shape[0], *pool_shape[2:]):
+                raise PlanError(
+                    f"receives: transfer {receive.transfer_id!r} has K/V of shape {list(copy.k.shape)}; "
+                    f"this model's are [{pool_shape[0]}, n, {pool_shape[2]}, {pool_shape[3]}]"
+                )
+            self.pool.copy_in(self._slot_tensor(receive.slots), copy)
 
     def _host_tokens(self) -> int:
         return sum(copy.tokens for copy in self.host.values())
@@ -403,6 +450,7 @@ class Executor:
             logprobs=logprobs,
             prompt_scores=prompt_scores,
             error=error,
+            transfers=self.transfers.take_outcomes() if self.transfers is not None else (),
         )
 
     def _error_result(self, plan: StepPlan, message: str, started: float) -> StepResult:

@@ -11,14 +11,22 @@ host memory, in its `TransferStore`, until a later step writes it into slots it 
 from __future__ import annotations
 
 import abc
+import asyncio
+import concurrent.futures
 import math
 import re
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
 from data_plane.kv_pool import HostCopy
+from protos.worker import TransferOutcome
+
+# Ids a receive told the store to forget before they arrived, remembered at most this many.
+MAX_DISCARDED = 4096
 
 # The dtypes a worker runs in (--dtype) and so the ones its K and V travel in.
 DTYPES: dict[str, torch.dtype] = {
@@ -95,6 +103,8 @@ class TransferStore:
         self._on_received = on_received
         self._reserved: dict[str, int] = {}
         self._held: dict[str, HostCopy] = {}
+        # Forgotten before they arrived: dropped on arrival (oldest first past MAX_DISCARDED).
+        self._discarded: deque[str] = deque(maxlen=MAX_DISCARDED)
 
     @property
     def used_bytes(self) -> int:
@@ -119,7 +129,11 @@ class TransferStore:
             self._reserved.pop(transfer_id, None)
 
     def complete(self, transfer_id: str, copy: HostCopy) -> None:
-        """Hold a reserved transfer's K and V, and say so."""
+        """Hold a reserved transfer's K and V, and say so; one discarded meanwhile is dropped."""
+        if transfer_id in self._discarded:
+            self._discarded.remove(transfer_id)
+            self._reserved.pop(transfer_id, None)
+            return
         self._held[transfer_id] = copy
         if self._on_received is not None:
             self._on_received(transfer_id)
@@ -132,6 +146,14 @@ class TransferStore:
             raise KeyError(f"no received transfer {transfer_id!r}") from None
         del self._reserved[transfer_id]
         return copy
+
+    def discard(self, transfer_id: str) -> None:
+        """Forget a transfer unwritten: now if it is held, or as soon as it arrives."""
+        if transfer_id in self._held:
+            del self._held[transfer_id]
+            del self._reserved[transfer_id]
+        else:
+            self._discarded.append(transfer_id)
 
     def __contains__(self, transfer_id: str) -> bool:
         return transfer_id in self._held
@@ -155,6 +177,53 @@ class KvTransport(abc.ABC):
     @abc.abstractmethod
     async def stop(self) -> None:
         """Stop receiving and close links to other workers."""
+
+
+class TransferAgent:
+    """A worker's sends, started from whichever thread runs a step and carried out on the event loop
+    its transport serves on; each one's outcome waits here for the next step's result."""
+
+    def __init__(self, transport: KvTransport, loop: asyncio.AbstractEventLoop) -> None:
+        self.transport = transport
+        self._loop = loop
+        self._ended: deque[TransferOutcome] = deque()
+        self._pending: set[concurrent.futures.Future[int]] = set()
+
+    @property
+    def received(self) -> TransferStore:
+        return self.transport.received
+
+    @property
+    def sending(self) -> int:
+        """Sends started whose outcome is not known yet."""
+        return len(self._pending)
+
+    def send(self, address: str, transfer_id: str, copy: HostCopy) -> None:
+        """Start sending `copy` (the worker's own snapshot: nothing else writes it)."""
+        coro = self.transport.send(address, transfer_id, copy.k, copy.v)
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        self._pending.add(future)
+        future.add_done_callback(partial(self._ended_one, transfer_id))
+
+    def _ended_one(self, transfer_id: str, future: concurrent.futures.Future[int]) -> None:
+        self._pending.discard(future)
+        if future.cancelled():
+            self._ended.append(TransferOutcome(transfer_id, "CANCELLED: the worker is stopping"))
+            return
+        exc = future.exception()
+        if exc is None:
+            self._ended.append(TransferOutcome(transfer_id, "", future.result()))
+        elif isinstance(exc, TransferFailed | BadTransfer):
+            self._ended.append(TransferOutcome(transfer_id, str(exc)))
+        else:
+            self._ended.append(TransferOutcome(transfer_id, f"{type(exc).__name__}: {exc}"))
+
+    def take_outcomes(self) -> tuple[TransferOutcome, ...]:
+        """The outcomes since the last call, in the order the sends ended."""
+        out = []
+        while self._ended:
+            out.append(self._ended.popleft())
+        return tuple(out)
 
 
 def host_bytes(tensor: torch.Tensor) -> memoryview:

@@ -251,6 +251,8 @@ class SimExecutor:
         self.table = _SimTable()
 
     def _apply_deltas(self, plan: StepPlan) -> None:
+        if plan.sends or plan.receives:
+            raise PlanError("the sim backend holds no K/V: it cannot send or receive any")
         if plan.reset:
             self.reset()
         for handle in plan.releases.tolist():

@@ -53,7 +53,7 @@ from data_plane.dialer import Candidate, Dialer, Refusal, Retry
 from data_plane.executor import Executor
 from data_plane.health import WorkerHealth
 from data_plane.kv_pool import KvPool, capacity_tokens
-from data_plane.kv_transfer import DTYPES
+from data_plane.kv_transfer import DTYPES, TransferAgent
 from data_plane.kv_transfer_grpc import GrpcKvTransport, TlsFiles
 from data_plane.link import Link
 from data_plane.models.llama import LlamaModel
@@ -394,6 +394,8 @@ async def _load_and_serve(config: WorkerConfig, health: WorkerHealth, signals: a
                 return EXIT_REFUSED
             log.info("transfer_listening", address=transfer_address)
             worker = replace(worker, hello=replace(hello, transfer_address=transfer_address))
+            if isinstance(worker.executor, Executor):  # the sim backend holds no K/V to move
+                worker.executor.transfers = TransferAgent(transport, asyncio.get_running_loop())
         await health.set_loaded()
         return await serve_until_signal(worker, config, signals, Link(health))
     finally:

@@ -175,6 +175,24 @@ class SlotRemap:
 
 
 @dataclass(frozen=True, slots=True)
+class KvSend:
+    """Send the KV of `slots` to the transfer service at `address` under `transfer_id` (snapshot
+    first in the plan; the bytes go in the background)."""
+
+    transfer_id: str
+    address: str
+    slots: np.ndarray
+
+
+@dataclass(frozen=True, slots=True)
+class KvReceive:
+    """Write the received transfer `transfer_id` into `slots`; empty slots: forget it unwritten."""
+
+    transfer_id: str
+    slots: np.ndarray
+
+
+@dataclass(frozen=True, slots=True)
 class StepPlan:
     step_id: int
     # Not on the wire: the scheduler's, and derived when a plan is decoded (StepKind.of).
@@ -191,6 +209,10 @@ class StepPlan:
     # Set by the engine, never by the scheduler: the worker forgets everything before this plan (the
     # first plan of a fresh scheduler after a fault on the control plane's side).
     reset: bool = False
+    # Worker-to-worker KV moves: sends are snapshot before anything else, receives written after
+    # restores (worker.proto: KvSend, KvReceive).
+    sends: tuple[KvSend, ...] = ()
+    receives: tuple[KvReceive, ...] = ()
 
 
 def sampled_count(plan: StepPlan) -> int:
@@ -242,6 +264,15 @@ class PromptScores:
 
 
 @dataclass(frozen=True, slots=True)
+class TransferOutcome:
+    """How a KvSend ended: delivered (`error` empty; the destination received `bytes`) or not."""
+
+    transfer_id: str
+    error: str = ""
+    bytes: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class StepResult:
     step_id: int
     # One sampled token per sampling entry, in plan order: the extends with `sample` set, then every
@@ -258,6 +289,8 @@ class StepResult:
     wait_s: float = 0.0
     # Non-empty when the worker could not execute the plan.
     error: str = ""
+    # Sends that ended since the previous result, in the order they ended.
+    transfers: tuple[TransferOutcome, ...] = ()
 
 
 # --- the session: hello, welcome, and how it ends ----------------------------------------------------

@@ -42,7 +42,9 @@ from protos.worker import (
     Dropped,
     ExtendWork,
     Grammar,
+    KvReceive,
     KvReport,
+    KvSend,
     KvTransfer,
     Move,
     NewSeq,
@@ -54,6 +56,7 @@ from protos.worker import (
     StepPlan,
     StepResult,
     TokenLogprobs,
+    TransferOutcome,
     Welcome,
     WorkerLimits,
 )
@@ -174,6 +177,10 @@ def _encode_plan(
         decode_set.fill(msg.decodes, delta)
     for r in plan.remaps:
         msg.remaps.add(handle=r.handle, start=r.start, slots=pack(r.slots, INT64))
+    for send in plan.sends:
+        msg.sends.add(transfer_id=send.transfer_id, address=send.address, slots=pack(send.slots, INT64))
+    for receive in plan.receives:
+        msg.receives.add(transfer_id=receive.transfer_id, slots=pack(receive.slots, INT64))
     return message, decodes
 
 
@@ -273,7 +280,27 @@ def _plan_from_proto(
             SlotRemap(_handle(r.handle, "remaps"), r.start, unpack(r.slots, INT64, "remaps.slots"))
             for r in p.remaps
         ),
+        sends=tuple(_send_from_proto(t) for t in p.sends),
+        receives=tuple(
+            KvReceive(_transfer_id(t.transfer_id, "receives"), unpack(t.slots, INT64, "receives.slots"))
+            for t in p.receives
+        ),
     )
+
+
+def _send_from_proto(t: wk_pb.KvSend) -> KvSend:
+    slots = unpack(t.slots, INT64, "sends.slots")
+    if not len(slots):
+        raise WireError("sends.slots: a send names at least one slot")
+    if not t.address:
+        raise WireError("sends.address: empty")
+    return KvSend(_transfer_id(t.transfer_id, "sends"), t.address, slots)
+
+
+def _transfer_id(value: str, name: str) -> str:
+    if not value:
+        raise WireError(f"{name}.transfer_id: empty")
+    return value
 
 
 # Most decode steps extend nothing, and plans without decode work are common: share the empty work
@@ -352,6 +379,8 @@ def result_to_proto(r: StepResult) -> wk_pb.WorkerMessage:
     kv, out = r.kv, msg.kv
     out.live_seqs, out.seq_slots, out.capacity_tokens = kv.live_seqs, kv.seq_slots, kv.capacity_tokens
     out.device_mem_used_bytes, out.host_seqs = kv.device_mem_used_bytes, kv.host_seqs
+    for t in r.transfers:
+        msg.transfers.add(transfer_id=t.transfer_id, error=t.error, bytes=t.bytes)
     return message
 
 
@@ -406,6 +435,7 @@ def _decode_result(msg: wk_pb.StepResult, tokens: np.ndarray) -> StepResult:
         forward_s=msg.forward_s,
         wait_s=msg.wait_s,
         error=msg.error,
+        transfers=tuple(TransferOutcome(t.transfer_id, t.error, t.bytes) for t in msg.transfers),
     )
 
 

@@ -245,8 +245,26 @@ class SlotRemap(_message.Message):
     slots: bytes
     def __init__(self, handle: _Optional[int] = ..., start: _Optional[int] = ..., slots: _Optional[bytes] = ...) -> None: ...
 
+class KvSend(_message.Message):
+    __slots__ = ("transfer_id", "address", "slots")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: str
+    address: str
+    slots: bytes
+    def __init__(self, transfer_id: _Optional[str] = ..., address: _Optional[str] = ..., slots: _Optional[bytes] = ...) -> None: ...
+
+class KvReceive(_message.Message):
+    __slots__ = ("transfer_id", "slots")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: str
+    slots: bytes
+    def __init__(self, transfer_id: _Optional[str] = ..., slots: _Optional[bytes] = ...) -> None: ...
+
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "release_handles", "offloads", "restores", "new_seqs", "extends", "decodes", "remaps", "reset")
+    __slots__ = ("step_id", "release_handles", "offloads", "restores", "new_seqs", "extends", "decodes", "remaps", "reset", "sends", "receives")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     RELEASE_HANDLES_FIELD_NUMBER: _ClassVar[int]
     OFFLOADS_FIELD_NUMBER: _ClassVar[int]
@@ -256,6 +274,8 @@ class StepPlan(_message.Message):
     DECODES_FIELD_NUMBER: _ClassVar[int]
     REMAPS_FIELD_NUMBER: _ClassVar[int]
     RESET_FIELD_NUMBER: _ClassVar[int]
+    SENDS_FIELD_NUMBER: _ClassVar[int]
+    RECEIVES_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     release_handles: _containers.RepeatedScalarFieldContainer[int]
     offloads: _containers.RepeatedCompositeFieldContainer[KvTransfer]
@@ -265,7 +285,9 @@ class StepPlan(_message.Message):
     decodes: DecodeBatch
     remaps: _containers.RepeatedCompositeFieldContainer[SlotRemap]
     reset: bool
-    def __init__(self, step_id: _Optional[int] = ..., release_handles: _Optional[_Iterable[int]] = ..., offloads: _Optional[_Iterable[_Union[KvTransfer, _Mapping]]] = ..., restores: _Optional[_Iterable[_Union[KvTransfer, _Mapping]]] = ..., new_seqs: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., extends: _Optional[_Union[ExtendBatch, _Mapping]] = ..., decodes: _Optional[_Union[DecodeBatch, _Mapping]] = ..., remaps: _Optional[_Iterable[_Union[SlotRemap, _Mapping]]] = ..., reset: _Optional[bool] = ...) -> None: ...
+    sends: _containers.RepeatedCompositeFieldContainer[KvSend]
+    receives: _containers.RepeatedCompositeFieldContainer[KvReceive]
+    def __init__(self, step_id: _Optional[int] = ..., release_handles: _Optional[_Iterable[int]] = ..., offloads: _Optional[_Iterable[_Union[KvTransfer, _Mapping]]] = ..., restores: _Optional[_Iterable[_Union[KvTransfer, _Mapping]]] = ..., new_seqs: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., extends: _Optional[_Union[ExtendBatch, _Mapping]] = ..., decodes: _Optional[_Union[DecodeBatch, _Mapping]] = ..., remaps: _Optional[_Iterable[_Union[SlotRemap, _Mapping]]] = ..., reset: _Optional[bool] = ..., sends: _Optional[_Iterable[_Union[KvSend, _Mapping]]] = ..., receives: _Optional[_Iterable[_Union[KvReceive, _Mapping]]] = ...) -> None: ...
 
 class KvReport(_message.Message):
     __slots__ = ("live_seqs", "seq_slots", "capacity_tokens", "device_mem_used_bytes", "host_seqs")
@@ -301,8 +323,18 @@ class PromptScores(_message.Message):
     rows: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
     def __init__(self, entry: _Optional[int] = ..., rows: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
+class TransferOutcome(_message.Message):
+    __slots__ = ("transfer_id", "error", "bytes")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: str
+    error: str
+    bytes: int
+    def __init__(self, transfer_id: _Optional[str] = ..., error: _Optional[str] = ..., bytes: _Optional[int] = ...) -> None: ...
+
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "token_ids", "logprobs", "prompt_scores", "kv", "forward_s", "error", "wait_s")
+    __slots__ = ("step_id", "token_ids", "logprobs", "prompt_scores", "kv", "forward_s", "error", "wait_s", "transfers")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -311,6 +343,7 @@ class StepResult(_message.Message):
     FORWARD_S_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    TRANSFERS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     token_ids: bytes
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
@@ -319,4 +352,5 @@ class StepResult(_message.Message):
     forward_s: float
     error: str
     wait_s: float
-    def __init__(self, step_id: _Optional[int] = ..., token_ids: _Optional[bytes] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., prompt_scores: _Optional[_Iterable[_Union[PromptScores, _Mapping]]] = ..., kv: _Optional[_Union[KvReport, _Mapping]] = ..., forward_s: _Optional[float] = ..., error: _Optional[str] = ..., wait_s: _Optional[float] = ...) -> None: ...
+    transfers: _containers.RepeatedCompositeFieldContainer[TransferOutcome]
+    def __init__(self, step_id: _Optional[int] = ..., token_ids: _Optional[bytes] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., prompt_scores: _Optional[_Iterable[_Union[PromptScores, _Mapping]]] = ..., kv: _Optional[_Union[KvReport, _Mapping]] = ..., forward_s: _Optional[float] = ..., error: _Optional[str] = ..., wait_s: _Optional[float] = ..., transfers: _Optional[_Iterable[_Union[TransferOutcome, _Mapping]]] = ...) -> None: ...
