@@ -126,10 +126,10 @@ async def measure(contexts: list[int], repeats: int) -> None:
                 step += 1
                 transfer_id = f"ctx{context}-{r}"
                 t0 = time.perf_counter()
-                sent = slice(0, context + 2 * r + 1)  # every position with KV written so far
+                n = context + 2 * r + 1  # positions with KV written so far (position p is in slot p)
                 plan = dataclasses.replace(
                     decode_plan(step, 1, slot + 1),
-                    sends=(KvSend(transfer_id, address, src_slots_upto(sent)),),
+                    sends=(KvSend(transfer_id, address, np.arange(n, dtype=np.int64)),),
                 )
                 run(source, plan)
                 with_send.append(time.perf_counter() - t0)
@@ -142,7 +142,6 @@ async def measure(contexts: list[int], repeats: int) -> None:
                 if outcomes[0].error:
                     raise RuntimeError(outcomes[0].error)
                 delivered.append(time.perf_counter() - t0)
-                n = sent.stop
                 dest_slots = np.arange(n, dtype=np.int64)
                 t0 = time.perf_counter()
                 step += 1
@@ -179,11 +178,6 @@ async def measure(contexts: list[int], repeats: int) -> None:
     finally:
         for transport in transports:
             await transport.stop()
-
-
-def src_slots_upto(positions: slice) -> np.ndarray:
-    """The source's slots of these positions (the bench writes position p to slot p)."""
-    return np.arange(positions.start, positions.stop, dtype=np.int64)
 
 
 def main() -> int:

@@ -190,6 +190,8 @@ class Executor:
 
     def _apply(self, plan: StepPlan) -> PreparedStep | None:
         """Apply every delta in protocol order; None when the plan has no forward work."""
+        if (plan.sends or plan.receives) and self.transfers is None:
+            raise PlanError("the plan sends or receives KV, but this worker serves no KV transfer link")
         self._check_slots(plan)
         self._forget_cached_kv(plan)
         self._send(plan.sends)  # first: the slots may be freed and reused by this very plan
@@ -215,8 +217,6 @@ class Executor:
         arrays += [t.slots for t in (*plan.offloads, *plan.restores)]
         arrays += [r.slots for r in plan.remaps]
         arrays += [t.slots for t in plan.sends] + [t.slots for t in plan.receives]
-        if (plan.sends or plan.receives) and self.transfers is None:
-            raise PlanError("the plan sends or receives KV, but this worker serves no KV transfer link")
         for slots in arrays:
             if len(slots) and (int(slots.min()) < 0 or int(slots.max()) >= self.pool.capacity):
                 raise PlanError(f"slot id out of range [0, {self.pool.capacity})")
@@ -258,7 +258,7 @@ class Executor:
         """Snapshot each send's slots into host memory and start sending it."""
         if not sends:
             return
-        assert self.transfers is not None  # _check_slots refused the plan otherwise
+        assert self.transfers is not None  # _apply refused the plan otherwise
         for send in sends:
             snapshot = self.pool.copy_out(self._slot_tensor(send.slots))
             self.transfers.send(send.address, send.transfer_id, snapshot)
@@ -277,16 +277,12 @@ class Executor:
                 copy = store.take(receive.transfer_id)
             except KeyError:
                 raise PlanError(f"receives: no transfer {receive.transfer_id!r} has arrived") from None
-            if copy.tokens != len(receive.slots) or copy.k.dtype != self.pool.k.dtype:
+            pool = self.pool.k
+            want = (pool.shape[0], len(receive.slots), *pool.shape[2:])
+            if tuple(copy.k.shape) != want or copy.k.dtype != pool.dtype:
                 raise PlanError(
-                    f"receives: transfer {receive.transfer_id!r} holds {copy.tokens} tokens of "
-                    f"{copy.k.dtype}; the plan names {len(receive.slots)} slots of a {self.pool.k.dtype} pool"
-                )
-            pool_shape = self.pool.k.shape
-            if (copy.k.shape[0], *copy.k.shape[2:]) != (pool_shape[0], *pool_shape[2:]):
-                raise PlanError(
-                    f"receives: transfer {receive.transfer_id!r} has K/V of shape {list(copy.k.shape)}; "
-                    f"this model's are [{pool_shape[0]}, n, {pool_shape[2]}, {pool_shape[3]}]"
+                    f"receives: transfer {receive.transfer_id!r} holds K/V of shape {list(copy.k.shape)} "
+                    f"in {copy.k.dtype}; the plan's slots in this pool take {list(want)} in {pool.dtype}"
                 )
             self.pool.copy_in(self._slot_tensor(receive.slots), copy)
 

@@ -187,26 +187,18 @@ class TransferAgent:
         self.transport = transport
         self._loop = loop
         self._ended: deque[TransferOutcome] = deque()
-        self._pending: set[concurrent.futures.Future[int]] = set()
 
     @property
     def received(self) -> TransferStore:
         return self.transport.received
 
-    @property
-    def sending(self) -> int:
-        """Sends started whose outcome is not known yet."""
-        return len(self._pending)
-
     def send(self, address: str, transfer_id: str, copy: HostCopy) -> None:
         """Start sending `copy` (the worker's own snapshot: nothing else writes it)."""
         coro = self.transport.send(address, transfer_id, copy.k, copy.v)
         future = asyncio.run_coroutine_threadsafe(coro, self._loop)
-        self._pending.add(future)
         future.add_done_callback(partial(self._ended_one, transfer_id))
 
     def _ended_one(self, transfer_id: str, future: concurrent.futures.Future[int]) -> None:
-        self._pending.discard(future)
         if future.cancelled():
             self._ended.append(TransferOutcome(transfer_id, "CANCELLED: the worker is stopping"))
             return
@@ -219,11 +211,9 @@ class TransferAgent:
             self._ended.append(TransferOutcome(transfer_id, f"{type(exc).__name__}: {exc}"))
 
     def take_outcomes(self) -> tuple[TransferOutcome, ...]:
-        """The outcomes since the last call, in the order the sends ended."""
-        out = []
-        while self._ended:
-            out.append(self._ended.popleft())
-        return tuple(out)
+        """The outcomes since the last call, in the order the sends ended (more may end meanwhile:
+        they wait for the next call)."""
+        return tuple(self._ended.popleft() for _ in range(len(self._ended)))
 
 
 def host_bytes(tensor: torch.Tensor) -> memoryview:

@@ -14,9 +14,11 @@ from collections.abc import AsyncIterator, Callable
 
 import numpy as np
 import pytest
+import torch
 
 from data_plane.executor import Executor
-from data_plane.kv_transfer import TransferAgent
+from data_plane.kv_pool import HostCopy
+from data_plane.kv_transfer import TransferAgent, TransferHeader
 from data_plane.kv_transfer_grpc import GrpcKvTransport
 from data_plane.sim import SimExecutor
 from protos import worker_codec
@@ -119,14 +121,14 @@ async def test_a_send_snapshots_its_slots_before_the_plan_releases_and_reuses_th
     address = await linked(dest)
     source.prefill({1: list(range(10, 30))})
     slots = source.executor.table.slot_table(1).copy()
-    before = source.executor.pool.copy_out(_tensor(slots))
+    before = source.executor.pool.copy_out(torch.from_numpy(slots))
     # Release the sequence and write another prompt's KV into the very same slots, in one plan.
     plan = make_plan(
         9, releases=[1], new_seqs=[new_seq(2)], extends=[Extend(2, 0, list(range(40, 60)), slots)]
     )
     _run(source.executor, _with(plan, sends=(KvSend("early", address, slots),)))
     await _outcomes(source.executor, 10)
-    assert not source.executor.pool.copy_out(_tensor(slots)).k.equal(before.k)  # overwritten here
+    assert not source.executor.pool.copy_out(torch.from_numpy(slots)).k.equal(before.k)  # overwritten here
     arrived = dest.transfers.received.take("early")  # type: ignore[union-attr]
     assert arrived.k.equal(before.k) and arrived.v.equal(before.v)
 
@@ -150,6 +152,25 @@ async def test_a_receive_of_a_transfer_that_never_came_is_a_plan_error(
     await linked(dest)
     result = dest.execute(_with(make_plan(1), receives=(KvReceive("ghost", np.arange(4, dtype=np.int64)),)))
     assert "receives: no transfer 'ghost' has arrived" in result.error
+
+
+@pytest.mark.parametrize("wrong", ["tokens", "heads", "dtype"])
+async def test_a_receive_that_does_not_fit_the_pool_is_a_plan_error(
+    make_executor: Callable[..., Executor], linked, wrong: str
+) -> None:
+    dest = make_executor()
+    await linked(dest)
+    layers, _, heads, dim = dest.pool.k.shape
+    shape = {"tokens": (layers, 3, heads, dim), "heads": (layers, 4, heads + 1, dim)}.get(
+        wrong, (layers, 4, heads, dim)
+    )
+    dtype = torch.float16 if wrong == "dtype" else torch.float32
+    k = torch.zeros(shape, dtype=dtype)
+    store = dest.transfers.received  # type: ignore[union-attr]
+    store.reserve(TransferHeader.of("odd", k, k))
+    store.complete("odd", HostCopy(k, k))
+    result = dest.execute(_with(make_plan(1), receives=(KvReceive("odd", np.arange(4, dtype=np.int64)),)))
+    assert result.error.startswith("receives: transfer 'odd' holds K/V of shape")
 
 
 async def test_a_receive_without_slots_forgets_a_transfer_even_before_it_arrives(
@@ -203,9 +224,3 @@ def test_moves_cross_the_wire_and_malformed_ones_are_refused_naming_the_field() 
     ):
         with pytest.raises(WireError, match=field):
             worker_codec.plan_from_proto(worker_codec.plan_to_proto(_with(make_plan(4), sends=(bad,))).plan)
-
-
-def _tensor(slots: np.ndarray):  # type: ignore[no-untyped-def]
-    import torch
-
-    return torch.from_numpy(slots)
