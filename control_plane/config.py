@@ -191,6 +191,12 @@ class ControlConfig:
     # Seconds a draining worker's running requests (and, on SIGTERM, this control plane's streams)
     # may take to finish before they are handed over (or aborted).
     drain_timeout_s: float = 30.0
+    # A draining worker's running requests migrate to another worker with their KV instead of
+    # finishing there (docs/migration.md); off: --disable-drain-migration.
+    drain_migration: bool = True
+    # STEPWISE_TEST_MIGRATE (tests): every this many steps a worker migrates a running call to another
+    # worker (0: never; STEPWISE_TEST_MIGRATE_INTERVAL sets the steps, default 5).
+    test_migrate_interval: int = 0
     # The worker ports of every control plane, this one included (`A:P,B:P` or `dns:///NAME:PORT`);
     # empty: no rebalancing among peers.
     peers: str = ""
@@ -461,6 +467,12 @@ def _add_peer_arguments(parser: argparse.ArgumentParser) -> None:
         "worker; on SIGTERM, seconds this control plane's streams may take before they are aborted",
     )
     add(
+        "--disable-drain-migration",
+        action="store_true",
+        help="a draining worker's running requests finish there (or continue elsewhere by recompute "
+        "past --drain-timeout) instead of migrating at once to another worker with their KV",
+    )
+    add(
         "--peers",
         default=d.peers,
         metavar="TARGET",
@@ -620,6 +632,18 @@ _ENV_KNOBS: Mapping[str, tuple[str, Callable[[str], object]]] = {
 }
 
 
+def test_migrate_interval(env: Mapping[str, str]) -> int:
+    """STEPWISE_TEST_MIGRATE (a switch) and STEPWISE_TEST_MIGRATE_INTERVAL (steps, default 5): how
+    often a worker migrates a running call under test (0: never)."""
+    try:
+        if not (env.get("STEPWISE_TEST_MIGRATE") and switch(env["STEPWISE_TEST_MIGRATE"])):
+            return 0
+        raw = env.get("STEPWISE_TEST_MIGRATE_INTERVAL")
+        return int(count(1)(raw)) if raw else 5
+    except (argparse.ArgumentTypeError, ValueError) as exc:
+        raise ValueError(f"STEPWISE_TEST_MIGRATE: {exc}") from None
+
+
 def scheduler_config_from_args(
     ns: argparse.Namespace, env: Mapping[str, str] | None = None
 ) -> SchedulerConfig:
@@ -748,6 +772,8 @@ def control_config_from_args(ns: argparse.Namespace, model_dir: Path) -> Control
         frontend_heartbeat_timeout_s=heartbeat_timeout,
         routing=routing_from_args(ns),
         drain_timeout_s=ns.drain_timeout,
+        drain_migration=not ns.disable_drain_migration,
+        test_migrate_interval=test_migrate_interval(os.environ),
         peers=_peers(ns),
         rebalance_interval_s=ns.rebalance_interval,
     )

@@ -97,6 +97,28 @@ WORKER_WAIT = _histogram(
     "worker_wait_seconds", "Time a worker waited for its next plan after finishing a step", _ITL_BUCKETS
 )
 
+# Live migration (docs/migration.md): by the source worker, the stall by the destination.
+MIGRATIONS = Counter(
+    "stepwise:migrations",
+    "Requests migrated off a worker, by reason (drain, test) and outcome: ok (continued on the "
+    "destination from the moved KV), fallback (the copy failed or the destination left: continued "
+    "here or recomputed elsewhere), lost (the source was lost mid-copy: recomputed elsewhere)",
+    ("worker", "reason", "outcome"),
+    registry=REGISTRY,
+)
+MIGRATED_TOKENS = _counter("migrated_tokens", "Tokens whose KV a migration sent to another worker")
+MIGRATION_BYTES = _counter("migration_bytes", "Bytes of KV migrations sent to other workers")
+MIGRATION_COPY_SECONDS = _histogram(
+    "migration_copy_seconds",
+    "A migration's switch to the source worker's word that the copy arrived",
+    _ITL_BUCKETS,
+)
+MIGRATION_STALL_SECONDS = _histogram(
+    "migration_stall_seconds",
+    "A migration's switch to the request's first token on its destination (the client's gap)",
+    _ITL_BUCKETS,
+)
+
 
 def register_worker(worker: str) -> None:
     """Create every series of a new worker at zero, so dashboards see them before the first event."""
@@ -109,6 +131,8 @@ def register_worker(worker: str) -> None:
         GENERATION_TOKENS,
         KV_BOOK_MISMATCHES,
         NUM_RETRACTED_REQS,
+        MIGRATED_TOKENS,
+        MIGRATION_BYTES,
     ):
         metric.labels(worker)
 

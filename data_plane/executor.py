@@ -278,12 +278,15 @@ class Executor:
             except KeyError:
                 raise PlanError(f"receives: no transfer {receive.transfer_id!r} has arrived") from None
             pool = self.pool.k
-            want = (pool.shape[0], len(receive.slots), *pool.shape[2:])
+            want = (pool.shape[0], receive.skip + len(receive.slots), *pool.shape[2:])
             if tuple(copy.k.shape) != want or copy.k.dtype != pool.dtype:
                 raise PlanError(
                     f"receives: transfer {receive.transfer_id!r} holds K/V of shape {list(copy.k.shape)} "
-                    f"in {copy.k.dtype}; the plan's slots in this pool take {list(want)} in {pool.dtype}"
+                    f"in {copy.k.dtype}; the plan's slots (after skipping {receive.skip}) in this pool "
+                    f"take {list(want)} in {pool.dtype}"
                 )
+            if receive.skip:
+                copy = HostCopy(copy.k[:, receive.skip :], copy.v[:, receive.skip :])
             self.pool.copy_in(self._slot_tensor(receive.slots), copy)
 
     def _host_tokens(self) -> int:

@@ -186,10 +186,12 @@ class KvSend:
 
 @dataclass(frozen=True, slots=True)
 class KvReceive:
-    """Write the received transfer `transfer_id` into `slots`; empty slots: forget it unwritten."""
+    """Write the received transfer `transfer_id` into `slots`, its tokens from `skip` on (the first
+    `skip` are cached here already); empty slots: forget it unwritten."""
 
     transfer_id: str
     slots: np.ndarray
+    skip: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -180,7 +180,7 @@ def _encode_plan(
     for send in plan.sends:
         msg.sends.add(transfer_id=send.transfer_id, address=send.address, slots=pack(send.slots, INT64))
     for receive in plan.receives:
-        msg.receives.add(transfer_id=receive.transfer_id, slots=pack(receive.slots, INT64))
+        msg.receives.add(transfer_id=receive.transfer_id, slots=pack(receive.slots, INT64), skip=receive.skip)
     return message, decodes
 
 
@@ -282,7 +282,9 @@ def _plan_from_proto(
         ),
         sends=tuple(_send_from_proto(t) for t in p.sends),
         receives=tuple(
-            KvReceive(_transfer_id(t.transfer_id, "receives"), unpack(t.slots, INT64, "receives.slots"))
+            KvReceive(
+                _transfer_id(t.transfer_id, "receives"), unpack(t.slots, INT64, "receives.slots"), t.skip
+            )
             for t in p.receives
         ),
     )

@@ -52,6 +52,8 @@ class Leaving:
     # Live on the worker once the queued ones moved, and handed over when the timeout passed.
     staying: int = 0
     handed_over: int = 0
+    # Running samples migrated to another worker with their KV (docs/migration.md).
+    migrated: int = 0
 
 
 class _Channel(Protocol):
@@ -170,8 +172,9 @@ class Drain:
         seconds = round(time.monotonic() - leaving.started, 3)
         self._log.info(
             "worker moved" if leaving.departure is Departure.MOVE else "worker drained",
-            finished=leaving.staying - leaving.handed_over,
+            finished=leaving.staying - leaving.handed_over - leaving.migrated,
             handed_over=leaving.handed_over,
+            migrated=leaving.migrated,
             seconds=seconds,
         )
         if leaving.departure is Departure.MOVE:

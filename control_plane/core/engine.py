@@ -10,8 +10,9 @@ scheduler sees them at a well-defined step (what the recorder stamps). The engin
 each own their state and are handed what they need: Streams (publisher.py: the live samples and
 what the frontends hear of them, through the hub's Publisher), HandOver (handover.py: a lost
 worker's requests continue on another engine; a fault of our own restarts the scheduler), Drain
-(drain.py: a worker that drains or is asked to move), Timeouts (timeouts.py), StepLog (step_log.py:
-log lines and metrics); worker_checks.py checks every result.
+(drain.py: a worker that drains or is asked to move), Migrations (migration.py: running requests
+that move to another worker with their KV, or come here so), Timeouts (timeouts.py), StepLog
+(step_log.py: log lines and metrics); worker_checks.py checks every result.
 
 Every request ends with its tokens or an explicit finish reason, whichever way `run` ends. A lost
 worker (WorkerGone: its stream broke or it failed a step; WorkerFault: it broke the protocol or
@@ -21,7 +22,8 @@ streamed token, or ends with an abort naming the error if there is none. A fault
 not end the loop: each request continues on a fresh scheduler, or ends with an abort once it has
 lived through MAX_FAULTS_PER_REQUEST. A drain or move ends the loop only once nothing is live
 (queued requests moved at once, running ones finished here or handed over past --drain-timeout),
-and `stop` (the control plane stopping) ends each live request with an abort. On every exit the
+and `stop` (the control plane stopping) ends each live request with an abort. A draining worker's
+running requests migrate to another worker at once (unless --disable-drain-migration). On every exit the
 engine closes before its first await: the router passes it by from then on, so nothing arrives
 while the session's last message goes out, and whatever is still here, inbox included, ends with
 an abort; a call always hears its verdict before its finish. An engine whose welcome failed is
@@ -33,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import random
 import time
 from collections import deque
 from collections.abc import Callable
@@ -46,7 +49,8 @@ from control_plane.cache.invariants import InvariantError, PoolCheck, check_pool
 from control_plane.config import ControlConfig
 from control_plane.core.drain import Departure, Drain, Leaving
 from control_plane.core.handover import HandOver, WorkerGone
-from control_plane.core.inbox import AbortItem, Arrival, Item, Orphan, StopItem, Verdict
+from control_plane.core.inbox import AbortItem, Arrival, Forget, Immigrant, Item, Orphan, StopItem, Verdict
+from control_plane.core.migration import Destination, Migrations
 from control_plane.core.publisher import Publisher, Streams
 from control_plane.core.step_log import StepLog
 from control_plane.core.timeouts import Timeouts
@@ -117,6 +121,10 @@ class Engine:
         self.streams = Streams(publisher, self.worker, self.step_log.metrics)
         self.handover = HandOver(self.streams, self.worker, self.log, self._heir)
         self.drain = Drain(config.drain_timeout_s, self.streams, self.handover, self.worker, self.log)
+        self.migration = Migrations(self.worker, limits, self.streams, self.log, self._fallback)
+        # STEPWISE_TEST_MIGRATE: a running call migrates every this many steps (0: never).
+        self._test_migrate = config.test_migrate_interval
+        self._test_rng = random.Random(self.worker)
         self.timeouts = Timeouts(config.waiting_timeout_s, config.running_timeout_s, self.streams.admitted_at)
         # A RecordingScheduler under --record DIR: every call below is also written down.
         self.scheduler = make_scheduler(config, limits)
@@ -158,6 +166,11 @@ class Engine:
 
     def _heir(self) -> Engine | None:
         return self._successor(self) if self._successor is not None else None
+
+    def _fallback(self) -> Destination | None:
+        """Where a request whose migration failed continues: here while this engine serves (its
+        prefix is cached here), else on an heir."""
+        return self if self.serving else self._heir()
 
     # --- called by the hub ---------------------------------------------------------------------------
 
@@ -216,6 +229,29 @@ class Engine:
             self._inbox.append(orphan)
         self._wake.set()
 
+    def migrate(self, rid: str, destination: Destination, reason: str) -> bool:
+        """Move the running call (or sample) `rid` to `destination` with its KV, now, between two
+        plans (migration.py). False, with nothing changed, when it cannot move now. Called on the
+        core's loop, between this engine's turns."""
+        rids = self.streams.rids_of(rid)
+        return bool(rids) and self.migration.start(self.scheduler, rids, destination, reason)
+
+    def immigrate(self, orphan: Orphan, transfer_id: str, tokens: tuple[int, ...], since: float) -> bool:
+        """A request migrated here: its KV is in this worker's transfer store. False when this
+        engine takes no requests (the source then keeps it)."""
+        if not self.serving:
+            return False
+        self.streams.adopt(orphan.sample)
+        self._inbox.append(Immigrant(orphan, transfer_id, tokens, since))
+        self._wake.set()
+        return True
+
+    def forget_transfer(self, transfer_id: str) -> None:
+        """A migration to here was given up: the worker drops its copy (now or when it arrives)."""
+        if not self._closed:
+            self._inbox.append(Forget(transfer_id))
+            self._wake.set()
+
     def knows(self, rid: str) -> bool:
         return self.streams.knows(rid)
 
@@ -226,7 +262,11 @@ class Engine:
     def load(self) -> tuple[int, int]:
         """(queued, running) for routing and server info."""
         sched = self.scheduler
-        arriving = sum(len(m.samples) for m in self._inbox if isinstance(m, Arrival))
+        arriving = sum(
+            len(m.samples) if isinstance(m, Arrival) else 1
+            for m in self._inbox
+            if isinstance(m, Arrival | Orphan | Immigrant)
+        )
         return len(sched.waiting) + arriving, len(sched.running)
 
     def leave(self, departure: Departure, reason: str) -> None:
@@ -305,6 +345,7 @@ class Engine:
         calls let through to read it."""
         self._closed = True
         self._inbox.clear()
+        self.migration.abort_all(SHUTTING_DOWN)
         self.streams.abort_all(SHUTTING_DOWN)
         close_recording(self.scheduler)
 
@@ -329,7 +370,10 @@ class Engine:
             if self.timeouts.enabled:
                 self.timeouts.note_waiting(self.scheduler, time.monotonic())
             if plan is None:
-                return
+                if not self.migration.wants_plan(idle=not self._inflight):
+                    return
+                plan = self.scheduler.next_plan(always=True)  # to ask the worker about a copy
+                assert plan is not None
             stats = self.scheduler.last_stats
             assert stats is not None
             self.streams.note_admissions(plan, self.scheduler.requests)
@@ -348,6 +392,8 @@ class Engine:
         plan = flight.plan
         if result.error:
             raise WorkerGone(f"worker failed step {plan.step_id}: {result.error}")
+        if result.transfers:  # a stale result's too: the copies went on
+            self.migration.outcomes(result.transfers)
         if flight.stale:
             return
         check_result(plan, result, self.limits.vocab_size)
@@ -355,6 +401,7 @@ class Engine:
         self._pool_dirty = True
         self._check_books(plan.step_id, flight.books, result)
         self.scheduler.apply_result(result)
+        self.migration.note_tokens(self.scheduler)
         self.steps += 1
         self.waits.append(result.wait_s)
         self.wait_total_s += result.wait_s
@@ -363,6 +410,8 @@ class Engine:
         if self.config.scheduler.strict_invariants:
             self._check_invariants()
         self.step_log.record(plan, flight.stats, self.scheduler)
+        if self._test_migrate and self.steps % self._test_migrate == 0:
+            self._migrate_one_at_random()
 
     async def _await_result(self) -> StepResult:
         """The oldest plan's result, no later than the in-flight plans' deadline (a hung worker)."""
@@ -386,9 +435,9 @@ class Engine:
         if self._inbox or self._stopping or (self.leaving is not None and not self.leaving.begun):
             return
         timeout = self.timeouts.poll_s() if self.streams else None
-        leave_s = self.drain.wait_s()
-        if leave_s is not None:
-            timeout = leave_s if timeout is None else min(timeout, leave_s)
+        for wait_s in (self.drain.wait_s(), self.migration.wait_s()):
+            if wait_s is not None:
+                timeout = wait_s if timeout is None else min(timeout, wait_s)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._wake.wait(), timeout)
 
@@ -402,8 +451,35 @@ class Engine:
             return False
         if not leaving.begun:
             self.drain.begin(self.scheduler, self.load())
+        if self.config.drain_migration and self.streams:
+            leaving.migrated += self._migrate_all("drain")
         self.drain.check_deadline(self.scheduler)
-        return not self.streams and not self._inflight
+        return not self.streams and not self._inflight and not self.migration.busy
+
+    def _migrate_all(self, reason: str) -> int:
+        """Migrate every call whose samples all run here to the least loaded other worker; the
+        samples moved."""
+        moved = 0
+        for rids in list(self.streams.live_calls()):
+            heir = self._heir()
+            if heir is None:
+                break
+            if self.migration.start(self.scheduler, rids, heir, reason):
+                moved += len(rids)
+        return moved
+
+    def _migrate_one_at_random(self) -> None:
+        """STEPWISE_TEST_MIGRATE: one running call, drawn from a seeded generator, moves; only a
+        call whose samples have each made a token here (moving one before its first token on each
+        worker could go on for ever)."""
+        heir = self._heir()
+        calls = [rids for rids in self.streams.live_calls() if all(self._has_run(rid) for rid in rids)]
+        if heir is not None and calls:
+            self.migration.start(self.scheduler, self._test_rng.choice(calls), heir, "test")
+
+    def _has_run(self, rid: str) -> bool:
+        req = self.scheduler.running_request(rid)
+        return req is not None and req.num_outputs > 0
 
     async def _depart(self) -> None:
         self.departed = True
@@ -412,6 +488,7 @@ class Engine:
     def _hand_over(self, error: str) -> None:
         """The worker is lost: every live request continues on another engine (or ends)."""
         self._drain_inbox()  # arrivals not yet seen become requests too; aborts take effect
+        self.migration.lost(self._heir(), error)
         self.handover.worker_lost(self.scheduler, error)
 
     def _recover(self, exc: Exception) -> None:
@@ -423,12 +500,14 @@ class Engine:
             close_recording(self.scheduler)
         self.scheduler = make_scheduler(self.config, self.limits)
         self._forget_in_flight()
+        self.migration.recovered()
         self._reset_worker, self._pool_dirty = True, True
         self._inbox.extend(orphans)
 
     def _waiting_rids(self) -> set[str]:
-        """Samples whose arrival or orphan is still in the inbox."""
+        """Samples whose arrival, orphan or immigrant is still in the inbox."""
         waiting = {s.rid for item in self._inbox if isinstance(item, Arrival) for s in item.samples}
+        waiting |= {item.orphan.sample.rid for item in self._inbox if isinstance(item, Immigrant)}
         return waiting | {item.sample.rid for item in self._inbox if isinstance(item, Orphan)}
 
     # --- the inbox -----------------------------------------------------------------------------------
@@ -440,6 +519,11 @@ class Engine:
                 self._admit(item)
             elif isinstance(item, Orphan):
                 self._admit_orphan(item)
+            elif isinstance(item, Immigrant):
+                self.migration.arrive(self.scheduler, item)
+                self._admit_orphan(item.orphan)
+            elif isinstance(item, Forget):
+                self.migration.arrive(self.scheduler, item)
             elif isinstance(item, StopItem):
                 self._stop(item)
             elif not self.scheduler.abort(item.rid, item.reason):

@@ -1,5 +1,5 @@
 """What reaches an engine between steps (arrivals, aborts, stop-string finishes, a lost worker's
-orphans), and the core's record of each live sample.
+orphans, migrated samples), and the core's record of each live sample.
 
 The engine applies its inbox at the top of every loop turn, so the scheduler sees each item at a
 well-defined step: the one the recorder stamps.
@@ -78,4 +78,23 @@ class Orphan:
     params: RequestParams
 
 
-Item = Arrival | AbortItem | StopItem | Orphan
+@dataclass(frozen=True, slots=True)
+class Immigrant:
+    """A sample migrated here with its KV (migration.py): import the KV, then admit the orphan."""
+
+    orphan: Orphan
+    transfer_id: str
+    # The tokens whose KV the source sent (the leading part of the orphan's input).
+    tokens: tuple[int, ...]
+    # When its source switched it off (the client's gap starts there).
+    since: float
+
+
+@dataclass(frozen=True, slots=True)
+class Forget:
+    """A migration to here was given up: the worker drops the transfer (now, or when it arrives)."""
+
+    transfer_id: str
+
+
+Item = Arrival | AbortItem | StopItem | Orphan | Immigrant | Forget

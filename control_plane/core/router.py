@@ -159,6 +159,9 @@ class Router:
             prompt_tokens_total=engine.step_log.prompt_tokens_total,
             cached_tokens_total=engine.step_log.cached_tokens_total,
             transfer_address=engine.limits.transfer_address,
+            migrated_out=engine.migration.migrated_out,
+            migrated_in=engine.migration.migrated_in,
+            migration_fallbacks=engine.migration.fallbacks,
         )
 
 

@@ -12,15 +12,19 @@ import dataclasses
 import json
 import warnings
 
+import numpy as np
+
 from control_plane.config import SchedulerConfig
 from control_plane.record.entries import (
     Abort,
     AddRequest,
     ApplyResult,
     Entry,
+    Export,
     Finish,
     Finished,
     Header,
+    ImportKv,
     NextPlan,
     OnIdle,
     StepFigures,
@@ -28,6 +32,7 @@ from control_plane.record.entries import (
 from control_plane.request import AbortCode, FinishKind, FinishReason, RequestParams
 from control_plane.scheduler.scheduler import StepStats
 from protos import worker_codec as link
+from protos.arrays import INT64, pack, unpack
 from protos.stepwise.v1 import record_pb2 as rec_pb
 from protos.worker import StepKind
 
@@ -202,6 +207,7 @@ def _next_plan_record(e: NextPlan) -> rec_pb.Record:
     record = rec_pb.Record()
     call = record.next_plan
     call.step = e.step
+    call.always = e.always
     if e.plan is not None:
         call.plan.CopyFrom(link.plan_to_proto(e.plan).plan)
         call.has_plan, call.kind = True, e.plan.kind.value
@@ -216,11 +222,53 @@ def _apply_result_record(e: ApplyResult) -> rec_pb.Record:
 
 def _next_plan_from_proto(m: rec_pb.NextPlanCall) -> NextPlan:
     if not m.has_plan:
-        return NextPlan(m.step, None)
+        return NextPlan(m.step, None, m.always)
     plan = link.plan_from_proto(m.plan)
     if m.kind and plan.kind.value != m.kind:
         plan = dataclasses.replace(plan, kind=StepKind(m.kind))
-    return NextPlan(m.step, plan)
+    return NextPlan(m.step, plan, m.always)
+
+
+def _slots_bytes(slots: tuple[int, ...]) -> bytes:
+    return pack(np.asarray(slots, dtype=np.int64), INT64)
+
+
+def _slots_tuple(data: bytes, name: str) -> tuple[int, ...]:
+    return tuple(unpack(data, INT64, name).tolist())
+
+
+def _export_to_proto(e: Export) -> rec_pb.ExportCall:
+    return rec_pb.ExportCall(
+        step=e.step,
+        rid=e.rid,
+        reason=_reason_to_proto(e.reason),
+        transfer_id=e.transfer_id,
+        address=e.address,
+        applied=e.slots is not None,
+        slots=_slots_bytes(e.slots or ()),
+    )
+
+
+def _export_from_proto(m: rec_pb.ExportCall) -> Export:
+    slots = _slots_tuple(m.slots, "export.slots") if m.applied else None
+    return Export(m.step, m.rid, _reason_from_proto(m.reason), m.transfer_id, m.address, slots)
+
+
+def _import_to_proto(e: ImportKv) -> rec_pb.ImportCall:
+    skip, slots = e.outcome if e.outcome is not None else (0, ())
+    return rec_pb.ImportCall(
+        step=e.step,
+        transfer_id=e.transfer_id,
+        input_ids=e.input_ids,
+        applied=e.outcome is not None,
+        skip=skip,
+        slots=_slots_bytes(slots),
+    )
+
+
+def _import_from_proto(m: rec_pb.ImportCall) -> ImportKv:
+    outcome = (m.skip, _slots_tuple(m.slots, "import_kv.slots")) if m.applied else None
+    return ImportKv(m.step, m.transfer_id, tuple(m.input_ids), outcome)
 
 
 def entry_to_proto(e: Entry) -> rec_pb.Record:
@@ -247,6 +295,10 @@ def entry_to_proto(e: Entry) -> rec_pb.Record:
             return _apply_result_record(e)
         case OnIdle():
             return rec_pb.Record(on_idle=rec_pb.OnIdleCall(step=e.step))
+        case Export():
+            return rec_pb.Record(export=_export_to_proto(e))
+        case ImportKv():
+            return rec_pb.Record(import_kv=_import_to_proto(e))
         case StepFigures():
             return rec_pb.Record(stats=_figures_to_proto(e))
         case Finished():
@@ -286,6 +338,10 @@ def entry_from_proto(m: rec_pb.Record) -> Entry:
             return ApplyResult(link.result_from_proto(m.apply_result.result))
         case "on_idle":
             return OnIdle(m.on_idle.step)
+        case "export":
+            return _export_from_proto(m.export)
+        case "import_kv":
+            return _import_from_proto(m.import_kv)
         case "stats":
             return _figures_from_proto(m.stats)
         case "finished":

@@ -1,6 +1,7 @@
 """What a recording holds, as typed values: a header, then every mutating scheduler call in order.
 
-Replaying the calls (AddRequest, Abort, Finish, NextPlan, ApplyResult, OnIdle) into a fresh
+Replaying the calls (AddRequest, Abort, Finish, NextPlan, ApplyResult, OnIdle, Export,
+ImportKv) into a fresh
 Scheduler built from the header must reproduce every recorded plan. StepFigures and Finished are
 observations for `stepwise replay show`; scheduler replay also checks the finishes.
 
@@ -67,6 +68,8 @@ class Finish:
 class NextPlan:
     step: int
     plan: StepPlan | None
+    # next_plan(always=True): a plan even with nothing to do.
+    always: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +80,31 @@ class ApplyResult:
 @dataclass(frozen=True, slots=True)
 class OnIdle:
     step: int
+
+
+@dataclass(frozen=True, slots=True)
+class Export:
+    """A running request finished here to continue on another worker (docs/migration.md)."""
+
+    step: int
+    rid: str
+    reason: FinishReason
+    transfer_id: str
+    address: str
+    # What the call returned: None when it did not apply, else the slots sent.
+    slots: tuple[int, ...] | None
+
+
+@dataclass(frozen=True, slots=True)
+class ImportKv:
+    """KV another worker sent, given a place in the prefix cache (docs/migration.md); no
+    input_ids: the transfer is forgotten."""
+
+    step: int
+    transfer_id: str
+    input_ids: tuple[int, ...]
+    # What the call returned: None when there was no room, else (skip, slots).
+    outcome: tuple[int, tuple[int, ...]] | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,5 +130,5 @@ class Finished:
     cached_tokens: int = 0
 
 
-Call = AddRequest | Abort | Finish | NextPlan | ApplyResult | OnIdle
+Call = AddRequest | Abort | Finish | NextPlan | ApplyResult | OnIdle | Export | ImportKv
 Entry = Header | Call | StepFigures | Finished

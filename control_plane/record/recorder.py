@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Protocol
 
+import numpy as np
 import structlog
 
 from control_plane.config import ControlConfig, SchedulerConfig
@@ -25,9 +26,11 @@ from control_plane.record.entries import (
     AddRequest,
     ApplyResult,
     Entry,
+    Export,
     Finish,
     Finished,
     Header,
+    ImportKv,
     NextPlan,
     OnIdle,
     StepFigures,
@@ -145,10 +148,23 @@ class RecordingScheduler(Scheduler):
         self.sink.write(Finish(self.step_id, rid, reason, applied))
         return applied
 
-    def next_plan(self) -> StepPlan | None:
+    def export(self, rid: str, reason: FinishReason, transfer_id: str, address: str) -> np.ndarray | None:
+        slots = super().export(rid, reason, transfer_id, address)
+        sent = None if slots is None else tuple(slots.tolist())
+        self.sink.write(Export(self.step_id, rid, reason, transfer_id, address, sent))
+        return slots
+
+    def import_kv(self, transfer_id: str, input_ids: Sequence[int]) -> tuple[int, np.ndarray] | None:
+        ids = tuple(input_ids)
+        outcome = super().import_kv(transfer_id, ids)
+        recorded = None if outcome is None else (outcome[0], tuple(outcome[1].tolist()))
+        self.sink.write(ImportKv(self.step_id, transfer_id, ids, recorded))
+        return outcome
+
+    def next_plan(self, always: bool = False) -> StepPlan | None:
         step, admission_ratio = self.step_id, self.ratio.current
-        plan = super().next_plan()
-        self.sink.write(NextPlan(step, plan))
+        plan = super().next_plan(always)
+        self.sink.write(NextPlan(step, plan, always))
         if plan is None:
             self.sink.end_step(self.step_id)
             return None

@@ -20,9 +20,11 @@ from control_plane.record.entries import (
     AddRequest,
     ApplyResult,
     Entry,
+    Export,
     Finish,
     Finished,
     Header,
+    ImportKv,
     NextPlan,
     OnIdle,
 )
@@ -130,6 +132,16 @@ class _SchedulerReplay:
                 self.scheduler.apply_result(entry.result)
             case OnIdle():
                 self.scheduler.on_idle()
+            case Export():
+                self.counts["exports"] += 1
+                slots = self.scheduler.export(entry.rid, entry.reason, entry.transfer_id, entry.address)
+                replayed = None if slots is None else tuple(slots.tolist())
+                return _outcome(entry.step, f"export({entry.rid})", entry.slots, replayed)
+            case ImportKv():
+                self.counts["imports"] += 1
+                outcome = self.scheduler.import_kv(entry.transfer_id, entry.input_ids)
+                replayed_import = None if outcome is None else (outcome[0], tuple(outcome[1].tolist()))
+                return _outcome(entry.step, f"import_kv({entry.transfer_id})", entry.outcome, replayed_import)
             case Finished():
                 return self._finished(entry)
         return None
@@ -144,7 +156,7 @@ class _SchedulerReplay:
         return _outcome(entry.step, f"add_request({entry.rid}).error", entry.error, error)
 
     def _next_plan(self, entry: NextPlan) -> Divergence | None:
-        plan = self.scheduler.next_plan()
+        plan = self.scheduler.next_plan(entry.always)
         step = entry.plan.step_id if entry.plan is not None else entry.step + 1
         if (plan is None) != (entry.plan is None):
             return Divergence(step, "plan", _plan_word(entry.plan), _plan_word(plan))

@@ -5,7 +5,8 @@ are the live sequences (offloaded ones aside) with the sum of their slot tables 
 kv_allocated_len), which the worker reports after every step (`books()`), and the host backup pool
 (docs/scheduler.md#host-backup-pool): a retracted request's KV waits there, under its handle, until
 re-admission restores it into fresh slots. Releases, remaps, offloads and restores queue here until
-the next plan takes them.
+the next plan takes them, and so do the KV moves of a migration (docs/migration.md): sends of a
+request's slots to another worker, and receives of another worker's KV into slots here.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from control_plane.request import Request
-from protos.worker import KvTransfer, SlotRemap
+from protos.worker import KvReceive, KvSend, KvTransfer, SlotRemap
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +28,8 @@ class PlanDeltas:
     remaps: tuple[SlotRemap, ...]
     offloads: tuple[KvTransfer, ...]
     restores: tuple[KvTransfer, ...]
+    sends: tuple[KvSend, ...] = ()
+    receives: tuple[KvReceive, ...] = ()
 
 
 class SequenceBooks:
@@ -45,6 +48,8 @@ class SequenceBooks:
         self._remaps: list[SlotRemap] = []
         self._offloads: list[KvTransfer] = []
         self._restores: list[KvTransfer] = []
+        self._sends: list[KvSend] = []
+        self._receives: list[KvReceive] = []
 
     # --- sequences -------------------------------------------------------------------------------
 
@@ -114,12 +119,22 @@ class SequenceBooks:
         req.host_backup_len = 0
         return n
 
+    # --- KV that moves between workers (docs/migration.md) ---------------------------------------
+
+    def send(self, send: KvSend) -> None:
+        """The next plan sends these slots' KV to another worker (read before it reuses them)."""
+        self._sends.append(send)
+
+    def receive(self, receive: KvReceive) -> None:
+        """The next plan writes a transfer from another worker into slots here (or forgets it)."""
+        self._receives.append(receive)
+
     # --- what the next plan carries ----------------------------------------------------------------
 
     @property
     def has_deltas(self) -> bool:
         """Something for the worker even without work: a plan is due."""
-        return bool(self._releases or self._remaps or self._offloads)
+        return bool(self._releases or self._remaps or self._offloads or self._sends or self._receives)
 
     def take_deltas(self) -> PlanDeltas:
         releases = np.asarray(self._releases, dtype=np.int64)
@@ -131,8 +146,11 @@ class SequenceBooks:
             remaps=tuple(r for r in self._remaps if r.handle not in released),
             offloads=tuple(t for t in self._offloads if t.handle not in released),
             restores=tuple(self._restores),
+            sends=tuple(self._sends),
+            receives=tuple(self._receives),
         )
         self._releases, self._remaps, self._offloads, self._restores = [], [], [], []
+        self._sends, self._receives = [], []
         return deltas
 
     # --- figures -------------------------------------------------------------------------------------

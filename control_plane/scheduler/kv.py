@@ -288,6 +288,39 @@ class KvManager:
             return None
         return Remap(req.handle, old_protected, state.slots[old_protected : state.shared_len].copy())
 
+    # --- KV that moves between workers (docs/migration.md) --------------------------------------
+
+    def cached_slots(self, tokens: np.ndarray) -> np.ndarray:
+        """Mutates the tree's access clock and splits, like any match: the slots of the longest
+        cached prefix of `tokens` (page-aligned; none when the cache is disabled)."""
+        if self.disabled:
+            return np.zeros(0, dtype=np.int64)
+        return self.tree.match_prefix(tokens).indices
+
+    def import_prefix(self, tokens: np.ndarray) -> tuple[int, np.ndarray] | None:
+        """Mutates: a place in the tree for KV another worker sends, for the page-aligned part of
+        `tokens`. The leading tokens the tree holds already stay as they are (`skip`, returned);
+        fresh slots for the rest are inserted at once and returned, for the next plan's receive to
+        write before any forward reads them. None, with nothing inserted, when the cache is disabled
+        or the pool has no room even after evicting."""
+        if self.disabled:
+            return None
+        n = len(tokens) - len(tokens) % self.page_size
+        match = self.tree.match_prefix(tokens[:n])
+        skip = len(match.indices)
+        # The match is locked while room is made, so eviction cannot take what `skip` counts on.
+        self.inc_lock(match.last_node)
+        try:
+            self.evict_for(n - skip)
+            fresh = self.allocator.alloc(n - skip) if n > skip else np.zeros(0, dtype=np.int64)
+        finally:
+            self.dec_lock(match.last_node)
+        if fresh is None:
+            return None
+        cached = self.tree.insert(tokens[:n], np.concatenate((match.indices, fresh)))
+        assert cached == skip, f"import: the tree held {cached} tokens, the locked match {skip}"
+        return skip, fresh
+
     def release_req(self, req: Request, remaining: int, retract_decode_steps: int) -> None:
         """Mutates: release a retracted or preempted request without inserting its KV
         (docs/scheduler.md#retraction)."""

@@ -32,6 +32,8 @@ class PlanBuilder:
                 releases=deltas.releases,
                 remaps=deltas.remaps,
                 offloads=deltas.offloads,
+                sends=deltas.sends,
+                receives=deltas.receives,
             )
         extends, new_seqs = self._extend_work(batch)
         decodes = DecodeWork()
@@ -47,6 +49,8 @@ class PlanBuilder:
             new_seqs=new_seqs,
             extends=extends,
             decodes=decodes,
+            sends=deltas.sends,
+            receives=deltas.receives,
         )
 
     def _extend_work(self, batch: ScheduledBatch) -> tuple[ExtendWork, tuple[NewSeq, ...]]:

@@ -56,7 +56,7 @@ from control_plane.scheduler.registry import Registry
 from control_plane.scheduler.results import ResultApplier
 from control_plane.scheduler.retraction import HOST_POOL_FULL, OOM_LAST_REQUEST, Retraction
 from control_plane.scheduler.sizing import PoolSizes, clamp_max_new_tokens, resolve_max_running_requests
-from protos.worker import StepKind, StepPlan, StepResult, WorkerLimits
+from protos.worker import KvReceive, KvSend, StepKind, StepPlan, StepResult, WorkerLimits
 
 __all__ = [
     "HOST_POOL_FULL",
@@ -161,8 +161,10 @@ class Scheduler:
 
     # --- the step (docs/scheduler.md#step-loop get_next_batch_to_run) ------------------------------------
 
-    def next_plan(self) -> StepPlan | None:
-        """Decide the next step. Returns None when there is nothing to do (not even a release).
+    def next_plan(self, always: bool = False) -> StepPlan | None:
+        """Decide the next step. Returns None when there is nothing to do (not even a release),
+        unless `always`: then a plan that does nothing, for the worker to answer at once (the engine
+        waits for its word on a KV transfer, docs/migration.md).
 
         Earlier plans may still be in flight; every plan returned must get its result applied, in
         plan order."""
@@ -174,7 +176,7 @@ class Scheduler:
         if batch is None and len(self.running):
             batch = self.decode.update_running_batch(stats, self.forward_ct)
         self.last_batch = batch
-        if batch is None and not self.seq_books.has_deltas:
+        if batch is None and not self.seq_books.has_deltas and not always:
             return None
         self.step_id += 1
         if batch is not None:
@@ -257,11 +259,51 @@ class Scheduler:
         """Finish a running request for a reason decided outside (a stop string); caches its KV."""
         return self.exits.finish(rid, reason)
 
+    def export(self, rid: str, reason: FinishReason, transfer_id: str, address: str) -> np.ndarray | None:
+        """Finish a running request that continues on another worker (a migration, docs/migration.md):
+        its KV is cached here as at any finish, so its prefix stays, and the next plan sends the
+        cached part, positions [0, len) of its tokens, to `address` as `transfer_id` (a send reads
+        its slots before that plan reuses any). Returns those slots (none sent when empty: the cache
+        is disabled). None when it is not running here (queued, mid-chunk or gone): nothing
+        changed."""
+        req = self.registry.live(rid)
+        if req is None:
+            return None
+        tokens = np.array(req.fill_ids[: req.kv_committed_len], dtype=np.int64)
+        if not self.exits.finish(rid, reason):
+            return None
+        slots = self.kv.cached_slots(tokens)
+        if len(slots):
+            self.seq_books.send(KvSend(transfer_id, address, slots))
+        return slots
+
+    def import_kv(self, transfer_id: str, input_ids: Sequence[int]) -> tuple[int, np.ndarray] | None:
+        """KV another worker sent for the leading tokens `input_ids` of a request that continues
+        here: a place in the prefix cache (KvManager.import_prefix), written by the next plan's
+        receive before any forward reads it; the request matches it at admission like any cached
+        prefix. Returns (tokens cached here already, slots received into), or None when there is
+        no room: the next plan then forgets the transfer, as it does for empty `input_ids` (a
+        migration given up)."""
+        placed = self.kv.import_prefix(np.asarray(input_ids, dtype=np.int64)) if len(input_ids) else None
+        if placed is None or not len(placed[1]):
+            self.seq_books.receive(KvReceive(transfer_id, np.zeros(0, dtype=np.int64)))
+        else:
+            self.seq_books.receive(KvReceive(transfer_id, placed[1], placed[0]))
+        return placed
+
     def take_updates(self) -> StepUpdates:
         """Tokens and finishes since the last call (tokens first: see StepUpdates)."""
         return self.registry.take_updates()
 
     # --- state, read-only ----------------------------------------------------------------------------------
+
+    def running_request(self, rid: str) -> Request | None:
+        """The live request `rid` if it holds KV here and is past its prefill's planning: not queued
+        and not mid-chunk (what `finish` and `export` take)."""
+        req = self.registry.live(rid)
+        if req is None or req is self.chunk.req or self.intake.is_waiting(req):
+            return None
+        return req
 
     @property
     def waiting(self) -> list[Request]:

@@ -45,7 +45,18 @@ def next_token(context: list[int], vocab: int, eos: int | None, eos_every: int) 
 
 
 class FakeWorker:
-    def __init__(self, capacity: int, vocab: int = 1000, eos: int | None = None, eos_every: int = 0) -> None:
+    """`network`: where KvSends go and KvReceives come from (transfer id -> the (token, position)
+    contents of the sent slots, in order); workers that share one can move KV between them."""
+
+    def __init__(
+        self,
+        capacity: int,
+        vocab: int = 1000,
+        eos: int | None = None,
+        eos_every: int = 0,
+        network: dict[str, list[tuple[int, int]]] | None = None,
+    ) -> None:
+        self.network = network if network is not None else {}
         self.capacity = capacity
         self.vocab = vocab
         self.eos = eos
@@ -57,6 +68,8 @@ class FakeWorker:
         self.offloads = self.restores = 0
 
     def run(self, plan: StepPlan) -> StepResult:
+        for send in plan.sends:  # before the releases: the plan may reuse the slots it sends
+            self.network[send.transfer_id] = [self.pool[s] for s in send.slots.tolist()]
         if plan.reset:
             self.seqs.clear()
             self.host.clear()
@@ -68,6 +81,14 @@ class FakeWorker:
             for i, slot in enumerate(remap.slots.tolist()):
                 seq.slots[remap.start + i] = slot
         self._offload_and_restore(plan)
+        for receive in plan.receives:
+            if not len(receive.slots):
+                self.network.pop(receive.transfer_id, None)
+                continue
+            sent = self.network.pop(receive.transfer_id)
+            assert len(sent) == receive.skip + len(receive.slots), "a receive names the wrong slot count"
+            for slot, content in zip(receive.slots.tolist(), sent[receive.skip :], strict=True):
+                self.pool[slot] = content
         for new in plan.new_seqs:
             assert new.handle not in self.seqs, f"handle {new.handle} introduced twice"
             self.seqs[new.handle] = _Seq(slots=new.prefix_slots.tolist(), logprobs=new.sampler.logprobs > 0)

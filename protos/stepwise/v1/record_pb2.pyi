@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Record(_message.Message):
-    __slots__ = ("header", "add_request", "abort", "finish", "next_plan", "apply_result", "on_idle", "stats", "finished")
+    __slots__ = ("header", "add_request", "abort", "finish", "next_plan", "apply_result", "on_idle", "stats", "finished", "export", "import_kv")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     ADD_REQUEST_FIELD_NUMBER: _ClassVar[int]
     ABORT_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,8 @@ class Record(_message.Message):
     ON_IDLE_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
+    EXPORT_FIELD_NUMBER: _ClassVar[int]
+    IMPORT_KV_FIELD_NUMBER: _ClassVar[int]
     header: Header
     add_request: AddRequestCall
     abort: AbortCall
@@ -27,7 +29,9 @@ class Record(_message.Message):
     on_idle: OnIdleCall
     stats: StepFigures
     finished: FinishedEvent
-    def __init__(self, header: _Optional[_Union[Header, _Mapping]] = ..., add_request: _Optional[_Union[AddRequestCall, _Mapping]] = ..., abort: _Optional[_Union[AbortCall, _Mapping]] = ..., finish: _Optional[_Union[FinishCall, _Mapping]] = ..., next_plan: _Optional[_Union[NextPlanCall, _Mapping]] = ..., apply_result: _Optional[_Union[ApplyResultCall, _Mapping]] = ..., on_idle: _Optional[_Union[OnIdleCall, _Mapping]] = ..., stats: _Optional[_Union[StepFigures, _Mapping]] = ..., finished: _Optional[_Union[FinishedEvent, _Mapping]] = ...) -> None: ...
+    export: ExportCall
+    import_kv: ImportCall
+    def __init__(self, header: _Optional[_Union[Header, _Mapping]] = ..., add_request: _Optional[_Union[AddRequestCall, _Mapping]] = ..., abort: _Optional[_Union[AbortCall, _Mapping]] = ..., finish: _Optional[_Union[FinishCall, _Mapping]] = ..., next_plan: _Optional[_Union[NextPlanCall, _Mapping]] = ..., apply_result: _Optional[_Union[ApplyResultCall, _Mapping]] = ..., on_idle: _Optional[_Union[OnIdleCall, _Mapping]] = ..., stats: _Optional[_Union[StepFigures, _Mapping]] = ..., finished: _Optional[_Union[FinishedEvent, _Mapping]] = ..., export: _Optional[_Union[ExportCall, _Mapping]] = ..., import_kv: _Optional[_Union[ImportCall, _Mapping]] = ...) -> None: ...
 
 class Header(_message.Message):
     __slots__ = ("format_version", "scheduler_config_json", "worker", "seeds", "part", "first_step", "writer")
@@ -137,16 +141,52 @@ class FinishCall(_message.Message):
     def __init__(self, step: _Optional[int] = ..., rid: _Optional[str] = ..., reason: _Optional[_Union[Outcome, _Mapping]] = ..., applied: _Optional[bool] = ...) -> None: ...
 
 class NextPlanCall(_message.Message):
-    __slots__ = ("step", "plan", "has_plan", "kind")
+    __slots__ = ("step", "plan", "has_plan", "kind", "always")
     STEP_FIELD_NUMBER: _ClassVar[int]
     PLAN_FIELD_NUMBER: _ClassVar[int]
     HAS_PLAN_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
+    ALWAYS_FIELD_NUMBER: _ClassVar[int]
     step: int
     plan: _worker_pb2.StepPlan
     has_plan: bool
     kind: str
-    def __init__(self, step: _Optional[int] = ..., plan: _Optional[_Union[_worker_pb2.StepPlan, _Mapping]] = ..., has_plan: _Optional[bool] = ..., kind: _Optional[str] = ...) -> None: ...
+    always: bool
+    def __init__(self, step: _Optional[int] = ..., plan: _Optional[_Union[_worker_pb2.StepPlan, _Mapping]] = ..., has_plan: _Optional[bool] = ..., kind: _Optional[str] = ..., always: _Optional[bool] = ...) -> None: ...
+
+class ExportCall(_message.Message):
+    __slots__ = ("step", "rid", "reason", "transfer_id", "address", "applied", "slots")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    RID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    rid: str
+    reason: Outcome
+    transfer_id: str
+    address: str
+    applied: bool
+    slots: bytes
+    def __init__(self, step: _Optional[int] = ..., rid: _Optional[str] = ..., reason: _Optional[_Union[Outcome, _Mapping]] = ..., transfer_id: _Optional[str] = ..., address: _Optional[str] = ..., applied: _Optional[bool] = ..., slots: _Optional[bytes] = ...) -> None: ...
+
+class ImportCall(_message.Message):
+    __slots__ = ("step", "transfer_id", "input_ids", "applied", "skip", "slots")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_FIELD_NUMBER: _ClassVar[int]
+    SKIP_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    transfer_id: str
+    input_ids: _containers.RepeatedScalarFieldContainer[int]
+    applied: bool
+    skip: int
+    slots: bytes
+    def __init__(self, step: _Optional[int] = ..., transfer_id: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., applied: _Optional[bool] = ..., skip: _Optional[int] = ..., slots: _Optional[bytes] = ...) -> None: ...
 
 class ApplyResultCall(_message.Message):
     __slots__ = ("result",)

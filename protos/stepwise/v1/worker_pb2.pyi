@@ -256,12 +256,14 @@ class KvSend(_message.Message):
     def __init__(self, transfer_id: _Optional[str] = ..., address: _Optional[str] = ..., slots: _Optional[bytes] = ...) -> None: ...
 
 class KvReceive(_message.Message):
-    __slots__ = ("transfer_id", "slots")
+    __slots__ = ("transfer_id", "slots", "skip")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
+    SKIP_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     slots: bytes
-    def __init__(self, transfer_id: _Optional[str] = ..., slots: _Optional[bytes] = ...) -> None: ...
+    skip: int
+    def __init__(self, transfer_id: _Optional[str] = ..., slots: _Optional[bytes] = ..., skip: _Optional[int] = ...) -> None: ...
 
 class StepPlan(_message.Message):
     __slots__ = ("step_id", "release_handles", "offloads", "restores", "new_seqs", "extends", "decodes", "remaps", "reset", "sends", "receives")
