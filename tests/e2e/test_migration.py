@@ -4,13 +4,16 @@ between the planes and between the workers' transfer links."""
 from __future__ import annotations
 
 import asyncio
+import signal
+import time
 from pathlib import Path
 
 import pytest
 
-from clients.client import StepwiseClient
-from tests.e2e.test_generate import _encode_all, _greedy_all, MAX_NEW
+from clients.client import StepwiseClient, generate_request, sampling_params
+from protos.stepwise.v1 import generation_pb2 as gen_pb
 from tests.e2e.conftest import reference_greedy
+from tests.e2e.test_generate import MAX_NEW, _encode_all, _greedy_all
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -25,7 +28,9 @@ async def _books_settle_all(address: str, timeout: float = 10.0) -> None:
     deadline = asyncio.get_running_loop().time() + timeout
     while True:
         workers = await _workers(address)
-        states = [(w.book_live_seqs, w.reported_live_seqs, w.book_seq_slots, w.reported_seq_slots) for w in workers]
+        states = [
+            (w.book_live_seqs, w.reported_live_seqs, w.book_seq_slots, w.reported_seq_slots) for w in workers
+        ]
         if all(state == (0, 0, 0, 0) for state in states):
             assert all(w.kv_mismatches == 0 for w in workers)
             return
@@ -57,3 +62,114 @@ async def test_greedy_with_test_migrate_equals_transformers(
     assert sum(w.migrated_out for w in workers) == sum(w.migrated_in for w in workers)
     assert sum(w.migration_fallbacks for w in workers) == 0
     await _books_settle_all(stack.address)
+
+
+async def test_test_migrate_moves_parallel_samples_together(
+    start_stack, model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """n > 1: the samples of a call move together or not at all, and each equals transformers."""
+    monkeypatch.setenv("STEPWISE_TEST_MIGRATE", "1")
+    monkeypatch.setenv("STEPWISE_TEST_MIGRATE_INTERVAL", "2")
+    stack = await start_stack([], [], workers=2)
+    prompts, eos = _encode_all(model_dir)
+    async with StepwiseClient(stack.address) as client:
+        calls = await asyncio.gather(
+            *(
+                client.generate_samples(ids, 3, max_new_tokens=30, temperature=0.0, ignore_eos=True)
+                for ids in prompts[:3]
+            )
+        )
+    for ids, samples in zip(prompts, calls, strict=False):
+        want = reference_greedy(model_dir, ids, 30, eos, ignore_eos=True)
+        assert [s.token_ids for s in samples] == [want] * 3
+    workers = await _workers(stack.address)
+    moved = sum(w.migrated_out for w in workers)
+    assert moved > 0 and moved % 3 == 0, "each migration moved a whole call of 3 samples"
+    await _books_settle_all(stack.address)
+
+
+async def _stream_greedy(
+    client: StepwiseClient, ids: list[int], n: int, progress: list[int], i: int, routing_key: str = ""
+) -> list[int]:
+    got: list[int] = []
+    sampling = sampling_params(max_new_tokens=n, temperature=0.0, ignore_eos=True)
+    request = generate_request(ids, sampling, routing_key=routing_key)
+    async for response in client.stream(request):
+        if response.WhichOneof("event") == "chunk":
+            got.extend(response.chunk.token_ids)
+            progress[i] = len(got)
+        elif response.WhichOneof("event") == "finished":
+            assert response.finished.reason == gen_pb.FINISH_REASON_LENGTH, response.finished
+    return got
+
+
+@pytest.mark.slow
+async def test_sigterm_on_a_loaded_worker_migrates_its_requests(start_control, model_dir: Path) -> None:
+    """The worker leaves long before its requests end (--drain-timeout is far off), every stream
+    gets exactly the fault-free tokens, and the survivor prefills no prompt again: it computes one
+    prompt token per request that came to it."""
+    plane = await start_control("--drain-timeout", "300")
+    procs = {name: plane.add_worker(name, sim=False) for name in ("w0", "w1")}
+    await plane.wait_workers(2)
+    prompts, eos = _encode_all(model_dir)
+    new = 160
+    progress = [0] * len(prompts)
+    async with StepwiseClient(plane.address) as client:
+        # One routing key: every request runs on the same worker, the one that gets SIGTERM.
+        tasks = [
+            asyncio.create_task(_stream_greedy(client, ids, new, progress, i, routing_key="one"))
+            for i, ids in enumerate(prompts)
+        ]
+        deadline = asyncio.get_running_loop().time() + 60
+        while min(progress) < 2:
+            assert asyncio.get_running_loop().time() < deadline, progress
+            await asyncio.sleep(0.01)
+        loaded = [w for w in (await client.server_info()).workers if w.running]
+        assert len(loaded) == 1 and loaded[0].running == len(prompts)
+        victim = procs[loaded[0].worker_id]
+        start = time.monotonic()
+        victim.send_signal(signal.SIGTERM)
+        code = await asyncio.to_thread(victim.wait, 60)
+        exit_s = time.monotonic() - start
+        at_exit = list(progress)
+        got = await asyncio.gather(*tasks)
+        [survivor] = (await client.server_info()).workers
+    assert code == 0
+    assert min(at_exit) < new, "the worker left before its requests ended"
+    assert exit_s < 30, f"the worker took {exit_s:.1f} s to leave"
+    for ids, tokens in zip(prompts, got, strict=True):
+        assert tokens == reference_greedy(model_dir, ids, new, eos, ignore_eos=True)
+    assert survivor.migrated_in == len(prompts) and survivor.migration_fallbacks == 0
+    computed = survivor.prompt_tokens_total - survivor.cached_tokens_total
+    assert computed <= len(prompts), f"computed {computed} prompt tokens for {len(prompts)} migrated requests"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("victim", ["w0", "w1"])
+async def test_sigkill_mid_migration_loses_and_repeats_nothing(
+    start_control, model_dir: Path, monkeypatch: pytest.MonkeyPatch, victim: str
+) -> None:
+    """Requests migrate between two workers every few steps; one is killed while copies are under
+    way both ways (it is the source of some and the destination of others). Every stream ends with
+    exactly the tokens transformers gives."""
+    monkeypatch.setenv("STEPWISE_TEST_MIGRATE", "1")
+    monkeypatch.setenv("STEPWISE_TEST_MIGRATE_INTERVAL", "2")
+    plane = await start_control()
+    procs = {name: plane.add_worker(name, sim=False) for name in ("w0", "w1")}
+    await plane.wait_workers(2)
+    prompts, eos = _encode_all(model_dir)
+    new = 60
+    progress = [0] * len(prompts)
+    async with StepwiseClient(plane.address) as client:
+        tasks = [
+            asyncio.create_task(_stream_greedy(client, ids, new, progress, i))
+            for i, ids in enumerate(prompts)
+        ]
+        deadline = asyncio.get_running_loop().time() + 60
+        while sum(w.migrated_out for w in (await client.server_info()).workers) < 4:
+            assert asyncio.get_running_loop().time() < deadline, "no migrations"
+            await asyncio.sleep(0.01)
+        procs[victim].kill()
+        got = await asyncio.gather(*tasks)
+    for ids, tokens in zip(prompts, got, strict=True):
+        assert tokens == reference_greedy(model_dir, ids, new, eos, ignore_eos=True)
