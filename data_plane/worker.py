@@ -384,7 +384,8 @@ async def _load_and_serve(config: WorkerConfig, health: WorkerHealth, signals: a
         device=hello.device,
         dtype=hello.dtype,
     )
-    transport = make_transport(config)
+    # The sim backend holds no K/V to move: it serves no transfer link and announces none.
+    transport = make_transport(config) if isinstance(worker.executor, Executor) else None
     try:
         if transport is not None:
             try:
@@ -394,8 +395,8 @@ async def _load_and_serve(config: WorkerConfig, health: WorkerHealth, signals: a
                 return EXIT_REFUSED
             log.info("transfer_listening", address=transfer_address)
             worker = replace(worker, hello=replace(hello, transfer_address=transfer_address))
-            if isinstance(worker.executor, Executor):  # the sim backend holds no K/V to move
-                worker.executor.transfers = TransferAgent(transport, asyncio.get_running_loop())
+            assert isinstance(worker.executor, Executor)
+            worker.executor.transfers = TransferAgent(transport, asyncio.get_running_loop())
         await health.set_loaded()
         return await serve_until_signal(worker, config, signals, Link(health))
     finally:
