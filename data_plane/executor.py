@@ -29,7 +29,7 @@ from data_plane.backends.base import AttentionBackend, StepLayout
 from data_plane.backends.sdpa import SdpaBackend
 from data_plane.constraints import Constraints, GrammarMasks
 from data_plane.kv_pool import HostCopy, KvPool
-from data_plane.kv_transfer import TransferAgent
+from data_plane.kv_transfer import Transfers
 from data_plane.models.llama import ForwardBatch, LlamaModel
 from data_plane.sampler import BiasRow, PenaltyRow, SampleOutput, ids_logprobs, logprob_rows, sample
 from data_plane.scoring import ScoreRows, score_rows
@@ -107,7 +107,7 @@ class Executor:
         self._mask_thread: ThreadPoolExecutor | None = None
         # Sends and receives KV from other workers (set once the worker's transport serves); None:
         # a plan that asks for either is refused.
-        self.transfers: TransferAgent | None = None
+        self.transfers: Transfers | None = None
 
     # ---- the step ----------------------------------------------------------------------------
 

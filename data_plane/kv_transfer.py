@@ -19,6 +19,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from typing import Protocol
 
 import torch
 
@@ -213,6 +214,36 @@ class TransferAgent:
     def take_outcomes(self) -> tuple[TransferOutcome, ...]:
         """The outcomes since the last call, in the order the sends ended (more may end meanwhile:
         they wait for the next call)."""
+        return tuple(self._ended.popleft() for _ in range(len(self._ended)))
+
+
+class Transfers(Protocol):
+    """What an executor moves KV with: TransferAgent over a transport, or LoopbackTransfers."""
+
+    @property
+    def received(self) -> TransferStore: ...
+
+    def send(self, address: str, transfer_id: str, copy: HostCopy) -> None: ...
+
+    def take_outcomes(self) -> tuple[TransferOutcome, ...]: ...
+
+
+class LoopbackTransfers:
+    """Transfers among executors in one process (`stepwise replay worker` of recordings made
+    together): a send lands in the store they share at once, and succeeds; the address is not
+    used, transfer ids being unique."""
+
+    def __init__(self, store: TransferStore) -> None:
+        self.received = store
+        self._ended: deque[TransferOutcome] = deque()
+
+    def send(self, address: str, transfer_id: str, copy: HostCopy) -> None:
+        header = TransferHeader.of(transfer_id, copy.k, copy.v)
+        self.received.reserve(header)
+        self.received.complete(transfer_id, copy)
+        self._ended.append(TransferOutcome(transfer_id, "", header.total_bytes))
+
+    def take_outcomes(self) -> tuple[TransferOutcome, ...]:
         return tuple(self._ended.popleft() for _ in range(len(self._ended)))
 
 

@@ -1,7 +1,9 @@
 """`stepwise replay {worker,scheduler,show} REC`: check a recording against fresh planes, or read it.
 
-- `worker REC --model DIR|embedded`: a fresh worker (in this process) runs the recorded plans; its
-  results are compared with the recorded ones.
+- `worker REC [REC ...] --model DIR|embedded`: a fresh worker (in this process) runs the recorded
+  plans; its results are compared with the recorded ones. Workers that moved KV between them (live
+  migration) are replayed together: give every one's recording, and each plan that receives a
+  transfer runs once the plan that sent it has.
 - `scheduler REC`: the recorded calls go into a fresh scheduler; its plans are compared.
 - `show REC [--json]`: the recording as a timeline, one entry per step.
 
@@ -24,7 +26,7 @@ from pathlib import Path
 from control_plane.record import codec as record_codec
 from control_plane.record.entries import Entry, Header
 from control_plane.record.files import DamagedRecording, RecordingError, RecordingReader, read_header
-from control_plane.record.replay import ReplayReport, replay_scheduler, replay_worker
+from control_plane.record.replay import ReplayReport, replay_scheduler, replay_workers
 from control_plane.record.timeline import StepLine, TimelineBuilder
 from stepwise import flags
 from stepwise.wire import Executor, WireLink
@@ -154,7 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = flags.ArgumentParser(prog="stepwise replay", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="what", required=True)
     worker = sub.add_parser("worker", help="recorded plans into a fresh worker; compare results")
-    worker.add_argument("recording", type=Path, help=RECORDING_HELP)
+    worker.add_argument(
+        "recording", type=Path, nargs="+", help=RECORDING_HELP + "; several: workers replayed together"
+    )
     worker.add_argument(
         "--model", default="", help="model DIR or 'embedded' (not needed for a sim recording)"
     )
@@ -174,19 +178,47 @@ def _report(report: ReplayReport, reader: RecordingReader) -> int:
     return EXIT_IDENTICAL if report.identical else EXIT_DIVERGED
 
 
-def _run(ns: argparse.Namespace) -> int:
-    header = read_header(ns.recording)
+def _checked_header(path: Path) -> Header:
+    header = read_header(path)
     refusal = record_codec.unsupported_format(header)
     if refusal:
-        raise RecordingError(f"{ns.recording}: {refusal}")
+        raise RecordingError(f"{path}: {refusal}")
+    return header
+
+
+def _replay_workers(ns: argparse.Namespace) -> int:
+    """Every recording's plans into a fresh worker of its own; transfers go through one store."""
+    from data_plane.kv_transfer import LoopbackTransfers, TransferStore
+
+    headers = [_checked_header(path) for path in ns.recording]
+    readers = [RecordingReader(path) for path in ns.recording]
+    store = TransferStore(capacity_bytes=1 << 62)
+    links = []
+    for header in headers:
+        executor = fresh_executor(header, ns.model, ns.device, ns.dtype)
+        if hasattr(executor, "transfers"):  # a model worker: the sim backend moves no KV
+            executor.transfers = LoopbackTransfers(store)
+        # One link per session: the plans' decode sets travel as deltas, as they did live.
+        links.append(WireLink(executor))
+    reports = replay_workers(
+        [r.entries() for r in readers], [link.step for link in links], store.__contains__
+    )
+    worst = EXIT_IDENTICAL
+    for path, report, reader in zip(ns.recording, reports, readers, strict=True):
+        if len(readers) > 1:
+            print(f"{path}:", end=" ")
+        worst = max(worst, _report(report, reader))
+    return worst
+
+
+def _run(ns: argparse.Namespace) -> int:
+    if ns.what == "worker":
+        return _replay_workers(ns)
+    _checked_header(ns.recording)
     reader = RecordingReader(ns.recording)
     entries = reader.entries()
     if ns.what == "scheduler":
         return _report(replay_scheduler(entries), reader)
-    if ns.what == "worker":
-        # One link for the whole session: the plans' decode sets travel as deltas, as they did live.
-        link = WireLink(fresh_executor(header, ns.model, ns.device, ns.dtype))
-        return _report(replay_worker(entries, link.step), reader)
     if ns.json:
         for line in timeline(entries):
             print(json.dumps(line.to_json()))

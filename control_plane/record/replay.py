@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter, deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -209,9 +209,12 @@ StepFn = Callable[[StepPlan], StepResult]
 
 def comparable_result(result: StepResult) -> StepResult:
     """What must replay exactly: step id, tokens, the KV report (not timing, memory or log
-    probabilities, whose float sums may differ across machines)."""
+    probabilities, whose float sums may differ across machines, nor which result carries a KV
+    copy's outcome: that depends on when the bytes arrived)."""
     kv = dataclasses.replace(result.kv, device_mem_used_bytes=0) if result.kv else KvReport()
-    return dataclasses.replace(result, kv=kv, forward_s=0.0, wait_s=0.0, logprobs=(), prompt_scores=())
+    return dataclasses.replace(
+        result, kv=kv, forward_s=0.0, wait_s=0.0, logprobs=(), prompt_scores=(), transfers=()
+    )
 
 
 def replay_worker(entries: Iterable[Entry], step: StepFn) -> ReplayReport:
@@ -219,17 +222,76 @@ def replay_worker(entries: Iterable[Entry], step: StepFn) -> ReplayReport:
 
     Plans run in recorded order; results are matched oldest first (under overlap a recording holds
     plan N+1 before result N)."""
-    _header, rest = _split_header(entries)
-    counts: Counter[str] = Counter()
-    pending: deque[StepResult] = deque()
-    for entry in rest:
+    return replay_workers([entries], [step], lambda _transfer_id: True)[0]
+
+
+class _WorkerReplay:
+    """One recording's worker replay, an entry at a time."""
+
+    def __init__(self, entries: Iterable[Entry], step: StepFn) -> None:
+        _header, self._rest = _split_header(entries)
+        self._step = step
+        self._next: Entry | None = None
+        self.done = False
+        self.counts: Counter[str] = Counter()
+        self._pending: deque[StepResult] = deque()
+        self.divergence: Divergence | None = None
+
+    def peek(self) -> Entry | None:
+        if self._next is None and not self.done:
+            self._next = next(self._rest, None)
+            self.done = self._next is None
+        return self._next
+
+    def advance(self) -> None:
+        entry, self._next = self._next, None
         if isinstance(entry, NextPlan) and entry.plan is not None:
-            pending.append(step(entry.plan))
-            counts["plans"] += 1
-        elif isinstance(entry, ApplyResult) and pending:
-            counts["results"] += 1
-            replayed = pending.popleft()
+            self._pending.append(self._step(entry.plan))
+            self.counts["plans"] += 1
+        elif isinstance(entry, ApplyResult) and self._pending:
+            self.counts["results"] += 1
+            replayed = self._pending.popleft()
             found = first_difference(comparable_result(entry.result), comparable_result(replayed), "result")
             if found:
-                return ReplayReport(Divergence(entry.result.step_id, *found), dict(counts))
-    return ReplayReport(None, dict(counts))
+                self.divergence = Divergence(entry.result.step_id, *found)
+
+    def waiting_for(self, holds: Callable[[str], bool]) -> str | None:
+        """The transfer the next plan receives that no replayed plan has sent yet (None: it can run)."""
+        entry = self.peek()
+        if not isinstance(entry, NextPlan) or entry.plan is None:
+            return None
+        return next(
+            (r.transfer_id for r in entry.plan.receives if len(r.slots) and not holds(r.transfer_id)), None
+        )
+
+
+def replay_workers(
+    recordings: Sequence[Iterable[Entry]], steps: Sequence[StepFn], holds: Callable[[str], bool]
+) -> list[ReplayReport]:
+    """Worker replay of recordings made together: the workers of one control plane that moved KV
+    between them (docs/migration.md). Each recording's plans run through its own step function, and
+    the recordings are interleaved so that a plan that receives a transfer runs once the plan that
+    sent it has (`holds(transfer_id)`: the replayed workers hold it). A receive no recording sends
+    is a divergence of that recording."""
+    replays = [_WorkerReplay(entries, step) for entries, step in zip(recordings, steps, strict=True)]
+    progressed = True
+    while progressed and any(r.divergence is None for r in replays):
+        progressed = False
+        for replay in replays:
+            while (
+                replay.divergence is None and replay.peek() is not None and replay.waiting_for(holds) is None
+            ):
+                replay.advance()
+                progressed = True
+    for replay in replays:
+        transfer = replay.waiting_for(holds) if replay.divergence is None else None
+        if transfer is not None:
+            entry = replay.peek()
+            assert isinstance(entry, NextPlan) and entry.plan is not None
+            replay.divergence = Divergence(
+                entry.plan.step_id,
+                "plan.receives",
+                f"transfer {transfer!r} from another worker",
+                "no recording given sends it (replay the recordings of every worker it moved KV with)",
+            )
+    return [ReplayReport(r.divergence, dict(r.counts)) for r in replays]

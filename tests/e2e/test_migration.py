@@ -11,7 +11,10 @@ from pathlib import Path
 import pytest
 
 from clients.client import StepwiseClient, generate_request, sampling_params
+from control_plane.record.entries import ApplyResult, NextPlan
+from control_plane.record.files import read_entries
 from protos.stepwise.v1 import generation_pb2 as gen_pb
+from stepwise import replay
 from tests.e2e.conftest import reference_greedy
 from tests.e2e.test_generate import MAX_NEW, _encode_all, _greedy_all
 
@@ -173,3 +176,44 @@ async def test_sigkill_mid_migration_loses_and_repeats_nothing(
         got = await asyncio.gather(*tasks)
     for ids, tokens in zip(prompts, got, strict=True):
         assert tokens == reference_greedy(model_dir, ids, new, eos, ignore_eos=True)
+
+
+@pytest.mark.slow
+async def test_a_recorded_session_with_migrations_replays_identically(
+    start_stack, model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    """Both workers' recordings: each scheduler replay is identical; the worker replays are identical
+    when run together (receives wait for the sends of the other recording), and one alone says
+    which transfer it lacks."""
+    monkeypatch.setenv("STEPWISE_TEST_MIGRATE", "1")
+    monkeypatch.setenv("STEPWISE_TEST_MIGRATE_INTERVAL", "3")
+    rec_dir = tmp_path / "rec"
+    stack = await start_stack(["--record", str(rec_dir)], [], workers=2)
+    prompts, _ = _encode_all(model_dir)
+    await _greedy_all(stack.address, prompts, MAX_NEW)
+    assert sum(w.migrated_out for w in await _workers(stack.address)) > 0
+    paths = sorted(rec_dir.glob("*.0000.rec"))
+    assert len(paths) == 2
+    deadline = time.monotonic() + 20
+    while not all(_settled(path) for path in paths):
+        assert time.monotonic() < deadline, "the recordings did not settle"
+        await asyncio.sleep(0.1)
+    stack.stop()
+    kinds = [{type(e).__name__ for e in read_entries(path)} for path in paths]
+    assert all({"Export", "ImportKv"} <= k for k in kinds), kinds
+
+    capsys.readouterr()
+    for path in paths:
+        assert replay.main(["scheduler", str(path)]) == 0
+    assert replay.main(["worker", *map(str, paths), "--model", str(model_dir)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 4 and all("identical:" in line for line in out), out
+    assert replay.main(["worker", str(paths[0]), "--model", str(model_dir)]) == 1
+    assert "no recording given sends it" in capsys.readouterr().out
+
+
+def _settled(path: Path) -> bool:
+    """Every plan of the recording has its result (flushed at each step)."""
+    entries = list(read_entries(path))
+    plans = sum(isinstance(e, NextPlan) and e.plan is not None for e in entries)
+    return plans > 0 and plans == sum(isinstance(e, ApplyResult) for e in entries)
