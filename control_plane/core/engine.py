@@ -49,7 +49,17 @@ from control_plane.cache.invariants import InvariantError, PoolCheck, check_pool
 from control_plane.config import ControlConfig
 from control_plane.core.drain import Departure, Drain, Leaving
 from control_plane.core.handover import HandOver, WorkerGone
-from control_plane.core.inbox import AbortItem, Arrival, Forget, Immigrant, Item, Orphan, StopItem, Verdict
+from control_plane.core.inbox import (
+    AbortItem,
+    Arrival,
+    Forget,
+    Immigrant,
+    Item,
+    Orphan,
+    Precopied,
+    StopItem,
+    Verdict,
+)
 from control_plane.core.migration import Destination, Migrations
 from control_plane.core.publisher import Publisher, Streams
 from control_plane.core.step_log import StepLog
@@ -236,13 +246,22 @@ class Engine:
         rids = self.streams.rids_of(rid)
         return bool(rids) and self.migration.start(self.scheduler, rids, destination, reason)
 
-    def immigrate(self, orphan: Orphan, transfer_id: str, tokens: tuple[int, ...], since: float) -> bool:
-        """A request migrated here: its KV is in this worker's transfer store. False when this
-        engine takes no requests (the source then keeps it)."""
+    def precopied(self, transfer_id: str, tokens: tuple[int, ...]) -> bool:
+        """A running request's KV was pre-copied to this worker: it is held here until the request
+        comes. False when this engine takes no requests."""
         if not self.serving:
             return False
-        self.streams.adopt(orphan.sample)
-        self._inbox.append(Immigrant(orphan, transfer_id, tokens, since))
+        self._inbox.append(Precopied(transfer_id, tokens))
+        self._wake.set()
+        return True
+
+    def immigrate(self, item: Immigrant) -> bool:
+        """A request migrated here: its KV is in this worker's transfer store (and held prefix).
+        False when this engine takes no requests (the source then keeps it)."""
+        if not self.serving:
+            return False
+        self.streams.adopt(item.orphan.sample)
+        self._inbox.append(item)
         self._wake.set()
         return True
 
@@ -393,7 +412,7 @@ class Engine:
         if result.error:
             raise WorkerGone(f"worker failed step {plan.step_id}: {result.error}")
         if result.transfers:  # a stale result's too: the copies went on
-            self.migration.outcomes(result.transfers)
+            self.migration.outcomes(self.scheduler, result.transfers)
         if flight.stale:
             return
         check_result(plan, result, self.limits.vocab_size)
@@ -479,7 +498,7 @@ class Engine:
 
     def _has_run(self, rid: str) -> bool:
         req = self.scheduler.running_request(rid)
-        return req is not None and req.num_outputs > 0
+        return req is not None and req.num_outputs > 0 and not self.migration.moving(rid)
 
     async def _depart(self) -> None:
         self.departed = True
@@ -522,7 +541,7 @@ class Engine:
             elif isinstance(item, Immigrant):
                 self.migration.arrive(self.scheduler, item)
                 self._admit_orphan(item.orphan)
-            elif isinstance(item, Forget):
+            elif isinstance(item, Forget | Precopied):
                 self.migration.arrive(self.scheduler, item)
             elif isinstance(item, StopItem):
                 self._stop(item)

@@ -79,15 +79,29 @@ class Orphan:
 
 
 @dataclass(frozen=True, slots=True)
+class Precopied:
+    """A running request's KV pre-copied here (migration.py): hold it in the prefix cache until the
+    request comes."""
+
+    transfer_id: str
+    tokens: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class Immigrant:
-    """A sample migrated here with its KV (migration.py): import the KV, then admit the orphan."""
+    """A sample migrated here with its KV (migration.py): import the tail, release the pre-copy's
+    hold, then admit the orphan."""
 
     orphan: Orphan
+    # The tail's transfer ("" when the pre-copy sent everything).
     transfer_id: str
-    # The tokens whose KV the source sent (the leading part of the orphan's input).
+    # The tokens whose KV the source sent (the leading part of the orphan's input): the tail from
+    # `start` on, the pre-copy `held` (a transfer id, "" for none) the rest.
     tokens: tuple[int, ...]
     # When its source switched it off (the client's gap starts there).
     since: float
+    start: int = 0
+    held: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,4 +111,4 @@ class Forget:
     transfer_id: str
 
 
-Item = Arrival | AbortItem | StopItem | Orphan | Immigrant | Forget
+Item = Arrival | AbortItem | StopItem | Orphan | Precopied | Immigrant | Forget

@@ -1,42 +1,46 @@
 """Live migration: a running request moves to another worker with its KV, and its stream goes on
 there without recomputing anything (docs/migration.md).
 
-The control plane owns both workers' slots, so a migration is two plan ops and two recorded
-scheduler calls, all on the core's one event loop:
+The control plane owns both workers' slots, so a migration is plan ops and recorded scheduler calls,
+all on the core's one event loop, in three phases (Llumnix's pre-copy, then stop-and-copy):
 
-1. Switch (source engine, between two plans): every sample of the call is published up to its last
-   token, leaves the source's streams and is finished there by `Scheduler.export`, which caches its
-   KV in the source's prefix tree (so its prefix stays there) and has the next plan send the cached
-   part to the destination worker's transfer address (KvSend): the worker copies those slots before
-   that plan reuses any, and sends in the background. Results in flight for the request are
-   dropped (it is finished), so no token is published twice.
-2. Copy: the source worker's first result after the bytes arrived (or failed to) carries the
+1. Pre-copy (source engine): `Scheduler.send_kv` has the source's next plan send the request's
+   committed KV (KvSend) while it goes on decoding there. The worker copies those slots first and
+   sends in the background; the first result after the bytes arrived (or failed to) carries the
    TransferOutcome. An idle source is asked for it with empty plans every POLL_S.
-3. Continue (destination engine): `Scheduler.import_kv` gives the moved KV a place in the
-   destination's tree (what it caches already is skipped), the next plan's KvReceive writes it
-   before any forward, and the request is admitted as an Orphan (handover.py: prompt plus streamed
-   tokens), which matches the whole prefix and extends its last token.
+2. Switch (source engine, once every sample of the call is pre-copied): the destination imports the
+   pre-copied prefix into its tree and holds it (`import_kv(..., hold=True)`); each sample is
+   published up to its last token, leaves the source's streams, and `Scheduler.export` finishes it
+   there, caching its KV in the source's tree (so the prefix stays there), and has the next plan
+   send the tail decoded during the pre-copy. Results in flight for it are dropped (it is
+   finished), so no token is published twice.
+3. Continue (destination engine, on the tail's outcome): `import_kv` places the tail after the
+   held prefix, the next plan's KvReceive writes it before any forward, the hold is released, and
+   the request is admitted as an Orphan (handover.py: prompt plus streamed tokens), which matches
+   the whole prefix and extends its last token.
 
-Failures: a copy that fails, or a destination that left meanwhile, and the request continues on the
-source (its prefix is cached there, so it too extends one token), or, when the source is leaving,
-on another worker by recompute; the destination forgets the transfer. A source lost mid-copy hands
-its migrating requests over like its other ones. No request is lost or continued twice: between the
-switch and the outcome a request is in exactly one place, this book.
+A request whose committed KV is less than a page skips phase 1. Failures: a pre-copy that fails, a
+destination that leaves, or a request that ends meanwhile, and the request simply stays where it
+runs (the destination forgets what arrived); a tail that fails, and the request continues on the
+source (its prefix is cached there, so it extends one token), or, when the source is leaving, on
+another worker by recompute. A source lost mid-copy hands its requests over like its other ones.
+Between the switch and the tail's outcome a request is in exactly one place: this book.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import structlog
 
 from control_plane import metrics
 from control_plane.core.handover import orphan_of
-from control_plane.core.inbox import Forget, Immigrant, Orphan
+from control_plane.core.inbox import Forget, Immigrant, Orphan, Precopied
 from control_plane.core.publisher import Streams
 from control_plane.request import FinishReason
 from control_plane.scheduler.scheduler import Scheduler
@@ -60,29 +64,47 @@ class Destination(Protocol):
     @property
     def serving(self) -> bool: ...
 
-    def immigrate(self, orphan: Orphan, transfer_id: str, tokens: tuple[int, ...], since: float) -> bool: ...
+    def precopied(self, transfer_id: str, tokens: tuple[int, ...]) -> bool: ...
+
+    def immigrate(self, item: Immigrant) -> bool: ...
 
     def forget_transfer(self, transfer_id: str) -> None: ...
 
     def adopt(self, orphans: list[Orphan]) -> None: ...
 
 
+@dataclass(slots=True)
+class Precopy:
+    """A call whose samples' KV is being pre-copied: rid -> (transfer id, positions sent)."""
+
+    rids: list[str]
+    destination: Destination
+    reason: str
+    sent: dict[str, tuple[str, int]]
+    # Transfer ids whose outcome is still to come, and whether any failed (why).
+    pending: set[str] = field(default_factory=set)
+    error: str = ""
+
+
 @dataclass(frozen=True, slots=True)
 class Export:
-    """A sample switched off this worker whose copy has not been reported yet."""
+    """A sample switched off this worker whose tail copy has not been reported yet."""
 
     transfer_id: str
     orphan: Orphan
-    # The tokens whose KV is sent (the leading part of the orphan's input).
+    # The tokens whose KV is now the destination's (the leading part of the orphan's input), from
+    # `start` on in this transfer; the pre-copy `held` (a transfer id, "" for none) sent the rest.
     tokens: tuple[int, ...]
+    start: int
+    held: str
     destination: Destination
     reason: str
     started: float
 
 
 class Migrations:
-    """One engine's migrations, both ways: the ones leaving it (exports awaiting their outcome) and
-    the ones coming to it."""
+    """One engine's migrations, both ways: those leaving it (pre-copies and tails whose outcome is
+    due) and those coming to it."""
 
     def __init__(
         self,
@@ -96,8 +118,9 @@ class Migrations:
         self._limits = limits
         self._streams = streams
         self._log = log
-        # Where a request whose copy failed continues: this engine while it serves, else an heir.
+        # Where a request whose tail copy failed continues: this engine while it serves, else an heir.
         self._fallback = fallback
+        self.precopies: dict[str, Precopy] = {}  # by transfer id (each of a call's samples')
         self.exports: dict[str, Export] = {}
         # Migrated here and not yet given their first token here: rid -> when the switch was.
         self.stalls: dict[str, float] = {}
@@ -112,12 +135,16 @@ class Migrations:
     @property
     def busy(self) -> bool:
         """Copies whose outcome is still to come."""
-        return bool(self.exports)
+        return bool(self.exports or self.precopies)
+
+    def moving(self, rid: str) -> bool:
+        """The sample is being pre-copied (it still runs here)."""
+        return any(rid in p.sent for p in self.precopies.values())
 
     def wants_plan(self, idle: bool) -> bool:
         """Whether the engine should send a plan that does nothing (the scheduler has none): with
         no plan in flight (`idle`), a copy's outcome is due for a look every POLL_S."""
-        if not idle or not self.exports:
+        if not idle or not self.busy:
             return False
         now = time.monotonic()
         if now - self._last_poll < POLL_S:
@@ -127,7 +154,7 @@ class Migrations:
 
     def wait_s(self) -> float | None:
         """How long an idle loop may sleep (None: as long as it likes)."""
-        return POLL_S if self.exports else None
+        return POLL_S if self.busy else None
 
     # --- leaving this worker -------------------------------------------------------------------
 
@@ -149,67 +176,138 @@ class Migrations:
         return ""
 
     def start(self, scheduler: Scheduler, rids: list[str], destination: Destination, reason: str) -> bool:
-        """Switch the samples `rids` (one call's live samples: they move together or not at all)
-        to `destination`. False, with nothing changed, when one of them is not running here or
-        the destination cannot take them."""
+        """Start migrating the samples `rids` (one call's live samples: they move together or not
+        at all) to `destination`: a pre-copy of each, or at once when one has less than a page of
+        KV. False, with nothing changed, when one of them is not running here (or is moving
+        already) or the destination cannot take them."""
         if self.can_reach(destination):
             return False
         reqs = [scheduler.running_request(rid) for rid in rids]
-        if any(req is None for req in reqs) or any(rid not in self._streams for rid in rids):
+        if any(r is None or r.rid not in self._streams or self.moving(r.rid) for r in reqs):
             return False
-        self._streams.publish(scheduler.take_updates())  # its tokens so far reach its client first
-        now = time.monotonic()
-        for req in reqs:
-            assert req is not None
-            sample = self._streams.get(req.rid)
-            assert sample is not None
-            orphan = orphan_of(req, sample)
-            self._streams.leave(sample)
-            transfer_id = f"{self._worker}/{uuid.uuid4().hex}"
-            slots = scheduler.export(req.rid, MIGRATED, transfer_id, destination.limits.transfer_address)
-            assert slots is not None  # running_request said it runs here
-            if not len(slots):  # nothing cached (--disable-radix-cache): it is recomputed there
-                destination.adopt([orphan])
-                continue
-            tokens = tuple(orphan.input_ids[: len(slots)])
-            self.exports[transfer_id] = Export(transfer_id, orphan, tokens, destination, reason, now)
+        page = scheduler.page_size
+        if any(r is not None and r.kv_committed_len < page for r in reqs):
+            self._switch(scheduler, rids, destination, reason, {})
+            return True
+        copy = Precopy(rids, destination, reason, {})
+        address = destination.limits.transfer_address
+        for rid in rids:
+            transfer_id = self._transfer_id()
+            sent = scheduler.send_kv(rid, transfer_id, address)
+            assert sent > 0  # running, with a page of committed KV
+            copy.sent[rid] = (transfer_id, sent)
+            copy.pending.add(transfer_id)
+            self.precopies[transfer_id] = copy
         self._log.info("migrating", rids=rids, to=destination.worker, reason=reason)
         return True
 
-    def outcomes(self, outcomes: tuple[TransferOutcome, ...]) -> None:
-        """The worker's word on copies: each request continues where its KV now is."""
+    def _transfer_id(self) -> str:
+        return f"{self._worker}/{uuid.uuid4().hex}"
+
+    def _switch(
+        self,
+        scheduler: Scheduler,
+        rids: list[str],
+        destination: Destination,
+        reason: str,
+        precopied: dict[str, tuple[str, int]],
+    ) -> None:
+        """Finish the samples here and send their tails (what `precopied` did not send)."""
+        self._streams.publish(scheduler.take_updates())  # their tokens so far reach their clients first
         now = time.monotonic()
+        address = destination.limits.transfer_address
+        for rid in rids:
+            req = scheduler.running_request(rid)
+            sample = self._streams.get(rid)
+            assert req is not None and sample is not None  # checked by the caller
+            orphan = orphan_of(req, sample)
+            self._streams.leave(sample)
+            held, start = precopied.get(rid, ("", 0))
+            transfer_id = self._transfer_id()
+            slots = scheduler.export(rid, MIGRATED, transfer_id, address, start)
+            assert slots is not None
+            tokens = tuple(orphan.input_ids[: len(slots)])
+            export = Export(transfer_id, orphan, tokens, start, held, destination, reason, now)
+            if len(slots) > start:
+                self.exports[transfer_id] = export
+            elif held or len(slots):  # the pre-copy sent it all: nothing to wait for
+                self._arrive(dataclasses.replace(export, transfer_id=""), 0)
+            else:  # nothing cached (--disable-radix-cache): it is recomputed there
+                destination.adopt([orphan])
+
+    def outcomes(self, scheduler: Scheduler, outcomes: tuple[TransferOutcome, ...]) -> None:
+        """The worker's word on copies: a pre-copied call switches; a request whose tail arrived
+        continues on its destination."""
         for outcome in outcomes:
+            copy = self.precopies.pop(outcome.transfer_id, None)
+            if copy is not None:
+                copy.pending.discard(outcome.transfer_id)
+                copy.error = copy.error or outcome.error
+                if not copy.pending:
+                    self._precopied(scheduler, copy)
+                continue
             export = self.exports.pop(outcome.transfer_id, None)
             if export is None:
                 self._log.warning("transfer outcome for no migration", transfer_id=outcome.transfer_id)
                 continue
-            destination = export.destination
-            seconds = now - export.started
-            if not outcome.error and destination.immigrate(
-                export.orphan, export.transfer_id, export.tokens, export.started
-            ):
-                self.migrated_out += 1
-                metrics.MIGRATIONS.labels(self._worker, export.reason, "ok").inc()
-                metrics.MIGRATED_TOKENS.labels(self._worker).inc(len(export.tokens))
-                metrics.MIGRATION_BYTES.labels(self._worker).inc(outcome.bytes)
-                metrics.MIGRATION_COPY_SECONDS.labels(self._worker).observe(seconds)
-                self._log.info(
-                    "migrated",
-                    rid=export.orphan.sample.rid,
-                    to=destination.worker,
-                    tokens=len(export.tokens),
-                    bytes=outcome.bytes,
-                    copy_s=round(seconds, 4),
-                )
-                continue
-            why = outcome.error or f"worker {destination.worker} left before the copy arrived"
-            destination.forget_transfer(export.transfer_id)
-            self._fall_back(export, why)
+            if outcome.error:
+                self._give_up(export, outcome.error)
+            else:
+                self._arrive(export, outcome.bytes)
 
-    def _fall_back(self, export: Export, why: str) -> None:
+    def _precopied(self, scheduler: Scheduler, copy: Precopy) -> None:
+        destination = copy.destination
+        why = copy.error or self.can_reach(destination)
+        if not why and not all(
+            scheduler.running_request(rid) is not None and rid in self._streams for rid in copy.rids
+        ):
+            why = "it ended or stopped running meanwhile"
+        if why:  # it stays here
+            for transfer_id, _ in copy.sent.values():
+                destination.forget_transfer(transfer_id)
+            self._log.info("migration called off", rids=copy.rids, to=destination.worker, why=why)
+            return
+        for rid in copy.rids:
+            transfer_id, sent = copy.sent[rid]
+            req = scheduler.running_request(rid)
+            assert req is not None
+            destination.precopied(transfer_id, tuple(req.fill_ids[:sent]))
+        self._switch(scheduler, copy.rids, destination, copy.reason, copy.sent)
+
+    def _arrive(self, export: Export, nbytes: int) -> None:
+        destination = export.destination
+        item = Immigrant(
+            export.orphan, export.transfer_id, export.tokens, export.started, export.start, export.held
+        )
+        if not destination.immigrate(item):
+            if export.transfer_id:
+                destination.forget_transfer(export.transfer_id)
+            self._give_up(export, f"worker {destination.worker} left before the copy arrived")
+            return
+        seconds = time.monotonic() - export.started
+        self.migrated_out += 1
+        metrics.MIGRATIONS.labels(self._worker, export.reason, "ok").inc()
+        metrics.MIGRATED_TOKENS.labels(self._worker).inc(len(export.tokens))
+        metrics.MIGRATION_BYTES.labels(self._worker).inc(nbytes)
+        metrics.MIGRATION_COPY_SECONDS.labels(self._worker).observe(seconds)
+        self._log.info(
+            "migrated",
+            rid=export.orphan.sample.rid,
+            to=destination.worker,
+            tokens=len(export.tokens),
+            tail=len(export.tokens) - export.start,
+            bytes=nbytes,
+            switch_s=round(seconds, 4),
+        )
+
+    def _give_up(self, export: Export, why: str) -> None:
+        """The tail did not arrive: the request continues here (or on an heir); the destination
+        forgets both copies."""
         self.fallbacks += 1
         metrics.MIGRATIONS.labels(self._worker, export.reason, "fallback").inc()
+        for transfer_id in (export.transfer_id, export.held):
+            if transfer_id:
+                export.destination.forget_transfer(transfer_id)
         heir = self._fallback()
         self._log.warning(
             "migration failed",
@@ -223,22 +321,36 @@ class Migrations:
         else:
             heir.adopt([export.orphan])
 
-    def recovered(self) -> None:
-        """The scheduler was replaced after a fault of ours: sends it had not planned yet are gone
-        with it, so each request continues by the fallback (its destination forgets the copy; an
-        outcome that still comes finds no migration)."""
+    def _drop_copies(self) -> list[Export]:
+        """Every copy under way is given up (its destination forgets it); the switched samples."""
+        for transfer_id, copy in self.precopies.items():
+            copy.destination.forget_transfer(transfer_id)
+        self.precopies = {}
         exports, self.exports = list(self.exports.values()), {}
         for export in exports:
-            export.destination.forget_transfer(export.transfer_id)
-            self._fall_back(export, "the control plane's step loop restarted mid-copy")
+            for transfer_id in (export.transfer_id, export.held):
+                if transfer_id:
+                    export.destination.forget_transfer(transfer_id)
+        return exports
+
+    def recovered(self) -> None:
+        """The scheduler was replaced after a fault of ours: copies it had not planned yet are gone
+        with it. Pre-copied requests are salvaged with the others; switched ones continue by the
+        fallback (an outcome that still comes finds no migration)."""
+        for export in self._drop_copies():
+            self.fallbacks += 1
+            heir = self._fallback()
+            if heir is None:
+                self._streams.finish(export.orphan.sample, FinishReason.abort("migration failed"))
+            else:
+                heir.adopt([export.orphan])
 
     def lost(self, heir: Destination | None, error: str) -> None:
-        """This worker is lost: its copies will never be reported, so each request continues on
-        `heir` by recompute (its destination forgets whatever arrived), or ends if there is none."""
-        exports, self.exports = list(self.exports.values()), {}
-        for export in exports:
+        """This worker is lost: its copies will never be reported. Pre-copied requests are handed
+        over with the others; each switched one continues on `heir` by recompute, or ends if there
+        is none."""
+        for export in self._drop_copies():
             metrics.MIGRATIONS.labels(self._worker, export.reason, "lost").inc()
-            export.destination.forget_transfer(export.transfer_id)
             if heir is None:
                 message = f"worker {self._worker} disconnected ({error}) while migrating it"
                 self._streams.finish(export.orphan.sample, FinishReason.abort(message))
@@ -246,23 +358,27 @@ class Migrations:
                 heir.adopt([export.orphan])
 
     def abort_all(self, message: str) -> None:
-        """The engine closes: copies still out end their requests with `message`."""
-        exports, self.exports = list(self.exports.values()), {}
-        for export in exports:
-            export.destination.forget_transfer(export.transfer_id)
+        """The engine closes: switched requests whose tail is still out end with `message`."""
+        for export in self._drop_copies():
             self._streams.finish(export.orphan.sample, FinishReason.abort(message))
 
     # --- coming to this worker -----------------------------------------------------------------
 
-    def arrive(self, scheduler: Scheduler, item: Immigrant | Forget) -> None:
-        """A migrated sample's KV gets a place here, and the next plan receives it (or forgets it,
-        when there is no room: the request then recomputes what is missing); a Forget: the next
-        plan forgets the transfer."""
+    def arrive(self, scheduler: Scheduler, item: Immigrant | Precopied | Forget) -> None:
+        """A pre-copied prefix is held here; a migrated sample's tail gets its place (the next plan
+        receives it) and the hold goes; a Forget: the next plan forgets the transfer (or its hold
+        goes). When there is no room, nothing is received: the request recomputes what is missing."""
         if isinstance(item, Forget):
             scheduler.import_kv(item.transfer_id, ())
             return
+        if isinstance(item, Precopied):
+            scheduler.import_kv(item.transfer_id, item.tokens, hold=True)
+            return
         self.migrated_in += 1
-        scheduler.import_kv(item.transfer_id, item.tokens)
+        if item.transfer_id:
+            scheduler.import_kv(item.transfer_id, item.tokens, start=item.start)
+        if item.held:
+            scheduler.import_kv(item.held, ())
         self.stalls[item.orphan.sample.rid] = item.since
 
     def note_tokens(self, scheduler: Scheduler) -> None:

@@ -27,6 +27,7 @@ from control_plane.record.entries import (
     ImportKv,
     NextPlan,
     OnIdle,
+    SendKv,
     StepFigures,
 )
 from control_plane.request import AbortCode, FinishKind, FinishReason, RequestParams
@@ -246,12 +247,13 @@ def _export_to_proto(e: Export) -> rec_pb.ExportCall:
         address=e.address,
         applied=e.slots is not None,
         slots=_slots_bytes(e.slots or ()),
+        start=e.start,
     )
 
 
 def _export_from_proto(m: rec_pb.ExportCall) -> Export:
     slots = _slots_tuple(m.slots, "export.slots") if m.applied else None
-    return Export(m.step, m.rid, _reason_from_proto(m.reason), m.transfer_id, m.address, slots)
+    return Export(m.step, m.rid, _reason_from_proto(m.reason), m.transfer_id, m.address, slots, m.start)
 
 
 def _import_to_proto(e: ImportKv) -> rec_pb.ImportCall:
@@ -263,12 +265,14 @@ def _import_to_proto(e: ImportKv) -> rec_pb.ImportCall:
         applied=e.outcome is not None,
         skip=skip,
         slots=_slots_bytes(slots),
+        start=e.start,
+        hold=e.hold,
     )
 
 
 def _import_from_proto(m: rec_pb.ImportCall) -> ImportKv:
     outcome = (m.skip, _slots_tuple(m.slots, "import_kv.slots")) if m.applied else None
-    return ImportKv(m.step, m.transfer_id, tuple(m.input_ids), outcome)
+    return ImportKv(m.step, m.transfer_id, tuple(m.input_ids), outcome, m.start, m.hold)
 
 
 def entry_to_proto(e: Entry) -> rec_pb.Record:
@@ -299,6 +303,12 @@ def entry_to_proto(e: Entry) -> rec_pb.Record:
             return rec_pb.Record(export=_export_to_proto(e))
         case ImportKv():
             return rec_pb.Record(import_kv=_import_to_proto(e))
+        case SendKv():
+            return rec_pb.Record(
+                send_kv=rec_pb.SendKvCall(
+                    step=e.step, rid=e.rid, transfer_id=e.transfer_id, address=e.address, tokens=e.tokens
+                )
+            )
         case StepFigures():
             return rec_pb.Record(stats=_figures_to_proto(e))
         case Finished():
@@ -342,6 +352,9 @@ def entry_from_proto(m: rec_pb.Record) -> Entry:
             return _export_from_proto(m.export)
         case "import_kv":
             return _import_from_proto(m.import_kv)
+        case "send_kv":
+            k = m.send_kv
+            return SendKv(k.step, k.rid, k.transfer_id, k.address, k.tokens)
         case "stats":
             return _figures_from_proto(m.stats)
         case "finished":

@@ -1,6 +1,6 @@
 """What a recording holds, as typed values: a header, then every mutating scheduler call in order.
 
-Replaying the calls (AddRequest, Abort, Finish, NextPlan, ApplyResult, OnIdle, Export,
+Replaying the calls (AddRequest, Abort, Finish, NextPlan, ApplyResult, OnIdle, SendKv, Export,
 ImportKv) into a fresh
 Scheduler built from the header must reproduce every recorded plan. StepFigures and Finished are
 observations for `stepwise replay show`; scheduler replay also checks the finishes.
@@ -83,6 +83,18 @@ class OnIdle:
 
 
 @dataclass(frozen=True, slots=True)
+class SendKv:
+    """A migration's pre-copy of a running request's KV (docs/migration.md)."""
+
+    step: int
+    rid: str
+    transfer_id: str
+    address: str
+    # What the call returned: the positions sent.
+    tokens: int
+
+
+@dataclass(frozen=True, slots=True)
 class Export:
     """A running request finished here to continue on another worker (docs/migration.md)."""
 
@@ -91,8 +103,9 @@ class Export:
     reason: FinishReason
     transfer_id: str
     address: str
-    # What the call returned: None when it did not apply, else the slots sent.
+    # What the call returned: None when it did not apply, else the slots of the cached part.
     slots: tuple[int, ...] | None
+    start: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +118,8 @@ class ImportKv:
     input_ids: tuple[int, ...]
     # What the call returned: None when there was no room, else (skip, slots).
     outcome: tuple[int, tuple[int, ...]] | None
+    start: int = 0
+    hold: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,5 +145,5 @@ class Finished:
     cached_tokens: int = 0
 
 
-Call = AddRequest | Abort | Finish | NextPlan | ApplyResult | OnIdle | Export | ImportKv
+Call = AddRequest | Abort | Finish | NextPlan | ApplyResult | OnIdle | SendKv | Export | ImportKv
 Entry = Header | Call | StepFigures | Finished

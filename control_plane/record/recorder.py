@@ -33,6 +33,7 @@ from control_plane.record.entries import (
     ImportKv,
     NextPlan,
     OnIdle,
+    SendKv,
     StepFigures,
 )
 from control_plane.record.files import RecordWriter, session_path
@@ -148,17 +149,26 @@ class RecordingScheduler(Scheduler):
         self.sink.write(Finish(self.step_id, rid, reason, applied))
         return applied
 
-    def export(self, rid: str, reason: FinishReason, transfer_id: str, address: str) -> np.ndarray | None:
-        slots = super().export(rid, reason, transfer_id, address)
-        sent = None if slots is None else tuple(slots.tolist())
-        self.sink.write(Export(self.step_id, rid, reason, transfer_id, address, sent))
+    def send_kv(self, rid: str, transfer_id: str, address: str) -> int:
+        tokens = super().send_kv(rid, transfer_id, address)
+        self.sink.write(SendKv(self.step_id, rid, transfer_id, address, tokens))
+        return tokens
+
+    def export(
+        self, rid: str, reason: FinishReason, transfer_id: str, address: str, start: int = 0
+    ) -> np.ndarray | None:
+        slots = super().export(rid, reason, transfer_id, address, start)
+        cached = None if slots is None else tuple(slots.tolist())
+        self.sink.write(Export(self.step_id, rid, reason, transfer_id, address, cached, start))
         return slots
 
-    def import_kv(self, transfer_id: str, input_ids: Sequence[int]) -> tuple[int, np.ndarray] | None:
+    def import_kv(
+        self, transfer_id: str, input_ids: Sequence[int], start: int = 0, hold: bool = False
+    ) -> tuple[int, np.ndarray] | None:
         ids = tuple(input_ids)
-        outcome = super().import_kv(transfer_id, ids)
+        outcome = super().import_kv(transfer_id, ids, start, hold)
         recorded = None if outcome is None else (outcome[0], tuple(outcome[1].tolist()))
-        self.sink.write(ImportKv(self.step_id, transfer_id, ids, recorded))
+        self.sink.write(ImportKv(self.step_id, transfer_id, ids, recorded, start, hold))
         return outcome
 
     def next_plan(self, always: bool = False) -> StepPlan | None:

@@ -27,6 +27,7 @@ from control_plane.record.entries import (
     ImportKv,
     NextPlan,
     OnIdle,
+    SendKv,
 )
 from control_plane.request import FinishReason
 from control_plane.scheduler.scheduler import QueueFull, RequestRejected, Scheduler
@@ -134,12 +135,20 @@ class _SchedulerReplay:
                 self.scheduler.on_idle()
             case Export():
                 self.counts["exports"] += 1
-                slots = self.scheduler.export(entry.rid, entry.reason, entry.transfer_id, entry.address)
+                slots = self.scheduler.export(
+                    entry.rid, entry.reason, entry.transfer_id, entry.address, entry.start
+                )
                 replayed = None if slots is None else tuple(slots.tolist())
                 return _outcome(entry.step, f"export({entry.rid})", entry.slots, replayed)
+            case SendKv():
+                self.counts["pre-copies"] += 1
+                tokens = self.scheduler.send_kv(entry.rid, entry.transfer_id, entry.address)
+                return _outcome(entry.step, f"send_kv({entry.rid})", entry.tokens, tokens)
             case ImportKv():
                 self.counts["imports"] += 1
-                outcome = self.scheduler.import_kv(entry.transfer_id, entry.input_ids)
+                outcome = self.scheduler.import_kv(
+                    entry.transfer_id, entry.input_ids, entry.start, entry.hold
+                )
                 replayed_import = None if outcome is None else (outcome[0], tuple(outcome[1].tolist()))
                 return _outcome(entry.step, f"import_kv({entry.transfer_id})", entry.outcome, replayed_import)
             case Finished():

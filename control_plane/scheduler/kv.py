@@ -297,17 +297,20 @@ class KvManager:
             return np.zeros(0, dtype=np.int64)
         return self.tree.match_prefix(tokens).indices
 
-    def import_prefix(self, tokens: np.ndarray) -> tuple[int, np.ndarray] | None:
-        """Mutates: a place in the tree for KV another worker sends, for the page-aligned part of
-        `tokens`. The leading tokens the tree holds already stay as they are (`skip`, returned);
-        fresh slots for the rest are inserted at once and returned, for the next plan's receive to
-        write before any forward reads them. None, with nothing inserted, when the cache is disabled
-        or the pool has no room even after evicting."""
+    def import_prefix(self, tokens: np.ndarray, start: int = 0) -> tuple[int, np.ndarray] | None:
+        """Mutates: a place in the tree for KV another worker sends of positions [start, n) of
+        `tokens` (n: the page-aligned length). The leading tokens the tree holds already stay as
+        they are (their count is returned); fresh slots for the rest are inserted at once and
+        returned, for the next plan's receive to write before any forward reads them. None, with
+        nothing inserted, when the cache is disabled, when the tree lacks some of [0, start) (the
+        transfer cannot fill that gap), or when the pool has no room even after evicting."""
         if self.disabled:
             return None
         n = len(tokens) - len(tokens) % self.page_size
         match = self.tree.match_prefix(tokens[:n])
         skip = len(match.indices)
+        if skip < min(start, n):
+            return None
         # The match is locked while room is made, so eviction cannot take what `skip` counts on.
         self.inc_lock(match.last_node)
         try:

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from control_plane.cache.tree_node import TreeNode
 from control_plane.config import SchedulerConfig
 from control_plane.request import FinishReason, Request, RequestParams
 from control_plane.scheduler.adder import AdderLimits
@@ -158,6 +159,8 @@ class Scheduler:
         self.forward_ct = 0
         self.step_id = 0
         self.last_stats: StepStats | None = None
+        # Pre-copied prefixes locked until their request comes (import_kv's hold), by transfer id.
+        self._holds: dict[str, TreeNode] = {}
 
     # --- the step (docs/scheduler.md#step-loop get_next_batch_to_run) ------------------------------------
 
@@ -259,13 +262,30 @@ class Scheduler:
         """Finish a running request for a reason decided outside (a stop string); caches its KV."""
         return self.exits.finish(rid, reason)
 
-    def export(self, rid: str, reason: FinishReason, transfer_id: str, address: str) -> np.ndarray | None:
+    def send_kv(self, rid: str, transfer_id: str, address: str) -> int:
+        """A migration's pre-copy (docs/migration.md): the next plan sends the KV of a running
+        request's committed positions (page-aligned) to `address` as `transfer_id`, while the
+        request goes on running here. Returns how many positions; 0, with nothing queued, when it
+        is not running here or has not a page of them."""
+        req = self.running_request(rid)
+        if req is None:
+            return 0
+        n = req.kv_committed_len - req.kv_committed_len % self.page_size
+        if n <= 0:
+            return 0
+        self.seq_books.send(KvSend(transfer_id, address, self.kv.row(req)[:n].copy()))
+        return n
+
+    def export(
+        self, rid: str, reason: FinishReason, transfer_id: str, address: str, start: int = 0
+    ) -> np.ndarray | None:
         """Finish a running request that continues on another worker (a migration, docs/migration.md):
         its KV is cached here as at any finish, so its prefix stays, and the next plan sends the
-        cached part, positions [0, len) of its tokens, to `address` as `transfer_id` (a send reads
-        its slots before that plan reuses any). Returns those slots (none sent when empty: the cache
-        is disabled). None when it is not running here (queued, mid-chunk or gone): nothing
-        changed."""
+        cached part from position `start` on (what a pre-copy did not send) to `address` as
+        `transfer_id` (a send reads its slots before that plan reuses any). Returns the slots of
+        the whole cached part, positions [0, len); nothing is sent when len <= start (the cache is
+        disabled, or the pre-copy sent it all). None when it is not running here (queued, mid-chunk
+        or gone): nothing changed."""
         req = self.registry.live(rid)
         if req is None:
             return None
@@ -273,22 +293,38 @@ class Scheduler:
         if not self.exits.finish(rid, reason):
             return None
         slots = self.kv.cached_slots(tokens)
-        if len(slots):
-            self.seq_books.send(KvSend(transfer_id, address, slots))
+        if len(slots) > start:
+            self.seq_books.send(KvSend(transfer_id, address, slots[start:].copy()))
         return slots
 
-    def import_kv(self, transfer_id: str, input_ids: Sequence[int]) -> tuple[int, np.ndarray] | None:
-        """KV another worker sent for the leading tokens `input_ids` of a request that continues
-        here: a place in the prefix cache (KvManager.import_prefix), written by the next plan's
-        receive before any forward reads it; the request matches it at admission like any cached
-        prefix. Returns (tokens cached here already, slots received into), or None when there is
-        no room: the next plan then forgets the transfer, as it does for empty `input_ids` (a
-        migration given up)."""
-        placed = self.kv.import_prefix(np.asarray(input_ids, dtype=np.int64)) if len(input_ids) else None
+    def import_kv(
+        self, transfer_id: str, input_ids: Sequence[int], start: int = 0, hold: bool = False
+    ) -> tuple[int, np.ndarray] | None:
+        """KV another worker sent of positions [start, len) of the tokens `input_ids`, for a request
+        that continues here: a place in the prefix cache (KvManager.import_prefix), written by the
+        next plan's receive before any forward reads it; the request matches it at admission like
+        any cached prefix. `hold`: the prefix stays locked under `transfer_id` (a pre-copy, until
+        the request comes). Returns (tokens cached here already, slots received into), or None
+        when there is no room or the tree lacks part of [0, start): the next plan then forgets the
+        transfer. Empty `input_ids`: the transfer is given up; the next plan forgets it, or, if it
+        was received with `hold`, its lock is released."""
+        if not len(input_ids):
+            held = self._holds.pop(transfer_id, None)
+            if held is not None:
+                self.kv.dec_lock(held)
+            else:
+                self.seq_books.receive(KvReceive(transfer_id, np.zeros(0, dtype=np.int64)))
+            return None
+        tokens = np.asarray(input_ids, dtype=np.int64)
+        placed = self.kv.import_prefix(tokens, start)
         if placed is None or not len(placed[1]):
             self.seq_books.receive(KvReceive(transfer_id, np.zeros(0, dtype=np.int64)))
         else:
-            self.seq_books.receive(KvReceive(transfer_id, placed[1], placed[0]))
+            self.seq_books.receive(KvReceive(transfer_id, placed[1], placed[0] - start))
+        if placed is not None and hold:
+            node = self.kv.tree.match_prefix(tokens[: placed[0] + len(placed[1])]).last_node
+            self.kv.inc_lock(node)
+            self._holds[transfer_id] = node
         return placed
 
     def take_updates(self) -> StepUpdates:

@@ -156,10 +156,15 @@ class _Node:
 
 @dataclass
 class _Move:
+    """A tail on its way (`transfer_id` ""), or a pre-copy (`orphan` None) of `rid`."""
+
     transfer_id: str
     to: int
     tokens: list[int]
-    orphan: Orphan
+    orphan: Orphan | None
+    rid: str = ""
+    start: int = 0
+    held: str = ""
 
 
 def _collect(node: _Node, tokens: dict[str, list[int]], finished: dict[str, FinishReason]) -> None:
@@ -179,12 +184,33 @@ def _has_run(sched: Scheduler, rid: str) -> bool:
     return req is not None and req.num_outputs > 0
 
 
+def _switch(sched: Scheduler, rid: str, to: int, start: int, held: str) -> list[_Move]:
+    """Finish `rid` here and send what the pre-copy (`held`, positions [0, start)) did not."""
+    req = sched.requests[rid]
+    orphan = orphan_of(req, LiveSample(rid, uid_of(rid), rid, "", 0.0))
+    transfer_id = f"tail/{rid}/{sched.step_id}"
+    slots = sched.export(rid, MIGRATED, transfer_id, "other", start)
+    assert slots is not None and len(slots) >= start
+    tail = transfer_id if len(slots) > start else ""
+    return [_Move(tail, to, orphan.input_ids[: len(slots)], orphan, rid, start, held)]
+
+
+def _arrive(dest: Scheduler, move: _Move) -> None:
+    assert move.orphan is not None
+    if move.transfer_id:
+        dest.import_kv(move.transfer_id, move.tokens, start=move.start)
+    if move.held:
+        dest.import_kv(move.held, ())
+    add(dest, move.orphan.sample.rid, move.orphan.input_ids, move.orphan.params)
+
+
 def _migrating_run(
     arrivals: list[tuple[str, list[int], int]],
     overlap: bool,
     migrate_every: int,
     seed: int,
     schedulers: list[Scheduler],
+    precopy: bool = True,
 ) -> tuple[dict[str, list[int]], dict[str, FinishReason], int]:
     network: dict[str, list[tuple[int, int]]] = {}
     nodes = [_Node(s, FakeWorker(s.capacity, network=network)) for s in schedulers]
@@ -195,7 +221,7 @@ def _migrating_run(
     tokens: dict[str, list[int]] = {rid: [] for rid, _, _ in arrivals}
     finished: dict[str, FinishReason] = {}
     moving: list[_Move] = []
-    moves = 0
+    moves = precopies = 0
     for step in range(20_000):
         progressed = False
         for i, node in enumerate(nodes):
@@ -210,24 +236,40 @@ def _migrating_run(
                 progressed = True
             _collect(node, tokens, finished)
             for move in [m for m in moving if m.transfer_id in network]:  # its send has run
-                dest = nodes[move.to].sched
-                dest.import_kv(move.transfer_id, move.tokens)
-                add(dest, move.orphan.sample.rid, move.orphan.input_ids, move.orphan.params)
                 moving.remove(move)
                 progressed = True
+                dest, source = nodes[move.to].sched, nodes[1 - move.to]
+                if move.orphan is None:  # a pre-copy arrived: hold it there, switch the rest
+                    if source.sched.running_request(move.rid) is None:
+                        dest.import_kv(move.transfer_id, ())  # it finished meanwhile: called off
+                        continue
+                    dest.import_kv(move.transfer_id, move.tokens, hold=True)
+                    moving.extend(
+                        _switch(source.sched, move.rid, move.to, len(move.tokens), move.transfer_id)
+                    )
+                    _collect(source, tokens, finished)
+                else:
+                    _arrive(dest, move)
+            for move in [m for m in moving if not m.transfer_id]:  # the pre-copy sent it all
+                moving.remove(move)
+                _arrive(nodes[move.to].sched, move)
             if migrate_every and step % migrate_every == i:
                 # Moved only once it has a token here: a request moved back and forth before its
                 # first token on each worker would never progress.
                 running = sorted(rid for rid in node.sched.requests if _has_run(node.sched, rid))
+                running = [rid for rid in running if all(m.rid != rid for m in moving)]
                 if running:
                     rid = rng.choice(running)
                     req = node.sched.requests[rid]
-                    orphan = orphan_of(req, LiveSample(rid, uid_of(rid), rid, "", 0.0))
-                    transfer_id = f"{i}/{step}/{rid}"
-                    slots = node.sched.export(rid, MIGRATED, transfer_id, "other")
-                    assert slots is not None and len(slots)
-                    _collect(node, tokens, finished)
-                    moving.append(_Move(transfer_id, 1 - i, orphan.input_ids[: len(slots)], orphan))
+                    sent = node.sched.send_kv(rid, f"pre/{i}/{step}/{rid}", "other") if precopy else 0
+                    if sent:
+                        precopies += 1
+                        moving.append(
+                            _Move(f"pre/{i}/{step}/{rid}", 1 - i, list(req.fill_ids[:sent]), None, rid)
+                        )
+                    else:
+                        moving.extend(_switch(node.sched, rid, 1 - i, 0, ""))
+                        _collect(node, tokens, finished)
                     moves += 1
         if not progressed and not moving:
             break
@@ -235,6 +277,8 @@ def _migrating_run(
     for node in nodes:
         assert node.sched.is_idle and node.sched.books() == (0, 0)
         assert node.worker.seqs == {}
+        assert node.sched.kv.protected_size() == 0, "a pre-copy's hold outlived its migration"
+    assert not precopy or not moves or precopies, "no migration started with a pre-copy"
     return tokens, finished, moves
 
 
@@ -248,6 +292,7 @@ def _migrating_run(
     overlap=st.booleans(),
     migrate_every=st.integers(2, 6),
     seed=st.integers(0, 1000),
+    precopy=st.booleans(),
 )
 def test_requests_migrated_back_and_forth_stream_what_one_worker_streams(
     lens: list[int],
@@ -258,9 +303,10 @@ def test_requests_migrated_back_and_forth_stream_what_one_worker_streams(
     overlap: bool,
     migrate_every: int,
     seed: int,
+    precopy: bool,
 ) -> None:
     """Outputs, finishes and both workers' books at zero, with a shared prefix, chunked prefill,
-    paging and overlap, against one scheduler that never migrates."""
+    paging, overlap and pre-copy on and off, against one scheduler that never migrates."""
     common = prompt(shared, seed=99)
     arrivals = [(f"r{i}", [*common, *prompt(n, seed=i)], max_new[i]) for i, n in enumerate(lens)]
     config = {"page_size": page_size, "chunked_prefill_size": chunk}
@@ -271,12 +317,12 @@ def test_requests_migrated_back_and_forth_stream_what_one_worker_streams(
         overlap=overlap,
     )
     schedulers = [make_scheduler(**config) for _ in range(2)]  # type: ignore[arg-type]
-    tokens, finished, moves = _migrating_run(arrivals, overlap, migrate_every, seed, schedulers)
+    tokens, finished, moves = _migrating_run(arrivals, overlap, migrate_every, seed, schedulers, precopy)
     assert tokens == reference.tokens
     assert {rid: r.kind for rid, r in finished.items()} == {
         rid: r.kind for rid, r in reference.finished.items()
     }
-    if any(n > migrate_every + 2 for n in max_new[: len(lens)]):
+    if any(len(streamed) >= 16 for streamed in reference.tokens.values()):
         assert moves > 0
 
 

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Record(_message.Message):
-    __slots__ = ("header", "add_request", "abort", "finish", "next_plan", "apply_result", "on_idle", "stats", "finished", "export", "import_kv")
+    __slots__ = ("header", "add_request", "abort", "finish", "next_plan", "apply_result", "on_idle", "stats", "finished", "export", "import_kv", "send_kv")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     ADD_REQUEST_FIELD_NUMBER: _ClassVar[int]
     ABORT_FIELD_NUMBER: _ClassVar[int]
@@ -20,6 +20,7 @@ class Record(_message.Message):
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     EXPORT_FIELD_NUMBER: _ClassVar[int]
     IMPORT_KV_FIELD_NUMBER: _ClassVar[int]
+    SEND_KV_FIELD_NUMBER: _ClassVar[int]
     header: Header
     add_request: AddRequestCall
     abort: AbortCall
@@ -31,7 +32,8 @@ class Record(_message.Message):
     finished: FinishedEvent
     export: ExportCall
     import_kv: ImportCall
-    def __init__(self, header: _Optional[_Union[Header, _Mapping]] = ..., add_request: _Optional[_Union[AddRequestCall, _Mapping]] = ..., abort: _Optional[_Union[AbortCall, _Mapping]] = ..., finish: _Optional[_Union[FinishCall, _Mapping]] = ..., next_plan: _Optional[_Union[NextPlanCall, _Mapping]] = ..., apply_result: _Optional[_Union[ApplyResultCall, _Mapping]] = ..., on_idle: _Optional[_Union[OnIdleCall, _Mapping]] = ..., stats: _Optional[_Union[StepFigures, _Mapping]] = ..., finished: _Optional[_Union[FinishedEvent, _Mapping]] = ..., export: _Optional[_Union[ExportCall, _Mapping]] = ..., import_kv: _Optional[_Union[ImportCall, _Mapping]] = ...) -> None: ...
+    send_kv: SendKvCall
+    def __init__(self, header: _Optional[_Union[Header, _Mapping]] = ..., add_request: _Optional[_Union[AddRequestCall, _Mapping]] = ..., abort: _Optional[_Union[AbortCall, _Mapping]] = ..., finish: _Optional[_Union[FinishCall, _Mapping]] = ..., next_plan: _Optional[_Union[NextPlanCall, _Mapping]] = ..., apply_result: _Optional[_Union[ApplyResultCall, _Mapping]] = ..., on_idle: _Optional[_Union[OnIdleCall, _Mapping]] = ..., stats: _Optional[_Union[StepFigures, _Mapping]] = ..., finished: _Optional[_Union[FinishedEvent, _Mapping]] = ..., export: _Optional[_Union[ExportCall, _Mapping]] = ..., import_kv: _Optional[_Union[ImportCall, _Mapping]] = ..., send_kv: _Optional[_Union[SendKvCall, _Mapping]] = ...) -> None: ...
 
 class Header(_message.Message):
     __slots__ = ("format_version", "scheduler_config_json", "worker", "seeds", "part", "first_step", "writer")
@@ -155,7 +157,7 @@ class NextPlanCall(_message.Message):
     def __init__(self, step: _Optional[int] = ..., plan: _Optional[_Union[_worker_pb2.StepPlan, _Mapping]] = ..., has_plan: _Optional[bool] = ..., kind: _Optional[str] = ..., always: _Optional[bool] = ...) -> None: ...
 
 class ExportCall(_message.Message):
-    __slots__ = ("step", "rid", "reason", "transfer_id", "address", "applied", "slots")
+    __slots__ = ("step", "rid", "reason", "transfer_id", "address", "applied", "slots", "start")
     STEP_FIELD_NUMBER: _ClassVar[int]
     RID_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
@@ -163,6 +165,7 @@ class ExportCall(_message.Message):
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     APPLIED_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
     step: int
     rid: str
     reason: Outcome
@@ -170,23 +173,42 @@ class ExportCall(_message.Message):
     address: str
     applied: bool
     slots: bytes
-    def __init__(self, step: _Optional[int] = ..., rid: _Optional[str] = ..., reason: _Optional[_Union[Outcome, _Mapping]] = ..., transfer_id: _Optional[str] = ..., address: _Optional[str] = ..., applied: _Optional[bool] = ..., slots: _Optional[bytes] = ...) -> None: ...
+    start: int
+    def __init__(self, step: _Optional[int] = ..., rid: _Optional[str] = ..., reason: _Optional[_Union[Outcome, _Mapping]] = ..., transfer_id: _Optional[str] = ..., address: _Optional[str] = ..., applied: _Optional[bool] = ..., slots: _Optional[bytes] = ..., start: _Optional[int] = ...) -> None: ...
+
+class SendKvCall(_message.Message):
+    __slots__ = ("step", "rid", "transfer_id", "address", "tokens")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    RID_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    rid: str
+    transfer_id: str
+    address: str
+    tokens: int
+    def __init__(self, step: _Optional[int] = ..., rid: _Optional[str] = ..., transfer_id: _Optional[str] = ..., address: _Optional[str] = ..., tokens: _Optional[int] = ...) -> None: ...
 
 class ImportCall(_message.Message):
-    __slots__ = ("step", "transfer_id", "input_ids", "applied", "skip", "slots")
+    __slots__ = ("step", "transfer_id", "input_ids", "applied", "skip", "slots", "start", "hold")
     STEP_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     APPLIED_FIELD_NUMBER: _ClassVar[int]
     SKIP_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    HOLD_FIELD_NUMBER: _ClassVar[int]
     step: int
     transfer_id: str
     input_ids: _containers.RepeatedScalarFieldContainer[int]
     applied: bool
     skip: int
     slots: bytes
-    def __init__(self, step: _Optional[int] = ..., transfer_id: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., applied: _Optional[bool] = ..., skip: _Optional[int] = ..., slots: _Optional[bytes] = ...) -> None: ...
+    start: int
+    hold: bool
+    def __init__(self, step: _Optional[int] = ..., transfer_id: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., applied: _Optional[bool] = ..., skip: _Optional[int] = ..., slots: _Optional[bytes] = ..., start: _Optional[int] = ..., hold: _Optional[bool] = ...) -> None: ...
 
 class ApplyResultCall(_message.Message):
     __slots__ = ("result",)
