@@ -21,13 +21,12 @@ seen become requests too, then every live request continues on another engine fr
 streamed token, or ends with an abort naming the error if there is none. A fault of our own does
 not end the loop: each request continues on a fresh scheduler, or ends with an abort once it has
 lived through MAX_FAULTS_PER_REQUEST. A drain or move ends the loop only once nothing is live
-(queued requests moved at once, running ones finished here or handed over past --drain-timeout),
-and `stop` (the control plane stopping) ends each live request with an abort. A draining worker's
-running requests migrate to another worker at once (unless --disable-drain-migration). On every exit the
-engine closes before its first await: the router passes it by from then on, so nothing arrives
-while the session's last message goes out, and whatever is still here, inbox included, ends with
-an abort; a call always hears its verdict before its finish. An engine whose welcome failed is
-closed the same way (`abandon`).
+(queued requests moved at once, running ones migrated with their KV, or else finished here or
+handed over past --drain-timeout), and `stop` (the control plane stopping) ends each live request
+with an abort. On every exit the engine closes before its first await: the router passes it by
+from then on, so nothing arrives while the session's last message goes out, and whatever is still
+here, inbox included, ends with an abort; a call always hears its verdict before its finish. An
+engine whose welcome failed is closed the same way (`abandon`).
 """
 
 from __future__ import annotations
@@ -238,13 +237,6 @@ class Engine:
             self.streams.adopt(orphan.sample)
             self._inbox.append(orphan)
         self._wake.set()
-
-    def migrate(self, rid: str, destination: Destination, reason: str) -> bool:
-        """Move the running call (or sample) `rid` to `destination` with its KV, now, between two
-        plans (migration.py). False, with nothing changed, when it cannot move now. Called on the
-        core's loop, between this engine's turns."""
-        rids = self.streams.rids_of(rid)
-        return bool(rids) and self.migration.start(self.scheduler, rids, destination, reason)
 
     def precopied(self, transfer_id: str, tokens: tuple[int, ...]) -> bool:
         """A running request's KV was pre-copied to this worker: it is held here until the request
