@@ -42,21 +42,31 @@ async def _books_settle_all(address: str, timeout: float = 10.0) -> None:
 
 
 @pytest.mark.parametrize(
-    ("control", "worker"),
+    ("control", "worker", "shared"),
     [
-        ([], []),
-        (["--disable-overlap-schedule"], []),
-        (["--chunked-prefill-size", "16"], ["--page-size", "4"]),
+        ([], [], False),
+        (["--disable-overlap-schedule"], [], False),
+        (["--chunked-prefill-size", "16"], ["--page-size", "4"], False),
+        # One long prefix shared by every prompt: the destination's tree holds it already, so a
+        # migration's receives skip it.
+        ([], ["--page-size", "4"], True),
     ],
-    ids=["overlap", "no-overlap", "chunk16-page4"],
+    ids=["overlap", "no-overlap", "chunk16-page4", "shared-prefix-page4"],
 )
 async def test_greedy_with_test_migrate_equals_transformers(
-    start_stack, model_dir: Path, control: list[str], worker: list[str], monkeypatch: pytest.MonkeyPatch
+    start_stack,
+    model_dir: Path,
+    control: list[str],
+    worker: list[str],
+    shared: bool,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setenv("STEPWISE_TEST_MIGRATE", "1")
     monkeypatch.setenv("STEPWISE_TEST_MIGRATE_INTERVAL", "3")
     stack = await start_stack(control, worker, workers=2)
     prompts, eos = _encode_all(model_dir)
+    if shared:
+        prompts = [prompts[4] + ids for ids in prompts]
     got = await _greedy_all(stack.address, prompts, MAX_NEW)
     for ids, n, tokens in zip(prompts, MAX_NEW, got, strict=True):
         assert tokens == reference_greedy(model_dir, ids, n, eos), f"prompt of {len(ids)} tokens"
