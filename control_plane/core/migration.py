@@ -243,6 +243,7 @@ class Migrations:
             if copy is not None:
                 copy.pending.discard(outcome.transfer_id)
                 copy.error = copy.error or outcome.error
+                metrics.MIGRATION_BYTES.labels(self._worker).inc(outcome.bytes)
                 if not copy.pending:
                     self._precopied(scheduler, copy)
                 continue

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import socket
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -83,7 +85,10 @@ async def test_test_migrate_moves_parallel_samples_together(
     """n > 1: the samples of a call move together or not at all, and each equals transformers."""
     monkeypatch.setenv("STEPWISE_TEST_MIGRATE", "1")
     monkeypatch.setenv("STEPWISE_TEST_MIGRATE_INTERVAL", "2")
-    stack = await start_stack([], [], workers=2)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    stack = await start_stack(["--metrics-port", str(port)], [], workers=2)
     prompts, eos = _encode_all(model_dir)
     async with StepwiseClient(stack.address) as client:
         calls = await asyncio.gather(
@@ -99,6 +104,18 @@ async def test_test_migrate_moves_parallel_samples_together(
     moved = sum(w.migrated_out for w in workers)
     assert moved > 0 and moved % 3 == 0, "each migration moved a whole call of 3 samples"
     await _books_settle_all(stack.address)
+    body = await asyncio.to_thread(lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read())
+    totals: dict[str, float] = {}
+    for line in body.decode().splitlines():
+        name = line.split("{")[0].split(" ")[0]
+        if name.startswith("stepwise:migra") and 'outcome="fallback"' not in line:
+            totals[name] = totals.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    assert totals["stepwise:migrations_total"] == moved
+    assert totals["stepwise:migration_stall_seconds_count"] == moved
+    assert totals["stepwise:migration_copy_seconds_count"] == moved
+    assert totals["stepwise:migrated_tokens_total"] >= moved
+    # K and V of every moved token, 2,048 bytes each on the embedded model (pre-copies and tails).
+    assert totals["stepwise:migration_bytes_total"] >= 2048 * totals["stepwise:migrated_tokens_total"]
 
 
 async def _stream_greedy(
