@@ -101,8 +101,10 @@ WORKER_WAIT = _histogram(
 MIGRATIONS = Counter(
     "stepwise:migrations",
     "Requests migrated off a worker, by reason (drain, test) and outcome: ok (continued on the "
-    "destination from the moved KV), fallback (the copy failed or the destination left: continued "
-    "here or recomputed elsewhere), lost (the source was lost mid-copy: recomputed elsewhere)",
+    "destination from the moved KV), called_off (the pre-copy failed, or the request or the "
+    "destination went meanwhile: it stayed; counted per call), fallback (the tail failed or the "
+    "destination left: continued here or recomputed elsewhere), lost (the source was lost mid-copy: "
+    "recomputed elsewhere)",
     ("worker", "reason", "outcome"),
     registry=REGISTRY,
 )

@@ -264,6 +264,7 @@ class Migrations:
         ):
             why = "it ended or stopped running meanwhile"
         if why:  # it stays here
+            metrics.MIGRATIONS.labels(self._worker, copy.reason, "called_off").inc()
             for transfer_id, _ in copy.sent.values():
                 destination.forget_transfer(transfer_id)
             self._log.info("migration called off", rids=copy.rids, to=destination.worker, why=why)
