@@ -64,6 +64,7 @@ from control_plane.core.publisher import Publisher, Streams
 from control_plane.core.step_log import StepLog
 from control_plane.core.timeouts import Timeouts
 from control_plane.core.worker_checks import WorkerFault, check_result
+from control_plane.link import link_of
 from control_plane.record.recorder import close_recording, make_scheduler
 from control_plane.request import AbortCode, FinishReason, RequestParams
 from control_plane.scheduler.records import StepStats
@@ -199,13 +200,16 @@ class Engine:
         for r in live:
             self._inbox.append(AbortItem(r, FinishReason.abort(message, code)))
         self._wake.set()
-        return bool(live)
+        moving = self.migration.end_in_transit(
+            lambda s: rid in (s.rid, s.call), FinishReason.abort(message, code)
+        )
+        return bool(live) or bool(moving)
 
     def stop_sample(self, uid: int, reason: FinishReason) -> bool:
         """A frontend ended this sample on a stop string (one step late: tokens since are dropped)."""
         rid = self.streams.rid_of_uid(uid)
         if rid is None:
-            return False
+            return bool(self.migration.end_in_transit(lambda s: s.uid == uid, reason))
         self._inbox.append(StopItem(rid, reason))
         self._wake.set()
         return True
@@ -216,15 +220,16 @@ class Engine:
         for rid in rids:
             self._inbox.append(AbortItem(rid, FinishReason.abort(message)))
         self._wake.set()
-        return len(rids)
+        return len(rids) + self.migration.end_in_transit(lambda _s: True, FinishReason.abort(message))
 
     def abort_link(self, link_id: int, message: str) -> int:
         """A frontend died: abort every sample it submitted. Returns how many."""
         rids = self.streams.rids_of_link(link_id)
+        reason = FinishReason.abort(message, AbortCode.CANCELLED)
         for rid in rids:
-            self._inbox.append(AbortItem(rid, FinishReason.abort(message, AbortCode.CANCELLED)))
+            self._inbox.append(AbortItem(rid, reason))
         self._wake.set()
-        return len(rids)
+        return len(rids) + self.migration.end_in_transit(lambda s: link_of(s.uid) == link_id, reason)
 
     def adopt(self, orphans: list[Orphan]) -> None:
         """Take over requests of a lost or leaving worker: their streams continue here."""
@@ -264,11 +269,16 @@ class Engine:
             self._wake.set()
 
     def knows(self, rid: str) -> bool:
-        return self.streams.knows(rid)
+        """A live call or sample here, or one migrating from here whose tail is on its way."""
+        return self.streams.knows(rid) or bool(self.migration.in_transit(lambda s: rid in (s.rid, s.call)))
 
     def owner_of(self, rid: str) -> str | None:
         """Who submitted the live Generate call (or sample) `rid`; None when it is not live here."""
-        return self.streams.owner_of(rid)
+        owner = self.streams.owner_of(rid)
+        if owner is None:
+            moving = self.migration.in_transit(lambda s: rid in (s.rid, s.call))
+            owner = moving[0].owner if moving else None
+        return owner
 
     def load(self) -> tuple[int, int]:
         """(queued, running) for routing and server info."""

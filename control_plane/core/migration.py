@@ -40,7 +40,7 @@ import structlog
 
 from control_plane import metrics
 from control_plane.core.handover import orphan_of
-from control_plane.core.inbox import Forget, Immigrant, Orphan, Precopied
+from control_plane.core.inbox import Forget, Immigrant, LiveSample, Orphan, Precopied
 from control_plane.core.publisher import Streams
 from control_plane.request import FinishReason
 from control_plane.scheduler.scheduler import Scheduler
@@ -122,6 +122,9 @@ class Migrations:
         self._fallback = fallback
         self.precopies: dict[str, Precopy] = {}  # by transfer id (each of a call's samples')
         self.exports: dict[str, Export] = {}
+        # Switched samples ended while their tail was on its way (an abort, a stop string): by
+        # tail transfer id, how they end once it is reported.
+        self._ended: dict[str, FinishReason] = {}
         # Migrated here and not yet given their first token here: rid -> when the switch was.
         self.stalls: dict[str, float] = {}
         self._last_poll = 0.0
@@ -155,6 +158,18 @@ class Migrations:
     def wait_s(self) -> float | None:
         """How long an idle loop may sleep (None: as long as it likes)."""
         return POLL_S if self.busy else None
+
+    def in_transit(self, which: Callable[[LiveSample], bool]) -> list[LiveSample]:
+        """Switched samples whose tail is on its way (in no engine's streams), those `which` picks."""
+        return [e.orphan.sample for e in self.exports.values() if which(e.orphan.sample)]
+
+    def end_in_transit(self, which: Callable[[LiveSample], bool], reason: FinishReason) -> int:
+        """End the samples `which` picks among those in transit with `reason` once their tail is
+        reported (the destination then forgets it); how many."""
+        picked = [tid for tid, e in self.exports.items() if which(e.orphan.sample)]
+        for transfer_id in picked:
+            self._ended.setdefault(transfer_id, reason)
+        return len(picked)
 
     # --- leaving this worker -------------------------------------------------------------------
 
@@ -251,7 +266,11 @@ class Migrations:
             if export is None:
                 self._log.warning("transfer outcome for no migration", transfer_id=outcome.transfer_id)
                 continue
-            if outcome.error:
+            ended = self._ended.pop(outcome.transfer_id, None)
+            if ended is not None:  # its client left (or a stop string ended it) meanwhile
+                self._forget_both(export)
+                self._streams.finish(export.orphan.sample, ended)
+            elif outcome.error:
                 self._give_up(export, outcome.error)
             else:
                 self._arrive(export, outcome.bytes)
@@ -307,9 +326,7 @@ class Migrations:
         forgets both copies."""
         self.fallbacks += 1
         metrics.MIGRATIONS.labels(self._worker, export.reason, "fallback").inc()
-        for transfer_id in (export.transfer_id, export.held):
-            if transfer_id:
-                export.destination.forget_transfer(transfer_id)
+        self._forget_both(export)
         heir = self._fallback()
         self._log.warning(
             "migration failed",
@@ -323,17 +340,26 @@ class Migrations:
         else:
             heir.adopt([export.orphan])
 
+    @staticmethod
+    def _forget_both(export: Export) -> None:
+        """The destination forgets the tail and the pre-copy's hold."""
+        for transfer_id in (export.transfer_id, export.held):
+            if transfer_id:
+                export.destination.forget_transfer(transfer_id)
+
     def _drop_copies(self) -> list[Export]:
-        """Every copy under way is given up (its destination forgets it); the switched samples."""
+        """Every copy under way is given up (its destination forgets it); the switched samples,
+        but those ended meanwhile, which end here now with their reason."""
         for transfer_id, copy in self.precopies.items():
             copy.destination.forget_transfer(transfer_id)
         self.precopies = {}
         exports, self.exports = list(self.exports.values()), {}
+        ended, self._ended = self._ended, {}
         for export in exports:
-            for transfer_id in (export.transfer_id, export.held):
-                if transfer_id:
-                    export.destination.forget_transfer(transfer_id)
-        return exports
+            self._forget_both(export)
+            if export.transfer_id in ended:
+                self._streams.finish(export.orphan.sample, ended[export.transfer_id])
+        return [e for e in exports if e.transfer_id not in ended]
 
     def recovered(self) -> None:
         """The scheduler was replaced after a fault of ours: copies it had not planned yet are gone

@@ -152,11 +152,14 @@ def make_engine(
     successor: Callable[[Engine], Engine | None] | None = None,
     on_leaving: Callable[[Engine], None] | None = None,
     channel_class: type[FakeChannel] = FakeChannel,
+    network: dict[str, list[tuple[int, int]]] | None = None,
     **scheduler: object,
 ) -> tuple[Engine, FakeChannel, FakeHub]:
     """An engine over a FakeWorker; `control` sets ControlConfig fields, the rest the scheduler's.
     Engines that share a `hub` publish to one place (as a control plane's engines do); `successor`
-    and `on_leaving` are wired as the server wires them (the router's, the control plane's)."""
+    and `on_leaving` are wired as the server wires them (the router's, the control plane's). Engines
+    whose workers share a `network` can migrate requests between them (each announces a transfer
+    address)."""
     config = ControlConfig(
         model_dir=Path("."),
         scheduler=make_config(**scheduler),
@@ -164,8 +167,9 @@ def make_engine(
         overlap=overlap,
         **(control or {}),  # type: ignore[arg-type]
     )
-    limits = WorkerLimits(worker_id, capacity, 1, 2048, vocab, eos)
-    channel = channel_class(FakeWorker(capacity, vocab=vocab), step_s, log)
+    address = f"{worker_id}:1" if network is not None else ""
+    limits = WorkerLimits(worker_id, capacity, 1, 2048, vocab, eos, transfer_address=address)
+    channel = channel_class(FakeWorker(capacity, vocab=vocab, network=network), step_s, log)
     hub = hub if hub is not None else FakeHub(channel.log)
     engine = Engine(config, limits, channel, hub, successor=successor, on_leaving=on_leaving)
     return engine, channel, hub

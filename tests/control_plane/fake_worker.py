@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from protos.worker import KvReport, PromptScores, StepPlan, StepResult, TokenLogprobs
+from protos.worker import KvReport, PromptScores, StepPlan, StepResult, TokenLogprobs, TransferOutcome
 
 
 class KvCorruption(AssertionError):
@@ -97,6 +97,8 @@ class FakeWorker:
         prompt_scores: list[PromptScores] = []
         self._extends(plan, tokens, scores, prompt_scores)
         self._decodes(plan, tokens, scores)
+        # Sends arrive at once: this very result says so (16 bytes a token, a made-up size).
+        transfers = tuple(TransferOutcome(s.transfer_id, "", 16 * len(s.slots)) for s in plan.sends)
         return StepResult(
             step_id=plan.step_id,
             token_ids=np.asarray(tokens, dtype=np.int32),
@@ -108,6 +110,7 @@ class FakeWorker:
                 capacity_tokens=self.capacity,
                 host_seqs=len(self.host),
             ),
+            transfers=transfers,
         )
 
     def _offload_and_restore(self, plan: StepPlan) -> None:

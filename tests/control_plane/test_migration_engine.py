@@ -1,0 +1,129 @@
+"""Live migration between two engines of one control plane (control_plane/core/migration.py), over
+FakeWorkers that share a network: a send arrives at once, and the result of the plan that carried it
+says so. Tokens depend on a sequence's context alone, so a migrated request must stream exactly what
+it streams where it started."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import pytest
+
+from control_plane.core.engine import Engine
+from control_plane.core.router import Router
+from control_plane.request import FinishKind, RequestParams
+from protos.worker import SamplerParams, StepResult
+from tests.control_plane.fake_core import FakeHub, make_engine, submit
+
+pytestmark = pytest.mark.timeout(60)
+
+PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]
+
+
+def _params(max_new: int) -> RequestParams:
+    return RequestParams(max_new_tokens=max_new, ignore_eos=True, sampler=SamplerParams(temperature=0.0))
+
+
+class Pair:
+    """Engines `a` and `b` behind one router, their workers on one network, both loops running."""
+
+    def __init__(self) -> None:
+        self.hub = FakeHub()
+        self.router = Router("test")
+        network: dict[str, list[tuple[int, int]]] = {}
+        self.a, self.channel_a, _ = make_engine(
+            1000, step_s=0.002, worker_id="a", hub=self.hub, successor=self.router.successor, network=network
+        )
+        self.b, self.channel_b, _ = make_engine(
+            1000, step_s=0.002, worker_id="b", hub=self.hub, successor=self.router.successor, network=network
+        )
+        self.network = network
+        self.tasks = []
+        for engine in (self.a, self.b):
+            self.router.attach(engine)
+            self.tasks.append(asyncio.create_task(engine.run()))
+
+    async def close(self) -> None:
+        for engine in (self.a, self.b):
+            engine.stop()
+        for task in self.tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
+@pytest.fixture
+async def pair() -> AsyncIterator[Pair]:
+    made = Pair()
+    try:
+        yield made
+    finally:
+        await made.close()
+
+
+async def _until(condition, what: str, timeout: float = 20.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.001)
+
+
+async def _alone(max_new: int) -> list[int]:
+    """What the request streams on one engine that never migrates."""
+    engine, _, hub = make_engine(1000, step_s=0.0)
+    task = asyncio.create_task(engine.run())
+    try:
+        [uid] = submit(engine, "r", PROMPT, _params(max_new))
+        await asyncio.wait_for(hub.stream(uid).done.wait(), 20)
+        return hub.stream(uid).tokens
+    finally:
+        engine.stop()
+        await task
+
+
+def _books_empty(engine: Engine) -> bool:
+    return engine.scheduler.books() == (0, 0) and not engine.migration.busy and engine.scheduler.is_idle
+
+
+async def test_a_migrated_request_streams_what_it_streams_where_it_started(pair: Pair) -> None:
+    [uid] = submit(pair.a, "r", PROMPT, _params(40))
+    stream = pair.hub.stream(uid)
+    await _until(lambda: len(stream.tokens) >= 5, "five tokens on a")
+    assert pair.a.migration.start(pair.a.scheduler, ["r"], pair.b, "test")
+    await asyncio.wait_for(stream.done.wait(), 20)
+    assert stream.finished is not None and stream.finished.kind is FinishKind.LENGTH
+    assert stream.tokens == await _alone(40)
+    assert (pair.a.migration.migrated_out, pair.b.migration.migrated_in) == (1, 1)
+    await _until(lambda: _books_empty(pair.a) and _books_empty(pair.b), "both books at zero")
+    assert pair.network == {} and pair.b.scheduler.kv.protected_size() == 0
+
+
+async def test_an_abort_while_the_tail_is_on_its_way_ends_the_request_and_nothing_else(pair: Pair) -> None:
+    """Between the switch and the tail's outcome the sample is in no engine's streams: the abort is
+    found there (knows, owner_of), ends the stream with its reason, and the destination forgets both
+    copies instead of admitting it."""
+    [uid] = submit(pair.a, "r", PROMPT, _params(400))
+    stream = pair.hub.stream(uid)
+    await _until(lambda: len(stream.tokens) >= 3, "three tokens on a")
+    # Once a has switched, its next result (which would carry the tail's outcome) waits for the gate.
+    gate, receive = asyncio.Event(), pair.channel_a.receive
+
+    async def gated() -> StepResult:
+        if pair.a.migration.exports:
+            await gate.wait()
+        return await receive()
+
+    pair.channel_a.receive = gated  # type: ignore[method-assign]
+    assert pair.a.migration.start(pair.a.scheduler, ["r"], pair.b, "test")
+    await _until(lambda: bool(pair.a.migration.exports), "the switch")
+    assert pair.a.knows("r") and pair.a.owner_of("r") == "owner" and not pair.a.streams.knows("r")
+    assert pair.a.abort("r", "client went away")
+    gate.set()
+    await asyncio.wait_for(stream.done.wait(), 20)
+    assert stream.finished is not None and stream.finished.kind is FinishKind.ABORT
+    assert "client went away" in stream.finished.message
+    await _until(lambda: _books_empty(pair.a) and _books_empty(pair.b), "both books at zero")
+    assert pair.b.migration.migrated_in == 0 and "r" not in pair.b.scheduler.requests
+    assert pair.network == {}, "the destination forgot both copies"
+    assert pair.b.scheduler.kv.protected_size() == 0, "the pre-copy's hold was released"
