@@ -44,7 +44,6 @@ from stepwise.models import resolve_model
 from stepwise.up import Stack
 
 KEY = "bench"
-LOG_LEVEL = "warning"
 MODES = {
     "migrate": [],
     "recompute": ["--disable-drain-migration", "--drain-timeout", "0"],
@@ -53,9 +52,9 @@ MODES = {
 
 
 async def _start(model: str, mode: str, kv_tokens: int) -> Stack:
-    control = ["--host", "127.0.0.1", "--port", "0", "--worker-port", "0", "--log-level", LOG_LEVEL]
+    control = ["--host", "127.0.0.1", "--port", "0", "--worker-port", "0", "--log-level", "warning"]
     control += ["--model", model, *MODES[mode]]
-    worker = ["--log-level", LOG_LEVEL, "--model", model, "--kv-tokens", str(kv_tokens)]
+    worker = ["--log-level", "warning", "--model", model, "--kv-tokens", str(kv_tokens)]
     stack = Stack(control, worker, 2)
     await stack.start(timeout=180)
     return stack

@@ -40,10 +40,18 @@ class Exits:
             self.discard(req, reason)
         return True
 
-    def finish(self, rid: str, reason: FinishReason) -> bool:
-        """Finish a running request for a reason decided outside (a stop string); caches its KV."""
+    def running(self, rid: str) -> Request | None:
+        """The live request `rid` if it holds KV here past its prefill's planning: not queued and
+        not mid-chunk (what `finish` takes)."""
         req = self.registry.live(rid)
         if req is None or req is self.chunk.req or self.intake.is_waiting(req):
+            return None
+        return req
+
+    def finish(self, rid: str, reason: FinishReason) -> bool:
+        """Finish a running request for a reason decided outside (a stop string); caches its KV."""
+        req = self.running(rid)
+        if req is None:
             return False
         self.end(req, reason)
         return True

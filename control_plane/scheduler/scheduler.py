@@ -286,12 +286,11 @@ class Scheduler:
         the whole cached part, positions [0, len); nothing is sent when len <= start (the cache is
         disabled, or the pre-copy sent it all). None when it is not running here (queued, mid-chunk
         or gone): nothing changed."""
-        req = self.registry.live(rid)
+        req = self.exits.running(rid)
         if req is None:
             return None
         tokens = np.array(req.fill_ids[: req.kv_committed_len], dtype=np.int64)
-        if not self.exits.finish(rid, reason):
-            return None
+        self.exits.end(req, reason)
         slots = self.kv.cached_slots(tokens)
         if len(slots) > start:
             self.seq_books.send(KvSend(transfer_id, address, slots[start:].copy()))
@@ -335,11 +334,8 @@ class Scheduler:
 
     def running_request(self, rid: str) -> Request | None:
         """The live request `rid` if it holds KV here and is past its prefill's planning: not queued
-        and not mid-chunk (what `finish` and `export` take)."""
-        req = self.registry.live(rid)
-        if req is None or req is self.chunk.req or self.intake.is_waiting(req):
-            return None
-        return req
+        and not mid-chunk (what `finish`, `send_kv` and `export` take)."""
+        return self.exits.running(rid)
 
     @property
     def waiting(self) -> list[Request]:

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from control_plane.core.handover import orphan_of
 from control_plane.core.inbox import LiveSample, Orphan
 from control_plane.core.migration import MIGRATED
-from control_plane.record.entries import Entry, Header, ImportKv
+from control_plane.record.entries import Header, ImportKv
 from control_plane.record.recorder import RecordingScheduler, recording_header
 from control_plane.record.replay import replay_scheduler
 from control_plane.request import FinishReason
@@ -40,6 +40,7 @@ from tests.control_plane.factories import (
     uid_of,
 )
 from tests.control_plane.fake_worker import FakeWorker
+from tests.record.conftest import ListSink
 
 
 def _run_until_running(sched: Scheduler, worker: FakeWorker, rid: str, steps: int = 3) -> None:
@@ -326,23 +327,9 @@ def test_requests_migrated_back_and_forth_stream_what_one_worker_streams(
         assert moves > 0
 
 
-class _ListSink:
-    def __init__(self) -> None:
-        self.entries: list[Entry] = []
-
-    def write(self, entry: Entry) -> None:
-        self.entries.append(entry)
-
-    def end_step(self, step: int) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
 def test_a_recorded_session_with_migrations_replays_identically_and_an_edit_is_found() -> None:
     base = make_scheduler()
-    sinks = [_ListSink(), _ListSink()]
+    sinks = [ListSink(), ListSink()]
     schedulers: list[Scheduler] = [RecordingScheduler(base.config, base.limits, sink) for sink in sinks]
     arrivals = [(f"r{i}", prompt(6 + 3 * i, seed=i), 12) for i in range(4)]
     _, _, moves = _migrating_run(arrivals, True, 3, 7, schedulers)

@@ -28,6 +28,18 @@ async def _workers(address: str) -> list:  # type: ignore[type-arg]
         return list((await client.server_info()).workers)
 
 
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+async def _metrics(port: int) -> bytes:
+    """The control plane's /metrics page."""
+    url = f"http://127.0.0.1:{port}/metrics"
+    return await asyncio.to_thread(lambda: urllib.request.urlopen(url).read())
+
+
 async def _books_settle_all(address: str, timeout: float = 10.0) -> None:
     """Every worker's books and report agree at zero."""
     deadline = asyncio.get_running_loop().time() + timeout
@@ -85,9 +97,7 @@ async def test_test_migrate_moves_parallel_samples_together(
     """n > 1: the samples of a call move together or not at all, and each equals transformers."""
     monkeypatch.setenv("STEPWISE_TEST_MIGRATE", "1")
     monkeypatch.setenv("STEPWISE_TEST_MIGRATE_INTERVAL", "2")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = _free_port()
     stack = await start_stack(["--metrics-port", str(port)], [], workers=2)
     prompts, eos = _encode_all(model_dir)
     async with StepwiseClient(stack.address) as client:
@@ -104,7 +114,7 @@ async def test_test_migrate_moves_parallel_samples_together(
     moved = sum(w.migrated_out for w in workers)
     assert moved > 0 and moved % 3 == 0, "each migration moved a whole call of 3 samples"
     await _books_settle_all(stack.address)
-    body = await asyncio.to_thread(lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read())
+    body = await _metrics(port)
     totals: dict[str, float] = {}
     for line in body.decode().splitlines():
         name = line.split("{")[0].split(" ")[0]
@@ -255,9 +265,7 @@ async def test_a_destination_that_refuses_every_copy_keeps_nothing_and_loses_not
     other way succeed. Every stream is exact, and none fell back (a failed pre-copy never left)."""
     monkeypatch.setenv("STEPWISE_TEST_MIGRATE", "1")
     monkeypatch.setenv("STEPWISE_TEST_MIGRATE_INTERVAL", "2")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = _free_port()
     plane = await start_control("--metrics-port", str(port))
     plane.add_worker("w0", sim=False)
     plane.add_worker("w1", "--transfer-buffer-bytes", "0", sim=False)
@@ -266,7 +274,7 @@ async def test_a_destination_that_refuses_every_copy_keeps_nothing_and_loses_not
     got = await _greedy_all(plane.address, prompts, MAX_NEW)
     for ids, n, tokens in zip(prompts, MAX_NEW, got, strict=True):
         assert tokens == reference_greedy(model_dir, ids, n, eos)
-    body = await asyncio.to_thread(lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read())
+    body = await _metrics(port)
     called_off = [
         line
         for line in body.decode().splitlines()
