@@ -176,13 +176,16 @@ class _Receiver(kv_grpc.KvTransferServiceServicer):
             await context.send_initial_metadata(ACCEPTED)
             received = await self._fill(header, chunks)
         except BadTransfer as exc:
-            # The sender is still writing: read what it sends, so that it sees this status rather
-            # than a failed write (grpc.aio reports a write after the call's end as INTERNAL).
+            # Give the room back before the status goes out: the sender may look at once. Then read
+            # what it still writes, so that it sees this status rather than a failed write (grpc.aio
+            # reports a write after the call's end as INTERNAL).
+            self._store.release(header.transfer_id)
             async for _ in chunks:
                 pass
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        finally:
+        except BaseException:  # a cancelled or broken stream
             self._store.release(header.transfer_id)
+            raise
         return kv_pb.KvReceived(bytes_received=received, ok=True)
 
     async def _accept(self, chunks: AsyncIterator[kv_pb.KvChunk]) -> TransferHeader:
