@@ -194,6 +194,12 @@ class ControlConfig:
     # A draining worker's running requests migrate to another worker with their KV instead of
     # finishing there (docs/migration.md); off: --disable-drain-migration.
     drain_migration: bool = True
+    # Running requests migrate between this control plane's workers for KV room (docs/migration.md
+    # #balancing): before a worker would retract, and when one with a queue has far less free KV than
+    # another; off: --disable-kv-balance. The look-ahead in decode steps, and the free-share gap.
+    kv_balance: bool = True
+    kv_balance_steps: int = 8
+    kv_balance_threshold: float = 0.3
     # STEPWISE_TEST_MIGRATE (tests): every this many steps a worker migrates a running call to another
     # worker (0: never; STEPWISE_TEST_MIGRATE_INTERVAL sets the steps, default 5).
     test_migrate_interval: int = 0
@@ -471,6 +477,29 @@ def _add_peer_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="a draining worker's running requests finish there (or continue elsewhere by recompute "
         "past --drain-timeout) instead of migrating at once to another worker with their KV",
+    )
+    add(
+        "--disable-kv-balance",
+        action="store_true",
+        help="a worker short of KV retracts its requests (to prefill them again later) even when "
+        "another worker has room, and a worker's queue waits while another's KV is free, instead of "
+        "migrating running requests there with their KV",
+    )
+    add(
+        "--kv-balance-steps",
+        type=count(1),
+        default=d.kv_balance_steps,
+        metavar="N",
+        help="how many decode steps ahead a worker looks for a KV shortage that would retract "
+        "(a request moves before it; default: %(default)s)",
+    )
+    add(
+        "--kv-balance-threshold",
+        type=Float(0.0, 1.0),
+        default=d.kv_balance_threshold,
+        metavar="F",
+        help="a worker with queued requests moves a running one to a worker without a queue when "
+        "its free share of KV trails that worker's by more than F (0-1; default: %(default)s)",
     )
     add(
         "--peers",
@@ -773,6 +802,9 @@ def control_config_from_args(ns: argparse.Namespace, model_dir: Path) -> Control
         routing=routing_from_args(ns),
         drain_timeout_s=ns.drain_timeout,
         drain_migration=not ns.disable_drain_migration,
+        kv_balance=not ns.disable_kv_balance,
+        kv_balance_steps=ns.kv_balance_steps,
+        kv_balance_threshold=ns.kv_balance_threshold,
         test_migrate_interval=test_migrate_interval(os.environ),
         peers=_peers(ns),
         rebalance_interval_s=ns.rebalance_interval,

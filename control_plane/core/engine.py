@@ -46,6 +46,7 @@ import structlog
 from control_plane import metrics
 from control_plane.cache.invariants import InvariantError, PoolCheck, check_pool_invariants
 from control_plane.config import ControlConfig
+from control_plane.core import balance
 from control_plane.core.drain import Departure, Drain, Leaving
 from control_plane.core.handover import HandOver, WorkerGone
 from control_plane.core.inbox import (
@@ -108,7 +109,8 @@ class Engine:
     one at a time, on the core's event loop.
 
     `successor` picks the engine that takes over this one's requests when its worker is lost or
-    leaves (the router's); `on_leaving` is told when this engine starts leaving."""
+    leaves (the router's); `on_leaving` is told when this engine starts leaving; `peers` are the
+    engines taking requests (the router's), which running requests may move to for KV room."""
 
     def __init__(
         self,
@@ -118,6 +120,7 @@ class Engine:
         publisher: Publisher,
         successor: Callable[[Engine], Engine | None] | None = None,
         on_leaving: Callable[[Engine], None] | None = None,
+        peers: Callable[[], list[Engine]] | None = None,
     ) -> None:
         self.config = config
         self.limits = limits
@@ -128,6 +131,7 @@ class Engine:
         self.step_log = StepLog(self.worker, config.decode_log_interval, self.log)
         self._successor = successor
         self._on_leaving = on_leaving
+        self._peers = peers
         self.streams = Streams(publisher, self.worker, self.step_log.metrics)
         self.handover = HandOver(self.streams, self.worker, self.log, self._heir)
         self.drain = Drain(config.drain_timeout_s, self.streams, self.handover, self.worker, self.log)
@@ -433,6 +437,8 @@ class Engine:
         self.step_log.record(plan, flight.stats, self.scheduler)
         if self._test_migrate and self.steps % self._test_migrate == 0:
             self._migrate_one_at_random()
+        elif self.config.kv_balance and self._peers is not None:
+            self._balance()
 
     async def _await_result(self) -> StepResult:
         """The oldest plan's result, no later than the in-flight plans' deadline (a hung worker)."""
@@ -497,6 +503,37 @@ class Engine:
         calls = [rids for rids in self.streams.live_calls() if all(self._has_run(rid) for rid in rids)]
         if heir is not None and calls:
             self.migration.start(self.scheduler, self._test_rng.choice(calls), heir, "test")
+
+    def room(self, steps: int) -> balance.Room:
+        """This worker's KV once its running requests have decoded `steps` more (balance.py)."""
+        return balance.Room(self.scheduler.decode_headroom(steps), self.scheduler.capacity, self.load()[0])
+
+    def _balance(self) -> None:
+        """Move a running call to another worker for KV room, when balance.py says so: one such
+        move at a time, the call a retraction would release first among those that fit."""
+        if not self.serving or self.migration.underway(balance.REASONS):
+            return
+        steps = self.config.kv_balance_steps
+        here = self.room(steps)
+        if here.headroom >= 0 and not here.queued:
+            return  # the common case: two reads
+        assert self._peers is not None
+        peers = {e.worker: e for e in self._peers() if not self.migration.can_reach(e)}
+        rooms = {worker: engine.room(steps) for worker, engine in peers.items()}
+        target = balance.roomiest(rooms)
+        why = balance.why_move(here, rooms[target], self.config.kv_balance_threshold) if target else None
+        if target is None or why is None:
+            return
+        calls = {rid: call for call in self.streams.live_calls() for rid in call}
+        for rid in self.scheduler.retraction_order():
+            call = calls.get(rid)
+            if call is None or not all(self._has_run(r) for r in call):
+                continue
+            reqs = [self.scheduler.running_request(r) for r in call]
+            tokens = sum(r.kv_allocated_len for r in reqs if r is not None)
+            if balance.fits(why, here, rooms[target], tokens, steps * len(call)):
+                self.migration.start(self.scheduler, call, peers[target], why)
+                return
 
     def _has_run(self, rid: str) -> bool:
         req = self.scheduler.running_request(rid)

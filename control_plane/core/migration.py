@@ -140,6 +140,12 @@ class Migrations:
         """Copies whose outcome is still to come."""
         return bool(self.exports or self.precopies)
 
+    def underway(self, reasons: tuple[str, ...]) -> bool:
+        """A migration for one of `reasons` has not had its outcome yet."""
+        return any(p.reason in reasons for p in self.precopies.values()) or any(
+            e.reason in reasons for e in self.exports.values()
+        )
+
     def moving(self, rid: str) -> bool:
         """The sample is being pre-copied (it still runs here)."""
         return any(rid in p.sent for p in self.precopies.values())

@@ -125,6 +125,7 @@ class WorkerLinkService(wk_grpc.WorkerLinkServicer):
             self.hub,
             successor=self.router.successor,
             on_leaving=self.plane.worker_leaving,
+            peers=self.router.available,
         )
         channel.on_drain = engine.worker_draining
         # Attached before the welcome: a call that follows the welcome at once finds the worker.

@@ -214,6 +214,15 @@ class KvManager:
             return len(seq_lens)
         return self.page_size * int(np.count_nonzero(seq_lens % self.page_size == 0))
 
+    def growth_need(self, seq_lens: np.ndarray, growth: np.ndarray) -> int:
+        """Slots these sequences need to grow by `growth` positions each (whole pages: a sequence's
+        last page has room for the positions up to its end)."""
+        if self.page_size == 1:
+            return int(growth.sum())
+        p = self.page_size
+        pages = -(-(seq_lens + growth) // p) - -(-seq_lens // p)
+        return p * int(pages.sum())
+
     def check_decode_mem(self, seq_lens: np.ndarray) -> bool:
         """Mutates (may evict): whether the next decode of these sequences fits
         (docs/scheduler.md#decode-memory-check)."""

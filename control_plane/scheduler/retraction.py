@@ -60,7 +60,7 @@ class Retraction:
         """Retract from the least worth keeping until the rest's next decode fits (at least one, the
         TEST_RETRACT switch included); re-queue them and re-estimate the new-token ratio."""
         reqs = self.running.reqs
-        order = self._retraction_order()
+        order = self.order()
         available_before = self.kv.available_size()
         stats.ratio_before_retract = self.ratio.current
         retracted: list[Request] = []
@@ -95,7 +95,7 @@ class Retraction:
         stats.retracted_output_tokens = sum(r.num_outputs for r in retracted)
         stats.retract_tokens_gained = self.kv.available_size() - available_before
 
-    def _retraction_order(self) -> list[int]:
+    def order(self) -> list[int]:
         """Indices, most worth keeping first; the loop retracts from the end
         (docs/scheduler.md#retraction)."""
         reqs = self.running.reqs

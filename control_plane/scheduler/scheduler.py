@@ -337,6 +337,24 @@ class Scheduler:
         and not mid-chunk (what `finish`, `send_kv` and `export` take)."""
         return self.exits.running(rid)
 
+    def decode_headroom(self, steps: int) -> int:
+        """Free and evictable slots left once the running requests have decoded `steps` more tokens
+        each (at most their remaining max_new_tokens); negative: that many are missing, so unless
+        requests end sooner a decode within `steps` steps retracts (the balancer's look-ahead)."""
+        running = self.running
+        supply = self.kv.available_size() + self.kv.evictable_size()
+        if not len(running):
+            return supply
+        live = running.live_mask()
+        growth = np.clip(running.remaining_new_tokens()[live], 0, steps)
+        return supply - self.kv.growth_need(running.seq_lens[live], growth)
+
+    def retraction_order(self) -> list[str]:
+        """The running requests' ids, the first that a retraction would release first."""
+        reqs = self.running.reqs
+        live = self.running.live_mask()
+        return [reqs[i].rid for i in reversed(self.retraction.order()) if live[i]]
+
     @property
     def waiting(self) -> list[Request]:
         return self.intake.waiting

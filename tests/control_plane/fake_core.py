@@ -153,11 +153,12 @@ def make_engine(
     on_leaving: Callable[[Engine], None] | None = None,
     channel_class: type[FakeChannel] = FakeChannel,
     network: dict[str, list[tuple[int, int]]] | None = None,
+    peers: Callable[[], list[Engine]] | None = None,
     **scheduler: object,
 ) -> tuple[Engine, FakeChannel, FakeHub]:
     """An engine over a FakeWorker; `control` sets ControlConfig fields, the rest the scheduler's.
-    Engines that share a `hub` publish to one place (as a control plane's engines do); `successor`
-    and `on_leaving` are wired as the server wires them (the router's, the control plane's). Engines
+    Engines that share a `hub` publish to one place (as a control plane's engines do); `successor`,
+    `on_leaving` and `peers` are wired as the server wires them (the router's, the control plane's). Engines
     whose workers share a `network` can migrate requests between them (each announces a transfer
     address)."""
     config = ControlConfig(
@@ -171,5 +172,5 @@ def make_engine(
     limits = WorkerLimits(worker_id, capacity, 1, 2048, vocab, eos, transfer_address=address)
     channel = channel_class(FakeWorker(capacity, vocab=vocab, network=network), step_s, log)
     hub = hub if hub is not None else FakeHub(channel.log)
-    engine = Engine(config, limits, channel, hub, successor=successor, on_leaving=on_leaving)
+    engine = Engine(config, limits, channel, hub, successor=successor, on_leaving=on_leaving, peers=peers)
     return engine, channel, hub

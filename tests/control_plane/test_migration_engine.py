@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections import Counter
 from collections.abc import AsyncIterator
 
 import pytest
 
+from control_plane import metrics
 from control_plane.core.engine import Engine
 from control_plane.core.router import Router
 from control_plane.request import FinishKind, RequestParams
@@ -69,12 +71,12 @@ async def _until(condition, what: str, timeout: float = 20.0) -> None:  # type: 
         await asyncio.sleep(0.001)
 
 
-async def _alone(max_new: int) -> list[int]:
+async def _alone(max_new: int, prompt: list[int] = PROMPT) -> list[int]:
     """What the request streams on one engine that never migrates."""
     engine, _, hub = make_engine(1000, step_s=0.0)
     task = asyncio.create_task(engine.run())
     try:
-        [uid] = submit(engine, "r", PROMPT, _params(max_new))
+        [uid] = submit(engine, "r", prompt, _params(max_new))
         await asyncio.wait_for(hub.stream(uid).done.wait(), 20)
         return hub.stream(uid).tokens
     finally:
@@ -127,3 +129,99 @@ async def test_an_abort_while_the_tail_is_on_its_way_ends_the_request_and_nothin
     assert pair.b.migration.migrated_in == 0 and "r" not in pair.b.scheduler.requests
     assert pair.network == {}, "the destination forgot both copies"
     assert pair.b.scheduler.kv.protected_size() == 0, "the pre-copy's hold was released"
+
+
+def _moves(worker: str) -> Counter[str]:
+    """Successful migrations off `worker` so far, by reason (the process-wide counter)."""
+    return Counter(
+        {
+            reason: int(
+                metrics.REGISTRY.get_sample_value(
+                    "stepwise:migrations_total", {"worker": worker, "reason": reason, "outcome": "ok"}
+                )
+                or 0
+            )
+            for reason in ("kv", "balance", "drain", "test")
+        }
+    )
+
+
+async def _two_engines(capacities: dict[str, int], **scheduler: object) -> tuple[FakeHub, list[Engine]]:
+    """Engines behind one router whose workers share a network, wired as the server wires them."""
+    hub, router = FakeHub(), Router("test")
+    network: dict[str, list[tuple[int, int]]] = {}
+    engines = []
+    for worker, capacity in capacities.items():
+        engine, _, _ = make_engine(
+            1000,
+            capacity=capacity,
+            step_s=0.002,
+            worker_id=worker,
+            hub=hub,
+            successor=router.successor,
+            network=network,
+            peers=router.available,
+            **scheduler,
+        )
+        router.attach(engine)
+        engines.append(engine)
+    return hub, engines
+
+
+@contextlib.asynccontextmanager
+async def _running(engines: list[Engine]) -> AsyncIterator[None]:
+    tasks = [asyncio.create_task(e.run()) for e in engines]
+    try:
+        yield
+    finally:
+        for engine in engines:
+            engine.stop()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
+@pytest.mark.parametrize("balance", [True, False], ids=["balance", "disable-kv-balance"])
+async def test_a_worker_short_of_kv_migrates_to_one_with_room_instead_of_retracting(balance: bool) -> None:
+    """Four requests fill a's 200 slots at admission (the new-token ratio expects less output than
+    they make); b is empty. Before a's next decode would not fit, requests move to b with their KV:
+    nothing is retracted (recomputed) and every stream is what it is alone. Switched off, a
+    retracts."""
+    hub, engines = await _two_engines(
+        {"a": 200, "b": 1000}, control={"kv_balance": balance}, init_new_token_ratio=0.3
+    )
+    a, b = engines
+    before = _moves("a")
+    async with _running(engines):
+        prompts = [[5 + i, 6, 7, 8, 9, 10, 11, 12] for i in range(4)]
+        uids = [submit(a, f"r{i}", p, _params(60))[0] for i, p in enumerate(prompts)]
+        for uid in uids:
+            await asyncio.wait_for(hub.stream(uid).done.wait(), 30)
+        if balance:
+            assert a.scheduler.num_retracted_total == 0, "a retracted though b had room"
+            assert b.migration.migrated_in >= 1
+            assert _moves("a") - before == {"kv": b.migration.migrated_in}
+        else:
+            assert a.scheduler.num_retracted_total > 0 and b.migration.migrated_in == 0
+        for uid, prompt in zip(uids, prompts, strict=True):
+            assert hub.stream(uid).tokens == await _alone(60, prompt)
+        await _until(lambda: _books_empty(a) and _books_empty(b), "both books at zero")
+
+
+async def test_a_queue_beside_free_kv_moves_running_requests_there() -> None:
+    """Eight requests go to a (a routing key would do that), which admits four for its 200 slots
+    (the ratio 1.0 reserves every request's whole output: nothing retracts); b is empty. Running
+    requests move to b so that a admits its queue sooner; every stream is what it is alone."""
+    hub, engines = await _two_engines({"a": 200, "b": 1000}, init_new_token_ratio=1.0)
+    a, b = engines
+    before = _moves("a")
+    async with _running(engines):
+        prompts = [[40 + i, 6, 7, 8, 9, 10, 11, 12] for i in range(8)]
+        uids = [submit(a, f"r{i}", p, _params(40))[0] for i, p in enumerate(prompts)]
+        for uid in uids:
+            await asyncio.wait_for(hub.stream(uid).done.wait(), 30)
+        assert b.migration.migrated_in >= 1 and a.scheduler.num_retracted_total == 0
+        assert _moves("a") - before == {"balance": b.migration.migrated_in}
+        for uid, prompt in zip(uids, prompts, strict=True):
+            assert hub.stream(uid).tokens == await _alone(40, prompt)
+        await _until(lambda: _books_empty(a) and _books_empty(b), "both books at zero")

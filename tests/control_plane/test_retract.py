@@ -46,7 +46,7 @@ def fake_running(
 
 
 def popped_first_to_last(sched: Scheduler) -> list[str]:
-    return [sched.running.reqs[i].rid for i in reversed(sched.retraction._retraction_order())]
+    return [sched.running.reqs[i].rid for i in reversed(sched.retraction.order())]
 
 
 # --- order (docs/scheduler.md#retraction)
