@@ -198,7 +198,7 @@ class ControlConfig:
     # #balancing): before a worker would retract, and when one with a queue has far less free KV than
     # another; off: --disable-kv-balance. The look-ahead in decode steps, and the free-share gap.
     kv_balance: bool = True
-    kv_balance_steps: int = 8
+    kv_balance_steps: int = 16
     kv_balance_threshold: float = 0.3
     # STEPWISE_TEST_MIGRATE (tests): every this many steps a worker migrates a running call to another
     # worker (0: never; STEPWISE_TEST_MIGRATE_INTERVAL sets the steps, default 5).

@@ -6,14 +6,19 @@ another of this control plane's workers, for one of two reasons:
 - "kv": its running requests will not fit in its KV within `steps` more decodes (the scheduler's
   `decode_headroom` is negative), so a retraction is coming that would throw their KV away and
   prefill them again later; another worker has room for a request and its growth.
-- "balance": it has requests queued, the other has none, and its free share of KV trails the
-  other's by more than `threshold` (sticky routing keys or cache hits piled work on it).
+- "balance": its latest plan left requests queued, the other's left none, and its free share of KV
+  trails the other's by more than `threshold` (sticky routing keys or cache hits piled work on it).
 
-The call that moves is the first one in the scheduler's retraction order that fits (what a
-retraction would have released first), and only a call whose samples each made a token here, so a
-request never bounces between workers without making progress. The worker with the largest free
-share receives it. One such move at a time per worker: the next decision waits for its outcome, and
-the headroom the next one reads then includes it.
+The calls that move are taken in the scheduler's retraction order (what a retraction would have
+released first), those that fit: for "kv" as many as cover the shortfall, for "balance" one. Only a
+call whose samples each made a token here moves, so a request never bounces between workers without
+making progress, and none that ends within the look-ahead anyway. The worker with the largest free
+share receives them. A worker decides again once its moves have had their outcome (the headroom it
+reads then includes them).
+
+While a worker is short, its scheduler is also told to send the victims of a retraction to that
+worker instead (`Scheduler.spill_to`): pre-copies take a few steps, and the shortfall may come
+first.
 
 The rules are pure functions of `Room`s (tested directly); the engine reads the rooms and starts
 the migration (engine.py `_balance`).

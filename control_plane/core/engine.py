@@ -48,7 +48,7 @@ from control_plane.cache.invariants import InvariantError, PoolCheck, check_pool
 from control_plane.config import ControlConfig
 from control_plane.core import balance
 from control_plane.core.drain import Departure, Drain, Leaving
-from control_plane.core.handover import HandOver, WorkerGone
+from control_plane.core.handover import HandOver, WorkerGone, orphan_of
 from control_plane.core.inbox import (
     AbortItem,
     Arrival,
@@ -132,6 +132,8 @@ class Engine:
         self._successor = successor
         self._on_leaving = on_leaving
         self._peers = peers
+        # The worker the scheduler's retractions go to instead (Scheduler.spill_to), if any.
+        self._spill_to: Engine | None = None
         self.streams = Streams(publisher, self.worker, self.step_log.metrics)
         self.handover = HandOver(self.streams, self.worker, self.log, self._heir)
         self.drain = Drain(config.drain_timeout_s, self.streams, self.handover, self.worker, self.log)
@@ -392,6 +394,8 @@ class Engine:
         """Plan and send until `depth` plans are in flight or there is nothing to do."""
         while len(self._inflight) < self.depth:
             plan = self.scheduler.next_plan()
+            if self.scheduler.emigrants:
+                self._emigrate()  # before the publish: their finish here is no finish
             if self.timeouts.enabled:
                 self.timeouts.note_waiting(self.scheduler, time.monotonic())
             if plan is None:
@@ -506,34 +510,69 @@ class Engine:
 
     def room(self, steps: int) -> balance.Room:
         """This worker's KV once its running requests have decoded `steps` more (balance.py)."""
-        return balance.Room(self.scheduler.decode_headroom(steps), self.scheduler.capacity, self.load()[0])
+        sched = self.scheduler  # waiting: what the latest plan did not admit
+        return balance.Room(sched.decode_headroom(steps), sched.capacity, len(sched.waiting))
 
     def _balance(self) -> None:
-        """Move a running call to another worker for KV room, when balance.py says so: one such
-        move at a time, the call a retraction would release first among those that fit."""
-        if not self.serving or self.migration.underway(balance.REASONS):
-            return
+        """KV room across workers (balance.py). When a retraction may come within the look-ahead,
+        the scheduler is told where to send its victims instead (`spill_to`: the roomiest worker),
+        and running calls move there ahead of it, in the order a retraction would release them, as
+        many as cover the shortfall; for a queue beside another worker's free KV, one. The next
+        decision waits for these moves' outcomes."""
         steps = self.config.kv_balance_steps
         here = self.room(steps)
-        if here.headroom >= 0 and not here.queued:
+        if not self.serving or (here.headroom >= 0 and not here.queued):
+            self._spill(None, 0)
             return  # the common case: two reads
         assert self._peers is not None
         peers = {e.worker: e for e in self._peers() if not self.migration.can_reach(e)}
         rooms = {worker: engine.room(steps) for worker, engine in peers.items()}
         target = balance.roomiest(rooms)
-        why = balance.why_move(here, rooms[target], self.config.kv_balance_threshold) if target else None
-        if target is None or why is None:
+        if target is None:
+            self._spill(None, 0)
             return
+        there = rooms[target]
+        self._spill(peers[target] if here.headroom < 0 else None, there.headroom)
+        why = balance.why_move(here, there, self.config.kv_balance_threshold)
+        if why is None or self.migration.underway(balance.REASONS):
+            return
+        short = -here.headroom
         calls = {rid: call for call in self.streams.live_calls() for rid in call}
         for rid in self.scheduler.retraction_order():
-            call = calls.get(rid)
+            call = calls.pop(rid, None)
             if call is None or not all(self._has_run(r) for r in call):
                 continue
-            reqs = [self.scheduler.running_request(r) for r in call]
-            tokens = sum(r.kv_allocated_len for r in reqs if r is not None)
-            if balance.fits(why, here, rooms[target], tokens, steps * len(call)):
-                self.migration.start(self.scheduler, call, peers[target], why)
+            reqs = [r for r in map(self.scheduler.running_request, call) if r is not None]
+            if any(r.max_new_tokens - r.num_outputs <= steps for r in reqs):
+                continue  # it ends within the look-ahead anyway
+            tokens = sum(r.kv_allocated_len for r in reqs)
+            growth = steps * len(call)
+            if not balance.fits(why, here, there, tokens, growth):
+                continue
+            if not self.migration.start(self.scheduler, call, peers[target], why):
+                continue
+            short -= tokens + growth
+            if why != balance.KV or short <= 0:
                 return
+            there = balance.Room(there.headroom - tokens - growth, there.capacity, there.queued)
+
+    def _spill(self, destination: Engine | None, tokens: int) -> None:
+        """Where the scheduler's retractions go instead (None: nowhere, they retract)."""
+        if destination is None and self._spill_to is None:
+            return
+        self._spill_to = destination if tokens > 0 else None
+        address = self._spill_to.limits.transfer_address if self._spill_to is not None else ""
+        self.scheduler.spill_to(address, tokens)
+
+    def _emigrate(self) -> None:
+        """The latest plan sent requests to the spill worker instead of retracting them: each
+        leaves the streams and continues there once its copy is reported (migration.py)."""
+        destination = self._spill_to
+        for emigrant in self.scheduler.emigrants:
+            sample = self.streams.get(emigrant.req.rid)
+            assert sample is not None and destination is not None  # running here; spill_to was set
+            orphan = orphan_of(emigrant.req, sample)
+            self.migration.spilled(orphan, emigrant.transfer_id, emigrant.tokens, destination)
 
     def _has_run(self, rid: str) -> bool:
         req = self.scheduler.running_request(rid)

@@ -256,6 +256,21 @@ class Migrations:
             else:  # nothing cached (--disable-radix-cache): it is recomputed there
                 destination.adopt([orphan])
 
+    def spilled(
+        self, orphan: Orphan, transfer_id: str, tokens: tuple[int, ...], destination: Destination
+    ) -> None:
+        """A retraction sent the sample's KV to `destination` instead (Scheduler.spill_to): it is
+        switched, as after a pre-copy that sent nothing, and continues there once the copy is
+        reported (or recomputes there when nothing was cached to send)."""
+        self._streams.leave(orphan.sample)
+        self._log.info("migrating instead of retracting", rid=orphan.sample.rid, to=destination.worker)
+        if not transfer_id:
+            destination.adopt([orphan])
+            return
+        self.exports[transfer_id] = Export(
+            transfer_id, orphan, tokens, 0, "", destination, "kv", time.monotonic()
+        )
+
     def outcomes(self, scheduler: Scheduler, outcomes: tuple[TransferOutcome, ...]) -> None:
         """The worker's word on copies: a pre-copied call switches; a request whose tail arrived
         continues on its destination."""

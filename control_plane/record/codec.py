@@ -28,6 +28,7 @@ from control_plane.record.entries import (
     NextPlan,
     OnIdle,
     SendKv,
+    SpillTo,
     StepFigures,
 )
 from control_plane.request import AbortCode, FinishKind, FinishReason, RequestParams
@@ -309,6 +310,8 @@ def entry_to_proto(e: Entry) -> rec_pb.Record:
                     step=e.step, rid=e.rid, transfer_id=e.transfer_id, address=e.address, tokens=e.tokens
                 )
             )
+        case SpillTo():
+            return rec_pb.Record(spill_to=rec_pb.SpillCall(step=e.step, address=e.address, tokens=e.tokens))
         case StepFigures():
             return rec_pb.Record(stats=_figures_to_proto(e))
         case Finished():
@@ -355,6 +358,8 @@ def entry_from_proto(m: rec_pb.Record) -> Entry:
         case "send_kv":
             k = m.send_kv
             return SendKv(k.step, k.rid, k.transfer_id, k.address, k.tokens)
+        case "spill_to":
+            return SpillTo(m.spill_to.step, m.spill_to.address, m.spill_to.tokens)
         case "stats":
             return _figures_from_proto(m.stats)
         case "finished":

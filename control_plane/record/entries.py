@@ -1,6 +1,6 @@
 """What a recording holds, as typed values: a header, then every mutating scheduler call in order.
 
-Replaying the calls (AddRequest, Abort, Finish, NextPlan, ApplyResult, OnIdle, SendKv, Export,
+Replaying the calls (AddRequest, Abort, Finish, NextPlan, ApplyResult, OnIdle, SendKv, SpillTo, Export,
 ImportKv) into a fresh
 Scheduler built from the header must reproduce every recorded plan. StepFigures and Finished are
 observations for `stepwise replay show`; scheduler replay also checks the finishes.
@@ -95,6 +95,15 @@ class SendKv:
 
 
 @dataclass(frozen=True, slots=True)
+class SpillTo:
+    """Where a retraction sends requests instead, with their KV (docs/migration.md#balancing)."""
+
+    step: int
+    address: str
+    tokens: int
+
+
+@dataclass(frozen=True, slots=True)
 class Export:
     """A running request finished here to continue on another worker (docs/migration.md)."""
 
@@ -145,5 +154,5 @@ class Finished:
     cached_tokens: int = 0
 
 
-Call = AddRequest | Abort | Finish | NextPlan | ApplyResult | OnIdle | SendKv | Export | ImportKv
+Call = AddRequest | Abort | Finish | NextPlan | ApplyResult | OnIdle | SendKv | SpillTo | Export | ImportKv
 Entry = Header | Call | StepFigures | Finished

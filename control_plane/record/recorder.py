@@ -34,6 +34,7 @@ from control_plane.record.entries import (
     NextPlan,
     OnIdle,
     SendKv,
+    SpillTo,
     StepFigures,
 )
 from control_plane.record.files import RecordWriter, session_path
@@ -153,6 +154,10 @@ class RecordingScheduler(Scheduler):
         tokens = super().send_kv(rid, transfer_id, address)
         self.sink.write(SendKv(self.step_id, rid, transfer_id, address, tokens))
         return tokens
+
+    def spill_to(self, address: str, tokens: int) -> None:
+        super().spill_to(address, tokens)
+        self.sink.write(SpillTo(self.step_id, address, tokens))
 
     def export(
         self, rid: str, reason: FinishReason, transfer_id: str, address: str, start: int = 0

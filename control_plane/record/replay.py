@@ -28,6 +28,7 @@ from control_plane.record.entries import (
     NextPlan,
     OnIdle,
     SendKv,
+    SpillTo,
 )
 from control_plane.request import FinishReason
 from control_plane.scheduler.scheduler import QueueFull, RequestRejected, Scheduler
@@ -144,6 +145,8 @@ class _SchedulerReplay:
                 self.counts["pre-copies"] += 1
                 tokens = self.scheduler.send_kv(entry.rid, entry.transfer_id, entry.address)
                 return _outcome(entry.step, f"send_kv({entry.rid})", entry.tokens, tokens)
+            case SpillTo():
+                self.scheduler.spill_to(entry.address, entry.tokens)
             case ImportKv():
                 self.counts["imports"] += 1
                 outcome = self.scheduler.import_kv(

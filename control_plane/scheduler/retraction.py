@@ -5,6 +5,8 @@ is one (docs/scheduler.md#host-backup-pool)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from control_plane.config import SchedulerConfig
@@ -18,6 +20,7 @@ from control_plane.scheduler.priority import urgency
 from control_plane.scheduler.ratio import NewTokenRatioTracker
 from control_plane.scheduler.records import StepStats
 from control_plane.scheduler.registry import Registry
+from protos.worker import KvSend
 
 HOST_POOL_FULL = (
     "KV cache pool is full and the host backup pool has no room for this request's {n} tokens: "
@@ -27,6 +30,33 @@ GROUP_ABORTED = "KV cache pool is full: the sample group was aborted together."
 OOM_LAST_REQUEST = (
     "Out of memory even after retracting all other requests in the decode batch. Aborting the last request."
 )
+
+
+# Why a request that a retraction sent to another worker with its KV left this scheduler (never
+# published: its stream goes on there).
+EMIGRATED = FinishReason.abort("continued on another worker (migrated instead of retracted)")
+
+
+@dataclass(slots=True)
+class Spill:
+    """Where a retraction sends requests instead of releasing them for a re-prefill
+    (docs/migration.md#balancing): another worker's transfer address, the slots it has room for
+    (used up as requests go), and the prefix of the transfer ids."""
+
+    address: str
+    tokens: int
+    prefix: str
+
+
+@dataclass(frozen=True, slots=True)
+class Emigrant:
+    """A request a retraction sent to the spill worker: finished here (EMIGRATED) with its KV cached,
+    and the plan sends the cached part, the KV of `tokens`, as `transfer_id` ("" when nothing was
+    cached: it is recomputed there)."""
+
+    req: Request
+    transfer_id: str
+    tokens: tuple[int, ...]
 
 
 class Retraction:
@@ -55,6 +85,9 @@ class Retraction:
         self.priority_sign = priority_sign
         # Requests retracted so far (GetServerInfo).
         self.num_retracted_total = 0
+        # Set by Scheduler.spill_to; the requests sent there by the latest plan.
+        self.spill: Spill | None = None
+        self.emigrants: list[Emigrant] = []
 
     def retract_decode(self, stats: StepStats) -> None:
         """Retract from the least worth keeping until the rest's next decode fits (at least one, the
@@ -75,6 +108,8 @@ class Retraction:
             if victim.params.group:
                 order = self._abort_group(victim, order)
                 continue
+            if self._emigrate(victim, stats.step_id):
+                continue
             if self.release_for_requeue(victim, remaining=len(order)):
                 retracted.append(victim)
         if len(order) == 1 and not self.kv.check_decode_mem(self.running.seq_lens[order]):
@@ -94,6 +129,36 @@ class Retraction:
         stats.retracted_input_tokens = sum(len(r.origin_input_ids) for r in retracted)
         stats.retracted_output_tokens = sum(r.num_outputs for r in retracted)
         stats.retract_tokens_gained = self.kv.available_size() - available_before
+
+    def spill_to(self, address: str, tokens: int, prefix: str) -> None:
+        """Scheduler.spill_to: victims go to `address` while they fit in `tokens` ("": none)."""
+        self.spill = Spill(address, tokens, prefix) if address and tokens > 0 else None
+
+    def emigrants_planned(self) -> None:
+        """A new plan begins: the previous one's emigrants were taken."""
+        self.emigrants = []
+
+    def _emigrate(self, req: Request, step: int) -> bool:
+        """Instead of a retraction: the request continues on the spill worker with its KV, when that
+        has room for it and its next retract_decode_steps tokens. It finishes here like a migrated
+        request (its KV cached, so the decode check can evict it), and this plan sends the cached
+        part before anything reuses its slots. False: no spill worker, no room there, or a request
+        still scoring its prompt (its rows would be lost)."""
+        spill = self.spill
+        if spill is None or req.scores_pending:
+            return False
+        need = req.kv_committed_len + self.config.retract_decode_steps
+        if need > spill.tokens:
+            return False
+        spill.tokens -= need
+        tokens = np.array(req.fill_ids[: req.kv_committed_len], dtype=np.int64)
+        self.exits.end(req, EMIGRATED)
+        slots = self.kv.cached_slots(tokens)
+        transfer_id = f"{spill.prefix}/{step}/{req.rid}" if len(slots) else ""
+        if transfer_id:
+            self.books.send(KvSend(transfer_id, spill.address, slots.copy()))
+        self.emigrants.append(Emigrant(req, transfer_id, tuple(tokens[: len(slots)].tolist())))
+        return True
 
     def order(self) -> list[int]:
         """Indices, most worth keeping first; the loop retracts from the end

@@ -55,7 +55,7 @@ from control_plane.scheduler.records import (
 )
 from control_plane.scheduler.registry import Registry
 from control_plane.scheduler.results import ResultApplier
-from control_plane.scheduler.retraction import HOST_POOL_FULL, OOM_LAST_REQUEST, Retraction
+from control_plane.scheduler.retraction import HOST_POOL_FULL, OOM_LAST_REQUEST, Emigrant, Retraction
 from control_plane.scheduler.sizing import PoolSizes, clamp_max_new_tokens, resolve_max_running_requests
 from protos.worker import KvReceive, KvSend, StepKind, StepPlan, StepResult, WorkerLimits
 
@@ -171,6 +171,7 @@ class Scheduler:
 
         Earlier plans may still be in flight; every plan returned must get its result applied, in
         plan order."""
+        self.retraction.emigrants_planned()
         self.admission.process_pending_chunked_abort()
         self.admission.stash_chunked_req()
         self._merge_last_batch()
@@ -295,6 +296,18 @@ class Scheduler:
         if len(slots) > start:
             self.seq_books.send(KvSend(transfer_id, address, slots[start:].copy()))
         return slots
+
+    def spill_to(self, address: str, tokens: int) -> None:
+        """Until changed, a decode that does not fit sends the requests it would retract to the
+        worker at transfer `address`, with their KV, while they fit in its `tokens` free slots
+        (docs/migration.md#balancing); the engine takes them from `emigrants` after each plan and
+        continues them there. "" (or 0 tokens): retract as usual."""
+        self.retraction.spill_to(address, tokens, f"{self.limits.worker_id}/spill")
+
+    @property
+    def emigrants(self) -> list[Emigrant]:
+        """The requests the latest plan sent to the spill worker instead of retracting them."""
+        return self.retraction.emigrants
 
     def import_kv(
         self, transfer_id: str, input_ids: Sequence[int], start: int = 0, hold: bool = False

@@ -181,14 +181,23 @@ async def _running(engines: list[Engine]) -> AsyncIterator[None]:
                 await task
 
 
-@pytest.mark.parametrize("balance", [True, False], ids=["balance", "disable-kv-balance"])
-async def test_a_worker_short_of_kv_migrates_to_one_with_room_instead_of_retracting(balance: bool) -> None:
+@pytest.mark.parametrize(
+    ("balance", "steps"),
+    [(True, 16), (True, 1), (False, 16)],
+    ids=["look-ahead-16", "look-ahead-1", "disable-kv-balance"],
+)
+async def test_a_worker_short_of_kv_migrates_to_one_with_room_instead_of_retracting(
+    balance: bool, steps: int
+) -> None:
     """Four requests fill a's 200 slots at admission (the new-token ratio expects less output than
     they make); b is empty. Before a's next decode would not fit, requests move to b with their KV:
-    nothing is retracted (recomputed) and every stream is what it is alone. Switched off, a
-    retracts."""
+    nothing is retracted (recomputed) and every stream is what it is alone. With a look-ahead of
+    one step no pre-copy can end in time: the retraction itself sends its victims to b (spill_to).
+    Switched off, a retracts."""
     hub, engines = await _two_engines(
-        {"a": 200, "b": 1000}, control={"kv_balance": balance}, init_new_token_ratio=0.3
+        {"a": 200, "b": 1000},
+        control={"kv_balance": balance, "kv_balance_steps": steps},
+        init_new_token_ratio=0.3,
     )
     a, b = engines
     before = _moves("a")

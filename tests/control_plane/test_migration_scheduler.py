@@ -350,3 +350,67 @@ def test_a_recorded_session_with_migrations_replays_identically_and_an_edit_is_f
     ]
     report = replay_scheduler([recording_header(base.config, base.limits, "test"), *entries])
     assert not report.identical and "import_kv" in report.describe()
+
+
+def _drain_steps(sched: Scheduler, worker: FakeWorker, tokens: dict[str, list[int]]) -> bool:
+    """One plan run and applied; its tokens collected. False when there was nothing to do."""
+    plan = sched.next_plan()
+    if plan is None:
+        return False
+    sched.apply_result(run_plan(sched, worker, plan))
+    for rid, ids in by_rid(sched.take_updates()).items():
+        tokens.setdefault(rid, []).extend(ids)
+    return True
+
+
+def test_a_retraction_with_a_spill_worker_sends_its_victims_there_with_their_kv() -> None:
+    """a's 120 slots are overfilled at admission (ratio 0.1); its retractions go to b instead
+    (`spill_to`): each victim finishes on a with its KV sent, b imports it and continues the
+    request from its streamed tokens. Nothing is retracted, every request streams what it streams on
+    one large worker, and a's recording (with its SpillTo) replays identically."""
+    arrivals = [(f"r{i}", prompt(10, seed=i), 40) for i in range(4)]
+    big, big_worker = make_scheduler(capacity=4096), FakeWorker(4096)
+    want: dict[str, list[int]] = {}
+    for rid, ids, n in arrivals:
+        add(big, rid, ids, params(n, ignore_eos=True))
+    while _drain_steps(big, big_worker, want):
+        pass
+
+    network: dict[str, list[tuple[int, int]]] = {}
+    base = make_scheduler(capacity=120, init_new_token_ratio=0.1)
+    sink = ListSink()
+    a = RecordingScheduler(base.config, base.limits, sink)
+    b = make_scheduler(capacity=1000)
+    wa, wb = FakeWorker(120, network=network), FakeWorker(1000, network=network)
+    a.spill_to("b:1", 1000)
+    for rid, ids, n in arrivals:
+        add(a, rid, ids, params(n, ignore_eos=True))
+    got: dict[str, list[int]] = {}
+    moved: list[str] = []
+    for _ in range(500):
+        plan = a.next_plan()
+        emigrants = list(a.emigrants)
+        if plan is not None:
+            a.apply_result(run_plan(a, wa, plan))  # its sends reach the network before b's receives
+            for rid, ids in by_rid(a.take_updates()).items():
+                got.setdefault(rid, []).extend(ids)
+        for e in emigrants:
+            assert e.transfer_id and e.tokens == tuple(e.req.fill_ids[: len(e.tokens)])
+            streamed = got.get(e.req.rid, [])
+            assert streamed == e.req.output_ids
+            b.import_kv(e.transfer_id, e.tokens)
+            n = e.req.params.max_new_tokens
+            assert n is not None
+            add(b, e.req.rid, e.req.origin_input_ids + streamed, params(n - len(streamed), ignore_eos=True))
+            moved.append(e.req.rid)
+        busy_b = _drain_steps(b, wb, got)
+        if plan is None and not busy_b and a.is_idle and b.is_idle:
+            break
+    assert moved, "a was meant to run short of KV"
+    assert a.num_retracted_total == 0
+    assert got == want
+    assert network == {}
+    check_pool(a)
+    check_pool(b)
+    report = replay_scheduler([recording_header(base.config, base.limits, "test"), *sink.entries])
+    assert report.identical, report.describe()

@@ -8,6 +8,7 @@ import signal
 import socket
 import time
 import urllib.request
+import zlib
 from pathlib import Path
 
 import pytest
@@ -285,4 +286,46 @@ async def test_a_destination_that_refuses_every_copy_keeps_nothing_and_loses_not
     assert workers["w1"].migrated_in == 0 and workers["w0"].migrated_out == 0
     assert workers["w1"].migrated_out > 0, "moves toward w0 were meant to succeed"
     assert workers["w0"].migration_fallbacks == workers["w1"].migration_fallbacks == 0
+    await _books_settle_all(plane.address)
+
+
+def _key_for(worker: str, workers: list[str]) -> str:
+    """A routing key that the router sends to `worker` (a key picks among the workers sorted by id,
+    by its CRC-32)."""
+    ordered = sorted(workers)
+    return next(k for k in map(str, range(100)) if ordered[zlib.crc32(k.encode()) % len(ordered)] == worker)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("balance", [True, False], ids=["kv-balance", "disable-kv-balance"])
+async def test_a_worker_short_of_kv_migrates_instead_of_retracting(
+    start_control, model_dir: Path, monkeypatch: pytest.MonkeyPatch, balance: bool
+) -> None:
+    """Every request goes to w0 (one routing key), whose 384 slots its admission overfills (a
+    new-token ratio of 0.1 expects a tenth of the output they make); w1 has room. With the balancer
+    w0 moves requests there before a decode would not fit, and retracts (recomputes) none; without
+    it w0 retracts. Every stream equals transformers either way."""
+    monkeypatch.setenv("STEPWISE_INIT_NEW_TOKEN_RATIO", "0.1")
+    plane = await start_control(*([] if balance else ["--disable-kv-balance"]))
+    plane.add_worker("w0", "--kv-tokens", "384", sim=False)
+    plane.add_worker("w1", sim=False)
+    await plane.wait_workers(2)
+    prompts, eos = _encode_all(model_dir)
+    new = 90
+    key = _key_for("w0", ["w0", "w1"])
+    progress = [0] * len(prompts)
+    async with StepwiseClient(plane.address) as client:
+        got = await asyncio.gather(
+            *(_stream_greedy(client, ids, new, progress, i, routing_key=key) for i, ids in enumerate(prompts))
+        )
+    for ids, tokens in zip(prompts, got, strict=True):
+        assert tokens == reference_greedy(model_dir, ids, new, eos, ignore_eos=True)
+    assert sum(len(ids) + new for ids in prompts) > 384, "the requests were meant to overfill w0"
+    workers = {w.worker_id: w for w in await _workers(plane.address)}
+    w0 = workers["w0"]
+    if balance:
+        assert w0.retractions == 0, "w0 retracted though w1 had room"
+        assert w0.migrated_out > 0 and w0.migration_fallbacks == 0
+    else:
+        assert w0.retractions > 0 and w0.migrated_out == 0
     await _books_settle_all(plane.address)

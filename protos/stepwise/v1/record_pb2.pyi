@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Record(_message.Message):
-    __slots__ = ("header", "add_request", "abort", "finish", "next_plan", "apply_result", "on_idle", "stats", "finished", "export", "import_kv", "send_kv")
+    __slots__ = ("header", "add_request", "abort", "finish", "next_plan", "apply_result", "on_idle", "stats", "finished", "export", "import_kv", "send_kv", "spill_to")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     ADD_REQUEST_FIELD_NUMBER: _ClassVar[int]
     ABORT_FIELD_NUMBER: _ClassVar[int]
@@ -21,6 +21,7 @@ class Record(_message.Message):
     EXPORT_FIELD_NUMBER: _ClassVar[int]
     IMPORT_KV_FIELD_NUMBER: _ClassVar[int]
     SEND_KV_FIELD_NUMBER: _ClassVar[int]
+    SPILL_TO_FIELD_NUMBER: _ClassVar[int]
     header: Header
     add_request: AddRequestCall
     abort: AbortCall
@@ -33,7 +34,8 @@ class Record(_message.Message):
     export: ExportCall
     import_kv: ImportCall
     send_kv: SendKvCall
-    def __init__(self, header: _Optional[_Union[Header, _Mapping]] = ..., add_request: _Optional[_Union[AddRequestCall, _Mapping]] = ..., abort: _Optional[_Union[AbortCall, _Mapping]] = ..., finish: _Optional[_Union[FinishCall, _Mapping]] = ..., next_plan: _Optional[_Union[NextPlanCall, _Mapping]] = ..., apply_result: _Optional[_Union[ApplyResultCall, _Mapping]] = ..., on_idle: _Optional[_Union[OnIdleCall, _Mapping]] = ..., stats: _Optional[_Union[StepFigures, _Mapping]] = ..., finished: _Optional[_Union[FinishedEvent, _Mapping]] = ..., export: _Optional[_Union[ExportCall, _Mapping]] = ..., import_kv: _Optional[_Union[ImportCall, _Mapping]] = ..., send_kv: _Optional[_Union[SendKvCall, _Mapping]] = ...) -> None: ...
+    spill_to: SpillCall
+    def __init__(self, header: _Optional[_Union[Header, _Mapping]] = ..., add_request: _Optional[_Union[AddRequestCall, _Mapping]] = ..., abort: _Optional[_Union[AbortCall, _Mapping]] = ..., finish: _Optional[_Union[FinishCall, _Mapping]] = ..., next_plan: _Optional[_Union[NextPlanCall, _Mapping]] = ..., apply_result: _Optional[_Union[ApplyResultCall, _Mapping]] = ..., on_idle: _Optional[_Union[OnIdleCall, _Mapping]] = ..., stats: _Optional[_Union[StepFigures, _Mapping]] = ..., finished: _Optional[_Union[FinishedEvent, _Mapping]] = ..., export: _Optional[_Union[ExportCall, _Mapping]] = ..., import_kv: _Optional[_Union[ImportCall, _Mapping]] = ..., send_kv: _Optional[_Union[SendKvCall, _Mapping]] = ..., spill_to: _Optional[_Union[SpillCall, _Mapping]] = ...) -> None: ...
 
 class Header(_message.Message):
     __slots__ = ("format_version", "scheduler_config_json", "worker", "seeds", "part", "first_step", "writer")
@@ -189,6 +191,16 @@ class SendKvCall(_message.Message):
     address: str
     tokens: int
     def __init__(self, step: _Optional[int] = ..., rid: _Optional[str] = ..., transfer_id: _Optional[str] = ..., address: _Optional[str] = ..., tokens: _Optional[int] = ...) -> None: ...
+
+class SpillCall(_message.Message):
+    __slots__ = ("step", "address", "tokens")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    address: str
+    tokens: int
+    def __init__(self, step: _Optional[int] = ..., address: _Optional[str] = ..., tokens: _Optional[int] = ...) -> None: ...
 
 class ImportCall(_message.Message):
     __slots__ = ("step", "transfer_id", "input_ids", "applied", "skip", "slots", "start", "hold")
