@@ -2,6 +2,7 @@
 
     python bench/bench_migration.py downtime [--contexts 256 512 1024 2000] [--model DIR]
     python bench/bench_migration.py drain [--requests 32] [--context 1500] [--new 200] [--model DIR]
+    python bench/bench_migration.py pressure [--requests 16] [--context 400] [--new 300] [--kv-tokens 6000]
     python bench/bench_migration.py random-checkpoint DIR [--layers 8] [--hidden 512] [--context 8192]
 
 Real processes on 127.0.0.1: a control plane and two workers (`stepwise up`'s Stack), the
@@ -20,7 +21,18 @@ median gap (a decode step). `drain`: `--requests` requests of `--context` prompt
 each has 4 tokens: the seconds from SIGTERM until the worker exits, the longest gap any client saw,
 prompt tokens the survivor computed (recomputation; one per migrated request is the continuation's
 own), and the seconds until every stream ended. Wall-clock figures on a shared machine: run twice
-and read them side by side. `random-checkpoint` writes a larger Llama checkpoint with random weights
+and read them side by side.
+
+`pressure`: `--requests` requests of `--context` prompt tokens and `--new` new ones, on one worker of
+two that have `--kv-tokens` slots each, more than one holds; the control plane starts with a
+new-token ratio of 0.1 (`STEPWISE_INIT_NEW_TOKEN_RATIO`: where the ratio of a server that has run a
+while decays to), so admission overfills and decode must give way. `balance` (the default: requests
+migrate to the other worker before and instead of a retraction) against `retract`
+(`--disable-kv-balance`: SGLang's retraction, a re-prefill later): seconds until every stream ended,
+requests retracted, prompt tokens computed beyond each prompt's first prefill (a migrated request's
+continuation computes one), requests migrated, and the longest gap a client saw.
+
+`random-checkpoint` writes a larger Llama checkpoint with random weights
 (and the embedded tokenizer) for contexts past the embedded model's 2,048, or a prefill that costs
 more.
 """
@@ -30,6 +42,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
+import os
 import random
 import shutil
 import signal
@@ -138,6 +151,43 @@ async def drain(model: str, requests: int, context: int, new: int, mode: str) ->
         stack.stop()
 
 
+PRESSURE_MODES = {"balance": [], "retract": ["--disable-kv-balance"]}
+
+
+async def pressure(
+    model: str, requests: int, context: int, new: int, kv_tokens: int, mode: str
+) -> dict[str, float]:
+    control = ["--host", "127.0.0.1", "--port", "0", "--worker-port", "0", "--log-level", "warning"]
+    control += ["--model", model, *PRESSURE_MODES[mode]]
+    worker = ["--log-level", "warning", "--model", model, "--kv-tokens", str(kv_tokens)]
+    stack = Stack(control, worker, 2)
+    os.environ["STEPWISE_INIT_NEW_TOKEN_RATIO"] = "0.1"
+    try:
+        await stack.start(timeout=180)
+        rng = random.Random(requests)
+        prompts = [[rng.randrange(3, 1000) for _ in range(context)] for _ in range(requests)]
+        stamps: list[list[float]] = [[] for _ in prompts]
+        start = time.monotonic()
+        async with StepwiseClient(stack.address) as client:
+            counts = await asyncio.gather(
+                *(_stream(client, p, new, s) for p, s in zip(prompts, stamps, strict=True))
+            )
+            done_s = time.monotonic() - start
+            workers = list((await client.server_info()).workers)
+        assert counts == [new] * requests, counts
+        computed = sum(w.prompt_tokens_total - w.cached_tokens_total for w in workers)
+        return {
+            "all_done_s": done_s,
+            "retracted": sum(w.retractions for w in workers),
+            "recomputed": computed - requests * context,
+            "migrated": sum(w.migrated_out for w in workers),
+            "max_gap_ms": 1e3 * max(max(_gaps(s)) for s in stamps),
+        }
+    finally:
+        os.environ.pop("STEPWISE_INIT_NEW_TOKEN_RATIO", None)
+        stack.stop()
+
+
 def random_checkpoint(out: Path, layers: int, hidden: int, context: int) -> None:
     """A Llama checkpoint with random weights and the embedded model's tokenizer (vocabulary 1,024)."""
     import torch
@@ -176,6 +226,12 @@ def main() -> None:
     dr.add_argument("--context", type=int, default=1500)
     dr.add_argument("--new", type=int, default=200)
     dr.add_argument("--model", default="embedded")
+    pr = sub.add_parser("pressure")
+    pr.add_argument("--requests", type=int, default=16)
+    pr.add_argument("--context", type=int, default=400)
+    pr.add_argument("--new", type=int, default=300)
+    pr.add_argument("--kv-tokens", type=int, default=6000)
+    pr.add_argument("--model", default="embedded")
     rc = sub.add_parser("random-checkpoint")
     rc.add_argument("out", type=Path)
     rc.add_argument("--layers", type=int, default=8)
@@ -191,6 +247,18 @@ def main() -> None:
         print(f"{'context':>8} {'migrate max gap ms':>19} {'recompute max gap ms':>21} {'median gap ms':>14}")
         for (context, mig, med), (_, rec, _) in zip(results["migrate"], results["recompute"], strict=True):
             print(f"{context:>8} {mig:>19.1f} {rec:>21.1f} {med:>14.1f}")
+        return
+    if ns.what == "pressure":
+        print(
+            f"{'mode':>8} {'all done s':>11} {'retracted':>10} {'recomputed':>11} {'migrated':>9} "
+            f"{'max gap ms':>11}"
+        )
+        for mode in PRESSURE_MODES:
+            r = asyncio.run(pressure(model, ns.requests, ns.context, ns.new, ns.kv_tokens, mode))
+            print(
+                f"{mode:>8} {r['all_done_s']:>11.2f} {r['retracted']:>10.0f} {r['recomputed']:>11.0f} "
+                f"{r['migrated']:>9.0f} {r['max_gap_ms']:>11.1f}"
+            )
         return
     print(
         f"{'mode':>10} {'exit s':>8} {'max gap ms':>11} {'recomputed':>11} {'migrated':>9} {'all done s':>11}"
