@@ -26,7 +26,8 @@ and read them side by side.
 `pressure`: `--requests` requests of `--context` prompt tokens and `--new` new ones, on one worker of
 two that have `--kv-tokens` slots each, more than one holds; the control plane starts with a
 new-token ratio of 0.1 (`STEPWISE_INIT_NEW_TOKEN_RATIO`: where the ratio of a server that has run a
-while decays to), so admission overfills and decode must give way. `balance` (the default: requests
+while decays to), so admission overfills and decode must give way. Each worker computes on one thread
+(`OMP_NUM_THREADS=1`), standing for a device of its own. `balance` (the default: requests
 migrate to the other worker before and instead of a retraction) against `retract`
 (`--disable-kv-balance`: SGLang's retraction, a re-prefill later): seconds until every stream ended,
 requests retracted, prompt tokens computed beyond each prompt's first prefill (a migrated request's
@@ -162,6 +163,7 @@ async def pressure(
     worker = ["--log-level", "warning", "--model", model, "--kv-tokens", str(kv_tokens)]
     stack = Stack(control, worker, 2)
     os.environ["STEPWISE_INIT_NEW_TOKEN_RATIO"] = "0.1"
+    os.environ["OMP_NUM_THREADS"] = "1"  # a worker a core: each stands for a device of its own
     try:
         await stack.start(timeout=180)
         rng = random.Random(requests)
@@ -185,6 +187,7 @@ async def pressure(
         }
     finally:
         os.environ.pop("STEPWISE_INIT_NEW_TOKEN_RATIO", None)
+        os.environ.pop("OMP_NUM_THREADS", None)
         stack.stop()
 
 
