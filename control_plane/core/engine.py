@@ -596,6 +596,7 @@ class Engine:
         with contextlib.suppress(Exception):
             close_recording(self.scheduler)
         self.scheduler = make_scheduler(self.config, self.limits)
+        self._spill_to = None  # the fresh scheduler has none
         self._forget_in_flight()
         self.migration.recovered()
         self._reset_worker, self._pool_dirty = True, True
