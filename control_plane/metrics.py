@@ -101,7 +101,7 @@ WORKER_WAIT = _histogram(
 MIGRATIONS = Counter(
     "stepwise:migrations",
     "Requests migrated off a worker, by reason (drain; kv: before a retraction; balance: a queue "
-    "beside another worker's free KV; test) and outcome: ok (continued on the "
+    "beside another worker's free KV; pd: prefill to decode worker; test) and outcome: ok (continued on the "
     "destination from the moved KV), called_off (the pre-copy failed, or the request or the "
     "destination went meanwhile: it stayed; counted per call), fallback (the tail failed or the "
     "destination left: continued here or recomputed elsewhere), lost (the source was lost mid-copy: "

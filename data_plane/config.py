@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from flagtypes import MAX_TOKENS, PORT, Int, seconds
 from protos.targets import parse_targets
+from protos.worker import ROLES
 
 DEFAULT_CONTROL = "127.0.0.1:50052"
 # On CPU the pool is allocated (and zero-filled) up front, so keep the default modest.
@@ -71,6 +72,8 @@ class WorkerConfig:
     transfer_port: int = 0
     transfer_host: str = "127.0.0.1"
     transfer_buffer_bytes: int = DEFAULT_TRANSFER_BUFFER_BYTES
+    # What the control plane uses this worker for (protos/worker.py ROLES).
+    role: str = "mixed"
 
 
 def default_worker_id() -> str:
@@ -163,6 +166,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="name the control plane's certificate carries, if not the host",
     )
     parser.add_argument(
+        "--role",
+        choices=ROLES,
+        default="mixed",
+        help="mixed: prefills and decodes; prefill: takes new requests and hands each to a decode "
+        "worker with its KV after its first token; decode: decodes what prefill workers hand over "
+        "(prefill and decode need the KV transfer link)",
+    )
+    parser.add_argument(
         "--transfer-port",
         type=Int(-1, 65535),
         default=0,
@@ -192,6 +203,11 @@ def config_from_args(ns: argparse.Namespace) -> WorkerConfig:
         from data_plane.sim import CostModel
 
         CostModel.parse(ns.sim_cost)  # ValueError naming --sim-cost, now rather than at the first step
+    if ns.role != "mixed" and (ns.backend == "sim" or ns.transfer_port < 0):
+        raise ValueError(
+            f"--role {ns.role} moves requests with their KV: it needs the KV transfer link, which "
+            "--backend sim and --transfer-port -1 do not serve"
+        )
     return WorkerConfig(
         control=ns.control,
         model=pathlib.Path(ns.model),
@@ -216,6 +232,7 @@ def config_from_args(ns: argparse.Namespace) -> WorkerConfig:
         tls_key=ns.tls_key,
         tls_server_name=ns.tls_server_name,
         transfer_port=ns.transfer_port,
+        role=ns.role,
         transfer_host=ns.transfer_host,
         transfer_buffer_bytes=ns.transfer_buffer_bytes,
     )

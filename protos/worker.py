@@ -298,6 +298,9 @@ class StepResult:
 # --- the session: hello, welcome, and how it ends ----------------------------------------------------
 
 
+ROLES = ("mixed", "prefill", "decode")
+
+
 @dataclass(frozen=True, slots=True)
 class WorkerLimits:
     """What a worker says in its hello (worker.proto: Hello); the scheduler's T, page size and
@@ -321,6 +324,9 @@ class WorkerLimits:
     grammar_backends: tuple[str, ...] = ()
     # HOST:PORT of the worker's KV transfer service (data_plane/kv_transfer.py); "": none.
     transfer_address: str = ""
+    # ROLES: mixed (prefill and decode), prefill (new requests, handed to a decode worker after
+    # their first token), decode (requests handed over by prefill workers).
+    role: str = "mixed"
 
 
 @dataclass(frozen=True, slots=True)

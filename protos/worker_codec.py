@@ -459,6 +459,7 @@ def hello_to_proto(limits: WorkerLimits) -> wk_pb.WorkerMessage:
         host_pool_capacity_tokens=limits.host_pool_capacity_tokens,
         grammar_backends=limits.grammar_backends,
         transfer_address=limits.transfer_address,
+        role=limits.role,
     )
     return wk_pb.WorkerMessage(hello=hello)
 
@@ -480,6 +481,7 @@ def hello_from_proto(hello: wk_pb.Hello) -> WorkerLimits:
         protocol_version=hello.protocol_version,
         grammar_backends=tuple(hello.grammar_backends),
         transfer_address=hello.transfer_address,
+        role=hello.role or "mixed",
     )
 
 

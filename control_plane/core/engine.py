@@ -441,6 +441,8 @@ class Engine:
         self.step_log.record(plan, flight.stats, self.scheduler)
         if self._test_migrate and self.steps % self._test_migrate == 0:
             self._migrate_one_at_random()
+        elif self.limits.role == "prefill" and self._peers is not None:
+            self._to_decode()
         elif self.config.kv_balance and self._peers is not None:
             self._balance()
 
@@ -525,7 +527,7 @@ class Engine:
             self._spill(None, 0)
             return  # the common case: two reads
         assert self._peers is not None
-        peers = {e.worker: e for e in self._peers() if not self.migration.can_reach(e)}
+        peers = {e.worker: e for e in self._same_role_peers()}
         rooms = {worker: engine.room(steps) for worker, engine in peers.items()}
         target = balance.roomiest(rooms)
         if target is None:
@@ -555,6 +557,36 @@ class Engine:
             if why != balance.KV or short <= 0:
                 return
             there = balance.Room(there.headroom - tokens - growth, there.capacity, there.queued)
+
+    def _same_role_peers(self) -> list[Engine]:
+        """The other workers this one can migrate to that have its role (decode workers balance
+        among themselves, mixed among themselves)."""
+        assert self._peers is not None
+        role = self.limits.role
+        return [e for e in self._peers() if e.limits.role == role and not self.migration.can_reach(e)]
+
+    def _to_decode(self) -> None:
+        """A prefill worker: each call whose samples each have their first token moves to the least
+        loaded decode worker with room for it and its next kv_balance_steps tokens
+        (docs/migration.md#prefill-and-decode-workers); with none, it decodes here meanwhile."""
+        assert self._peers is not None
+        steps = self.config.kv_balance_steps
+        calls = [c for c in self.streams.live_calls() if all(self._has_run(r) for r in c)]
+        if not calls:
+            return
+        decoders = [e for e in self._peers() if e.limits.role == "decode" and not self.migration.can_reach(e)]
+        rooms = {e.worker: e.room(steps).headroom for e in decoders}
+        loads = {e.worker: sum(e.load()) for e in decoders}  # counting the moves this turn starts
+        for call in calls:
+            reqs = [r for r in map(self.scheduler.running_request, call) if r is not None]
+            need = sum(r.kv_allocated_len for r in reqs) + steps * len(call)
+            fitting = [e for e in decoders if rooms[e.worker] >= need]
+            if not fitting:
+                continue
+            target = min(fitting, key=lambda e: (loads[e.worker], -rooms[e.worker], e.worker))
+            if self.migration.start(self.scheduler, call, target, "pd"):
+                rooms[target.worker] -= need
+                loads[target.worker] += len(call)
 
     def _spill(self, destination: Engine | None, tokens: int) -> None:
         """Where the scheduler's retractions go instead (None: nowhere, they retract)."""

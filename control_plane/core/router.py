@@ -72,8 +72,14 @@ class Router:
             metrics.ROUTING_DECISIONS.labels(how).inc()
         return engine
 
+    def takers(self) -> list[Engine]:
+        """The engines a new request may go to: prefill and mixed workers, or, when none serves,
+        decode workers (a decode worker can prefill: better than refusing the request)."""
+        available = self.available()
+        return [e for e in available if e.limits.role != "decode"] or available
+
     def _choose(self, routing_key: str, input_ids: np.ndarray | None) -> tuple[Engine | None, str]:
-        candidates = self.available()
+        candidates = self.takers()
         if not candidates:
             return None, ""
         if routing_key:
@@ -162,6 +168,7 @@ class Router:
             migrated_out=engine.migration.migrated_out,
             migrated_in=engine.migration.migrated_in,
             migration_fallbacks=engine.migration.fallbacks,
+            role=engine.limits.role,
         )
 
 

@@ -13,7 +13,7 @@ import re
 import numpy as np
 
 from control_plane.config import Limits
-from protos.worker import StepPlan, StepResult, WorkerLimits, sampled_count
+from protos.worker import ROLES, StepPlan, StepResult, WorkerLimits, sampled_count
 
 MAX_PAGE_SIZE = 4096
 MAX_CONTEXT = 1 << 26
@@ -63,6 +63,10 @@ def hello_refusal(limits: WorkerLimits, bounds: Limits, tokenizer_vocab: int) ->
     for ok, name, rule in checks:
         if not ok:
             return f"{name} {_shown(getattr(limits, name))} is not plausible: must be {rule}"
+    if limits.role not in ROLES:
+        return f"role {_shown(limits.role)} is not one of {', '.join(ROLES)}"
+    if limits.role != "mixed" and not limits.transfer_address:
+        return f"a {limits.role} worker must serve a KV transfer link (its requests move with their KV)"
     for name in ("dtype", "device", "model_fingerprint", "transfer_address"):
         if len(getattr(limits, name)) > MAX_LABEL_CHARS:
             return f"{name} is longer than {MAX_LABEL_CHARS} characters"

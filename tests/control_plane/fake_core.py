@@ -154,6 +154,7 @@ def make_engine(
     channel_class: type[FakeChannel] = FakeChannel,
     network: dict[str, list[tuple[int, int]]] | None = None,
     peers: Callable[[], list[Engine]] | None = None,
+    role: str = "mixed",
     **scheduler: object,
 ) -> tuple[Engine, FakeChannel, FakeHub]:
     """An engine over a FakeWorker; `control` sets ControlConfig fields, the rest the scheduler's.
@@ -169,7 +170,7 @@ def make_engine(
         **(control or {}),  # type: ignore[arg-type]
     )
     address = f"{worker_id}:1" if network is not None else ""
-    limits = WorkerLimits(worker_id, capacity, 1, 2048, vocab, eos, transfer_address=address)
+    limits = WorkerLimits(worker_id, capacity, 1, 2048, vocab, eos, transfer_address=address, role=role)
     channel = channel_class(FakeWorker(capacity, vocab=vocab, network=network), step_s, log)
     hub = hub if hub is not None else FakeHub(channel.log)
     engine = Engine(config, limits, channel, hub, successor=successor, on_leaving=on_leaving, peers=peers)

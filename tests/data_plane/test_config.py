@@ -120,3 +120,13 @@ def test_the_transfer_flags_reach_the_config_and_choose_the_transport(tmp_path: 
     ca = tmp_path / "ca.crt"
     ca.write_text("not read here")
     assert worker.make_transport(parse("--tls-ca", str(ca))) is None  # no certificate to serve with
+
+
+def test_a_role_reaches_the_config_and_needs_the_transfer_link() -> None:
+    assert parse().role == "mixed"
+    assert parse("--role", "prefill").role == "prefill"
+    assert parse("--role", "decode", "--transfer-port", "50060").role == "decode"
+    for argv in (("--backend", "sim"), ("--transfer-port", "-1")):
+        with pytest.raises(ValueError, match="--role decode moves requests with their KV"):
+            parse("--role", "decode", *argv)
+    assert parse("--backend", "sim").role == "mixed"

@@ -210,7 +210,7 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "device", "dtype", "kv_capacity_tokens", "page_size", "running", "queued", "kv_used_tokens", "book_live_seqs", "book_seq_slots", "reported_live_seqs", "reported_seq_slots", "kv_mismatches", "steps", "retractions", "wait_p50_s", "wait_p99_s", "wait_total_s", "step_total_s", "leaving", "prompt_tokens_total", "cached_tokens_total", "transfer_address", "migrated_out", "migrated_in", "migration_fallbacks")
+    __slots__ = ("worker_id", "device", "dtype", "kv_capacity_tokens", "page_size", "running", "queued", "kv_used_tokens", "book_live_seqs", "book_seq_slots", "reported_live_seqs", "reported_seq_slots", "kv_mismatches", "steps", "retractions", "wait_p50_s", "wait_p99_s", "wait_total_s", "step_total_s", "leaving", "prompt_tokens_total", "cached_tokens_total", "transfer_address", "migrated_out", "migrated_in", "migration_fallbacks", "role")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -237,6 +237,7 @@ class WorkerInfo(_message.Message):
     MIGRATED_OUT_FIELD_NUMBER: _ClassVar[int]
     MIGRATED_IN_FIELD_NUMBER: _ClassVar[int]
     MIGRATION_FALLBACKS_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     device: str
     dtype: str
@@ -263,7 +264,8 @@ class WorkerInfo(_message.Message):
     migrated_out: int
     migrated_in: int
     migration_fallbacks: int
-    def __init__(self, worker_id: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., kv_capacity_tokens: _Optional[int] = ..., page_size: _Optional[int] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ..., kv_used_tokens: _Optional[int] = ..., book_live_seqs: _Optional[int] = ..., book_seq_slots: _Optional[int] = ..., reported_live_seqs: _Optional[int] = ..., reported_seq_slots: _Optional[int] = ..., kv_mismatches: _Optional[int] = ..., steps: _Optional[int] = ..., retractions: _Optional[int] = ..., wait_p50_s: _Optional[float] = ..., wait_p99_s: _Optional[float] = ..., wait_total_s: _Optional[float] = ..., step_total_s: _Optional[float] = ..., leaving: _Optional[bool] = ..., prompt_tokens_total: _Optional[int] = ..., cached_tokens_total: _Optional[int] = ..., transfer_address: _Optional[str] = ..., migrated_out: _Optional[int] = ..., migrated_in: _Optional[int] = ..., migration_fallbacks: _Optional[int] = ...) -> None: ...
+    role: str
+    def __init__(self, worker_id: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., kv_capacity_tokens: _Optional[int] = ..., page_size: _Optional[int] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ..., kv_used_tokens: _Optional[int] = ..., book_live_seqs: _Optional[int] = ..., book_seq_slots: _Optional[int] = ..., reported_live_seqs: _Optional[int] = ..., reported_seq_slots: _Optional[int] = ..., kv_mismatches: _Optional[int] = ..., steps: _Optional[int] = ..., retractions: _Optional[int] = ..., wait_p50_s: _Optional[float] = ..., wait_p99_s: _Optional[float] = ..., wait_total_s: _Optional[float] = ..., step_total_s: _Optional[float] = ..., leaving: _Optional[bool] = ..., prompt_tokens_total: _Optional[int] = ..., cached_tokens_total: _Optional[int] = ..., transfer_address: _Optional[str] = ..., migrated_out: _Optional[int] = ..., migrated_in: _Optional[int] = ..., migration_fallbacks: _Optional[int] = ..., role: _Optional[str] = ...) -> None: ...
 
 class ServerInfo(_message.Message):
     __slots__ = ("model", "model_fingerprint", "max_context", "vocab_size", "workers", "kv_capacity_tokens", "queued", "running", "version")

@@ -75,7 +75,7 @@ class CensusReply(_message.Message):
     def __init__(self, control_plane_id: _Optional[str] = ..., workers: _Optional[int] = ..., queued: _Optional[int] = ..., running: _Optional[int] = ..., accepting: _Optional[bool] = ..., model_fingerprint: _Optional[str] = ..., hello_judged: _Optional[bool] = ..., refusal: _Optional[str] = ...) -> None: ...
 
 class Hello(_message.Message):
-    __slots__ = ("worker_id", "model_fingerprint", "kv_capacity_tokens", "page_size", "max_context", "vocab_size", "dtype", "device", "protocol_version", "eos_token_ids", "host_pool_capacity_tokens", "grammar_backends", "transfer_address")
+    __slots__ = ("worker_id", "model_fingerprint", "kv_capacity_tokens", "page_size", "max_context", "vocab_size", "dtype", "device", "protocol_version", "eos_token_ids", "host_pool_capacity_tokens", "grammar_backends", "transfer_address", "role")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     KV_CAPACITY_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -89,6 +89,7 @@ class Hello(_message.Message):
     HOST_POOL_CAPACITY_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_BACKENDS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     model_fingerprint: str
     kv_capacity_tokens: int
@@ -102,7 +103,8 @@ class Hello(_message.Message):
     host_pool_capacity_tokens: int
     grammar_backends: _containers.RepeatedScalarFieldContainer[str]
     transfer_address: str
-    def __init__(self, worker_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., kv_capacity_tokens: _Optional[int] = ..., page_size: _Optional[int] = ..., max_context: _Optional[int] = ..., vocab_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., protocol_version: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., host_pool_capacity_tokens: _Optional[int] = ..., grammar_backends: _Optional[_Iterable[str]] = ..., transfer_address: _Optional[str] = ...) -> None: ...
+    role: str
+    def __init__(self, worker_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., kv_capacity_tokens: _Optional[int] = ..., page_size: _Optional[int] = ..., max_context: _Optional[int] = ..., vocab_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., protocol_version: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., host_pool_capacity_tokens: _Optional[int] = ..., grammar_backends: _Optional[_Iterable[str]] = ..., transfer_address: _Optional[str] = ..., role: _Optional[str] = ...) -> None: ...
 
 class Welcome(_message.Message):
     __slots__ = ("accepted", "reason", "retryable")
