@@ -16,8 +16,8 @@ from tests.deploy.local import container_env
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "k8s"
-# Every kustomization a user applies: the two overlays and the mutual-TLS example on top of cpu-sim.
-OVERLAYS = ("overlays/cpu-sim", "overlays/gpu", "examples/mtls")
+# Every kustomization a user applies: the overlays and the mutual-TLS example on top of cpu-sim.
+OVERLAYS = ("overlays/cpu-sim", "overlays/gpu", "overlays/gpu-pd", "examples/mtls")
 CONTROL, WORKER, GATEWAY = "stepwise-control", "stepwise-worker", "stepwise-gateway"
 WORKER_SERVICE = "stepwise-workers"
 

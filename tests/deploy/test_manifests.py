@@ -43,7 +43,8 @@ LIVENESS = "liveness"
 WORKER_READINESS = "stepwise.v1.WorkerLink"
 # A worker that hears nothing from its control plane after SIGTERM exits this long after its drain timeout.
 WORKER_DRAIN_GRACE_S = 10
-PLANE_OVERLAYS = ("overlays/cpu-sim", "overlays/gpu")  # plaintext gRPC probes (not examples/mtls)
+# Plaintext gRPC probes (not examples/mtls).
+PLANE_OVERLAYS = ("overlays/cpu-sim", "overlays/gpu", "overlays/gpu-pd")
 Obj = dict[str, Any]
 
 
@@ -414,6 +415,37 @@ def test_gpu_workers_take_a_gpu_and_every_plane_reads_the_model_read_only() -> N
     for deployment in (CONTROL, GATEWAY):
         assert container(objects, deployment)["image"].endswith("-cpu")
         assert "nvidia.com/gpu" not in container(objects, deployment)["resources"]["limits"]
+
+
+def test_gpu_pd_runs_prefill_and_decode_workers_in_deployments_of_their_own() -> None:
+    objects = rendered("overlays/gpu-pd")
+    decode = f"{WORKER}-decode"
+    assert flag_value(objects, WORKER, "--role") == "prefill"
+    assert flag_value(objects, decode, "--role") == "decode"
+    gpu = {o["metadata"]["name"]: o for o in rendered("overlays/gpu") if o["kind"] == "Deployment"}
+    for name in (WORKER, decode):
+        deployment = find(objects, "Deployment", name)
+        selector = deployment["spec"]["selector"]["matchLabels"]
+        # Each Deployment's selector picks its own pods only, and its budget the same pods.
+        for other, template in pod_templates(objects):
+            assert (selector.items() <= template["metadata"]["labels"].items()) == (other == name), other
+        budget = find(objects, "PodDisruptionBudget", name)["spec"]
+        assert budget["selector"]["matchLabels"] == selector and budget["maxUnavailable"] >= 1
+        # Otherwise the gpu overlay's worker pod: a GPU, the model read-only, the transfer link.
+        pod = copy.deepcopy(deployment["spec"]["template"]["spec"])
+        (c,) = pod["containers"]
+        c["env"] = [e for e in c["env"] if e["name"] != "STEPWISE_ROLE"]
+        assert pod == gpu[WORKER]["spec"]["template"]["spec"], name
+        assert flag_value(objects, name, "--transfer-port") == "50060"
+    # The prefill workers scale on the queue as before; the decode workers by hand.
+    assert find(objects, "HorizontalPodAutoscaler", WORKER)["spec"]["scaleTargetRef"]["name"] == WORKER
+    assert not [
+        o for o in objects if o["kind"] == "HorizontalPodAutoscaler" and o["metadata"]["name"] == decode
+    ]
+    worker_policy = find(objects, "NetworkPolicy", "stepwise-worker")["spec"]["podSelector"]["matchLabels"]
+    for name in (WORKER, decode):
+        labels = find(objects, "Deployment", name)["spec"]["template"]["metadata"]["labels"]
+        assert worker_policy.items() <= labels.items(), f"{name}: its transfer port is closed to others"
 
 
 def test_only_files_a_kustomization_names_live_in_k8s() -> None:
