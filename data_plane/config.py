@@ -203,10 +203,10 @@ def config_from_args(ns: argparse.Namespace) -> WorkerConfig:
         from data_plane.sim import CostModel
 
         CostModel.parse(ns.sim_cost)  # ValueError naming --sim-cost, now rather than at the first step
-    if ns.role != "mixed" and (ns.backend == "sim" or ns.transfer_port < 0):
+    if ns.role != "mixed" and ns.transfer_port < 0:
         raise ValueError(
             f"--role {ns.role} moves requests with their KV: it needs the KV transfer link, which "
-            "--backend sim and --transfer-port -1 do not serve"
+            "--transfer-port -1 turns off"
         )
     return WorkerConfig(
         control=ns.control,

@@ -9,6 +9,12 @@ request's output; a sequence decoded past its EOS (the control plane learns of a
 under overlap) simply gets more tokens. Step time follows a cost model,
 `a + b·(new tokens) + c·(Σ context of the batch)` seconds.
 
+KV moves (prefill/decode workers, migration) go over a real transfer link when the worker serves one:
+a send carries zeros of the K/V shape the model's config.json gives (`kv_shape`, in float16), so its
+bytes on the wire are a real worker's; a receive checks the transfer's length against its slots and
+drops it. The tokens after a move are the same as without it (they depend on the request id and
+position only).
+
 A step costs a few vectorised numpy operations whatever the batch size: sequences are rows of
 arrays, found by one binary search per step, and the KV report is kept up to date incrementally.
 
@@ -31,11 +37,22 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
+from data_plane.kv_pool import HostCopy
+from data_plane.kv_transfer import Transfers
 from data_plane.scoring import score_rows
 from data_plane.state import PlanError
 from protos.arrays import SortedIndex
-from protos.worker import KvReport, PromptScores, SamplerParams, StepPlan, StepResult, TokenLogprobs
+from protos.worker import (
+    KvReport,
+    PromptScores,
+    SamplerParams,
+    StepPlan,
+    StepResult,
+    TokenLogprobs,
+    TransferOutcome,
+)
 
 # Seeded rule for requests without an output length: between 16 and 271 tokens.
 RULE_MIN_OUTPUT, RULE_SPAN = 16, 256
@@ -182,7 +199,11 @@ class SimExecutor:
     cost: CostModel = field(default_factory=CostModel)
     seed: int = 0
     sleep: bool = False
+    # (layers, KV heads, head dim) of the model a send's zeros stand for.
+    kv_shape: tuple[int, int, int] = (1, 1, 1)
     table: _SimTable = field(default_factory=_SimTable, init=False)
+    # The transfer link (set by the worker when it serves one).
+    transfers: Transfers | None = field(default=None, init=False)
 
     def runs_inline(self, plan: StepPlan) -> bool:
         """A step that only computes runs on the loop; one that sleeps its modelled time must not."""
@@ -192,7 +213,13 @@ class SimExecutor:
         try:
             return self._execute(plan)
         except (KeyError, ValueError, PlanError) as exc:
-            return StepResult(plan.step_id, np.zeros(0, np.int64), kv=self.kv_report(), error=f"sim: {exc!r}")
+            return StepResult(
+                plan.step_id,
+                np.zeros(0, np.int64),
+                kv=self.kv_report(),
+                error=f"sim: {exc!r}",
+                transfers=self._outcomes(),
+            )
 
     def _execute(self, plan: StepPlan) -> StepResult:
         started = time.perf_counter()
@@ -221,7 +248,43 @@ class SimExecutor:
         seconds = self.cost.step_seconds(int(ext.lens.sum()) + len(dec_rows), context)
         if self.sleep:
             time.sleep(max(seconds - (time.perf_counter() - started), 0.0))
-        return StepResult(plan.step_id, tokens, logprobs, scores, kv=self.kv_report(), forward_s=seconds)
+        return StepResult(
+            plan.step_id,
+            tokens,
+            logprobs,
+            scores,
+            kv=self.kv_report(),
+            forward_s=seconds,
+            transfers=self._outcomes(),
+        )
+
+    def _outcomes(self) -> tuple[TransferOutcome, ...]:
+        return self.transfers.take_outcomes() if self.transfers is not None else ()
+
+    def _move_kv(self, plan: StepPlan) -> None:
+        """A plan's sends (zeros of the model's K/V shape) and receives (checked, then dropped)."""
+        if not (plan.sends or plan.receives):
+            return
+        if self.transfers is None:
+            raise PlanError("this sim worker serves no KV transfer link: it cannot send or receive KV")
+        layers, heads, dim = self.kv_shape
+        for send in plan.sends:
+            zeros = torch.zeros((layers, len(send.slots), heads, dim), dtype=torch.float16)
+            self.transfers.send(send.address, send.transfer_id, HostCopy(zeros, zeros))
+        store = self.transfers.received
+        for receive in plan.receives:
+            if not len(receive.slots):
+                store.discard(receive.transfer_id)
+                continue
+            try:
+                copy = store.take(receive.transfer_id)
+            except KeyError:
+                raise PlanError(f"receives: no transfer {receive.transfer_id!r} has arrived") from None
+            if copy.k.shape[1] != receive.skip + len(receive.slots):
+                raise PlanError(
+                    f"receives: transfer {receive.transfer_id!r} holds {copy.k.shape[1]} positions, "
+                    f"the plan's slots take {receive.skip + len(receive.slots)}"
+                )
 
     def _certain(self, row: int, token: int) -> TokenLogprobs:
         """A position whose whole probability is on `token` (see the module docstring)."""
@@ -251,8 +314,7 @@ class SimExecutor:
         self.table = _SimTable()
 
     def _apply_deltas(self, plan: StepPlan) -> None:
-        if plan.sends or plan.receives:
-            raise PlanError("the sim backend holds no K/V: it cannot send or receive any")
+        self._move_kv(plan)
         if plan.reset:
             self.reset()
         for handle in plan.releases.tolist():

@@ -181,7 +181,13 @@ def load_sim_worker(config: WorkerConfig) -> LoadedWorker:
     eos_ids = tuple(eos) if isinstance(eos, list) else (int(eos),)
     capacity = (config.kv_tokens or SIM_DEFAULT_KV_TOKENS) // config.page_size * config.page_size
     cost = CostModel.parse(config.sim_cost)
-    executor = SimExecutor(capacity, int(raw["vocab_size"]), eos_ids[0], cost, sleep=True)
+    heads = int(raw.get("num_attention_heads", 1))
+    kv_shape = (
+        int(raw.get("num_hidden_layers", 1)),
+        int(raw.get("num_key_value_heads", heads)),
+        int(raw.get("head_dim", int(raw.get("hidden_size", heads)) // heads)),
+    )
+    executor = SimExecutor(capacity, int(raw["vocab_size"]), eos_ids[0], cost, sleep=True, kv_shape=kv_shape)
     hello = WorkerLimits(
         worker_id=config.worker_id,
         model_fingerprint=model_fingerprint(config.model),
@@ -193,6 +199,7 @@ def load_sim_worker(config: WorkerConfig) -> LoadedWorker:
         device="sim",
         eos_token_ids=frozenset(eos_ids),
         host_pool_capacity_tokens=config.host_pool_tokens,
+        role=config.role,
     )
     return LoadedWorker(executor, hello)
 
@@ -385,8 +392,7 @@ async def _load_and_serve(config: WorkerConfig, health: WorkerHealth, signals: a
         device=hello.device,
         dtype=hello.dtype,
     )
-    # The sim backend holds no K/V to move: it serves no transfer link and announces none.
-    transport = make_transport(config) if isinstance(worker.executor, Executor) else None
+    transport = make_transport(config)
     try:
         if transport is not None:
             try:
@@ -396,7 +402,7 @@ async def _load_and_serve(config: WorkerConfig, health: WorkerHealth, signals: a
                 return EXIT_REFUSED
             log.info("transfer_listening", address=transfer_address)
             worker = replace(worker, hello=replace(hello, transfer_address=transfer_address))
-            assert isinstance(worker.executor, Executor)
+            assert isinstance(worker.executor, Executor | SimExecutor)
             worker.executor.transfers = TransferAgent(transport, asyncio.get_running_loop())
         await health.set_loaded()
         return await serve_until_signal(worker, config, signals, Link(health))

@@ -180,9 +180,12 @@ class Stack:
         workers: int,
         gateway_args: list[str] | None = None,
         control_planes: int = 1,
+        each_worker_args: Sequence[Sequence[str]] = (),
     ) -> None:
         self.control_args = control_args
         self.worker_args = worker_args
+        # Flags of worker i beyond worker_args (e.g. its --role), for the first len(...) workers.
+        self.each_worker_args = [list(a) for a in each_worker_args]
         self.workers = workers
         self.control_planes = control_planes
         # None: no gateway; else `stepwise gateway` flags (`--control` and `--ready-file` are added).
@@ -214,7 +217,16 @@ class Stack:
         ports = await self._start_control_planes(deadline)
         worker_ports = ",".join(f"127.0.0.1:{p['worker_port']}" for p in ports)
         for i in range(self.workers):
-            args = ["worker", *self.worker_args, "--control", worker_ports, "--worker-id", f"worker-{i}"]
+            own = self.each_worker_args[i] if i < len(self.each_worker_args) else []
+            args = [
+                "worker",
+                *self.worker_args,
+                *own,
+                "--control",
+                worker_ports,
+                "--worker-id",
+                f"worker-{i}",
+            ]
             self._spawn(f"worker-{i}", args)
         self.addresses = [f"127.0.0.1:{p['port']}" for p in ports]
         self.address = ",".join(self.addresses)

@@ -567,8 +567,9 @@ class Engine:
 
     def _to_decode(self) -> None:
         """A prefill worker: each call whose samples each have their first token moves to the least
-        loaded decode worker with room for it and its next kv_balance_steps tokens
-        (docs/migration.md#prefill-and-decode-workers); with none, it decodes here meanwhile."""
+        loaded decode worker with room for it and its next kv_balance_steps tokens, at once, its
+        whole KV in one copy (docs/migration.md#prefill-and-decode-workers); with none, it decodes
+        here meanwhile."""
         assert self._peers is not None
         steps = self.config.kv_balance_steps
         calls = [c for c in self.streams.live_calls() if all(self._has_run(r) for r in c)]
@@ -584,7 +585,7 @@ class Engine:
             if not fitting:
                 continue
             target = min(fitting, key=lambda e: (loads[e.worker], -rooms[e.worker], e.worker))
-            if self.migration.start(self.scheduler, call, target, "pd"):
+            if self.migration.start(self.scheduler, call, target, "pd", precopy=False):
                 rooms[target.worker] -= need
                 loads[target.worker] += len(call)
 

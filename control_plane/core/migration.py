@@ -196,18 +196,26 @@ class Migrations:
             return "the workers differ in page size, dtype or model"
         return ""
 
-    def start(self, scheduler: Scheduler, rids: list[str], destination: Destination, reason: str) -> bool:
+    def start(
+        self,
+        scheduler: Scheduler,
+        rids: list[str],
+        destination: Destination,
+        reason: str,
+        precopy: bool = True,
+    ) -> bool:
         """Start migrating the samples `rids` (one call's live samples: they move together or not
-        at all) to `destination`: a pre-copy of each, or at once when one has less than a page of
-        KV. False, with nothing changed, when one of them is not running here (or is moving
-        already) or the destination cannot take them."""
+        at all) to `destination`: a pre-copy of each, or at once (the whole KV as the tail) when one
+        has less than a page of KV or `precopy` is off (a prefill worker's hand-off: decoding on
+        while the copy runs would wait behind its prefills). False, with nothing changed, when one
+        of them is not running here (or is moving already) or the destination cannot take them."""
         if self.can_reach(destination):
             return False
         reqs = [scheduler.running_request(rid) for rid in rids]
         if any(r is None or r.rid not in self._streams or self.moving(r.rid) for r in reqs):
             return False
         page = scheduler.page_size
-        if any(r is not None and r.kv_committed_len < page for r in reqs):
+        if not precopy or any(r is not None and r.kv_committed_len < page for r in reqs):
             self._switch(scheduler, rids, destination, reason, {})
             return True
         copy = Precopy(rids, destination, reason, {})

@@ -18,7 +18,7 @@ import torch
 
 from data_plane.executor import Executor
 from data_plane.kv_pool import HostCopy
-from data_plane.kv_transfer import TransferAgent, TransferHeader
+from data_plane.kv_transfer import LoopbackTransfers, TransferAgent, TransferHeader, TransferStore
 from data_plane.kv_transfer_grpc import GrpcKvTransport
 from data_plane.sim import SimExecutor
 from protos import worker_codec
@@ -224,3 +224,22 @@ def test_moves_cross_the_wire_and_malformed_ones_are_refused_naming_the_field() 
     ):
         with pytest.raises(WireError, match=field):
             worker_codec.plan_from_proto(worker_codec.plan_to_proto(_with(make_plan(4), sends=(bad,))).plan)
+
+
+def test_a_sim_worker_sends_zeros_of_its_models_kv_shape_and_checks_what_it_receives() -> None:
+    """The sim moves KV over its link like a real worker, its bytes a real worker's: zeros of shape
+    (layers, positions, KV heads, head dim) in float16; a receive takes the transfer when its length
+    is the plan's slots (after the skip) and refuses it otherwise."""
+    store = TransferStore(1 << 20)
+    source, dest = SimExecutor(64, 100, 2, kv_shape=(4, 2, 8)), SimExecutor(64, 100, 2, kv_shape=(4, 2, 8))
+    source.transfers = dest.transfers = LoopbackTransfers(store)
+    five = np.arange(5, dtype=np.int64)
+    nbytes = 2 * 4 * 5 * 2 * 8 * 2  # K and V, float16
+    result = source.execute(_with(make_plan(1), sends=(KvSend("t", "d:1", five), KvSend("u", "d:1", five))))
+    assert result.error == ""
+    assert result.transfers == (TransferOutcome("t", "", nbytes), TransferOutcome("u", "", nbytes))
+    assert store.used_bytes == 2 * nbytes
+    bad = dest.execute(_with(make_plan(1), receives=(KvReceive("u", five[:3], skip=1),)))
+    assert "holds 5 positions, the plan's slots take 4" in bad.error
+    good = dest.execute(_with(make_plan(2), receives=(KvReceive("t", five[:3], skip=2),)))
+    assert good.error == "" and "t" not in store and store.used_bytes == 0
