@@ -7,7 +7,8 @@
 
 Real processes on 127.0.0.1: a control plane and two workers (`stepwise up`'s Stack), the
 embedded model unless --model. Every request carries one routing key, so all of them run on the
-same worker; the bench sends it SIGTERM while they decode, and the worker drains:
+same worker (KV balancing off, `--disable-kv-balance`, so that none moves before); the bench sends it
+SIGTERM while they decode, and the worker drains:
 
 - `migrate`: the default; its running requests migrate to the other worker (pre-copy, then the tail);
 - `recompute`: `--disable-drain-migration --drain-timeout 0`: they continue on the other worker at
@@ -67,7 +68,9 @@ MODES = {
 
 async def _start(model: str, mode: str, kv_tokens: int) -> Stack:
     control = ["--host", "127.0.0.1", "--port", "0", "--worker-port", "0", "--log-level", "warning"]
-    control += ["--model", model, *MODES[mode]]
+    # No KV balancing: a queue on the loaded worker would move requests to the other before the
+    # SIGTERM, and the drain is what is measured.
+    control += ["--model", model, "--disable-kv-balance", *MODES[mode]]
     worker = ["--log-level", "warning", "--model", model, "--kv-tokens", str(kv_tokens)]
     stack = Stack(control, worker, 2)
     await stack.start(timeout=180)
