@@ -17,6 +17,7 @@ from control_plane.core.router import Router
 @dataclass
 class _Limits:
     worker_id: str
+    role: str = "mixed"
 
 
 @dataclass
