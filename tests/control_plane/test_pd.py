@@ -18,6 +18,7 @@ from control_plane.core.worker_checks import hello_refusal
 from control_plane.request import FinishKind, RequestParams
 from protos.worker import SamplerParams, WorkerLimits
 from tests.control_plane.fake_core import FakeHub, make_engine, submit
+from tests.control_plane.test_migration_engine import _alone
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -73,18 +74,6 @@ async def _plane(roles: dict[str, str], capacities: dict[str, int] | None = None
         await plane.close()
 
 
-async def _alone(prompt: list[int], max_new: int) -> list[int]:
-    engine, _, hub = make_engine(1000, step_s=0.0)
-    task = asyncio.create_task(engine.run())
-    try:
-        [uid] = submit(engine, "r", prompt, _params(max_new))
-        await asyncio.wait_for(hub.stream(uid).done.wait(), 20)
-        return hub.stream(uid).tokens
-    finally:
-        engine.stop()
-        await task
-
-
 async def _settled(plane: Plane) -> None:
     deadline = asyncio.get_running_loop().time() + 10
     while not all(
@@ -108,7 +97,7 @@ async def test_requests_prefill_on_the_prefill_worker_and_decode_on_the_decode_w
         for (uid, _), prompt in zip(sent, PROMPTS, strict=True):
             stream = plane.hub.stream(uid)
             assert stream.finished is not None and stream.finished.kind is FinishKind.LENGTH
-            assert stream.tokens == await _alone(prompt, 40)
+            assert stream.tokens == await _alone(40, prompt)
         p, d1, d2 = (plane.engines[w] for w in ("p", "d1", "d2"))
         assert p.migration.migrated_out == len(PROMPTS), "every request left the prefill worker"
         assert d1.migration.migrated_in > 0 and d2.migration.migrated_in > 0, "both decode workers took some"
@@ -124,7 +113,7 @@ async def test_a_request_decodes_on_the_prefill_worker_when_no_decode_worker_has
     async with _plane({"p": "prefill", "d": "decode"}, {"d": 20}) as plane:
         uid, _ = plane.send("r", PROMPTS[0], 30)
         await asyncio.wait_for(plane.hub.stream(uid).done.wait(), 30)
-        assert plane.hub.stream(uid).tokens == await _alone(PROMPTS[0], 30)
+        assert plane.hub.stream(uid).tokens == await _alone(30, PROMPTS[0])
         assert plane.engines["p"].migration.migrated_out == 0
         await _settled(plane)
 
