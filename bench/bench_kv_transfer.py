@@ -56,10 +56,10 @@ async def _count(chunks: AsyncIterator[bytes], context: grpc.aio.ServicerContext
 
 
 async def receive() -> None:
-    def discard(transfer_id: str) -> None:
+    def discard(transfer_id: str, _nbytes: int) -> None:
         store.take(transfer_id)
 
-    store = TransferStore(1 << 34, on_received=discard)
+    store = TransferStore(1 << 34)
     transport = GrpcKvTransport("127.0.0.1", 0, 0, received=store)
     kv_address = await transport.start()
     plain = grpc.aio.server(options=MESSAGE_OPTIONS)
@@ -68,7 +68,8 @@ async def receive() -> None:
     port = plain.add_insecure_port("127.0.0.1:0")
     await plain.start()
     print(json.dumps({"kv": kv_address, "plain": f"127.0.0.1:{port}"}), flush=True)
-    await asyncio.Event().wait()
+    with store.listening(discard):
+        await asyncio.Event().wait()
 
 
 # ---- the sender (this process) -------------------------------------------------------------------

@@ -13,10 +13,11 @@ from __future__ import annotations
 import abc
 import asyncio
 import concurrent.futures
+import contextlib
 import math
 import re
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from typing import Protocol
@@ -97,11 +98,11 @@ class TransferHeader:
 
 class TransferStore:
     """Received transfers by id, in host memory, at most `capacity_bytes` of them (counting those
-    still arriving). `on_received(transfer_id)` runs when one is complete."""
+    still arriving). Listeners (`listening`) hear of each one as soon as it is complete."""
 
-    def __init__(self, capacity_bytes: int, on_received: Callable[[str], None] | None = None) -> None:
+    def __init__(self, capacity_bytes: int) -> None:
         self.capacity_bytes = capacity_bytes
-        self._on_received = on_received
+        self._listeners: list[Callable[[str, int], None]] = []
         self._reserved: dict[str, int] = {}
         self._held: dict[str, HostCopy] = {}
         # Forgotten before they arrived: dropped on arrival (oldest first past MAX_DISCARDED).
@@ -129,15 +130,27 @@ class TransferStore:
         if transfer_id not in self._held:
             self._reserved.pop(transfer_id, None)
 
+    @contextlib.contextmanager
+    def listening(self, listener: Callable[[str, int], None]) -> Iterator[None]:
+        """While the block runs, `listener(transfer_id, nbytes)` is called for each transfer the
+        store completes, on the thread that completes it (a transport's: its event loop's)."""
+        self._listeners.append(listener)
+        try:
+            yield
+        finally:
+            self._listeners.remove(listener)
+
     def complete(self, transfer_id: str, copy: HostCopy) -> None:
-        """Hold a reserved transfer's K and V, and say so; one discarded meanwhile is dropped."""
+        """Hold a reserved transfer's K and V, and tell the listeners; one discarded meanwhile is
+        dropped."""
         if transfer_id in self._discarded:
             self._discarded.remove(transfer_id)
             self._reserved.pop(transfer_id, None)
             return
         self._held[transfer_id] = copy
-        if self._on_received is not None:
-            self._on_received(transfer_id)
+        nbytes = self._reserved[transfer_id]
+        for listener in tuple(self._listeners):
+            listener(transfer_id, nbytes)
 
     def take(self, transfer_id: str) -> HostCopy:
         """A completed transfer, which the store then forgets; KeyError naming it when none."""

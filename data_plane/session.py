@@ -11,6 +11,10 @@ the worker waited for its plan (`wait_s`).
 What the executor holds (sequences, KV, host copies) and the decode set the plans diff against
 belong to the session: a new session starts with both empty, as the control plane's first plan
 to it assumes.
+
+When the welcome asks for it (`transfer_reports`), the writer also reports each KV transfer the
+worker's store completes, the moment it is complete (a `received` message between results): the
+control plane then need not wait for the sender's next result to know the bytes are here.
 """
 
 from __future__ import annotations
@@ -26,10 +30,21 @@ from typing import Protocol
 import grpc
 import structlog
 
+from data_plane.kv_transfer import TransferStore
 from data_plane.link import Link
 from protos import worker_codec
 from protos.stepwise.v1 import worker_pb2_grpc
-from protos.worker import Drain, Dropped, Move, Shutdown, StepPlan, StepResult, Welcome, WorkerLimits
+from protos.worker import (
+    Drain,
+    Dropped,
+    Move,
+    Shutdown,
+    StepPlan,
+    StepResult,
+    TransferOutcome,
+    Welcome,
+    WorkerLimits,
+)
 
 # A control plane keeps a few plans in flight at most; past this many waiting, the reader stops
 # reading (gRPC's flow control then holds the control plane back) rather than queue without bound.
@@ -85,15 +100,20 @@ _Inbox = asyncio.Queue[_Arrived | Shutdown | Move | Dropped | Exception]
 # A hello unanswered this long ends the attempt as a lost control plane (the worker searches again).
 WELCOME_TIMEOUT_S = 10.0
 
-# What the writer writes, in order, until None.
-_Outbox = asyncio.Queue[StepResult | Drain | None]
+# What the writer writes, in order, until None: results, a drain, and transfers received.
+_Outbox = asyncio.Queue[StepResult | Drain | TransferOutcome | None]
 
 
 async def run_session(
-    executor: StepExecutor, hello: WorkerLimits, channel: grpc.aio.Channel, link: Link
+    executor: StepExecutor,
+    hello: WorkerLimits,
+    channel: grpc.aio.Channel,
+    link: Link,
+    received: TransferStore | None = None,
 ) -> SessionEnd:
     """Run one session on `channel`; every way the control plane can end it (a closed or broken
-    stream, a refusal, no welcome, Shutdown, Move) is a SessionEnd."""
+    stream, a refusal, no welcome, Shutdown, Move) is a SessionEnd. `received`: the store of the
+    worker's KV transfer link, whose arrivals are reported when the welcome asks for them."""
     executor.reset()
     call = worker_pb2_grpc.WorkerLinkStub(channel).Connect()
     welcomed = False
@@ -107,9 +127,10 @@ async def run_session(
         if not welcome.accepted:
             return SessionEnd(Ending.RETRY if welcome.retryable else Ending.REFUSED, False, welcome.reason)
         welcomed = True
-        log.info("welcomed")
+        log.info("welcomed", transfer_reports=welcome.transfer_reports)
+        reports = received if welcome.transfer_reports else None
         async with link.attachment():
-            return await _serve(executor, call, decoder, link)
+            return await _serve(executor, call, decoder, link, reports)
     except TimeoutError:
         return SessionEnd(Ending.LOST, False, f"no welcome within {WELCOME_TIMEOUT_S:g} s")
     except (grpc.aio.AioRpcError, StreamBroken, asyncio.InvalidStateError) as exc:
@@ -118,12 +139,16 @@ async def run_session(
 
 
 async def _serve(
-    executor: StepExecutor, call: grpc.aio.StreamStreamCall, decoder: worker_codec.PlanDecoder, link: Link
+    executor: StepExecutor,
+    call: grpc.aio.StreamStreamCall,
+    decoder: worker_codec.PlanDecoder,
+    link: Link,
+    reports: TransferStore | None,
 ) -> SessionEnd:
     inbox: _Inbox = asyncio.Queue(maxsize=MAX_QUEUED_PLANS)
     reader = asyncio.create_task(_read_plans(call, decoder, inbox))
     try:
-        return await _run_plans(executor, call, inbox, link)
+        return await _run_plans(executor, call, inbox, link, reports)
     finally:
         reader.cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -162,13 +187,18 @@ async def _read_plans(
 
 
 async def _run_plans(
-    executor: StepExecutor, call: grpc.aio.StreamStreamCall, inbox: _Inbox, link: Link
+    executor: StepExecutor,
+    call: grpc.aio.StreamStreamCall,
+    inbox: _Inbox,
+    link: Link,
+    reports: TransferStore | None,
 ) -> SessionEnd:
     """Execute the queued plans in order and answer each, until a Shutdown or Move comes.
 
     A result is written by a task of its own while the next plan already executes: the device never
     waits for the network (SGLang copies results back on a stream of their own for the same reason).
-    A drain (the worker is stopping) goes out through the same writer, after the results before it.
+    A drain (the worker is stopping) goes out through the same writer, after the results before it,
+    and so does the report of each transfer `reports` completes meanwhile.
 
     A step the executor calls short runs on the loop's thread: on CPU, a forward in a second thread
     and the loop reading plans and writing results pass the GIL back and forth all step long, which
@@ -179,31 +209,48 @@ async def _run_plans(
     outbox: _Outbox = asyncio.Queue()
     writer = asyncio.create_task(_write_messages(call, outbox))
     drainer = asyncio.create_task(_send_drain(link, outbox))
-    finished: float | None = None  # when the previous step ended
+
+    def report(transfer_id: str, nbytes: int) -> None:
+        outbox.put_nowait(TransferOutcome(transfer_id, "", nbytes))
+
+    listening = reports.listening(report) if reports is not None else contextlib.nullcontext()
     try:
-        while True:
-            item = await _next(inbox, writer)
-            if isinstance(item, Exception):
-                raise item
-            if isinstance(item, Dropped):
-                # The control plane has forgotten this session: plans still queued are not run.
-                return SessionEnd(Ending.DROPPED, True, item.reason)
-            if isinstance(item, Shutdown | Move):
-                return await _leave(call, outbox, writer, item)
-            wait_s = 0.0 if finished is None else max(0.0, item.at - finished)
-            if executor.runs_inline(item.plan):
-                result = executor.execute(item.plan)
-            else:
-                result = await asyncio.to_thread(executor.execute, item.plan)
-            finished = time.perf_counter()
-            if result.error:
-                log.error("step_error", step_id=result.step_id, error=result.error)
-            outbox.put_nowait(dataclasses.replace(result, wait_s=wait_s))
+        with listening:
+            return await _execute(executor, call, inbox, outbox, writer)
     finally:
         for task in (drainer, writer):
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError, StreamBroken, grpc.aio.AioRpcError):
                 await task
+
+
+async def _execute(
+    executor: StepExecutor,
+    call: grpc.aio.StreamStreamCall,
+    inbox: _Inbox,
+    outbox: _Outbox,
+    writer: asyncio.Task[None],
+) -> SessionEnd:
+    """The executor loop of `_run_plans`: each queued plan in turn, its result to the writer."""
+    finished: float | None = None  # when the previous step ended
+    while True:
+        item = await _next(inbox, writer)
+        if isinstance(item, Exception):
+            raise item
+        if isinstance(item, Dropped):
+            # The control plane has forgotten this session: plans still queued are not run.
+            return SessionEnd(Ending.DROPPED, True, item.reason)
+        if isinstance(item, Shutdown | Move):
+            return await _leave(call, outbox, writer, item)
+        wait_s = 0.0 if finished is None else max(0.0, item.at - finished)
+        if executor.runs_inline(item.plan):
+            result = executor.execute(item.plan)
+        else:
+            result = await asyncio.to_thread(executor.execute, item.plan)
+        finished = time.perf_counter()
+        if result.error:
+            log.error("step_error", step_id=result.step_id, error=result.error)
+        outbox.put_nowait(dataclasses.replace(result, wait_s=wait_s))
 
 
 async def _leave(
@@ -264,10 +311,12 @@ async def _send_drain(link: Link, outbox: _Outbox) -> None:
 
 
 async def _write_messages(call: grpc.aio.StreamStreamCall, outbox: _Outbox) -> None:
-    """Write results (and a drain) in order until told to stop (None)."""
+    """Write results (a drain, transfers received) in order until told to stop (None)."""
     while (message := await outbox.get()) is not None:
         if isinstance(message, Drain):
             proto = worker_codec.drain_to_proto(message)
+        elif isinstance(message, TransferOutcome):
+            proto = worker_codec.received_to_proto(message)
         else:
             proto = worker_codec.result_to_proto(message)
         try:

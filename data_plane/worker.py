@@ -53,7 +53,7 @@ from data_plane.dialer import Candidate, Dialer, Refusal, Retry
 from data_plane.executor import Executor
 from data_plane.health import WorkerHealth
 from data_plane.kv_pool import KvPool, capacity_tokens
-from data_plane.kv_transfer import DTYPES, TransferAgent
+from data_plane.kv_transfer import DTYPES, TransferAgent, TransferStore
 from data_plane.kv_transfer_grpc import GrpcKvTransport, TlsFiles
 from data_plane.link import Link
 from data_plane.models.llama import LlamaModel
@@ -80,6 +80,8 @@ T = TypeVar("T")
 class LoadedWorker:
     executor: StepExecutor
     hello: WorkerLimits
+    # The KV transfer link's store of received transfers (None: the worker serves no link).
+    received: TransferStore | None = None
 
 
 # ---- start-up ----------------------------------------------------------------------------------
@@ -266,7 +268,7 @@ async def _attach(worker: LoadedWorker, dialer: Dialer, candidate: Candidate, li
     address = candidate.address.target
     with structlog.contextvars.bound_contextvars(control_plane=address):
         async with dialer.channel(candidate.address) as channel:
-            end = await run_session(worker.executor, worker.hello, channel, link)
+            end = await run_session(worker.executor, worker.hello, channel, link, worker.received)
         if end.ending is Ending.LOST:
             log.warning("control_plane_lost", welcomed=end.welcomed, error=end.reason)
         elif end.ending is Ending.REFUSED:
@@ -401,7 +403,8 @@ async def _load_and_serve(config: WorkerConfig, health: WorkerHealth, signals: a
                 log.error("transfer_port_failed", error=str(exc))
                 return EXIT_REFUSED
             log.info("transfer_listening", address=transfer_address)
-            worker = replace(worker, hello=replace(hello, transfer_address=transfer_address))
+            hello = replace(hello, transfer_address=transfer_address)
+            worker = replace(worker, hello=hello, received=transport.received)
             assert isinstance(worker.executor, Executor | SimExecutor)
             worker.executor.transfers = TransferAgent(transport, asyncio.get_running_loop())
         await health.set_loaded()

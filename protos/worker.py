@@ -336,6 +336,9 @@ class Welcome:
     # A refusal that may pass later, here or at another control plane (it drains, or still holds
     # a session under this worker id); other refusals are final.
     retryable: bool = False
+    # The control plane reads the worker's own reports of transfers it received (`received`
+    # WorkerMessages); without it the worker sends none.
+    transfer_reports: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,10 +2,10 @@
 for both planes. The only module besides protos/decode_set.py that reads or writes worker stubs.
 
 What goes on a stream is encoded as its envelope: `plan_to_proto` and `PlanEncoder.encode` give a
-ControlMessage, `result_to_proto`, `hello_to_proto` and `drain_to_proto` a WorkerMessage,
-`control_to_proto` the ControlMessage of a welcome, shutdown or move. Decoders take the inner
-message (`plan_from_proto(msg.plan)`), except `control_from_proto` and `PlanDecoder.control`, which
-read a worker's whole ControlMessage.
+ControlMessage, `result_to_proto`, `hello_to_proto`, `drain_to_proto` and `received_to_proto` a
+WorkerMessage, `control_to_proto` the ControlMessage of a welcome, shutdown or move. Decoders take
+the inner message (`plan_from_proto(msg.plan)`), except `control_from_proto` and
+`PlanDecoder.control`, which read a worker's whole ControlMessage.
 
 Plans travel with their decode set as a delta against the previous decode plan of the link
 (protos/decode_set.py): the control plane's PlanEncoder and the worker's PlanDecoder each keep that
@@ -222,7 +222,12 @@ class PlanDecoder:
             return self.plan(msg.plan)
         if kind == "welcome":
             w = msg.welcome
-            return Welcome(accepted=w.accepted, reason=w.reason, retryable=w.retryable)
+            return Welcome(
+                accepted=w.accepted,
+                reason=w.reason,
+                retryable=w.retryable,
+                transfer_reports=w.transfer_reports,
+            )
         if kind == "shutdown":
             return Shutdown(reason=msg.shutdown.reason)
         if kind == "move":
@@ -489,7 +494,12 @@ def control_to_proto(event: Welcome | Shutdown | Move | Dropped) -> wk_pb.Contro
     """A welcome, shutdown, move or drop as the control plane writes it (plans go through PlanEncoder)."""
     match event:
         case Welcome():
-            welcome = wk_pb.Welcome(accepted=event.accepted, reason=event.reason, retryable=event.retryable)
+            welcome = wk_pb.Welcome(
+                accepted=event.accepted,
+                reason=event.reason,
+                retryable=event.retryable,
+                transfer_reports=event.transfer_reports,
+            )
             return wk_pb.ControlMessage(welcome=welcome)
         case Shutdown():
             return wk_pb.ControlMessage(shutdown=wk_pb.Shutdown(reason=event.reason))
@@ -502,6 +512,24 @@ def control_to_proto(event: Welcome | Shutdown | Move | Dropped) -> wk_pb.Contro
 
 def drain_to_proto(d: Drain) -> wk_pb.WorkerMessage:
     return wk_pb.WorkerMessage(drain=wk_pb.Drain(reason=d.reason))
+
+
+def received_to_proto(outcome: TransferOutcome) -> wk_pb.WorkerMessage:
+    """A destination's report that it holds a transfer in full."""
+    received = wk_pb.TransferOutcome(transfer_id=outcome.transfer_id, bytes=outcome.bytes)
+    return wk_pb.WorkerMessage(received=received)
+
+
+def received_from_proto(msg: wk_pb.TransferOutcome) -> TransferOutcome:
+    """A destination's report (WorkerMessage `received`); ProtocolError when it names no transfer,
+    carries an error (a receiver reports only what it holds) or a negative byte count."""
+    if not msg.transfer_id:
+        raise ProtocolError("a received report without a transfer_id")
+    if msg.error:
+        raise ProtocolError(f"received report of {msg.transfer_id[:40]!r} carries an error")
+    if msg.bytes < 0:
+        raise ProtocolError(f"received report of {msg.transfer_id[:40]!r}: bytes {msg.bytes} is negative")
+    return TransferOutcome(msg.transfer_id, "", msg.bytes)
 
 
 # --- the census --------------------------------------------------------------------------------------

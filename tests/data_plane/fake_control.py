@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, replace
 import grpc
 
 from data_plane.config import WorkerConfig
+from data_plane.kv_transfer import TransferStore
 from data_plane.link import Link
 from data_plane.worker import LoadedWorker, load_sim_worker, serve
 from protos import worker_codec
@@ -39,6 +40,8 @@ class Session:
     hello: worker_pb2.Hello | None = None
     results: list[worker_pb2.StepResult] = field(default_factory=list)
     drains: list[str] = field(default_factory=list)
+    # The worker's reports of transfers it holds: (transfer id, bytes), in order.
+    received: list[tuple[str, int]] = field(default_factory=list)
     hello_seen: asyncio.Event = field(default_factory=asyncio.Event)
     drained: asyncio.Event = field(default_factory=asyncio.Event)
     # The worker ended its side of the stream cleanly (done_writing), not by cancelling it.
@@ -57,6 +60,8 @@ class Session:
             elif kind == "drain":
                 self.drains.append(message.drain.reason)
                 self.drained.set()
+            elif kind == "received":
+                self.received.append((message.received.transfer_id, message.received.bytes))
         self.half_closed.set()
 
 
@@ -150,8 +155,10 @@ def free_port() -> int:
 # ---- messages and scripts ----------------------------------------------------------------------
 
 
-def welcome(accepted: bool = True, reason: str = "", retryable: bool = False) -> worker_pb2.ControlMessage:
-    return worker_codec.control_to_proto(Welcome(accepted, reason, retryable))
+def welcome(
+    accepted: bool = True, reason: str = "", retryable: bool = False, transfer_reports: bool = False
+) -> worker_pb2.ControlMessage:
+    return worker_codec.control_to_proto(Welcome(accepted, reason, retryable, transfer_reports))
 
 
 def plan_message(plan: StepPlan) -> worker_pb2.ControlMessage:
@@ -226,11 +233,16 @@ def sim_config(model_dir: pathlib.Path, control: str, **overrides: object) -> Wo
 
 @contextlib.asynccontextmanager
 async def serving(
-    model_dir: pathlib.Path, control: str, link: Link | None = None, **overrides: object
+    model_dir: pathlib.Path,
+    control: str,
+    link: Link | None = None,
+    received: TransferStore | None = None,
+    **overrides: object,
 ) -> AsyncIterator[asyncio.Task[int]]:
-    """`serve` for a sim worker in this process, as a task (cancelled at the end if still running)."""
+    """`serve` for a sim worker in this process, as a task (cancelled at the end if still running);
+    `received`: the store of its KV transfer link (none is served: the test fills the store)."""
     config = sim_config(model_dir, control, **overrides)
-    worker: LoadedWorker = load_sim_worker(config)
+    worker: LoadedWorker = replace(load_sim_worker(config), received=received)
     task = asyncio.create_task(serve(worker, config, link))
     try:
         yield task

@@ -83,16 +83,20 @@ async def test_a_non_contiguous_tensor_goes_as_its_values(start) -> None:
     assert _same_bytes(copy.k, k[:, ::2]) and _same_bytes(copy.v, v[:, ::2])
 
 
-async def test_the_received_callback_names_the_transfer(start) -> None:
-    seen: list[str] = []
-    receiver = GrpcKvTransport("127.0.0.1", 0, 0, received=TransferStore(MiB, seen.append))
+async def test_a_listener_hears_each_complete_transfer_while_it_listens(start) -> None:
+    seen: list[tuple[str, int]] = []
+    store = TransferStore(MiB)
+    receiver = GrpcKvTransport("127.0.0.1", 0, 0, received=store)
     try:
         address = await receiver.start()
         sender, _ = await start()
-        await sender.send(address, "a", *_kv((1, 2, 1, 4), torch.float32))
+        with store.listening(lambda transfer_id, nbytes: seen.append((transfer_id, nbytes))):
+            await sender.send(address, "a", *_kv((1, 2, 1, 4), torch.float32))
+        await sender.send(address, "b", *_kv((1, 2, 1, 4), torch.float32))
     finally:
         await receiver.stop()
-    assert seen == ["a"] and "a" in receiver.received
+    # K and V of 2 tokens, one head of 4 float32 values, one layer: 64 bytes; "b" came after the block.
+    assert seen == [("a", 64)] and "a" in receiver.received and "b" in receiver.received
 
 
 async def test_a_duplicate_transfer_id_is_invalid_argument(start) -> None:

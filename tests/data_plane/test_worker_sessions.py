@@ -11,7 +11,11 @@ import time
 from collections.abc import AsyncIterator
 
 import pytest
+import torch
 
+from data_plane.kv_pool import HostCopy
+from data_plane.kv_transfer import TransferHeader, TransferStore
+from protos.stepwise.v1 import worker_pb2
 from protos.worker import Census
 from tests.data_plane.fake_control import (
     MOVE,
@@ -240,3 +244,38 @@ async def test_a_control_plane_that_never_welcomes_is_left_for_another(
     ):
         assert await served(worker) == 0
     assert len(a.sessions) >= 1 and [r.step_id for r in b.sessions[0].results] == [100, 101]
+
+
+@pytest.mark.parametrize("asked", [True, False], ids=["asked", "not-asked"])
+async def test_a_worker_reports_each_transfer_it_holds_at_once_when_its_welcome_asks(
+    model_dir: pathlib.Path, asked: bool
+) -> None:
+    """Welcomed with `transfer_reports`, the worker tells its control plane of each transfer its
+    store completes, between results, without waiting for a plan; otherwise it sends none (an
+    older control plane would take the message for a protocol error). The next result is written
+    after any report, so its arrival shows none was sent."""
+    store = TransferStore(1 << 20)
+    running, completed = asyncio.Event(), asyncio.Event()
+
+    async def script(session: Session) -> AsyncIterator[worker_pb2.ControlMessage]:
+        yield welcome(transfer_reports=asked)
+        first, second = two_step_plans()
+        yield plan_message(first)
+        await session.next_result()  # the session runs plans: it listens to the store by now
+        running.set()
+        await completed.wait()
+        yield plan_message(second)
+        await session.next_result()
+        yield SHUTDOWN
+
+    async with fake_control(script) as control, serving(model_dir, control.address, received=store) as worker:
+        await asyncio.wait_for(running.wait(), 30)
+        k = torch.zeros((1, 4, 1, 8), dtype=torch.float16)
+        header = TransferHeader.of("w0/t", k, k)
+        store.reserve(header)
+        store.complete("w0/t", HostCopy(k, k))
+        completed.set()
+        assert await served(worker) == 0
+        session = await control.session()
+    assert session.received == ([("w0/t", header.total_bytes)] if asked else [])
+    assert len(session.results) == 2

@@ -34,6 +34,7 @@ from protos.worker import (
     StepPlan,
     StepResult,
     TokenLogprobs,
+    TransferOutcome,
     Welcome,
     WorkerLimits,
     sampled_count,
@@ -321,6 +322,7 @@ def test_a_hello_without_a_page_size_means_pages_of_one() -> None:
         Welcome(True),
         Welcome(False, "fingerprint"),
         Welcome(False, "draining", retryable=True),
+        Welcome(True, transfer_reports=True),
         Shutdown("done"),
         Move("rebalance"),
         Dropped("dropped by the control plane: no result for step 7 within 1.0 s"),
@@ -340,6 +342,13 @@ def test_an_empty_control_message_is_refused() -> None:
 def test_a_drain_goes_as_a_worker_message() -> None:
     drain = _wire(worker_codec.drain_to_proto(Drain("SIGTERM")))
     assert (drain.WhichOneof("msg"), drain.drain.reason) == ("drain", "SIGTERM")
+
+
+def test_a_received_report_goes_as_a_worker_message_and_round_trips() -> None:
+    outcome = TransferOutcome("w0/5f3a", "", 1 << 33)
+    message = _wire(worker_codec.received_to_proto(outcome))
+    assert message.WhichOneof("msg") == "received"
+    assert worker_codec.received_from_proto(message.received) == outcome
 
 
 @settings(max_examples=100, deadline=None)

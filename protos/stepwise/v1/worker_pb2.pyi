@@ -7,14 +7,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class WorkerMessage(_message.Message):
-    __slots__ = ("hello", "result", "drain")
+    __slots__ = ("hello", "result", "drain", "received")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     RESULT_FIELD_NUMBER: _ClassVar[int]
     DRAIN_FIELD_NUMBER: _ClassVar[int]
+    RECEIVED_FIELD_NUMBER: _ClassVar[int]
     hello: Hello
     result: StepResult
     drain: Drain
-    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., result: _Optional[_Union[StepResult, _Mapping]] = ..., drain: _Optional[_Union[Drain, _Mapping]] = ...) -> None: ...
+    received: TransferOutcome
+    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., result: _Optional[_Union[StepResult, _Mapping]] = ..., drain: _Optional[_Union[Drain, _Mapping]] = ..., received: _Optional[_Union[TransferOutcome, _Mapping]] = ...) -> None: ...
 
 class ControlMessage(_message.Message):
     __slots__ = ("welcome", "plan", "shutdown", "move", "dropped")
@@ -107,14 +109,16 @@ class Hello(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., kv_capacity_tokens: _Optional[int] = ..., page_size: _Optional[int] = ..., max_context: _Optional[int] = ..., vocab_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., protocol_version: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., host_pool_capacity_tokens: _Optional[int] = ..., grammar_backends: _Optional[_Iterable[str]] = ..., transfer_address: _Optional[str] = ..., role: _Optional[str] = ...) -> None: ...
 
 class Welcome(_message.Message):
-    __slots__ = ("accepted", "reason", "retryable")
+    __slots__ = ("accepted", "reason", "retryable", "transfer_reports")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     RETRYABLE_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_REPORTS_FIELD_NUMBER: _ClassVar[int]
     accepted: bool
     reason: str
     retryable: bool
-    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., retryable: _Optional[bool] = ...) -> None: ...
+    transfer_reports: bool
+    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., retryable: _Optional[bool] = ..., transfer_reports: _Optional[bool] = ...) -> None: ...
 
 class Shutdown(_message.Message):
     __slots__ = ("reason",)
