@@ -113,8 +113,16 @@ MIGRATED_TOKENS = _counter("migrated_tokens", "Tokens whose KV a migration sent 
 MIGRATION_BYTES = _counter("migration_bytes", "Bytes of KV migrations sent to other workers")
 MIGRATION_COPY_SECONDS = _histogram(
     "migration_copy_seconds",
-    "A migration's switch to the source worker's word that the copy arrived",
+    "A migration's switch to the first word (the destination's or the source's) that the tail arrived",
     _ITL_BUCKETS,
+)
+MIGRATION_ARRIVALS = Counter(
+    "stepwise:migration_arrivals",
+    "Migration copies (pre-copies and tails) that arrived, by source worker and by whose word came "
+    "first: receiver (the destination worker's report, as soon as it held the bytes) or sender (with "
+    "the source worker's next step result)",
+    ("worker", "reported_by"),
+    registry=REGISTRY,
 )
 MIGRATION_STALL_SECONDS = _histogram(
     "migration_stall_seconds",

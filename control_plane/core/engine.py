@@ -60,7 +60,7 @@ from control_plane.core.inbox import (
     StopItem,
     Verdict,
 )
-from control_plane.core.migration import Destination, Migrations
+from control_plane.core.migration import Destination, Migrations, transfer_source
 from control_plane.core.publisher import Publisher, Streams
 from control_plane.core.step_log import StepLog
 from control_plane.core.timeouts import Timeouts
@@ -70,7 +70,7 @@ from control_plane.record.recorder import close_recording, make_scheduler
 from control_plane.request import AbortCode, FinishReason, RequestParams
 from control_plane.scheduler.records import StepStats
 from control_plane.scheduler.scheduler import QueueFull, RequestRejected
-from protos.worker import StepPlan, StepResult, WorkerLimits
+from protos.worker import StepPlan, StepResult, TransferOutcome, WorkerLimits
 
 log = structlog.get_logger("stepwise.engine")
 
@@ -110,7 +110,9 @@ class Engine:
 
     `successor` picks the engine that takes over this one's requests when its worker is lost or
     leaves (the router's); `on_leaving` is told when this engine starts leaving; `peers` are the
-    engines taking requests (the router's), which running requests may move to for KV room."""
+    engines taking requests (the router's), which running requests may move to for KV room;
+    `engine_of` finds the attached engine of a worker id (the router's), the one a transfer this
+    worker received came from."""
 
     def __init__(
         self,
@@ -121,6 +123,7 @@ class Engine:
         successor: Callable[[Engine], Engine | None] | None = None,
         on_leaving: Callable[[Engine], None] | None = None,
         peers: Callable[[], list[Engine]] | None = None,
+        engine_of: Callable[[str], Engine | None] | None = None,
     ) -> None:
         self.config = config
         self.limits = limits
@@ -132,6 +135,7 @@ class Engine:
         self._successor = successor
         self._on_leaving = on_leaving
         self._peers = peers
+        self._engine_of = engine_of
         # The worker the scheduler's retractions go to instead (Scheduler.spill_to), if any.
         self._spill_to: Engine | None = None
         self.streams = Streams(publisher, self.worker, self.step_log.metrics)
@@ -274,6 +278,20 @@ class Engine:
             self._inbox.append(Forget(transfer_id))
             self._wake.set()
 
+    def worker_received(self, outcome: TransferOutcome) -> None:
+        """This worker holds a transfer in full (its own report, which its channel passes on as it
+        comes): the word goes to the engine whose worker sent it."""
+        source = self._engine_of(transfer_source(outcome.transfer_id)) if self._engine_of else None
+        if source is not None:
+            source.copy_arrived(outcome, self.worker)
+
+    def copy_arrived(self, outcome: TransferOutcome, receiver: str) -> None:
+        """A copy this worker sent is at its destination, `receiver` says (usually sooner than this
+        worker's own word): a tail's request continues there now, a pre-copied call switches at
+        this loop's next turn."""
+        self.migration.received(outcome, receiver)
+        self._wake.set()
+
     def knows(self, rid: str) -> bool:
         """A live call or sample here, or one migrating from here whose tail is on its way."""
         return self.streams.knows(rid) or bool(self.migration.in_transit(lambda s: rid in (s.rid, s.call)))
@@ -378,6 +396,7 @@ class Engine:
 
     async def _iteration(self) -> None:
         self._drain_inbox()
+        self.migration.switch_ready(self.scheduler)
         if self._leave_turn():
             await self._depart()
             return
@@ -422,7 +441,8 @@ class Engine:
         if result.error:
             raise WorkerGone(f"worker failed step {plan.step_id}: {result.error}")
         if result.transfers:  # a stale result's too: the copies went on
-            self.migration.outcomes(self.scheduler, result.transfers)
+            self.migration.outcomes(result.transfers)
+            self.migration.switch_ready(self.scheduler)
         if flight.stale:
             return
         check_result(plan, result, self.limits.vocab_size)

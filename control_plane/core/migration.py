@@ -6,18 +6,20 @@ all on the core's one event loop, in three phases (Llumnix's pre-copy, then stop
 
 1. Pre-copy (source engine): `Scheduler.send_kv` has the source's next plan send the request's
    committed KV (KvSend) while it goes on decoding there. The worker copies those slots first and
-   sends in the background; the first result after the bytes arrived (or failed to) carries the
-   TransferOutcome. An idle source is asked for it with empty plans every POLL_S.
-2. Switch (source engine, once every sample of the call is pre-copied): the destination imports the
-   pre-copied prefix into its tree and holds it (`import_kv(..., hold=True)`); each sample is
-   published up to its last token, leaves the source's streams, and `Scheduler.export` finishes it
-   there, caching its KV in the source's tree (so the prefix stays there), and has the next plan
-   send the tail decoded during the pre-copy. Results in flight for it are dropped (it is
-   finished), so no token is published twice.
-3. Continue (destination engine, on the tail's outcome): `import_kv` places the tail after the
-   held prefix, the next plan's KvReceive writes it before any forward, the hold is released, and
-   the request is admitted as an Orphan (handover.py: prompt plus streamed tokens), which matches
-   the whole prefix and extends its last token.
+   sends in the background. The destination worker reports the transfer as soon as it holds it (its
+   engine passes the word on: `Engine.worker_received`), and the source's first result after the
+   bytes arrived (or failed to) carries a TransferOutcome too; the first word settles it, the other
+   is dropped. An idle source is asked for its word with empty plans every POLL_S.
+2. Switch (source engine, at its next turn once every sample of the call is pre-copied): the
+   destination imports the pre-copied prefix into its tree and holds it (`import_kv(...,
+   hold=True)`); each sample is published up to its last token, leaves the source's streams, and
+   `Scheduler.export` finishes it there, caching its KV in the source's tree (so the prefix stays
+   there), and has the next plan send the tail decoded during the pre-copy. Results in flight for
+   it are dropped (it is finished), so no token is published twice.
+3. Continue (destination engine, on the first word that the tail arrived, whichever side's):
+   `import_kv` places the tail after the held prefix, the next plan's KvReceive writes it before
+   any forward, the hold is released, and the request is admitted as an Orphan (handover.py: prompt
+   plus streamed tokens), which matches the whole prefix and extends its last token.
 
 A request whose committed KV is less than a page skips phase 1. Failures: a pre-copy that fails, a
 destination that leaves, or a request that ends meanwhile, and the request simply stays where it
@@ -50,6 +52,13 @@ from protos.worker import TransferOutcome, WorkerLimits
 MIGRATED = FinishReason.abort("continued on another worker (migrated)")
 # How often an idle source asks its worker whether a copy has arrived.
 POLL_S = 0.002
+# Transfers settled by one side's word whose other word may still come, remembered at most this many.
+MAX_SETTLED = 4096
+
+
+def transfer_source(transfer_id: str) -> str:
+    """The worker that sends the transfer: its ids are `<worker id>/<random hex>`."""
+    return transfer_id.rpartition("/")[0]
 
 
 class Destination(Protocol):
@@ -75,7 +84,8 @@ class Destination(Protocol):
 
 @dataclass(slots=True)
 class Precopy:
-    """A call whose samples' KV is being pre-copied: rid -> (transfer id, positions sent)."""
+    """A call whose samples' KV is being pre-copied: rid -> (transfer id, positions sent). Once no
+    outcome is pending it switches (or is called off) at the source's next turn."""
 
     rids: list[str]
     destination: Destination
@@ -120,8 +130,11 @@ class Migrations:
         self._log = log
         # Where a request whose tail copy failed continues: this engine while it serves, else an heir.
         self._fallback = fallback
-        self.precopies: dict[str, Precopy] = {}  # by transfer id (each of a call's samples')
+        # By transfer id (each of a call's samples'), from the send until the call switches.
+        self.precopies: dict[str, Precopy] = {}
         self.exports: dict[str, Export] = {}
+        # Settled by one side's word: the other side's, if it comes, is dropped (insertion order).
+        self._settled: dict[str, None] = {}
         # Switched samples ended while their tail was on its way (an abort, a stop string): by
         # tail transfer id, how they end once it is reported.
         self._ended: dict[str, FinishReason] = {}
@@ -279,30 +292,77 @@ class Migrations:
             transfer_id, orphan, tokens, 0, "", destination, "kv", time.monotonic()
         )
 
-    def outcomes(self, scheduler: Scheduler, outcomes: tuple[TransferOutcome, ...]) -> None:
-        """The worker's word on copies: a pre-copied call switches; a request whose tail arrived
-        continues on its destination."""
+    def outcomes(self, outcomes: tuple[TransferOutcome, ...]) -> None:
+        """This worker's word on copies it sent (with a step result): arrived, or failed."""
         for outcome in outcomes:
-            copy = self.precopies.pop(outcome.transfer_id, None)
-            if copy is not None:
-                copy.pending.discard(outcome.transfer_id)
-                copy.error = copy.error or outcome.error
-                metrics.MIGRATION_BYTES.labels(self._worker).inc(outcome.bytes)
-                if not copy.pending:
-                    self._precopied(scheduler, copy)
-                continue
-            export = self.exports.pop(outcome.transfer_id, None)
-            if export is None:
-                self._log.warning("transfer outcome for no migration", transfer_id=outcome.transfer_id)
-                continue
-            ended = self._ended.pop(outcome.transfer_id, None)
-            if ended is not None:  # its client left (or a stop string ended it) meanwhile
-                self._forget_both(export)
-                self._streams.finish(export.orphan.sample, ended)
-            elif outcome.error:
-                self._give_up(export, outcome.error)
-            else:
-                self._arrive(export, outcome.bytes)
+            self._word(outcome, "sender")
+
+    def received(self, outcome: TransferOutcome, receiver: str) -> None:
+        """A destination's word that it holds a copy this worker sent, the moment it does: taken
+        only from the copy's destination (any other worker naming it is logged and ignored)."""
+        copy = self.precopies.get(outcome.transfer_id)
+        export = self.exports.get(outcome.transfer_id)
+        destination = copy.destination if copy is not None else export.destination if export else None
+        if destination is None:  # settled by the sender's word already, or given up meanwhile
+            self._settled.pop(outcome.transfer_id, None)
+        elif destination.worker != receiver:
+            self._log.warning(
+                "transfer reported by another worker",
+                transfer_id=outcome.transfer_id,
+                by=receiver,
+                to=destination.worker,
+            )
+        else:
+            self._word(outcome, "receiver")
+
+    def _word(self, outcome: TransferOutcome, reported_by: str) -> None:
+        """The first word on a transfer settles it and the other is dropped. A request whose tail
+        arrived continues on its destination now; a pre-copied call switches at the next
+        `switch_ready`. Nothing here calls the scheduler, so a destination's word is taken whenever
+        it comes."""
+        transfer_id = outcome.transfer_id
+        if transfer_id in self._settled:  # the other side's word came first
+            del self._settled[transfer_id]
+            return
+        copy = self.precopies.get(transfer_id)
+        if copy is not None and transfer_id in copy.pending:
+            self._settle(transfer_id, outcome, reported_by)
+            copy.pending.discard(transfer_id)
+            copy.error = copy.error or outcome.error
+            metrics.MIGRATION_BYTES.labels(self._worker).inc(outcome.bytes)
+        elif (export := self.exports.pop(transfer_id, None)) is not None:
+            self._settle(transfer_id, outcome, reported_by)
+            self._tail_reported(export, outcome)
+        else:
+            self._log.warning("transfer outcome for no migration", transfer_id=transfer_id)
+
+    def _tail_reported(self, export: Export, outcome: TransferOutcome) -> None:
+        ended = self._ended.pop(export.transfer_id, None)
+        if ended is not None:  # its client left (or a stop string ended it) meanwhile
+            self._forget_both(export)
+            self._streams.finish(export.orphan.sample, ended)
+        elif outcome.error:
+            self._give_up(export, outcome.error)
+        else:
+            self._arrive(export, outcome.bytes)
+
+    def _settle(self, transfer_id: str, outcome: TransferOutcome, reported_by: str) -> None:
+        """The first word on a transfer: the other side's is expected too (a failed send's receiver
+        says nothing, but remembering it costs an entry of a bounded book)."""
+        self._settled[transfer_id] = None
+        if len(self._settled) > MAX_SETTLED:
+            del self._settled[next(iter(self._settled))]
+        if not outcome.error:
+            metrics.MIGRATION_ARRIVALS.labels(self._worker, reported_by).inc()
+
+    def switch_ready(self, scheduler: Scheduler) -> None:
+        """Switch each call whose pre-copies have all had their word (or call it off): at a plan
+        boundary of this worker, the only place its scheduler is called."""
+        ready = {id(c): c for c in self.precopies.values() if not c.pending}
+        for copy in ready.values():
+            for transfer_id, _ in copy.sent.values():
+                del self.precopies[transfer_id]
+            self._precopied(scheduler, copy)
 
     def _precopied(self, scheduler: Scheduler, copy: Precopy) -> None:
         destination = copy.destination

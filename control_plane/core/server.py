@@ -126,12 +126,14 @@ class WorkerLinkService(wk_grpc.WorkerLinkServicer):
             successor=self.router.successor,
             on_leaving=self.plane.worker_leaving,
             peers=self.router.available,
+            engine_of=self.router.engines.get,
         )
         channel.on_drain = engine.worker_draining
+        channel.on_received = engine.worker_received
         # Attached before the welcome: a call that follows the welcome at once finds the worker.
         self.router.attach(engine)
         try:
-            await context.write(worker_codec.control_to_proto(Welcome(True)))
+            await context.write(worker_codec.control_to_proto(Welcome(True, transfer_reports=True)))
         except BaseException:
             engine.abandon("the welcome could not be sent")
             self.router.detach(engine)

@@ -6,8 +6,9 @@ in flight: `send` writes one, `receive` reads the result of the oldest one still
 checks that it carries one token per sequence that plan sampled. A stream that broke is WorkerGone;
 a message that breaks the protocol is WorkerFault (the worker is dropped either way).
 
-A reader task reads the worker's messages as they come: results wait for `receive`, and a Drain
-(the worker got SIGTERM) goes to `on_drain` at once, between results or while no plan is in flight.
+A reader task reads the worker's messages as they come: results wait for `receive`; a Drain (the
+worker got SIGTERM) goes to `on_drain`, and a transfer the worker received in full to
+`on_received`, at once, between results or while no plan is in flight.
 The session ends with one Shutdown (`close`) or one Move (`move`), never both.
 """
 
@@ -17,6 +18,7 @@ import asyncio
 import contextlib
 from collections import deque
 from collections.abc import Callable
+from typing import TypeVar
 
 import grpc
 import structlog
@@ -25,21 +27,28 @@ from control_plane.core.handover import WorkerGone
 from control_plane.core.worker_checks import WorkerFault
 from protos import worker_codec
 from protos.stepwise.v1 import worker_pb2 as wk_pb
-from protos.worker import Dropped, Move, Shutdown, StepPlan, StepResult, sampled_count
+from protos.worker import Dropped, Move, Shutdown, StepPlan, StepResult, TransferOutcome, sampled_count
 
 log = structlog.get_logger("stepwise.worker_link")
+
+T = TypeVar("T")
 
 
 class StreamChannel:
     """A WorkerChannel over one worker's Connect stream."""
 
     def __init__(
-        self, context: grpc.aio.ServicerContext, on_drain: Callable[[str], None] | None = None
+        self,
+        context: grpc.aio.ServicerContext,
+        on_drain: Callable[[str], None] | None = None,
+        on_received: Callable[[TransferOutcome], None] | None = None,
     ) -> None:
         self.context = context
         self.encoder = worker_codec.PlanEncoder()
         # Called with the worker's reason when it sends Drain (the engine starts leaving).
         self.on_drain = on_drain
+        # Called with each transfer the worker reports it holds (a migration's copy arrived).
+        self.on_received = on_received
         # Tokens each sent plan's result must carry, oldest plan first.
         self._awaiting: deque[int] = deque()
         # Plans sent whose results the reader has not read yet: a result beyond them is a fault (a
@@ -119,7 +128,9 @@ class StreamChannel:
                     raise WorkerGone("stream closed")
                 kind = msg.WhichOneof("msg")
                 if kind == "drain":
-                    self._drain(msg.drain.reason)
+                    self._tell(self.on_drain, msg.drain.reason)
+                elif kind == "received":
+                    self._tell(self.on_received, _received(msg.received))
                 elif kind == "result":
                     if not self._unanswered:
                         raise WorkerFault(f"a result for step {msg.result.step_id}, but no plan is in flight")
@@ -134,13 +145,21 @@ class StreamChannel:
         except Exception as exc:
             self._arrived.put_nowait(_gone(exc))
 
-    def _drain(self, reason: str) -> None:
-        if self.on_drain is None:
+    @staticmethod
+    def _tell(listener: Callable[[T], None] | None, what: T) -> None:
+        if listener is None:
             return
         try:
-            self.on_drain(reason)
-        except Exception:  # ours: the session goes on, the drain is lost (logged)
-            log.exception("handling a worker's drain failed")
+            listener(what)
+        except Exception:  # ours: the session goes on, the word is lost (logged)
+            log.exception("handling a worker's message failed", message=type(what).__name__)
+
+
+def _received(msg: wk_pb.TransferOutcome) -> TransferOutcome:
+    try:
+        return worker_codec.received_from_proto(msg)
+    except worker_codec.ProtocolError as exc:
+        raise WorkerFault(str(exc)) from None
 
 
 def _gone(exc: Exception) -> WorkerGone:

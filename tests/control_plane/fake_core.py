@@ -18,19 +18,29 @@ from control_plane.core.inbox import Arrival, LiveSample, Verdict
 from control_plane.link import UID_LINK_SHIFT
 from control_plane.request import FinishReason, RequestParams
 from control_plane.scheduler.records import PromptScoring
-from protos.worker import StepPlan, StepResult, TokenLogprobs, WorkerLimits
+from protos.worker import StepPlan, StepResult, TokenLogprobs, TransferOutcome, WorkerLimits
 from tests.control_plane.factories import make_config
 from tests.control_plane.fake_worker import FakeWorker
 
+# The destination workers' own reports of transfers they hold, by transfer address: a send to one
+# of them is reported there as soon as the plan that carries it runs (Engine.worker_received).
+Receivers = dict[str, Callable[[TransferOutcome], None]]
+
 
 class FakeChannel:
-    """Plans run on a FakeWorker in order; `log` says when each was sent and received."""
+    """Plans run on a FakeWorker in order; `log` says when each was sent and received. A send to an
+    address in `receivers` is reported there when its plan runs, before the result comes back."""
 
     def __init__(
-        self, worker: FakeWorker, step_s: float = 0.0, log: list[tuple[str, int]] | None = None
+        self,
+        worker: FakeWorker,
+        step_s: float = 0.0,
+        log: list[tuple[str, int]] | None = None,
+        receivers: Receivers | None = None,
     ) -> None:
         self.worker = worker
         self.step_s = step_s
+        self.receivers = receivers if receivers is not None else {}
         self.sent: deque[StepPlan] = deque()
         self.closed = ""
         # The Move that ended the session (empty: none; `closed` is its Shutdown).
@@ -49,7 +59,12 @@ class FakeChannel:
         await asyncio.sleep(self.step_s)
         plan = self.sent.popleft()
         self.log.append(("receive", plan.step_id))
-        return self.worker.run(plan)
+        result = self.worker.run(plan)
+        for outcome in result.transfers:  # the sender's word: each arrived at once
+            send = next(s for s in plan.sends if s.transfer_id == outcome.transfer_id)
+            if send.address in self.receivers:
+                self.receivers[send.address](outcome)
+        return result
 
     async def close(self, reason: str) -> None:
         if not self.moved and not self.dropped:  # the session ends once, as StreamChannel's does
@@ -155,13 +170,16 @@ def make_engine(
     network: dict[str, list[tuple[int, int]]] | None = None,
     peers: Callable[[], list[Engine]] | None = None,
     role: str = "mixed",
+    receivers: Receivers | None = None,
+    engine_of: Callable[[str], Engine | None] | None = None,
     **scheduler: object,
 ) -> tuple[Engine, FakeChannel, FakeHub]:
     """An engine over a FakeWorker; `control` sets ControlConfig fields, the rest the scheduler's.
     Engines that share a `hub` publish to one place (as a control plane's engines do); `successor`,
-    `on_leaving` and `peers` are wired as the server wires them (the router's, the control plane's). Engines
-    whose workers share a `network` can migrate requests between them (each announces a transfer
-    address)."""
+    `on_leaving`, `peers` and `engine_of` are wired as the server wires them (the router's, the
+    control plane's). Engines whose workers share a `network` can migrate requests between them
+    (each announces a transfer address); with a shared `receivers` too, each destination worker
+    reports what it received as a real one welcomed with `transfer_reports` does."""
     config = ControlConfig(
         model_dir=Path("."),
         scheduler=make_config(**scheduler),
@@ -171,7 +189,18 @@ def make_engine(
     )
     address = f"{worker_id}:1" if network is not None else ""
     limits = WorkerLimits(worker_id, capacity, 1, 2048, vocab, eos, transfer_address=address, role=role)
-    channel = channel_class(FakeWorker(capacity, vocab=vocab, network=network), step_s, log)
+    channel = channel_class(FakeWorker(capacity, vocab=vocab, network=network), step_s, log, receivers)
     hub = hub if hub is not None else FakeHub(channel.log)
-    engine = Engine(config, limits, channel, hub, successor=successor, on_leaving=on_leaving, peers=peers)
+    engine = Engine(
+        config,
+        limits,
+        channel,
+        hub,
+        successor=successor,
+        on_leaving=on_leaving,
+        peers=peers,
+        engine_of=engine_of,
+    )
+    if receivers is not None:
+        receivers[address] = engine.worker_received
     return engine, channel, hub

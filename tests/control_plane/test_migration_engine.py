@@ -11,12 +11,13 @@ from collections import Counter
 from collections.abc import AsyncIterator
 
 import pytest
+import structlog
 
 from control_plane import metrics
 from control_plane.core.engine import Engine
 from control_plane.core.router import Router
 from control_plane.request import FinishKind, RequestParams
-from protos.worker import SamplerParams, StepResult
+from protos.worker import SamplerParams, StepPlan, StepResult, TransferOutcome
 from tests.control_plane.fake_core import FakeHub, make_engine, submit
 
 pytestmark = pytest.mark.timeout(60)
@@ -29,18 +30,23 @@ def _params(max_new: int) -> RequestParams:
 
 
 class Pair:
-    """Engines `a` and `b` behind one router, their workers on one network, both loops running."""
+    """Engines `a` and `b` behind one router, their workers on one network, both loops running.
+    With `reports`, each worker also reports the transfers it received (as a real worker welcomed
+    with `transfer_reports` does); without, only the sender's results say a copy arrived."""
 
-    def __init__(self) -> None:
+    def __init__(self, reports: bool = False) -> None:
         self.hub = FakeHub()
         self.router = Router("test")
         network: dict[str, list[tuple[int, int]]] = {}
-        self.a, self.channel_a, _ = make_engine(
-            1000, step_s=0.002, worker_id="a", hub=self.hub, successor=self.router.successor, network=network
-        )
-        self.b, self.channel_b, _ = make_engine(
-            1000, step_s=0.002, worker_id="b", hub=self.hub, successor=self.router.successor, network=network
-        )
+        wiring = {
+            "hub": self.hub,
+            "successor": self.router.successor,
+            "network": network,
+            "receivers": {} if reports else None,
+            "engine_of": self.router.engines.get,
+        }
+        self.a, self.channel_a, _ = make_engine(1000, step_s=0.002, worker_id="a", **wiring)  # type: ignore[arg-type]
+        self.b, self.channel_b, _ = make_engine(1000, step_s=0.002, worker_id="b", **wiring)  # type: ignore[arg-type]
         self.network = network
         self.tasks = []
         for engine in (self.a, self.b):
@@ -58,6 +64,15 @@ class Pair:
 @pytest.fixture
 async def pair() -> AsyncIterator[Pair]:
     made = Pair()
+    try:
+        yield made
+    finally:
+        await made.close()
+
+
+@pytest.fixture
+async def reporting_pair() -> AsyncIterator[Pair]:
+    made = Pair(reports=True)
     try:
         yield made
     finally:
@@ -129,6 +144,113 @@ async def test_an_abort_while_the_tail_is_on_its_way_ends_the_request_and_nothin
     assert pair.b.migration.migrated_in == 0 and "r" not in pair.b.scheduler.requests
     assert pair.network == {}, "the destination forgot both copies"
     assert pair.b.scheduler.kv.protected_size() == 0, "the pre-copy's hold was released"
+
+
+def _arrivals(worker: str) -> dict[str, int]:
+    """Copies sent from `worker` that arrived so far, by whose word came first."""
+    return {
+        by: int(
+            metrics.REGISTRY.get_sample_value(
+                "stepwise:migration_arrivals_total", {"worker": worker, "reported_by": by}
+            )
+            or 0
+        )
+        for by in ("receiver", "sender")
+    }
+
+
+def _hold_the_tail_s_result(pair: Pair) -> asyncio.Event:
+    """The result of a's plan that sent a tail (a's own word that it arrived) waits for the event
+    that this returns; the plan still runs at once, so its send lands and b reports it."""
+    gate, receive = asyncio.Event(), pair.channel_a.receive
+
+    async def held() -> StepResult:
+        tails = set(pair.a.migration.exports)  # switched: their tails are sent or on their way
+        result = await receive()
+        if tails & {t.transfer_id for t in result.transfers}:
+            await gate.wait()
+        return result
+
+    pair.channel_a.receive = held  # type: ignore[method-assign]
+    return gate
+
+
+@pytest.mark.parametrize("precopy", [True, False], ids=["pre-copy-then-tail", "all-at-once"])
+async def test_the_destination_s_word_continues_a_request_while_the_source_s_result_is_held_back(
+    reporting_pair: Pair, precopy: bool
+) -> None:
+    """The destination reports a transfer the moment it holds it: the request continues there and
+    ends while the source's own word on the tail (its next result: a long prefill under PD) has
+    not come. Each copy is counted once, as reported by the receiver; the source's later word on
+    the same transfers is dropped without a warning."""
+    pair = reporting_pair
+    before = _arrivals("a")
+    [uid] = submit(pair.a, "r", PROMPT, _params(40))
+    stream = pair.hub.stream(uid)
+    await _until(lambda: len(stream.tokens) >= 5, "five tokens on a")
+    gate = _hold_the_tail_s_result(pair)
+    with structlog.testing.capture_logs() as logs:
+        assert pair.a.migration.start(pair.a.scheduler, ["r"], pair.b, "test", precopy=precopy)
+        await asyncio.wait_for(stream.done.wait(), 20)
+        assert not gate.is_set()
+        assert stream.finished is not None and stream.finished.kind is FinishKind.LENGTH
+        assert stream.tokens == await _alone(40)
+        assert (pair.a.migration.migrated_out, pair.b.migration.migrated_in) == (1, 1)
+        gate.set()
+        await _until(lambda: _books_empty(pair.a) and _books_empty(pair.b), "both books at zero")
+    copies = 2 if precopy else 1
+    after = _arrivals("a")
+    assert (after["receiver"] - before["receiver"], after["sender"] - before["sender"]) == (copies, 0)
+    assert not [e for e in logs if e["log_level"] in ("warning", "error")], logs
+    assert pair.network == {} and pair.b.scheduler.kv.protected_size() == 0
+
+
+async def test_a_receiver_s_word_after_the_sender_s_changes_nothing(pair: Pair) -> None:
+    """Whichever word comes second, or a word on a transfer nobody waits for (a copy given up, a
+    stale one), is dropped quietly: the request moved once and is not admitted again."""
+    sent: list[tuple[str, int]] = []
+    send = pair.channel_a.send
+
+    async def recording(plan: StepPlan) -> None:
+        sent.extend((s.transfer_id, 16 * len(s.slots)) for s in plan.sends)
+        await send(plan)
+
+    pair.channel_a.send = recording  # type: ignore[method-assign]
+    [uid] = submit(pair.a, "r", PROMPT, _params(40))
+    stream = pair.hub.stream(uid)
+    await _until(lambda: len(stream.tokens) >= 5, "five tokens on a")
+    assert pair.a.migration.start(pair.a.scheduler, ["r"], pair.b, "test")
+    await asyncio.wait_for(stream.done.wait(), 20)
+    assert len(sent) == 2  # the pre-copy and the tail, both settled by a's results
+    before = _arrivals("a")
+    with structlog.testing.capture_logs() as logs:
+        for transfer_id, nbytes in [*sent, ("a/unknown", 64), ("gone/elsewhere", 64)]:
+            pair.b.worker_received(TransferOutcome(transfer_id, "", nbytes))
+        await _until(lambda: _books_empty(pair.a) and _books_empty(pair.b), "both books at zero")
+    assert _arrivals("a") == before
+    assert not [e for e in logs if e["log_level"] in ("warning", "error")], logs
+    assert stream.tokens == await _alone(40)
+    assert (pair.a.migration.migrated_out, pair.b.migration.migrated_in) == (1, 1)
+
+
+async def test_only_the_copy_s_destination_can_say_it_arrived(pair: Pair) -> None:
+    """A word that a copy arrived from a worker other than its destination is logged and ignored;
+    the destination's own then continues the request."""
+    gate = _hold_the_tail_s_result(pair)
+    [uid] = submit(pair.a, "r", PROMPT, _params(40))
+    stream = pair.hub.stream(uid)
+    await _until(lambda: len(stream.tokens) >= 5, "five tokens on a")
+    assert pair.a.migration.start(pair.a.scheduler, ["r"], pair.b, "test", precopy=False)
+    [tail] = pair.a.migration.exports
+    await _until(lambda: tail in pair.network, "the tail at b")  # its result held back
+    with structlog.testing.capture_logs() as logs:
+        pair.a.copy_arrived(TransferOutcome(tail, "", 64), receiver="c")
+    assert [e["event"] for e in logs] == ["transfer reported by another worker"]
+    assert tail in pair.a.migration.exports and pair.b.migration.migrated_in == 0
+    pair.b.worker_received(TransferOutcome(tail, "", 64))
+    await asyncio.wait_for(stream.done.wait(), 20)
+    gate.set()
+    assert stream.tokens == await _alone(40)
 
 
 def _moves(worker: str) -> Counter[str]:

@@ -1,5 +1,6 @@
-"""The worker link's reader (control_plane/core/worker_link.py): a Drain between results, or while no plan
-is in flight, reaches the engine at once; the session ends with one Shutdown or one Move."""
+"""The worker link's reader (control_plane/core/worker_link.py): a Drain, or a report of a transfer
+received, between results or while no plan is in flight, reaches the engine at once; the session ends
+with one Shutdown or one Move."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from control_plane.core.handover import WorkerGone
 from control_plane.core.worker_checks import WorkerFault
 from control_plane.core.worker_link import StreamChannel
 from protos.stepwise.v1 import worker_pb2 as wk_pb
-from protos.worker import DecodeWork, StepKind, StepPlan
+from protos.worker import DecodeWork, StepKind, StepPlan, TransferOutcome
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -68,6 +69,42 @@ async def test_a_drain_while_no_plan_is_in_flight_is_told_too() -> None:
     await asyncio.wait_for(told.wait(), 5)
     assert drains == ["scaled down"] and link.in_flight == 0
     await link.close("done")
+
+
+def _received(transfer_id: str, nbytes: int, error: str = "") -> wk_pb.WorkerMessage:
+    return wk_pb.WorkerMessage(
+        received=wk_pb.TransferOutcome(transfer_id=transfer_id, bytes=nbytes, error=error)
+    )
+
+
+async def test_a_transfer_received_is_told_at_once_between_results() -> None:
+    stream, told = _Stream(), []
+    link = StreamChannel(stream, on_received=told.append)  # type: ignore[arg-type]
+    await link.send(_plan(1))
+    for message in (_received("a/1", 96), _result(1), _received("a/2", 32)):
+        stream.incoming.put_nowait(message)
+    assert (await link.receive()).step_id == 1
+    await asyncio.sleep(0.01)
+    assert told == [TransferOutcome("a/1", "", 96), TransferOutcome("a/2", "", 32)]
+
+
+@pytest.mark.parametrize(
+    ("message", "error"),
+    [
+        (_received("", 96), "without a transfer_id"),
+        (_received("a/1", 96, error="UNAVAILABLE"), "carries an error"),
+        (_received("a/1", -1), "bytes -1 is negative"),
+    ],
+    ids=["no-id", "an-error", "negative-bytes"],
+)
+async def test_a_malformed_received_report_is_a_fault(message: wk_pb.WorkerMessage, error: str) -> None:
+    stream, told = _Stream(), []
+    link = StreamChannel(stream, on_received=told.append)  # type: ignore[arg-type]
+    await link.send(_plan(1))
+    stream.incoming.put_nowait(message)
+    with pytest.raises(WorkerFault, match=error):
+        await link.receive()
+    assert told == []
 
 
 async def test_a_broken_stream_stays_broken_for_every_later_receive() -> None:
