@@ -96,6 +96,16 @@ class Precopy:
     error: str = ""
 
 
+@dataclass(slots=True)
+class Tails:
+    """The tails one switch sent (a call's samples, which move together): their requests continue
+    on the destination together, once every tail has had its word, so that they stay in step there.
+    Each destination's word comes when its own transfer lands, at moments apart."""
+
+    waiting: set[str] = field(default_factory=set)
+    words: dict[str, TransferOutcome] = field(default_factory=dict)
+
+
 @dataclass(frozen=True, slots=True)
 class Export:
     """A sample switched off this worker whose tail copy has not been reported yet."""
@@ -110,6 +120,7 @@ class Export:
     destination: Destination
     reason: str
     started: float
+    tails: Tails
 
 
 class Migrations:
@@ -258,6 +269,7 @@ class Migrations:
         self._streams.publish(scheduler.take_updates())  # their tokens so far reach their clients first
         now = time.monotonic()
         address = destination.limits.transfer_address
+        tails = Tails()
         for rid in rids:
             req = scheduler.running_request(rid)
             sample = self._streams.get(rid)
@@ -269,9 +281,10 @@ class Migrations:
             slots = scheduler.export(rid, MIGRATED, transfer_id, address, start)
             assert slots is not None
             tokens = tuple(orphan.input_ids[: len(slots)])
-            export = Export(transfer_id, orphan, tokens, start, held, destination, reason, now)
+            export = Export(transfer_id, orphan, tokens, start, held, destination, reason, now, tails)
             if len(slots) > start:
                 self.exports[transfer_id] = export
+                tails.waiting.add(transfer_id)
             elif held or len(slots):  # the pre-copy sent it all: nothing to wait for
                 self._arrive(dataclasses.replace(export, transfer_id=""), 0)
             else:  # nothing cached (--disable-radix-cache): it is recomputed there
@@ -289,7 +302,7 @@ class Migrations:
             destination.adopt([orphan])
             return
         self.exports[transfer_id] = Export(
-            transfer_id, orphan, tokens, 0, "", destination, "kv", time.monotonic()
+            transfer_id, orphan, tokens, 0, "", destination, "kv", time.monotonic(), Tails({transfer_id})
         )
 
     def outcomes(self, outcomes: tuple[TransferOutcome, ...]) -> None:
@@ -330,9 +343,15 @@ class Migrations:
             copy.pending.discard(transfer_id)
             copy.error = copy.error or outcome.error
             metrics.MIGRATION_BYTES.labels(self._worker).inc(outcome.bytes)
-        elif (export := self.exports.pop(transfer_id, None)) is not None:
+        elif (export := self.exports.get(transfer_id)) is not None:
             self._settle(transfer_id, outcome, reported_by)
-            self._tail_reported(export, outcome)
+            tails = export.tails
+            tails.words[transfer_id] = outcome
+            tails.waiting.discard(transfer_id)
+            if not tails.waiting:  # the call's last tail: its samples continue together
+                for tail_id, word in tails.words.items():
+                    if (tail := self.exports.pop(tail_id, None)) is not None:
+                        self._tail_reported(tail, word)
         else:
             self._log.warning("transfer outcome for no migration", transfer_id=transfer_id)
 

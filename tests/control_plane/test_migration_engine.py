@@ -45,6 +45,7 @@ class Pair:
             "receivers": {} if reports else None,
             "engine_of": self.router.engines.get,
         }
+        self.receivers = wiring["receivers"]
         self.a, self.channel_a, _ = make_engine(1000, step_s=0.002, worker_id="a", **wiring)  # type: ignore[arg-type]
         self.b, self.channel_b, _ = make_engine(1000, step_s=0.002, worker_id="b", **wiring)  # type: ignore[arg-type]
         self.network = network
@@ -203,6 +204,37 @@ async def test_the_destination_s_word_continues_a_request_while_the_source_s_res
     assert (after["receiver"] - before["receiver"], after["sender"] - before["sender"]) == (copies, 0)
     assert not [e for e in logs if e["log_level"] in ("warning", "error")], logs
     assert pair.network == {} and pair.b.scheduler.kv.protected_size() == 0
+
+
+async def test_the_samples_of_a_call_continue_together_when_their_tails_arrive_apart(
+    reporting_pair: Pair,
+) -> None:
+    """Each sample's tail is a transfer of its own, and the destination reports each when it lands,
+    at different moments: the call's samples still continue on b at one step (a group moves
+    together), so they stay in step there as they were on a."""
+    pair = reporting_pair
+    assert isinstance(pair.receivers, dict)
+    loop, report, apart = asyncio.get_running_loop(), pair.receivers["b:1"], iter(range(100))
+    pair.receivers["b:1"] = lambda outcome: loop.call_later(0.02 * next(apart), report, outcome)
+    introduced: list[list[str]] = []
+    send = pair.channel_b.send
+
+    async def recording(plan: StepPlan) -> None:
+        if plan.new_seqs:
+            introduced.append(sorted(n.request_id for n in plan.new_seqs))
+        await send(plan)
+
+    pair.channel_b.send = recording  # type: ignore[method-assign]
+    gate = _hold_the_tail_s_result(pair)  # a's own word on the tails would come at once
+    uids = submit(pair.a, "r", PROMPT, _params(40), n=3)
+    await _until(lambda: all(len(pair.hub.stream(u).tokens) >= 5 for u in uids), "five tokens each on a")
+    assert pair.a.migration.start(pair.a.scheduler, ["r/0", "r/1", "r/2"], pair.b, "test")
+    for uid in uids:
+        await asyncio.wait_for(pair.hub.stream(uid).done.wait(), 20)
+    gate.set()
+    assert introduced == [["r/0", "r/1", "r/2"]]
+    want = await _alone(40)
+    assert [pair.hub.stream(u).tokens for u in uids] == [want] * 3
 
 
 async def test_a_receiver_s_word_after_the_sender_s_changes_nothing(pair: Pair) -> None:

@@ -83,7 +83,7 @@ async def test_the_session_runs_what_the_executor_calls_short_on_the_loop_thread
     for step_id in (1, 100, 2):
         inbox.put_nowait(_Arrived(make_plan(step_id), 0.0))
     inbox.put_nowait(Shutdown("done"))
-    await _run_plans(executor, call, inbox, Link())  # type: ignore[arg-type]
+    await _run_plans(executor, call, inbox, Link(), None)  # type: ignore[arg-type]
     loop_thread = threading.get_ident()
     assert executor.threads[1] == executor.threads[2] == loop_thread
     assert executor.threads[100] != loop_thread
