@@ -4,6 +4,7 @@
     python bench/bench_migration.py drain [--requests 32] [--context 1500] [--new 200] [--model DIR]
     python bench/bench_migration.py pressure [--requests 16] [--context 400] [--new 300] [--kv-tokens 6000]
     python bench/bench_migration.py random-checkpoint DIR [--layers 8] [--hidden 512] [--context 8192]
+    python bench/bench_migration.py exit [--runs 3] [--model DIR]
 
 Real processes on 127.0.0.1: a control plane and two workers (`stepwise up`'s Stack), the
 embedded model unless --model. Every request carries one routing key, so all of them run on the
@@ -33,6 +34,9 @@ migrate to the other worker before and instead of a retraction) against `retract
 (`--disable-kv-balance`: SGLang's retraction, a re-prefill later): seconds until every stream ended,
 requests retracted, prompt tokens computed beyond each prompt's first prefill (a migrated request's
 continuation computes one), requests migrated, and the longest gap a client saw.
+
+`exit`: the floor under a drain's exit time: a control plane and one idle worker; the seconds from
+the worker's SIGTERM until its process has exited (nothing to drain), `--runs` times.
 
 `random-checkpoint` writes a larger Llama checkpoint with random weights
 (and the embedded tokenizer) for contexts past the embedded model's 2,048, or a prefill that costs
@@ -155,6 +159,19 @@ async def drain(model: str, requests: int, context: int, new: int, mode: str) ->
         stack.stop()
 
 
+async def idle_exit(model: str) -> float:
+    """Seconds from an idle worker's SIGTERM until its process has exited."""
+    stack = await _start(model, "migrate", 4096)
+    try:
+        [child] = [c for c in stack.children if c.name.startswith("worker-0")]
+        start = time.monotonic()
+        child.proc.send_signal(signal.SIGTERM)  # type: ignore[attr-defined]
+        await asyncio.to_thread(child.proc.wait, 60)  # type: ignore[attr-defined]
+        return time.monotonic() - start
+    finally:
+        stack.stop()
+
+
 PRESSURE_MODES = {"balance": [], "retract": ["--disable-kv-balance"]}
 
 
@@ -238,6 +255,9 @@ def main() -> None:
     pr.add_argument("--new", type=int, default=300)
     pr.add_argument("--kv-tokens", type=int, default=6000)
     pr.add_argument("--model", default="embedded")
+    ex = sub.add_parser("exit")
+    ex.add_argument("--runs", type=int, default=3)
+    ex.add_argument("--model", default="embedded")
     rc = sub.add_parser("random-checkpoint")
     rc.add_argument("out", type=Path)
     rc.add_argument("--layers", type=int, default=8)
@@ -253,6 +273,10 @@ def main() -> None:
         print(f"{'context':>8} {'migrate max gap ms':>19} {'recompute max gap ms':>21} {'median gap ms':>14}")
         for (context, mig, med), (_, rec, _) in zip(results["migrate"], results["recompute"], strict=True):
             print(f"{context:>8} {mig:>19.1f} {rec:>21.1f} {med:>14.1f}")
+        return
+    if ns.what == "exit":
+        seconds = [asyncio.run(idle_exit(model)) for _ in range(ns.runs)]
+        print("idle worker's exit after SIGTERM, s: " + ", ".join(f"{x:.2f}" for x in seconds))
         return
     if ns.what == "pressure":
         print(
