@@ -375,8 +375,10 @@ class Migrations:
             metrics.MIGRATION_ARRIVALS.labels(self._worker, reported_by).inc()
 
     def switch_ready(self, scheduler: Scheduler) -> None:
-        """Switch each call whose pre-copies have all had their word (or call it off): at a plan
-        boundary of this worker, the only place its scheduler is called."""
+        """Switch each call whose pre-copies have all had their word (or call it off): between two
+        plans of this worker, on its engine's loop (the only one that calls its scheduler)."""
+        if not self.precopies:
+            return
         ready = {id(c): c for c in self.precopies.values() if not c.pending}
         for copy in ready.values():
             for transfer_id, _ in copy.sent.values():
