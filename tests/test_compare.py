@@ -247,6 +247,14 @@ def test_replace_block_swaps_only_what_lies_between_the_markers() -> None:
     assert perf_table.replace_block(text, "new\n") == f"# T\n\nbefore\n{BEGIN}\nnew\n{END}\nafter\n"
 
 
+def test_the_performance_page_holds_the_block_perf_table_rewrites() -> None:
+    # bench/perf_table.py rewrites docs/performance.md in place: the page keeps one block, intact.
+    text = (ROOT / "docs" / "performance.md").read_text()
+    block = text.split(BEGIN)[1].split(END)[0]
+    assert perf_table.replace_block(text, block) == text
+    assert "| contender | tokens/s |" in block
+
+
 def test_replace_block_twice_is_the_same_as_once() -> None:
     text = f"a\n{BEGIN}{END}\nb"
     once = perf_table.replace_block(text, "| x |")
