@@ -158,6 +158,7 @@ class Gateway:
                 texts = [p if isinstance(p, str) else None for p in prompts]
                 echo = Echo(texts, prompts, self._decode_prompt)
             fmt = CompletionFormat(self._model(body), body.include_usage(), body.wants_logprobs(), echo)
+            fmt.prompt_counts = await self._prompt_counts(body, prompts)
             requests = self._requests(body, prompts, fmt.id)
             # The protocol's names for what completions call `logprobs` and `echo`.
             renames = {"top_logprobs": "logprobs", "logprob_start_len": "echo", **body.renames()}
@@ -174,6 +175,7 @@ class Gateway:
             body.refuse_unsupported(self.config.parser())
             prompt = self.render_chat(body)
             fmt = ChatFormat(self._model(body), body.include_usage(), body.wants_logprobs(), body.tool_plan)
+            fmt.prompt_counts = await self._prompt_counts(body, [prompt])
             requests = self._requests(body, [prompt], fmt.id)
             return await self._generate(
                 request, requests, body.n, body.stream, fmt, "chat_completions", started, body.renames()
@@ -260,6 +262,17 @@ class Gateway:
             raise GatewayError(501, message, param=param)
         return self.config.tokenizer
 
+    async def _prompt_counts(self, body: SamplingFields, prompts: list[str | list[int]]) -> list[int] | None:
+        """Each prompt's token count when every chunk carries usage (continuous_usage_stats): the
+        control plane reports it only at the end, so a text prompt is counted here with its own
+        tokenizer class."""
+        if not body.continuous_usage():
+            return None
+        if all(isinstance(p, list) for p in prompts):
+            return [len(p) for p in prompts]
+        codec = self._codec("stream_options.continuous_usage_stats")
+        return [len(ids or ()) for ids in await asyncio.to_thread(_encode_all, codec, prompts)]
+
     def _decode_prompt(self, ids: list[int]) -> str:
         return self._codec("echo").decode(ids)
 
@@ -277,7 +290,9 @@ class Gateway:
             # The template would render the prompt without them: the model would never hear of them.
             raise invalid("tools", "the model's chat template does not render tools")
         tools = plan.tools if plan is not None else None
-        prompt = self.config.template.render(messages, body.add_generation_prompt, tools)
+        prompt = self.config.template.render(
+            messages, body.add_generation_prompt, tools, body.template_kwargs()
+        )
         try:  # the typed fields are checked already; this catches a surrogate in an extra field
             return utf8_text(prompt)
         except ValueError as exc:
@@ -418,10 +433,10 @@ class Gateway:
         status, finished = 200, False
         try:
             for opening in fmt.opening(len(run.collected.choices)):
-                yield sse(opening)
+                yield sse(fmt.annotated(opening, run.collected))
             async for event in run.events():
                 for data in fmt.events(event, run.collected):
-                    yield sse(data)
+                    yield sse(fmt.annotated(data, run.collected))
             for closing in fmt.closing(run.collected):
                 yield sse(closing)
             yield SSE_DONE

@@ -32,11 +32,14 @@ class ChatTemplate:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        extra: dict[str, Any] | None = None,
     ) -> str:
         """The prompt text; a template's `raise_exception` or error is a 400 naming `messages`.
-        `tools`: OpenAI's tool objects, as transformers passes dicts (unchanged)."""
+        `tools`: OpenAI's tool objects, as transformers passes dicts (unchanged). `extra`: more
+        variables (a request's chat_template_kwargs, as transformers takes them)."""
         try:
             return _compile(self.source).render(
+                **(extra or {}),
                 messages=messages,
                 tools=tools,
                 documents=None,
