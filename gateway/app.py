@@ -56,6 +56,13 @@ class GatewayConfig:
     # How tool_choice auto reads calls from the text (--tool-call-parser); None: the format the
     # chat template teaches (gateway/tools.py, default_parser).
     tool_call_parser: ParserName | None = None
+    # More names the model answers to (--served-model-name's after the first); `model_name` is the
+    # one the gateway reports.
+    model_aliases: tuple[str, ...] = ()
+
+    @property
+    def served_names(self) -> tuple[str, ...]:
+        return (self.model_name, *self.model_aliases)
 
     def parser(self) -> ParserName:
         if self.tool_call_parser is not None:
@@ -149,6 +156,7 @@ class Gateway:
         started = time.monotonic()
         try:
             body = parse_body(await read_body(request, self.config.limits), CompletionRequest)
+            self._check_model(body.model)
             body.refuse_unsupported()
             prompts = body.prompts()
             echo = None
@@ -172,6 +180,7 @@ class Gateway:
         started = time.monotonic()
         try:
             body = parse_body(await read_body(request, self.config.limits), ChatCompletionRequest)
+            self._check_model(body.model)
             body.refuse_unsupported(self.config.parser())
             prompt = self.render_chat(body)
             fmt = ChatFormat(self._model(body), body.include_usage(), body.wants_logprobs(), body.tool_plan)
@@ -299,25 +308,31 @@ class Gateway:
             raise invalid("messages", f"the rendered prompt is {exc}") from None
 
     async def models(self, request: Request) -> Response:
-        """OpenAI's models list: the one model served."""
+        """OpenAI's models list: the model served, once under each of its names (as vLLM lists
+        them)."""
         started = time.monotonic()
         try:
-            card = await self._model_card(request)
+            info = await self._server_info(request)
+            cards = [self._model_card(name, info) for name in self.config.served_names]
         except GatewayError as exc:
             return self._refused("models", exc, started)
         self.metrics.observe("models", 200, time.monotonic() - started)
-        return JSONResponse({"object": "list", "data": [card]})
+        return JSONResponse({"object": "list", "data": cards})
+
+    def _check_model(self, model_id: str | None) -> None:
+        """404 `model_not_found` for a model this gateway does not serve (none named: the served
+        one, as vLLM takes it)."""
+        if model_id and model_id not in self.config.served_names:
+            served = ", ".join(repr(name) for name in self.config.served_names)
+            message = f"model {model_id!r} is not served here (this gateway serves {served})"
+            raise GatewayError(404, message, param="model", code="model_not_found")
 
     async def model(self, request: Request, model_id: str) -> Response:
         """OpenAI's models retrieve: the served model by its id, else 404 `model_not_found`."""
         started = time.monotonic()
         try:
-            if model_id != self.config.model_name:
-                message = (
-                    f"model {model_id!r} is not served here (this gateway serves {self.config.model_name!r})"
-                )
-                raise GatewayError(404, message, param="model", code="model_not_found")
-            card = await self._model_card(request)
+            self._check_model(model_id)
+            card = self._model_card(model_id, await self._server_info(request))
         except GatewayError as exc:
             return self._refused("models", exc, started)
         self.metrics.observe("models", 200, time.monotonic() - started)
@@ -329,10 +344,9 @@ class Gateway:
         except grpc.aio.AioRpcError as exc:
             raise from_grpc(exc) from None
 
-    async def _model_card(self, request: Request) -> dict[str, Any]:
-        info = await self._server_info(request)
+    def _model_card(self, name: str, info: gen_pb.ServerInfo) -> dict[str, Any]:
         return {
-            "id": self.config.model_name,
+            "id": name,
             "object": "model",
             "created": self.created,
             "owned_by": "stepwise",

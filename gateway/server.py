@@ -54,9 +54,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--served-model-name",
+        nargs="+",
         default=None,
-        help="the model id clients see (default: a named model's name, a Hub id without its revision, "
-        "else the directory's name)",
+        metavar="NAME",
+        help="the model ids clients may name (a request naming another is a 404 model_not_found); the "
+        "first is the one /v1/models reports first and answers default to (default: a named model's "
+        "name, a Hub id without its revision, else the directory's name; STEPWISE_SERVED_MODEL_NAME "
+        "holds one name)",
     )
     parser.add_argument(
         "--tool-call-parser",

@@ -230,9 +230,12 @@ def _up_parser() -> argparse.ArgumentParser:
     parser.add_argument("--gateway-host", default="127.0.0.1", help="the gateway's HTTP bind address")
     parser.add_argument(
         "--gateway-served-model-name",
+        nargs="+",
         default=None,
-        help="the model name the gateway reports and accepts (its --served-model-name; default: the "
-        "model's name, a Hub id without its revision, else the directory's name)",
+        metavar="NAME",
+        help="the model names the gateway accepts, the first the one it reports (its "
+        "--served-model-name; a request naming another is a 404 model_not_found; default: the model's "
+        "name, a Hub id without its revision, else the directory's name)",
     )
     parser.add_argument(
         "--gateway-workers",
@@ -299,9 +302,9 @@ def cmd_gateway(argv: Sequence[str]) -> int:
     except (OSError, ValueError) as exc:
         raise RoutineError(f"--model: cannot read the chat template of {model_dir}: {exc}") from exc
     from control_plane.tokenizer import Tokenizer
-    from stepwise.models import served_name
+    from stepwise.models import served_name, served_names
 
-    name = ns.served_model_name or served_name(ns.model, model_dir)
+    names = served_names(ns.served_model_name) or [served_name(ns.model, model_dir)]
     try:
         tokenizer = Tokenizer.from_dir(model_dir)
     except FileNotFoundError:
@@ -312,7 +315,9 @@ def cmd_gateway(argv: Sequence[str]) -> int:
         limits = server.limits_from_args(ns)
     except ValueError as exc:
         raise RoutineError(str(exc)) from exc
-    config = GatewayConfig(ns.control, name, template, ns.tls_ca, limits, tokenizer, ns.tool_call_parser)
+    config = GatewayConfig(
+        ns.control, names[0], template, ns.tls_ca, limits, tokenizer, ns.tool_call_parser, tuple(names[1:])
+    )
     if ns.workers > 1:
         return _gateway_workers(config, ns)
     try:

@@ -99,6 +99,13 @@ def _hub_snapshot(spec: str) -> pathlib.Path:
         ) from exc
 
 
+def served_names(flag: str | list[str] | None) -> list[str]:
+    """--served-model-name's names: a list from the command line, one name from its variable."""
+    if not flag:
+        return []
+    return [flag] if isinstance(flag, str) else list(flag)
+
+
 def served_name(spec: str, model_dir: pathlib.Path) -> str:
     """The name clients see for `--model spec`: the name itself for a named model, the Hub id
     (without its revision) for a model from the Hugging Face cache or a snapshot directory in it,

@@ -390,7 +390,7 @@ def gateway_args(
     control_args: Sequence[str],
     host: str,
     port: int,
-    served_model_name: str | None = None,
+    served_model_name: str | Sequence[str] | None = None,
     workers: int = 1,
 ) -> list[str]:
     """`stepwise gateway` flags for `up --gateway-port`: the control plane's model and log level,
@@ -400,8 +400,9 @@ def gateway_args(
         value = _flag_value(control_args, flag)
         if value is not None:
             args += [flag, value]
-    if served_model_name is not None:
-        args += ["--served-model-name", served_model_name]
+    if served_model_name:
+        names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
+        args += ["--served-model-name", *names]
     # Always given: the gateway would otherwise read STEPWISE_WORKERS, which is `up --workers`' too.
     return [*args, "--workers", str(workers)]
 

@@ -187,6 +187,11 @@ def test_up_gives_the_gateway_its_process_count_whatever_stepwise_workers_says(
     monkeypatch.setenv("STEPWISE_WORKERS", "5")
     args = gateway_args(["--model", "embedded", "--log-level", "warning"], "127.0.0.1", 0, "team/m", 2)
     ns = _gateway_parser().parse_args(args)
-    assert (ns.workers, ns.served_model_name, ns.model, ns.log_level) == (2, "team/m", "embedded", "warning")
+    assert (ns.workers, ns.served_model_name, ns.model, ns.log_level) == (
+        2,
+        ["team/m"],
+        "embedded",
+        "warning",
+    )
     assert _gateway_parser().parse_args(gateway_args([], "127.0.0.1", 0)).workers == 1
     assert _up_parser().parse_args(["--gateway-workers", "3"]).gateway_workers == 3

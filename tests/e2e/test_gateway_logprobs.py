@@ -146,12 +146,15 @@ def test_a_model_from_the_hub_cache_is_served_under_its_id(
 def test_up_passes_the_served_model_name_to_its_gateway(tmp_path: Path) -> None:
     proc = None
     try:
-        proc, stack = start_up(tmp_path, "--gateway-served-model-name", "team/story-model")
+        proc, stack = start_up(tmp_path, "--gateway-served-model-name", "team/story-model", "story")
         client = stack.openai()
-        assert [m.id for m in client.models.list().data] == ["team/story-model"]
-        assert client.completions.create(model="team/story-model", prompt=PROMPT, max_tokens=1).model == (
-            "team/story-model"
-        )
+        assert [m.id for m in client.models.list().data] == ["team/story-model", "story"]
+        for name in ("team/story-model", "story"):
+            assert client.completions.create(model=name, prompt=PROMPT, max_tokens=1).model == name
+        # A model the gateway does not serve: vLLM's 404, never another model's answer.
+        with pytest.raises(openai.NotFoundError) as caught:
+            client.completions.create(model="gpt-4o", prompt=PROMPT, max_tokens=1)
+        assert caught.value.code == "model_not_found"
     finally:
         if proc is not None:
             stop_processes([proc])
