@@ -111,8 +111,10 @@ def cmd_control(argv: Sequence[str]) -> int:
     ns = _control_parser().parse_args(argv)
     logs.configure(ns.log_level)
     model_dir = _resolve_model(ns.model)
+    from stepwise.models import served_name
+
     try:
-        config = control_config_from_args(ns, model_dir)
+        config = control_config_from_args(ns, model_dir, served_name(ns.model, model_dir))
     except ValueError as exc:
         raise RoutineError(str(exc)) from exc
     with _metrics_dir(config.metrics_port):

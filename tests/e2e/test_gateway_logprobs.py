@@ -138,9 +138,17 @@ def test_a_model_from_the_hub_cache_is_served_under_its_id(
         assert client.models.retrieve("acme/tiny").id == "acme/tiny"
         reply = client.completions.create(model="acme/tiny", prompt=PROMPT, max_tokens=2)
         assert reply.model == "acme/tiny"
+        # gRPC says the same name, not the snapshot's commit (the path is for callers with a key).
+        info = asyncio.run(_server_info(stack.address))
+        assert (info.model, info.model_path) == ("acme/tiny", "")
     finally:
         if proc is not None:
             stop_processes([proc])
+
+
+async def _server_info(address: str) -> gen_pb.ServerInfo:
+    async with StepwiseClient(address) as client:
+        return await client.server_info()
 
 
 def test_up_passes_the_served_model_name_to_its_gateway(tmp_path: Path) -> None:
