@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import json
 import time
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +25,8 @@ from grpc_health.v1 import health_pb2
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
-from clients.client import StepwiseClient
+from clients.client import StepwiseClient, generate_request
+from gateway import sglang_info
 from gateway.chat import ChatTemplate
 from gateway.errors import GatewayError, from_grpc, invalid
 from gateway.formats import ChatFormat, Collected, CompletionFormat, Echo, Event, ResponseFormat
@@ -82,6 +84,10 @@ def create_app(config: GatewayConfig) -> FastAPI:
     app.add_api_route("/detokenize", gateway.detokenize, methods=["POST"])
     app.add_api_route("/version", gateway.version, methods=["GET"])
     app.add_api_route("/generate", gateway.sglang_generate, methods=["POST"])
+    app.add_api_route("/get_model_info", gateway.sglang_model_info, methods=["GET"])
+    app.add_api_route("/get_server_info", gateway.sglang_server_info, methods=["GET"])
+    app.add_api_route("/health_generate", gateway.health_generate, methods=["GET"])
+    app.add_api_route("/flush_cache", gateway.flush_cache, methods=["GET", "POST"])
     # A served name may hold slashes (a Hub id, `acme/tiny`): the id is the rest of the path.
     app.add_api_route("/v1/models/{model_id:path}", gateway.model, methods=["GET"])
     app.add_api_route("/health", gateway.health, methods=["GET"])
@@ -218,6 +224,39 @@ class Gateway:
             )
         except GatewayError as exc:
             return self._refused("generate", exc, started)
+
+    async def sglang_model_info(self) -> Response:
+        """SGLang's `/get_model_info`, which `sgl.RuntimeEndpoint` asks first."""
+        self.metrics.observe("get_model_info", 200, 0.0)
+        return JSONResponse(sglang_info.model_info(self.config.model_name))
+
+    async def sglang_server_info(self, request: Request) -> Response:
+        """SGLang's `/get_server_info`: the control plane's ServerInfo in SGLang's names."""
+        started = time.monotonic()
+        try:
+            info = await self._server_info(request)
+        except GatewayError as exc:
+            return self._refused("get_server_info", exc, started)
+        self.metrics.observe("get_server_info", 200, time.monotonic() - started)
+        return JSONResponse(sglang_info.server_info(self.config.model_name, info))
+
+    async def health_generate(self, request: Request) -> Response:
+        """SGLang's `/health_generate`: 200 once one token has been generated end to end, else 503."""
+        started = time.monotonic()
+        sampling = gen_pb.SamplingParams(max_new_tokens=1, temperature=0.0)
+        one = generate_request(sglang_info.HEALTH_GENERATE_PROMPT, sampling, f"health-{uuid.uuid4().hex}")
+        try:
+            call = self.client.stream(one, api_key=bearer_key(request))
+            await asyncio.wait_for(_drain(call), sglang_info.HEALTH_GENERATE_TIMEOUT_S)
+        except (grpc.aio.AioRpcError, GatewayError, TimeoutError) as exc:
+            detail = exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else type(exc).__name__
+            error = GatewayError(503, f"health_generate: no token generated ({detail})")
+            return self._refused("health_generate", error, started)
+        self.metrics.observe("health_generate", 200, time.monotonic() - started)
+        return Response(status_code=200)
+
+    async def flush_cache(self) -> Response:
+        return self._refused("flush_cache", sglang_info.flush_cache_refusal(), time.monotonic())
 
     async def tokenize(self, request: Request) -> Response:
         """vLLM's `/tokenize`: a prompt's token ids, or those of messages rendered by the chat
@@ -568,6 +607,16 @@ def _renamed(error: GatewayError, renames: dict[str, str]) -> GatewayError:
         return error
     message = error.message.replace(f"{error.param}:", f"{name}:", 1)
     return GatewayError(error.status, message, param=name, code=error.code)
+
+
+async def _drain(call: AsyncIterator[gen_pb.GenerateResponse]) -> None:
+    """Read a call to its end; an aborted generation is a GatewayError."""
+    async for response in call:
+        if (
+            response.WhichOneof("event") == "finished"
+            and response.finished.reason == gen_pb.FINISH_REASON_ABORT
+        ):
+            raise GatewayError(503, "aborted")
 
 
 async def _disconnected(request: Request) -> None:
