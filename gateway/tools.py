@@ -27,6 +27,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.errors import invalid
+from gateway.strict import closed
 from gateway.structured import Constraint, refuse_asking_extras
 from gateway.text import Text
 
@@ -46,7 +47,9 @@ class FunctionDefinition(BaseModel):
     strict: bool | None = None
 
     def parameter_schema(self) -> dict[str, Any]:
-        return self.parameters if self.parameters is not None else NO_PARAMETERS
+        """The arguments' schema; with `strict: true` every object closed (gateway/strict.py)."""
+        schema = self.parameters if self.parameters is not None else NO_PARAMETERS
+        return closed(schema, "parameters") if self.strict else schema
 
 
 class Tool(BaseModel):
