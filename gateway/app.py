@@ -37,7 +37,7 @@ from gateway.sglang import PARAMS as SGLANG_PARAMS
 from gateway.sglang import GenerateBody, SglangFormat
 from gateway.text import utf8_text
 from gateway.tokens import DetokenizeRequest, TokenCodec, TokenizeRequest
-from gateway.tools import ParserName, default_parser
+from gateway.tools import ParserName, check_renders_tools, default_parser
 from protos.stepwise.v1 import generation_pb2 as gen_pb
 
 HEALTH_TIMEOUT_S = 2.0
@@ -333,10 +333,8 @@ class Gateway:
         if "developer" not in self.config.template.source:
             # OpenAI's newer name for the system role, for templates that know only the older one.
             messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
+        check_renders_tools(self.config.template.source, body)
         plan = body.tool_plan
-        if plan is not None and "tools" not in self.config.template.source:
-            # The template would render the prompt without them: the model would never hear of them.
-            raise invalid("tools", "the model's chat template does not render tools")
         tools = plan.tools if plan is not None else None
         prompt = self.config.template.render(
             messages, body.add_generation_prompt, tools, body.template_kwargs()

@@ -55,11 +55,15 @@ class ChatTemplate:
             raise GatewayError(400, problem, param="messages") from None
 
 
-def load_template(model_dir: Path) -> ChatTemplate | None:
-    """The model's chat template, or None when it has none (chat completions then answer 400)."""
+def load_template(model_dir: Path, source: str | None = None) -> ChatTemplate | None:
+    """The model's chat template, or None when it has none (chat completions then answer 400).
+    `source`: another template to serve instead (--chat-template), with the model's special tokens."""
     config = _read_json(model_dir / "tokenizer_config.json")
     jinja_file = model_dir / "chat_template.jinja"
-    source = jinja_file.read_text(encoding="utf-8") if jinja_file.is_file() else config.get("chat_template")
+    if source is None:
+        source = (
+            jinja_file.read_text(encoding="utf-8") if jinja_file.is_file() else config.get("chat_template")
+        )
     if isinstance(source, list):  # named templates: transformers uses the one named "default"
         source = next((t["template"] for t in source if t.get("name") == "default"), None)
     if not source:

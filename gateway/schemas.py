@@ -353,6 +353,10 @@ class ChatCompletionRequest(SamplingFields):
     def tool_plan(self) -> ToolPlan | None:
         return self._tool_plan
 
+    def tool_call_messages(self) -> list[int]:
+        """The indices of the history's messages that hold tool calls."""
+        return [i for i, message in enumerate(self.messages) if message.tool_calls]
+
     def extra_constraints(self) -> list[Constraint | None]:
         return [self._tool_plan.constraint if self._tool_plan is not None else None]
 

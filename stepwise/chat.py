@@ -27,7 +27,9 @@ from clients.client import (
 )
 from clients.errors import RoutineError
 from clients.generate import add_sampling_arguments, sampling_from_args
-from gateway.chat import ChatTemplate, load_template
+from gateway.chat import ChatTemplate
+from gateway.templates import NAMED
+from stepwise.models import chat_template
 
 HELP_LINE = "/reset clears the conversation, /exit (or Ctrl-D) leaves"
 
@@ -46,6 +48,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             action.help = "a running control plane's client address (default: start one on --model)"
     add_sampling_arguments(parser, max_new_tokens=256)
     parser.add_argument("--system", default=None, help="a system message that opens the conversation")
+    parser.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE|NAME",
+        help="render the conversation with this chat template instead of the model's: a Jinja file or "
+        f"a template shipped with Stepwise ({', '.join(NAMED)})",
+    )
 
 
 class Conversation:
@@ -124,18 +133,19 @@ async def _turn(client: StepwiseClient, prompt: str, sampling: Any, out: TextIO)
     return gen.text
 
 
-def _template(model_dir: Path) -> ChatTemplate:
+def _template(ns: argparse.Namespace, model_dir: Path) -> ChatTemplate:
+    flag = "--chat-template" if ns.chat_template is not None else "--model"
     try:
-        template = load_template(model_dir)
+        template = chat_template(ns.model, model_dir, ns.chat_template)
     except (OSError, ValueError) as exc:
-        raise RoutineError(f"--model: cannot read the chat template of {model_dir}: {exc}") from exc
+        raise RoutineError(f"{flag}: cannot read the chat template: {exc}") from exc
     if template is None:
         raise RoutineError(f"--model: the model in {model_dir} has no chat template")
     return template
 
 
 async def run(ns: argparse.Namespace, model_dir: Path) -> int:
-    conversation = Conversation(_template(model_dir), ns.system)
+    conversation = Conversation(_template(ns, model_dir), ns.system)
     # Every sampling flag, --stop and --ignore-eos included (they were parsed and then dropped).
     sampling = sampling_from_args(ns)
     stack = None

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from control_plane.config import ControlConfig
     from control_plane.core.server import ControlPlane
     from gateway.app import GatewayConfig
+    from gateway.chat import ChatTemplate
 
 DEMO_PROMPT = "Once upon a time"
 # The exit status when stdout's reader went away: a shell's for a process ended by SIGPIPE.
@@ -245,6 +246,9 @@ def _up_parser() -> argparse.ArgumentParser:
         default=1,
         help="gateway processes serving --gateway-port (its --workers)",
     )
+    from gateway.server import add_template_arguments
+
+    add_template_arguments(parser)  # the gateway's, passed on to it
     parser.add_argument(
         "--ready-file", type=Path, default=None, help="write the client and gateway addresses here as JSON"
     )
@@ -272,9 +276,18 @@ def cmd_up(argv: Sequence[str]) -> int:
     for spec in dict.fromkeys([control_ns.model, worker_ns.model]):
         _resolve_model(spec)
     gateway = None
+    template_flags = [
+        *(["--chat-template", ns.chat_template] if ns.chat_template is not None else []),
+        *(["--tool-call-parser", ns.tool_call_parser] if ns.tool_call_parser is not None else []),
+    ]
+    if template_flags and ns.gateway_port is None:
+        raise RoutineError(f"{template_flags[0]}: the gateway's, and it starts only with --gateway-port")
     if ns.gateway_port is not None:
-        gateway = gateway_args(
-            to_control, ns.gateway_host, ns.gateway_port, ns.gateway_served_model_name, ns.gateway_workers
+        gateway = (
+            gateway_args(
+                to_control, ns.gateway_host, ns.gateway_port, ns.gateway_served_model_name, ns.gateway_workers
+            )
+            + template_flags
         )
     stack = Stack(to_control, to_worker, ns.workers, gateway, control_planes=ns.control_planes)
     return asyncio.run(run_up(stack, ns.ready_file))
@@ -294,15 +307,12 @@ def cmd_gateway(argv: Sequence[str]) -> int:
     _quiet_grpc()
     from gateway import server
     from gateway.app import GatewayConfig
-    from gateway.chat import load_template
+    from gateway.tools import parser_name
 
     ns = _gateway_parser().parse_args(argv)
     logs.configure(ns.log_level)
     model_dir = _resolve_model(ns.model)
-    try:
-        template = load_template(model_dir)
-    except (OSError, ValueError) as exc:
-        raise RoutineError(f"--model: cannot read the chat template of {model_dir}: {exc}") from exc
+    template = _chat_template(ns, model_dir)
     from control_plane.tokenizer import Tokenizer
     from stepwise.models import served_name, served_names
 
@@ -317,8 +327,9 @@ def cmd_gateway(argv: Sequence[str]) -> int:
         limits = server.limits_from_args(ns)
     except ValueError as exc:
         raise RoutineError(str(exc)) from exc
+    parser = None if ns.tool_call_parser is None else parser_name(ns.tool_call_parser)
     config = GatewayConfig(
-        ns.control, names[0], template, ns.tls_ca, limits, tokenizer, ns.tool_call_parser, tuple(names[1:])
+        ns.control, names[0], template, ns.tls_ca, limits, tokenizer, parser, tuple(names[1:])
     )
     if ns.workers > 1:
         return _gateway_workers(config, ns)
@@ -327,6 +338,22 @@ def cmd_gateway(argv: Sequence[str]) -> int:
     except OSError as exc:
         raise RoutineError(str(exc)) from exc
     return asyncio.run(server.serve(config, sock, ns.log_level, ns.ready_file))
+
+
+def _chat_template(ns: argparse.Namespace, model_dir: Path) -> ChatTemplate | None:
+    """--chat-template's template, else the model's (stepwise.models.chat_template); one line for a
+    template that cannot be read."""
+    from stepwise.models import chat_template
+
+    try:
+        return chat_template(ns.model, model_dir, ns.chat_template)
+    except ValueError as exc:
+        if ns.chat_template is not None:
+            raise RoutineError(f"--chat-template: {exc}") from exc
+        raise RoutineError(f"--model: cannot read the chat template of {model_dir}: {exc}") from exc
+    except OSError as exc:
+        flag = "--chat-template" if ns.chat_template is not None else "--model"
+        raise RoutineError(f"{flag}: cannot read the chat template: {exc}") from exc
 
 
 def _gateway_workers(config: GatewayConfig, ns: argparse.Namespace) -> int:
@@ -513,6 +540,11 @@ def cmd_models(argv: Sequence[str]) -> int:
     for named in MODELS.values():
         print(f"{named.name:<{width}}  {named.summary}")
         print(f"{'':<{width}}  {named.status()}")
+        if named.tools_template is not None:
+            print(
+                f"{'':<{width}}  chat template: {named.tools_template} (its own renders no tools; "
+                "--chat-template overrides it)"
+            )
     print("any other --model value is a checkpoint directory (config.json, safetensors, tokenizer)")
     return 0
 
