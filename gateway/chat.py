@@ -36,13 +36,16 @@ class ChatTemplate:
     ) -> str:
         """The prompt text; a template's `raise_exception` or error is a 400 naming `messages`.
         `tools`: OpenAI's tool objects, as transformers passes dicts (unchanged). `extra`: more
-        variables (a request's chat_template_kwargs, as transformers takes them)."""
+        variables (a request's chat_template_kwargs and documents, as transformers takes them)."""
+        variables = {"documents": None, **(extra or {})}
+        if variables["documents"] and "documents" not in self.source:
+            # The template would render the prompt without them: the model would never see them.
+            raise GatewayError(400, "documents: the chat template does not render documents", "documents")
         try:
             return _compile(self.source).render(
-                **(extra or {}),
+                **variables,
                 messages=messages,
                 tools=tools,
-                documents=None,
                 add_generation_prompt=add_generation_prompt,
                 **self.special_tokens,
             )

@@ -55,6 +55,10 @@ NO_OP_VALUES: dict[str, tuple[object, ...]] = {
     # vLLM's, at its defaults: the text never holds special tokens, and so no spaces between them.
     "skip_special_tokens": (True,),
     "spaces_between_special_tokens": (True,),
+    # SGLang's, at its defaults: reasoning is split out only with a reasoning parser, which the
+    # gateway does not have (nor does SGLang without --reasoning-parser).
+    "separate_reasoning": (True,),
+    "stream_reasoning": (True,),
 }
 
 
@@ -306,6 +310,8 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: bool | None = None
     # vLLM's and SGLang's: more variables for the chat template (`enable_thinking`, ...).
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: documents for a RAG template (transformers' `documents`), each a dict of strings.
+    documents: list[dict[str, Text]] | None = None
     # Worked out by plan(): what the tools come to.
     _tool_plan: ToolPlan | None = PrivateAttr(default=None)
 
@@ -347,7 +353,7 @@ class ChatCompletionRequest(SamplingFields):
         taken = sorted(set(kwargs) & TEMPLATE_VARIABLES)
         if taken:
             raise invalid(f"chat_template_kwargs.{taken[0]}", "set by the gateway from the request")
-        return kwargs
+        return {**kwargs, "documents": self.documents} if self.documents else kwargs
 
     @property
     def tool_plan(self) -> ToolPlan | None:

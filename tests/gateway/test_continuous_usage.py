@@ -107,3 +107,17 @@ async def test_chat_template_kwargs_reach_the_template() -> None:
     assert [r.text for r in plane.requests] == ["hi", "LOUD hi"]
     assert refused.status_code == 400
     assert refused.json()["error"]["param"] == "chat_template_kwargs.messages"
+
+
+async def test_documents_reach_a_template_that_renders_them_and_are_refused_by_one_that_cannot() -> None:
+    rag = ChatTemplate(
+        "{% for d in documents %}[{{ d.text }}]{% endfor %}{% for m in messages %}{{ m.content }}{% endfor %}"
+    )
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "documents": [{"text": "doc"}]}
+    plane = FakeControlPlane()
+    async with http_client(app_with(plane, rag)) as client:
+        assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
+    async with http_client(app_with(plane, TEMPLATE)) as client:
+        refused = await client.post("/v1/chat/completions", json=body)
+    assert [r.text for r in plane.requests] == ["[doc]hi"]
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "documents"

@@ -169,6 +169,8 @@ def test_constraint_fields_are_implemented_on_both_endpoints(field: str, value: 
         ("modalities", ["text"]),
         ("skip_special_tokens", True),
         ("spaces_between_special_tokens", True),
+        ("separate_reasoning", True),
+        ("stream_reasoning", True),
     ],
 )
 def test_values_that_ask_for_nothing_are_accepted(field: str, value: object) -> None:
