@@ -276,12 +276,7 @@ def cmd_up(argv: Sequence[str]) -> int:
     for spec in dict.fromkeys([control_ns.model, worker_ns.model]):
         _resolve_model(spec)
     gateway = None
-    template_flags = [
-        *(["--chat-template", ns.chat_template] if ns.chat_template is not None else []),
-        *(["--tool-call-parser", ns.tool_call_parser] if ns.tool_call_parser is not None else []),
-    ]
-    if template_flags and ns.gateway_port is None:
-        raise RoutineError(f"{template_flags[0]}: the gateway's, and it starts only with --gateway-port")
+    template_flags = _gateway_template_flags(ns)
     if ns.gateway_port is not None:
         gateway = (
             gateway_args(
@@ -291,6 +286,18 @@ def cmd_up(argv: Sequence[str]) -> int:
         )
     stack = Stack(to_control, to_worker, ns.workers, gateway, control_planes=ns.control_planes)
     return asyncio.run(run_up(stack, ns.ready_file))
+
+
+def _gateway_template_flags(ns: argparse.Namespace) -> list[str]:
+    """`up`'s --chat-template and --tool-call-parser, as the gateway's flags; refused without
+    --gateway-port (there is no gateway to take them)."""
+    flags = [
+        *(["--chat-template", ns.chat_template] if ns.chat_template is not None else []),
+        *(["--tool-call-parser", ns.tool_call_parser] if ns.tool_call_parser is not None else []),
+    ]
+    if flags and ns.gateway_port is None:
+        raise RoutineError(f"{flags[0]}: the gateway's, and it starts only with --gateway-port")
+    return flags
 
 
 def _gateway_parser() -> argparse.ArgumentParser:

@@ -14,6 +14,7 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import jsonschema
 import pytest
 from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
@@ -243,3 +244,25 @@ def test_langchain_structured_output(up: Up, method: str) -> None:
     result = structured.invoke(prompt)
     assert result["parsing_error"] is None, result
     assert isinstance(result["parsed"], Weather)
+
+
+# --- guidellm -----------------------------------------------------------------------------------
+
+
+def test_guidellms_default_streamed_request_completes_with_usage_on_every_chunk(up: Up) -> None:
+    """guidellm's default run: its request shape (tests/gateway/test_continuous_usage.py), every
+    chunk with usage, the last one the request's."""
+    from tests.gateway.test_continuous_usage import GUIDELLM_CHAT
+
+    body = {**GUIDELLM_CHAT, "model": "smollm2", "max_completion_tokens": 16}
+    with httpx.Client(timeout=60) as http:
+        assert http.get(f"{up.base_url}/models").json()["data"][0]["id"] == "smollm2"
+        with http.stream("POST", f"{up.base_url}/chat/completions", json=body) as response:
+            assert response.status_code == 200, response.read()
+            lines = [line for line in response.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    events = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+    assert all("usage" in event for event in events)
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 16  # ignore_eos
+    counts = [e["usage"]["completion_tokens"] for e in events if e["choices"]]
+    assert counts == sorted(counts) and counts[-1] == 16
