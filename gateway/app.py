@@ -245,10 +245,11 @@ class Gateway:
         started = time.monotonic()
         sampling = gen_pb.SamplingParams(max_new_tokens=1, temperature=0.0)
         one = generate_request(sglang_info.HEALTH_GENERATE_PROMPT, sampling, f"health-{uuid.uuid4().hex}")
+        call = self.client.stream(one, api_key=bearer_key(request))
         try:
-            call = self.client.stream(one, api_key=bearer_key(request))
             await asyncio.wait_for(_drain(call), sglang_info.HEALTH_GENERATE_TIMEOUT_S)
         except (grpc.aio.AioRpcError, GatewayError, TimeoutError) as exc:
+            _cancel(call)  # past the deadline: the control plane aborts the request
             detail = exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else type(exc).__name__
             error = GatewayError(503, f"health_generate: no token generated ({detail})")
             return self._refused("health_generate", error, started)

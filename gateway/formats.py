@@ -222,7 +222,9 @@ class CompletionFormat(ResponseFormat):
             return data
         index = data["choices"][0]["index"]
         choice = collected.choices[index]
-        prompt = self.prompt_counts[collected.prompt_of(index)]
+        # The gateway's count until the control plane's own arrives (with the first Finished).
+        counted = collected.prompt_usage.get(collected.prompt_of(index))
+        prompt = counted[0] if counted is not None else self.prompt_counts[collected.prompt_of(index)]
         completion = max(len(choice.token_ids), choice.completion_tokens)
         usage = {
             "prompt_tokens": prompt,
