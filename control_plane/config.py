@@ -218,6 +218,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--model", default="embedded", help="model directory (tokenizer and config), or 'embedded'")
     add(
+        "--served-model-name",
+        default=None,
+        help="the model name GetServerInfo reports (default: a named model's name, a Hub id without its "
+        "revision, else the directory's name; `up --gateway-served-model-name` sets it to the gateway's)",
+    )
+    add(
         "--host",
         default="127.0.0.1",
         help="address both servers bind (default: this machine only; 0.0.0.0 for every interface)",

@@ -115,7 +115,8 @@ def cmd_control(argv: Sequence[str]) -> int:
     from stepwise.models import served_name
 
     try:
-        config = control_config_from_args(ns, model_dir, served_name(ns.model, model_dir))
+        name = ns.served_model_name or served_name(ns.model, model_dir)
+        config = control_config_from_args(ns, model_dir, name)
     except ValueError as exc:
         raise RoutineError(str(exc)) from exc
     with _metrics_dir(config.metrics_port):
@@ -261,6 +262,7 @@ def _up_parser() -> argparse.ArgumentParser:
 
 
 def cmd_up(argv: Sequence[str]) -> int:
+    from stepwise.models import served_names
     from stepwise.up import Stack, gateway_args, run_up, split_flags
 
     ns, rest = _up_parser().parse_known_args(argv)
@@ -269,6 +271,11 @@ def cmd_up(argv: Sequence[str]) -> int:
         to_control, to_worker = split_flags(rest, control, worker)
     except ValueError as exc:
         raise RoutineError(str(exc)) from exc
+    given = any(arg.split("=", 1)[0] == "--served-model-name" for arg in to_control)
+    if ns.gateway_served_model_name and not given:
+        # GetServerInfo reports the name the gateway reports.
+        names = served_names(ns.gateway_served_model_name)
+        to_control += ["--served-model-name", names[0]]
     # Bad values are the children's to reject, but here they are one line instead of a child's
     # line and then `up`'s own complaint that the child exited.
     control_ns, worker_ns = control.parse_args(to_control), worker.parse_args(to_worker)

@@ -163,6 +163,8 @@ def test_up_passes_the_served_model_name_to_its_gateway(tmp_path: Path) -> None:
         with pytest.raises(openai.NotFoundError) as caught:
             client.completions.create(model="gpt-4o", prompt=PROMPT, max_tokens=1)
         assert caught.value.code == "model_not_found"
+        # The control plane reports the name the gateway reports.
+        assert asyncio.run(_server_info(stack.address)).model == "team/story-model"
     finally:
         if proc is not None:
             stop_processes([proc])
