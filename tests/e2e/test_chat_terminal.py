@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 import pytest
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(180)
 
 CTRL_C = b"\x03"
 
@@ -81,7 +81,7 @@ class Terminal:
 def chat() -> Iterator[Terminal]:
     # A long reply to stop (EOS ignored, up to the context) and a short one cut by the limit.
     terminal = Terminal(
-        "-m", "stepwise.cli", "chat", "--model", "embedded", "--ignore-eos", "--max-new-tokens", "300"
+        "-m", "stepwise.cli", "chat", "--model", "embedded", "--ignore-eos", "--max-new-tokens", "200"
     )
     try:
         yield terminal
@@ -101,7 +101,7 @@ def test_ctrl_c_stops_the_reply_and_a_second_one_at_the_prompt_leaves(chat: Term
     # The conversation goes on: the next reply is whole, cut at the limit, and says so.
     chat.type(b"Again\n")
     again = time.monotonic()
-    chat.expect(r"\[cut at the token limit", timeout=90)
+    chat.expect(r"\[cut at the token limit", timeout=120)
     print(f"a whole reply took {time.monotonic() - again:.1f} s")
     chat.expect(r"you> ")
     chat.type(CTRL_C)
