@@ -148,6 +148,8 @@ class ControlConfig:
     """The control-plane process: ports, model directory, logging, and the scheduler."""
 
     model_dir: Path
+    # The name GetServerInfo reports (stepwise.models.served_name of --model); "": the directory's.
+    model_name: str = ""
     host: str = "127.0.0.1"
     port: int = 50051
     worker_port: int = 50052
@@ -215,6 +217,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     numeric flag states its range in its type (flagtypes)."""
     add = parser.add_argument
     add("--model", default="embedded", help="model directory (tokenizer and config), or 'embedded'")
+    add(
+        "--served-model-name",
+        default=None,
+        help="the model name GetServerInfo reports (default: a named model's name, a Hub id without its "
+        "revision, else the directory's name; `up --gateway-served-model-name` sets it to the gateway's)",
+    )
     add(
         "--host",
         default="127.0.0.1",
@@ -774,10 +782,11 @@ def security_from_args(ns: argparse.Namespace, host: str) -> Security:
     return security
 
 
-def control_config_from_args(ns: argparse.Namespace, model_dir: Path) -> ControlConfig:
+def control_config_from_args(ns: argparse.Namespace, model_dir: Path, model_name: str = "") -> ControlConfig:
     heartbeat_interval, heartbeat_timeout = _frontend_heartbeat(ns)
     return ControlConfig(
         model_dir=model_dir,
+        model_name=model_name,
         host=ns.host,
         port=ns.port,
         worker_port=ns.worker_port,

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import json
 import time
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +25,8 @@ from grpc_health.v1 import health_pb2
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
-from clients.client import StepwiseClient
+from clients.client import StepwiseClient, generate_request
+from gateway import sglang_info
 from gateway.chat import ChatTemplate
 from gateway.errors import GatewayError, from_grpc, invalid
 from gateway.formats import ChatFormat, Collected, CompletionFormat, Echo, Event, ResponseFormat
@@ -35,7 +37,7 @@ from gateway.sglang import PARAMS as SGLANG_PARAMS
 from gateway.sglang import GenerateBody, SglangFormat
 from gateway.text import utf8_text
 from gateway.tokens import DetokenizeRequest, TokenCodec, TokenizeRequest
-from gateway.tools import ParserName, default_parser
+from gateway.tools import ParserName, check_renders_tools, default_parser
 from protos.stepwise.v1 import generation_pb2 as gen_pb
 
 HEALTH_TIMEOUT_S = 2.0
@@ -56,6 +58,13 @@ class GatewayConfig:
     # How tool_choice auto reads calls from the text (--tool-call-parser); None: the format the
     # chat template teaches (gateway/tools.py, default_parser).
     tool_call_parser: ParserName | None = None
+    # More names the model answers to (--served-model-name's after the first); `model_name` is the
+    # one the gateway reports.
+    model_aliases: tuple[str, ...] = ()
+
+    @property
+    def served_names(self) -> tuple[str, ...]:
+        return (self.model_name, *self.model_aliases)
 
     def parser(self) -> ParserName:
         if self.tool_call_parser is not None:
@@ -75,6 +84,10 @@ def create_app(config: GatewayConfig) -> FastAPI:
     app.add_api_route("/detokenize", gateway.detokenize, methods=["POST"])
     app.add_api_route("/version", gateway.version, methods=["GET"])
     app.add_api_route("/generate", gateway.sglang_generate, methods=["POST"])
+    app.add_api_route("/get_model_info", gateway.sglang_model_info, methods=["GET"])
+    app.add_api_route("/get_server_info", gateway.sglang_server_info, methods=["GET"])
+    app.add_api_route("/health_generate", gateway.health_generate, methods=["GET"])
+    app.add_api_route("/flush_cache", gateway.flush_cache, methods=["GET", "POST"])
     # A served name may hold slashes (a Hub id, `acme/tiny`): the id is the rest of the path.
     app.add_api_route("/v1/models/{model_id:path}", gateway.model, methods=["GET"])
     app.add_api_route("/health", gateway.health, methods=["GET"])
@@ -149,6 +162,7 @@ class Gateway:
         started = time.monotonic()
         try:
             body = parse_body(await read_body(request, self.config.limits), CompletionRequest)
+            self._check_model(body.model)
             body.refuse_unsupported()
             prompts = body.prompts()
             echo = None
@@ -158,6 +172,7 @@ class Gateway:
                 texts = [p if isinstance(p, str) else None for p in prompts]
                 echo = Echo(texts, prompts, self._decode_prompt)
             fmt = CompletionFormat(self._model(body), body.include_usage(), body.wants_logprobs(), echo)
+            fmt.prompt_counts = await self._prompt_counts(body, prompts)
             requests = self._requests(body, prompts, fmt.id)
             # The protocol's names for what completions call `logprobs` and `echo`.
             renames = {"top_logprobs": "logprobs", "logprob_start_len": "echo", **body.renames()}
@@ -171,9 +186,11 @@ class Gateway:
         started = time.monotonic()
         try:
             body = parse_body(await read_body(request, self.config.limits), ChatCompletionRequest)
+            self._check_model(body.model)
             body.refuse_unsupported(self.config.parser())
             prompt = self.render_chat(body)
             fmt = ChatFormat(self._model(body), body.include_usage(), body.wants_logprobs(), body.tool_plan)
+            fmt.prompt_counts = await self._prompt_counts(body, [prompt])
             requests = self._requests(body, [prompt], fmt.id)
             return await self._generate(
                 request, requests, body.n, body.stream, fmt, "chat_completions", started, body.renames()
@@ -207,6 +224,40 @@ class Gateway:
             )
         except GatewayError as exc:
             return self._refused("generate", exc, started)
+
+    async def sglang_model_info(self) -> Response:
+        """SGLang's `/get_model_info`, which `sgl.RuntimeEndpoint` asks first."""
+        self.metrics.observe("get_model_info", 200, 0.0)
+        return JSONResponse(sglang_info.model_info(self.config.model_name))
+
+    async def sglang_server_info(self, request: Request) -> Response:
+        """SGLang's `/get_server_info`: the control plane's ServerInfo in SGLang's names."""
+        started = time.monotonic()
+        try:
+            info = await self._server_info(request)
+        except GatewayError as exc:
+            return self._refused("get_server_info", exc, started)
+        self.metrics.observe("get_server_info", 200, time.monotonic() - started)
+        return JSONResponse(sglang_info.server_info(self.config.model_name, info))
+
+    async def health_generate(self, request: Request) -> Response:
+        """SGLang's `/health_generate`: 200 once one token has been generated end to end, else 503."""
+        started = time.monotonic()
+        sampling = gen_pb.SamplingParams(max_new_tokens=1, temperature=0.0)
+        one = generate_request(sglang_info.HEALTH_GENERATE_PROMPT, sampling, f"health-{uuid.uuid4().hex}")
+        call = self.client.stream(one, api_key=bearer_key(request))
+        try:
+            await asyncio.wait_for(_drain(call), sglang_info.HEALTH_GENERATE_TIMEOUT_S)
+        except (grpc.aio.AioRpcError, GatewayError, TimeoutError) as exc:
+            _cancel(call)  # past the deadline: the control plane aborts the request
+            detail = exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else type(exc).__name__
+            error = GatewayError(503, f"health_generate: no token generated ({detail})")
+            return self._refused("health_generate", error, started)
+        self.metrics.observe("health_generate", 200, time.monotonic() - started)
+        return Response(status_code=200)
+
+    async def flush_cache(self) -> Response:
+        return self._refused("flush_cache", sglang_info.flush_cache_refusal(), time.monotonic())
 
     async def tokenize(self, request: Request) -> Response:
         """vLLM's `/tokenize`: a prompt's token ids, or those of messages rendered by the chat
@@ -260,6 +311,17 @@ class Gateway:
             raise GatewayError(501, message, param=param)
         return self.config.tokenizer
 
+    async def _prompt_counts(self, body: SamplingFields, prompts: list[str | list[int]]) -> list[int] | None:
+        """Each prompt's token count when every chunk carries usage (continuous_usage_stats): the
+        control plane reports it only at the end, so a text prompt is counted here with its own
+        tokenizer class."""
+        if not body.continuous_usage():
+            return None
+        if all(isinstance(p, list) for p in prompts):
+            return [len(p) for p in prompts]
+        codec = self._codec("stream_options.continuous_usage_stats")
+        return [len(ids or ()) for ids in await asyncio.to_thread(_encode_all, codec, prompts)]
+
     def _decode_prompt(self, ids: list[int]) -> str:
         return self._codec("echo").decode(ids)
 
@@ -272,37 +334,43 @@ class Gateway:
         if "developer" not in self.config.template.source:
             # OpenAI's newer name for the system role, for templates that know only the older one.
             messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
+        check_renders_tools(self.config.template.source, body)
         plan = body.tool_plan
-        if plan is not None and "tools" not in self.config.template.source:
-            # The template would render the prompt without them: the model would never hear of them.
-            raise invalid("tools", "the model's chat template does not render tools")
         tools = plan.tools if plan is not None else None
-        prompt = self.config.template.render(messages, body.add_generation_prompt, tools)
+        prompt = self.config.template.render(
+            messages, body.add_generation_prompt, tools, body.template_kwargs()
+        )
         try:  # the typed fields are checked already; this catches a surrogate in an extra field
             return utf8_text(prompt)
         except ValueError as exc:
             raise invalid("messages", f"the rendered prompt is {exc}") from None
 
     async def models(self, request: Request) -> Response:
-        """OpenAI's models list: the one model served."""
+        """OpenAI's models list: the model served, once under each of its names (as vLLM lists
+        them)."""
         started = time.monotonic()
         try:
-            card = await self._model_card(request)
+            info = await self._server_info(request)
+            cards = [self._model_card(name, info) for name in self.config.served_names]
         except GatewayError as exc:
             return self._refused("models", exc, started)
         self.metrics.observe("models", 200, time.monotonic() - started)
-        return JSONResponse({"object": "list", "data": [card]})
+        return JSONResponse({"object": "list", "data": cards})
+
+    def _check_model(self, model_id: str | None) -> None:
+        """404 `model_not_found` for a model this gateway does not serve (none named: the served
+        one, as vLLM takes it)."""
+        if model_id and model_id not in self.config.served_names:
+            served = ", ".join(repr(name) for name in self.config.served_names)
+            message = f"model {model_id!r} is not served here (this gateway serves {served})"
+            raise GatewayError(404, message, param="model", code="model_not_found")
 
     async def model(self, request: Request, model_id: str) -> Response:
         """OpenAI's models retrieve: the served model by its id, else 404 `model_not_found`."""
         started = time.monotonic()
         try:
-            if model_id != self.config.model_name:
-                message = (
-                    f"model {model_id!r} is not served here (this gateway serves {self.config.model_name!r})"
-                )
-                raise GatewayError(404, message, param="model", code="model_not_found")
-            card = await self._model_card(request)
+            self._check_model(model_id)
+            card = self._model_card(model_id, await self._server_info(request))
         except GatewayError as exc:
             return self._refused("models", exc, started)
         self.metrics.observe("models", 200, time.monotonic() - started)
@@ -314,10 +382,9 @@ class Gateway:
         except grpc.aio.AioRpcError as exc:
             raise from_grpc(exc) from None
 
-    async def _model_card(self, request: Request) -> dict[str, Any]:
-        info = await self._server_info(request)
+    def _model_card(self, name: str, info: gen_pb.ServerInfo) -> dict[str, Any]:
         return {
-            "id": self.config.model_name,
+            "id": name,
             "object": "model",
             "created": self.created,
             "owned_by": "stepwise",
@@ -418,10 +485,10 @@ class Gateway:
         status, finished = 200, False
         try:
             for opening in fmt.opening(len(run.collected.choices)):
-                yield sse(opening)
+                yield sse(fmt.annotated(opening, run.collected))
             async for event in run.events():
                 for data in fmt.events(event, run.collected):
-                    yield sse(data)
+                    yield sse(fmt.annotated(data, run.collected))
             for closing in fmt.closing(run.collected):
                 yield sse(closing)
             yield SSE_DONE
@@ -539,6 +606,16 @@ def _renamed(error: GatewayError, renames: dict[str, str]) -> GatewayError:
         return error
     message = error.message.replace(f"{error.param}:", f"{name}:", 1)
     return GatewayError(error.status, message, param=name, code=error.code)
+
+
+async def _drain(call: AsyncIterator[gen_pb.GenerateResponse]) -> None:
+    """Read a call to its end; an aborted generation is a GatewayError."""
+    async for response in call:
+        if (
+            response.WhichOneof("event") == "finished"
+            and response.finished.reason == gen_pb.FINISH_REASON_ABORT
+        ):
+            raise GatewayError(503, "aborted")
 
 
 async def _disconnected(request: Request) -> None:

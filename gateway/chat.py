@@ -32,14 +32,20 @@ class ChatTemplate:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        extra: dict[str, Any] | None = None,
     ) -> str:
         """The prompt text; a template's `raise_exception` or error is a 400 naming `messages`.
-        `tools`: OpenAI's tool objects, as transformers passes dicts (unchanged)."""
+        `tools`: OpenAI's tool objects, as transformers passes dicts (unchanged). `extra`: more
+        variables (a request's chat_template_kwargs and documents, as transformers takes them)."""
+        variables = {"documents": None, **(extra or {})}
+        if variables["documents"] and "documents" not in self.source:
+            # The template would render the prompt without them: the model would never see them.
+            raise GatewayError(400, "documents: the chat template does not render documents", "documents")
         try:
             return _compile(self.source).render(
+                **variables,
                 messages=messages,
                 tools=tools,
-                documents=None,
                 add_generation_prompt=add_generation_prompt,
                 **self.special_tokens,
             )
@@ -52,11 +58,15 @@ class ChatTemplate:
             raise GatewayError(400, problem, param="messages") from None
 
 
-def load_template(model_dir: Path) -> ChatTemplate | None:
-    """The model's chat template, or None when it has none (chat completions then answer 400)."""
+def load_template(model_dir: Path, source: str | None = None) -> ChatTemplate | None:
+    """The model's chat template, or None when it has none (chat completions then answer 400).
+    `source`: another template to serve instead (--chat-template), with the model's special tokens."""
     config = _read_json(model_dir / "tokenizer_config.json")
     jinja_file = model_dir / "chat_template.jinja"
-    source = jinja_file.read_text(encoding="utf-8") if jinja_file.is_file() else config.get("chat_template")
+    if source is None:
+        source = (
+            jinja_file.read_text(encoding="utf-8") if jinja_file.is_file() else config.get("chat_template")
+        )
     if isinstance(source, list):  # named templates: transformers uses the one named "default"
         source = next((t["template"] for t in source if t.get("name") == "default"), None)
     if not source:

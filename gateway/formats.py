@@ -127,6 +127,10 @@ class ResponseFormat:
         """Events sent after the last choice finished, before `[DONE]`."""
         return []
 
+    def annotated(self, data: dict[str, Any], collected: Collected) -> dict[str, Any]:
+        """A streamed event as sent (CompletionFormat adds continuous usage)."""
+        return data
+
     def whole(self, collected: Collected) -> Any:
         raise NotImplementedError
 
@@ -168,6 +172,8 @@ class CompletionFormat(ResponseFormat):
         self.include_usage = include_usage
         self.logprobs = logprobs
         self.echo = echo
+        # vLLM's continuous_usage_stats: each prompt's token count, for the usage on every chunk.
+        self.prompt_counts: list[int] | None = None
         # Streaming: per choice, its log probabilities' running text offset; the choices already
         # opened (their echo sent).
         self._streamed: dict[int, CompletionLogprobs] = {}
@@ -208,6 +214,24 @@ class CompletionFormat(ResponseFormat):
         if not self.include_usage:
             return []
         return [{**self._envelope("text_completion", []), "usage": collected.usage()}]
+
+    def annotated(self, data: dict[str, Any], collected: Collected) -> dict[str, Any]:
+        """With continuous usage, a chunk of choice i carries vLLM's per-chunk usage: its prompt's
+        tokens and the tokens choice i has generated so far."""
+        if self.prompt_counts is None or not data["choices"]:
+            return data
+        index = data["choices"][0]["index"]
+        choice = collected.choices[index]
+        # The gateway's count until the control plane's own arrives (with the first Finished).
+        counted = collected.prompt_usage.get(collected.prompt_of(index))
+        prompt = counted[0] if counted is not None else self.prompt_counts[collected.prompt_of(index)]
+        completion = max(len(choice.token_ids), choice.completion_tokens)
+        usage = {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+        }
+        return {**data, "usage": usage}
 
     def whole(self, collected: Collected) -> dict[str, Any]:
         choices = []

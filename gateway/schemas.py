@@ -19,6 +19,7 @@ from pydantic_core import ErrorDetails
 
 from clients.client import generate_request, sampling_params
 from flagtypes import INT32_MAX, INT32_MIN, UINT64_MAX
+from gateway.chat import SPECIAL_TOKENS
 from gateway.errors import GatewayError, invalid
 from gateway.structured import Constraint, ConstraintFields, one_constraint, refuse_with_ignore_eos
 from gateway.text import Text
@@ -27,6 +28,12 @@ from protos.stepwise.v1 import generation_pb2 as gen_pb
 
 M = TypeVar("M", bound=BaseModel)
 Role = Literal["system", "developer", "user", "assistant", "tool"]
+
+# What the gateway itself passes a chat template (gateway/chat.py): chat_template_kwargs cannot.
+TEMPLATE_VARIABLES = frozenset(
+    {"messages", "tools", "documents", "add_generation_prompt", "raise_exception", "strftime_now"}
+    | set(SPECIAL_TOKENS)
+)
 
 # Prompts of one completions request (each its own Generate call).
 MAX_PROMPTS = 256
@@ -45,6 +52,13 @@ NO_OP_VALUES: dict[str, tuple[object, ...]] = {
     "parallel_tool_calls": (True,),
     "modalities": (["text"],),
     "service_tier": ("auto", "default"),
+    # vLLM's, at its defaults: the text never holds special tokens, and so no spaces between them.
+    "skip_special_tokens": (True,),
+    "spaces_between_special_tokens": (True,),
+    # SGLang's, at its defaults: reasoning is split out only with a reasoning parser, which the
+    # gateway does not have (nor does SGLang without --reasoning-parser).
+    "separate_reasoning": (True,),
+    "stream_reasoning": (True,),
 }
 
 
@@ -61,6 +75,8 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     include_usage: bool = False
+    # vLLM's: usage (the tokens so far) on every chunk, besides include_usage's last event.
+    continuous_usage_stats: bool = False
 
 
 class SamplingFields(ConstraintFields):
@@ -96,9 +112,17 @@ class SamplingFields(ConstraintFields):
         refuse_extra_fields(self)
         if self.stream_options is not None:
             refuse_extra_fields(self.stream_options, "stream_options.")
+            options = self.stream_options
+            if options.continuous_usage_stats and not options.include_usage:
+                # vLLM ignores it then; asked for and not given, it is refused instead.
+                raise invalid("stream_options.continuous_usage_stats", "needs include_usage: true")
 
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    def continuous_usage(self) -> bool:
+        """Usage on every streamed chunk (vLLM's `continuous_usage_stats`)."""
+        return self.stream and self.include_usage() and self.stream_options.continuous_usage_stats  # type: ignore[union-attr]
 
     def extra_constraints(self) -> list[Constraint | None]:
         """Constraints other fields ask for (chat: a tool choice that forces a call)."""
@@ -284,6 +308,10 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[Tool] | None = None
     tool_choice: Text | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    # vLLM's and SGLang's: more variables for the chat template (`enable_thinking`, ...).
+    chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: documents for a RAG template (transformers' `documents`), each a dict of strings.
+    documents: list[dict[str, Text]] | None = None
     # Worked out by plan(): what the tools come to.
     _tool_plan: ToolPlan | None = PrivateAttr(default=None)
 
@@ -319,9 +347,21 @@ class ChatCompletionRequest(SamplingFields):
             # Held to the constraint, the model could never write a call: the tools would be dropped.
             raise invalid("tool_choice", f"auto cannot be combined with {constraint.field}")
 
+    def template_kwargs(self) -> dict[str, Any]:
+        """chat_template_kwargs; a 400 for one that would replace what the gateway passes."""
+        kwargs = self.chat_template_kwargs or {}
+        taken = sorted(set(kwargs) & TEMPLATE_VARIABLES)
+        if taken:
+            raise invalid(f"chat_template_kwargs.{taken[0]}", "set by the gateway from the request")
+        return {**kwargs, "documents": self.documents} if self.documents else kwargs
+
     @property
     def tool_plan(self) -> ToolPlan | None:
         return self._tool_plan
+
+    def tool_call_messages(self) -> list[int]:
+        """The indices of the history's messages that hold tool calls."""
+        return [i for i, message in enumerate(self.messages) if message.tool_calls]
 
     def extra_constraints(self) -> list[Constraint | None]:
         return [self._tool_plan.constraint if self._tool_plan is not None else None]

@@ -32,7 +32,8 @@ from gateway.limits import (
     default_max_connections,
     open_files_limit,
 )
-from gateway.tools import PARSERS
+from gateway.templates import NAMED
+from gateway.tools import PARSER_NAMES
 
 # uvicorn's graceful shutdown: seconds in-flight responses get to finish after SIGTERM or SIGINT.
 GRACEFUL_S = 5
@@ -54,18 +55,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--served-model-name",
+        nargs="+",
         default=None,
-        help="the model id clients see (default: a named model's name, a Hub id without its revision, "
-        "else the directory's name)",
+        metavar="NAME",
+        help="the model ids clients may name (a request naming another is a 404 model_not_found); the "
+        "first is the one /v1/models reports first and answers default to (default: a named model's "
+        "name, a Hub id without its revision, else the directory's name; STEPWISE_SERVED_MODEL_NAME "
+        "holds one name)",
     )
-    parser.add_argument(
-        "--tool-call-parser",
-        choices=PARSERS,
-        default=None,
-        help="how chat completions with tool_choice auto read tool calls from the model's text: hermes "
-        '(<tool_call>{...}</tool_call>, Hermes and Qwen) or llama3 (a bare {"name", "parameters"} '
-        "object, Llama 3.1+); default: the format the model's chat template teaches, else hermes",
-    )
+    add_template_arguments(parser)
     add_tls_ca_argument(parser)
     parser.add_argument(
         "--workers",
@@ -83,6 +81,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "the supervisor's pid and the workers' pids)",
     )
     add_limit_arguments(parser)
+
+
+def add_template_arguments(parser: argparse.ArgumentParser) -> None:
+    """--chat-template and --tool-call-parser (the gateway's, and `up`'s to pass on to it)."""
+    parser.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE|NAME",
+        help="the chat template chat completions render with instead of the model's: a Jinja file, or "
+        f"a template shipped with Stepwise ({', '.join(NAMED)}: ChatML with Hermes tool calling); "
+        "default: the model's own, except a named model whose own renders no tools (stepwise models)",
+    )
+    parser.add_argument(
+        "--tool-call-parser",
+        choices=tuple(PARSER_NAMES),
+        default=None,
+        help="how chat completions with tool_choice auto read tool calls from the model's text: hermes "
+        "(<tool_call>{...}</tool_call>, Hermes, Qwen and the shipped templates) or llama3_json "
+        '(llama3-json, llama3: a bare {"name", "parameters"} object, Llama 3.1+); default: the format '
+        "the chat template teaches, else hermes",
+    )
 
 
 def add_limit_arguments(parser: argparse.ArgumentParser) -> None:

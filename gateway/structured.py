@@ -23,6 +23,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.errors import invalid
+from gateway.strict import closed
 from gateway.text import Text
 from protos.stepwise.v1 import generation_pb2 as gen_pb
 
@@ -96,8 +97,8 @@ def refuse_asking_extras(model: BaseModel, prefix: str) -> None:
 
 class JsonSchemaFormat(BaseModel):
     """OpenAI's `response_format.json_schema`. `name` and `description` are labels for the caller's
-    side (they reach no model here); `strict` is accepted either way, since the schema is always
-    enforced token by token, which is what strict asks for."""
+    side (they reach no model here). The schema is always enforced token by token; `strict: true`
+    also closes its objects, as OpenAI's strict mode does (gateway/strict.py)."""
 
     model_config = ConfigDict(extra="allow", populate_by_name=True)
 
@@ -134,7 +135,10 @@ class ResponseFormat(BaseModel):
         field = "response_format.json_schema.schema"
         if self.json_schema.schema_ is None:
             raise invalid(field, "required: the JSON Schema the output must follow")
-        return Constraint(field, "json_schema", schema_text(field, self.json_schema.schema_))
+        schema = self.json_schema.schema_
+        if self.json_schema.strict:
+            schema = closed(schema, field)
+        return Constraint(field, "json_schema", schema_text(field, schema))
 
 
 class StructuredOutputs(BaseModel):

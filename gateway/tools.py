@@ -22,16 +22,31 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.errors import invalid
+from gateway.strict import closed
 from gateway.structured import Constraint, refuse_asking_extras
 from gateway.text import Text
 
 ParserName = Literal["hermes", "llama3"]
 PARSERS: tuple[ParserName, ...] = ("hermes", "llama3")
+# --tool-call-parser's spellings: vLLM's and SGLang's names for the two formats.
+PARSER_NAMES: dict[str, ParserName] = {
+    "hermes": "hermes",
+    "llama3_json": "llama3",
+    "llama3-json": "llama3",
+    "llama3": "llama3",
+}
+
+
+def parser_name(flag: str) -> ParserName:
+    """The format --tool-call-parser names (a KeyError for one argparse's choices let through)."""
+    return PARSER_NAMES[flag]
+
+
 # An empty parameter schema: a tool without `parameters` takes none.
 NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 
@@ -46,7 +61,9 @@ class FunctionDefinition(BaseModel):
     strict: bool | None = None
 
     def parameter_schema(self) -> dict[str, Any]:
-        return self.parameters if self.parameters is not None else NO_PARAMETERS
+        """The arguments' schema; with `strict: true` every object closed (gateway/strict.py)."""
+        schema = self.parameters if self.parameters is not None else NO_PARAMETERS
+        return closed(schema, "parameters") if self.strict else schema
 
 
 class Tool(BaseModel):
@@ -192,6 +209,36 @@ def default_parser(template_source: str) -> ParserName:
     if "<|python_tag|>" in template_source or '"parameters"' in template_source:
         return "llama3"
     return "hermes"
+
+
+class ToolMessages(Protocol):
+    """What check_renders_tools reads of a chat request."""
+
+    @property
+    def tool_plan(self) -> ToolPlan | None: ...
+
+    def tool_call_messages(self) -> list[int]: ...
+
+
+def check_renders_tools(template_source: str, body: ToolMessages) -> None:
+    """A 400 naming the field a template would drop without a word: tools offered under
+    `tool_choice: auto` (the model could not know of them, and no grammar makes it call one), or an
+    assistant's `tool_calls` in the history. `required` and named choices need no template: the
+    grammar holds the output to a call. (A template that never says `tools` / `tool_calls` cannot
+    render them; `--chat-template hermes` can.)"""
+    plan = body.tool_plan
+    if plan is not None and plan.mode == "auto" and "tools" not in template_source:
+        raise invalid(
+            "tools",
+            "the chat template does not render tools, so tool_choice auto could never call one (serve "
+            "with --chat-template hermes, or ask for tool_choice required or a named tool)",
+        )
+    if "tool_calls" not in template_source:
+        for index in body.tool_call_messages():
+            raise invalid(
+                f"messages.{index}.tool_calls",
+                "the chat template does not render tool calls (serve with --chat-template hermes)",
+            )
 
 
 def template_arguments(raw: str, where: str) -> Any:

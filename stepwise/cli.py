@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from control_plane.config import ControlConfig
     from control_plane.core.server import ControlPlane
     from gateway.app import GatewayConfig
+    from gateway.chat import ChatTemplate
 
 DEMO_PROMPT = "Once upon a time"
 # The exit status when stdout's reader went away: a shell's for a process ended by SIGPIPE.
@@ -111,8 +112,11 @@ def cmd_control(argv: Sequence[str]) -> int:
     ns = _control_parser().parse_args(argv)
     logs.configure(ns.log_level)
     model_dir = _resolve_model(ns.model)
+    from stepwise.models import served_name
+
     try:
-        config = control_config_from_args(ns, model_dir)
+        name = ns.served_model_name or served_name(ns.model, model_dir)
+        config = control_config_from_args(ns, model_dir, name)
     except ValueError as exc:
         raise RoutineError(str(exc)) from exc
     with _metrics_dir(config.metrics_port):
@@ -230,9 +234,12 @@ def _up_parser() -> argparse.ArgumentParser:
     parser.add_argument("--gateway-host", default="127.0.0.1", help="the gateway's HTTP bind address")
     parser.add_argument(
         "--gateway-served-model-name",
+        nargs="+",
         default=None,
-        help="the model name the gateway reports and accepts (its --served-model-name; default: the "
-        "model's name, a Hub id without its revision, else the directory's name)",
+        metavar="NAME",
+        help="the model names the gateway accepts, the first the one it reports (its "
+        "--served-model-name; a request naming another is a 404 model_not_found; default: the model's "
+        "name, a Hub id without its revision, else the directory's name)",
     )
     parser.add_argument(
         "--gateway-workers",
@@ -240,6 +247,9 @@ def _up_parser() -> argparse.ArgumentParser:
         default=1,
         help="gateway processes serving --gateway-port (its --workers)",
     )
+    from gateway.server import add_template_arguments
+
+    add_template_arguments(parser)  # the gateway's, passed on to it
     parser.add_argument(
         "--ready-file", type=Path, default=None, help="write the client and gateway addresses here as JSON"
     )
@@ -252,6 +262,7 @@ def _up_parser() -> argparse.ArgumentParser:
 
 
 def cmd_up(argv: Sequence[str]) -> int:
+    from stepwise.models import served_names
     from stepwise.up import Stack, gateway_args, run_up, split_flags
 
     ns, rest = _up_parser().parse_known_args(argv)
@@ -260,6 +271,11 @@ def cmd_up(argv: Sequence[str]) -> int:
         to_control, to_worker = split_flags(rest, control, worker)
     except ValueError as exc:
         raise RoutineError(str(exc)) from exc
+    given = any(arg.split("=", 1)[0] == "--served-model-name" for arg in to_control)
+    if ns.gateway_served_model_name and not given:
+        # GetServerInfo reports the name the gateway reports.
+        names = served_names(ns.gateway_served_model_name)
+        to_control += ["--served-model-name", names[0]]
     # Bad values are the children's to reject, but here they are one line instead of a child's
     # line and then `up`'s own complaint that the child exited.
     control_ns, worker_ns = control.parse_args(to_control), worker.parse_args(to_worker)
@@ -267,12 +283,28 @@ def cmd_up(argv: Sequence[str]) -> int:
     for spec in dict.fromkeys([control_ns.model, worker_ns.model]):
         _resolve_model(spec)
     gateway = None
+    template_flags = _gateway_template_flags(ns)
     if ns.gateway_port is not None:
-        gateway = gateway_args(
-            to_control, ns.gateway_host, ns.gateway_port, ns.gateway_served_model_name, ns.gateway_workers
+        gateway = (
+            gateway_args(
+                to_control, ns.gateway_host, ns.gateway_port, ns.gateway_served_model_name, ns.gateway_workers
+            )
+            + template_flags
         )
     stack = Stack(to_control, to_worker, ns.workers, gateway, control_planes=ns.control_planes)
     return asyncio.run(run_up(stack, ns.ready_file))
+
+
+def _gateway_template_flags(ns: argparse.Namespace) -> list[str]:
+    """`up`'s --chat-template and --tool-call-parser, as the gateway's flags; refused without
+    --gateway-port (there is no gateway to take them)."""
+    flags = [
+        *(["--chat-template", ns.chat_template] if ns.chat_template is not None else []),
+        *(["--tool-call-parser", ns.tool_call_parser] if ns.tool_call_parser is not None else []),
+    ]
+    if flags and ns.gateway_port is None:
+        raise RoutineError(f"{flags[0]}: the gateway's, and it starts only with --gateway-port")
+    return flags
 
 
 def _gateway_parser() -> argparse.ArgumentParser:
@@ -289,19 +321,16 @@ def cmd_gateway(argv: Sequence[str]) -> int:
     _quiet_grpc()
     from gateway import server
     from gateway.app import GatewayConfig
-    from gateway.chat import load_template
+    from gateway.tools import parser_name
 
     ns = _gateway_parser().parse_args(argv)
     logs.configure(ns.log_level)
     model_dir = _resolve_model(ns.model)
-    try:
-        template = load_template(model_dir)
-    except (OSError, ValueError) as exc:
-        raise RoutineError(f"--model: cannot read the chat template of {model_dir}: {exc}") from exc
+    template = _chat_template(ns, model_dir)
     from control_plane.tokenizer import Tokenizer
-    from stepwise.models import served_name
+    from stepwise.models import served_name, served_names
 
-    name = ns.served_model_name or served_name(ns.model, model_dir)
+    names = served_names(ns.served_model_name) or [served_name(ns.model, model_dir)]
     try:
         tokenizer = Tokenizer.from_dir(model_dir)
     except FileNotFoundError:
@@ -312,7 +341,10 @@ def cmd_gateway(argv: Sequence[str]) -> int:
         limits = server.limits_from_args(ns)
     except ValueError as exc:
         raise RoutineError(str(exc)) from exc
-    config = GatewayConfig(ns.control, name, template, ns.tls_ca, limits, tokenizer, ns.tool_call_parser)
+    parser = None if ns.tool_call_parser is None else parser_name(ns.tool_call_parser)
+    config = GatewayConfig(
+        ns.control, names[0], template, ns.tls_ca, limits, tokenizer, parser, tuple(names[1:])
+    )
     if ns.workers > 1:
         return _gateway_workers(config, ns)
     try:
@@ -320,6 +352,22 @@ def cmd_gateway(argv: Sequence[str]) -> int:
     except OSError as exc:
         raise RoutineError(str(exc)) from exc
     return asyncio.run(server.serve(config, sock, ns.log_level, ns.ready_file))
+
+
+def _chat_template(ns: argparse.Namespace, model_dir: Path) -> ChatTemplate | None:
+    """--chat-template's template, else the model's (stepwise.models.chat_template); one line for a
+    template that cannot be read."""
+    from stepwise.models import chat_template
+
+    try:
+        return chat_template(ns.model, model_dir, ns.chat_template)
+    except ValueError as exc:
+        if ns.chat_template is not None:
+            raise RoutineError(f"--chat-template: {exc}") from exc
+        raise RoutineError(f"--model: cannot read the chat template of {model_dir}: {exc}") from exc
+    except OSError as exc:
+        flag = "--chat-template" if ns.chat_template is not None else "--model"
+        raise RoutineError(f"{flag}: cannot read the chat template: {exc}") from exc
 
 
 def _gateway_workers(config: GatewayConfig, ns: argparse.Namespace) -> int:
@@ -506,6 +554,11 @@ def cmd_models(argv: Sequence[str]) -> int:
     for named in MODELS.values():
         print(f"{named.name:<{width}}  {named.summary}")
         print(f"{'':<{width}}  {named.status()}")
+        if named.tools_template is not None:
+            print(
+                f"{'':<{width}}  chat template: {named.tools_template} (its own renders no tools; "
+                "--chat-template overrides it)"
+            )
     print("any other --model value is a checkpoint directory (config.json, safetensors, tokenizer)")
     return 0
 

@@ -12,6 +12,8 @@ import pathlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from gateway.chat import ChatTemplate, load_template
+from gateway.templates import template_source
 from stepwise import embedded, smollm2
 
 
@@ -29,6 +31,9 @@ class NamedModel:
     status: Callable[[], str]
     # Whether a bare prompt should go through the model's chat template (`stepwise demo`).
     chat: bool
+    # A shipped chat template (gateway/templates.py) served instead of the model's own, which
+    # cannot render tools; --chat-template overrides it.
+    tools_template: str | None = None
 
 
 def _embedded_status() -> str:
@@ -51,6 +56,7 @@ MODELS: dict[str, NamedModel] = {
         smollm2.resolve,
         smollm2.status,
         chat=True,
+        tools_template="smollm2-tools",
     ),
 }
 
@@ -99,6 +105,13 @@ def _hub_snapshot(spec: str) -> pathlib.Path:
         ) from exc
 
 
+def served_names(flag: str | list[str] | None) -> list[str]:
+    """--served-model-name's names: a list from the command line, one name from its variable."""
+    if not flag:
+        return []
+    return [flag] if isinstance(flag, str) else list(flag)
+
+
 def served_name(spec: str, model_dir: pathlib.Path) -> str:
     """The name clients see for `--model spec`: the name itself for a named model, the Hub id
     (without its revision) for a model from the Hugging Face cache or a snapshot directory in it,
@@ -116,3 +129,14 @@ def served_name(spec: str, model_dir: pathlib.Path) -> str:
 def wants_chat(spec: str) -> bool:
     named = MODELS.get(spec)
     return named.chat if named is not None else False
+
+
+def chat_template(spec: str, model_dir: pathlib.Path, choice: str | None = None) -> ChatTemplate | None:
+    """The chat template to serve `--model spec` with: `--chat-template` (a shipped name or a file),
+    else a named model's tools template, else the model directory's own (None when it has none).
+    ValueError for a choice that is neither; OSError for a file that cannot be read."""
+    if choice is None:
+        named = MODELS.get(spec)
+        choice = named.tools_template if named is not None else None
+    source = template_source(choice) if choice is not None else None
+    return load_template(model_dir, source)

@@ -181,6 +181,7 @@ class Stack:
         gateway_args: list[str] | None = None,
         control_planes: int = 1,
         each_worker_args: Sequence[Sequence[str]] = (),
+        log_path: Path | None = None,
     ) -> None:
         self.control_args = control_args
         self.worker_args = worker_args
@@ -196,6 +197,10 @@ class Stack:
         self.addresses: list[str] = []
         self.gateway_address = ""
         self._tmp = tempfile.TemporaryDirectory(prefix="stepwise-up-")
+        # Where the children's output goes, when not to the terminal (`stepwise chat`): then they
+        # also run in a session of their own, so the terminal's Ctrl-C, meant for the conversation,
+        # does not reach them.
+        self.log_path = log_path
 
     @property
     def procs(self) -> list[subprocess.Popen[bytes]]:
@@ -207,10 +212,15 @@ class Stack:
         self.children.append(child)
         return child
 
-    @staticmethod
-    def _popen(args: list[str]) -> subprocess.Popen[bytes]:
+    def _popen(self, args: list[str]) -> subprocess.Popen[bytes]:
         env = {**os.environ, PARENT_ENV: str(os.getpid())}
-        return subprocess.Popen([sys.executable, "-m", "stepwise.cli", *args], env=env)
+        command = [sys.executable, "-m", "stepwise.cli", *args]
+        if self.log_path is None:
+            return subprocess.Popen(command, env=env)
+        with self.log_path.open("ab") as log:
+            return subprocess.Popen(
+                command, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True
+            )
 
     async def start(self, timeout: float = 120.0) -> str:
         deadline = time.monotonic() + timeout
@@ -337,12 +347,13 @@ class Stack:
         self._tmp.cleanup()
 
 
-def local_stack(model_dir: Path) -> Stack:
+def local_stack(model_dir: Path, log_path: Path | None = None) -> Stack:
     """A control plane and one worker on `model_dir`, on 127.0.0.1 and ephemeral ports, logging
-    warnings only: what `stepwise demo` and `stepwise chat` start for themselves."""
+    warnings only (to `log_path` when given): what `stepwise demo` and `stepwise chat` start for
+    themselves."""
     model = ["--model", str(model_dir)]
     control = ["--host", "127.0.0.1", "--port", "0", "--worker-port", "0", "--log-level", "warning"]
-    return Stack([*control, *model], ["--log-level", "warning", *model], workers=1)
+    return Stack([*control, *model], ["--log-level", "warning", *model], workers=1, log_path=log_path)
 
 
 async def _read_ready(child: Child, ready: Path, deadline: float, what: str) -> dict[str, int]:
@@ -390,7 +401,7 @@ def gateway_args(
     control_args: Sequence[str],
     host: str,
     port: int,
-    served_model_name: str | None = None,
+    served_model_name: str | Sequence[str] | None = None,
     workers: int = 1,
 ) -> list[str]:
     """`stepwise gateway` flags for `up --gateway-port`: the control plane's model and log level,
@@ -400,8 +411,9 @@ def gateway_args(
         value = _flag_value(control_args, flag)
         if value is not None:
             args += [flag, value]
-    if served_model_name is not None:
-        args += ["--served-model-name", served_model_name]
+    if served_model_name:
+        names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
+        args += ["--served-model-name", *names]
     # Always given: the gateway would otherwise read STEPWISE_WORKERS, which is `up --workers`' too.
     return [*args, "--workers", str(workers)]
 

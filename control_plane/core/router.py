@@ -126,6 +126,7 @@ class Router:
         limits = [e.limits for e in self.engines.values()]
         return gen_pb.ServerInfo(
             model=self.model_name,
+            model_path=str(config.model_dir),
             model_fingerprint=self.model_fingerprint,
             max_context=min((lim.max_context for lim in limits), default=0),
             vocab_size=tokenizer.vocab_size,

@@ -204,7 +204,9 @@ class ControlPlane:
         self.tokenizer = Tokenizer.from_dir(config.model_dir)
         self.health = health.aio.HealthServicer()  # type: ignore[attr-defined]
         self.router = Router(
-            model_name=str(config.model_dir), on_change=self._on_workers_changed, routing=config.routing
+            model_name=config.model_name or config.model_dir.name,
+            on_change=self._on_workers_changed,
+            routing=config.routing,
         )
         self.worker_server = grpc.aio.server(options=WORKER_SERVER_OPTIONS)
         self._dir = tempfile.mkdtemp(prefix="stepwise-core-")

@@ -9,7 +9,6 @@ import hashlib
 import hmac
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from pathlib import Path
 
 import grpc
 
@@ -244,7 +243,7 @@ class GenerationService(gen_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, CORE_GONE)
         if not caller.authenticated:
             # No filesystem paths, weight fingerprints or workers' addresses to callers we do not know.
-            info.model = Path(info.model).name
+            info.model_path = ""
             info.model_fingerprint = ""
             for worker in info.workers:
                 worker.transfer_address = ""

@@ -4,14 +4,17 @@ every prompt chat sends. (tests/e2e/test_chat_cli.py runs the real command on a 
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
+import os
 import shutil
 from pathlib import Path
 
 from clients.client import StepwiseClient, sampling_params
 from gateway.chat import load_template
-from stepwise.chat import Conversation, converse
+from protos.stepwise.v1 import generation_pb2 as gen_pb
+from stepwise.chat import Conversation, Interrupts, converse
 from stepwise.models import resolve_model
 from tests.cli.fake_server import CANNED_TEXT, serve_fake
 from tests.cli.runner import run_cli
@@ -95,3 +98,70 @@ def test_every_sampling_flag_reaches_the_request() -> None:
     sampling = sampling_from_args(parser.parse_args(flags))
     assert list(sampling.stop) == ["END"] and sampling.ignore_eos
     assert (sampling.temperature, sampling.top_k, sampling.seed, sampling.max_new_tokens) == (0.5, 3, 9, 256)
+
+
+class _SlowCall:
+    """A Generate call that sends one chunk, then nothing until it is cancelled (or finishes at once
+    with `reason`)."""
+
+    def __init__(self, reason: int | None) -> None:
+        self.reason, self.cancelled = reason, False
+
+    async def __aiter__(self):  # type: ignore[no-untyped-def]
+        chunk = gen_pb.TokenChunk(token_ids=[5], text="Once upon")
+        yield gen_pb.GenerateResponse(request_id="r", chunk=chunk)
+        if self.reason is None:
+            await asyncio.Event().wait()
+        usage = gen_pb.Usage(prompt_tokens=3, completion_tokens=1)
+        finished = gen_pb.Finished(reason=self.reason, message="max_new_tokens", usage=usage)
+        yield gen_pb.GenerateResponse(request_id="r", finished=finished)
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class _SlowClient:
+    def __init__(self, *reasons: int | None) -> None:
+        self.calls = [_SlowCall(reason) for reason in reasons]
+        self.started = 0
+
+    def stream(self, request: gen_pb.GenerateRequest) -> _SlowCall:
+        self.started += 1
+        return self.calls[self.started - 1]
+
+
+async def test_ctrl_c_during_a_reply_cancels_its_call_and_the_prompt_returns() -> None:
+    client = _SlowClient(None, gen_pb.FINISH_REASON_LENGTH)
+    out, interrupts = io.StringIO(), Interrupts()
+    talk = asyncio.ensure_future(
+        converse(
+            client, _conversation(), sampling_params(), io.StringIO("Tell\nAgain\n/exit\n"), out, interrupts
+        )  # type: ignore[arg-type]
+    )
+    while "Once upon" not in out.getvalue():
+        await asyncio.sleep(0.01)
+    interrupts.interrupt()  # what SIGINT does
+    turns = await asyncio.wait_for(talk, 10)
+    assert client.calls[0].cancelled  # the control plane aborts a cancelled call's request
+    assert "assistant> Once upon\n[stopped; this turn is not kept]\nyou> " in out.getvalue()
+    # The next reply, cut by the limit, ends with a marker and is kept.
+    assert "Once upon\n[cut at the token limit (max_new_tokens)" in out.getvalue() and turns == 1
+
+
+async def test_two_ctrl_c_at_the_prompt_leave() -> None:
+    read, write = os.pipe()  # a prompt that waits: nothing is typed
+    out, interrupts = io.StringIO(), Interrupts()
+    try:
+        with os.fdopen(read, closefd=False) as stdin:
+            talk = asyncio.ensure_future(
+                converse(_SlowClient(), _conversation(), sampling_params(), stdin, out, interrupts)
+            )  # type: ignore[arg-type]
+            for prompts in (1, 2):
+                while out.getvalue().count("you> ") < prompts:
+                    await asyncio.sleep(0.01)
+                interrupts.interrupt()
+            assert await asyncio.wait_for(talk, 10) == 0
+    finally:
+        os.close(read)
+        os.close(write)
+    assert out.getvalue().count("Ctrl-C again leaves") == 1

@@ -187,6 +187,22 @@ def test_up_gives_the_gateway_its_process_count_whatever_stepwise_workers_says(
     monkeypatch.setenv("STEPWISE_WORKERS", "5")
     args = gateway_args(["--model", "embedded", "--log-level", "warning"], "127.0.0.1", 0, "team/m", 2)
     ns = _gateway_parser().parse_args(args)
-    assert (ns.workers, ns.served_model_name, ns.model, ns.log_level) == (2, "team/m", "embedded", "warning")
+    assert (ns.workers, ns.served_model_name, ns.model, ns.log_level) == (
+        2,
+        ["team/m"],
+        "embedded",
+        "warning",
+    )
     assert _gateway_parser().parse_args(gateway_args([], "127.0.0.1", 0)).workers == 1
     assert _up_parser().parse_args(["--gateway-workers", "3"]).gateway_workers == 3
+
+
+def test_up_passes_its_chat_template_and_tool_call_parser_to_the_gateway() -> None:
+    from stepwise.cli import _gateway_parser, _gateway_template_flags
+    from stepwise.up import gateway_args
+
+    ns, _ = _up_parser().parse_known_args(
+        ["--gateway-port", "0", "--chat-template", "hermes", "--tool-call-parser", "llama3_json"]
+    )
+    gateway = _gateway_parser().parse_args(gateway_args([], "127.0.0.1", 0) + _gateway_template_flags(ns))
+    assert (gateway.chat_template, gateway.tool_call_parser) == ("hermes", "llama3_json")

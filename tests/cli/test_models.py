@@ -21,6 +21,18 @@ def test_models_lists_each_named_model_with_what_it_needs(tmp_path: Path) -> Non
     lines = result.stdout.splitlines()
     assert lines[0].startswith("embedded ") and lines[2].startswith("smollm2 ")
     assert str(tmp_path / "stepwise" / smollm2.DIR_NAME) in lines[3]  # not converted in this cache yet
+    # SmolLM2's own template renders no tools: the one served instead is named.
+    assert "chat template: smollm2-tools" in lines[4]
+
+
+def test_a_chat_template_that_cannot_be_had_is_one_line(tmp_path: Path) -> None:
+    for command in (["gateway"], ["chat"]):
+        result = run_cli([*command, "--chat-template", str(tmp_path / "missing.jinja")])
+        assert_one_line(result.returncode, result.stderr, "--chat-template: ")
+        assert "neither a file nor a shipped template (hermes, smollm2-tools)" in result.stderr
+    # up starts the gateway only with --gateway-port: a template for none is refused, not ignored.
+    refused = run_cli(["up", "--chat-template", "hermes"])
+    assert_one_line(refused.returncode, refused.stderr, "--chat-template: ", "--gateway-port")
 
 
 def test_without_the_converter_packages_the_error_says_how_to_install_them(

@@ -661,3 +661,18 @@ def test_a_head_or_body_trickled_in_is_cut_off_at_its_deadline(up: Up, tmp_path:
         # A request that takes its time to be served is not cut off: the deadlines are for reading it.
         slow = {"prompt": PROMPT, "max_tokens": 500, "ignore_eos": True}
         assert httpx.post(f"{gateway.url}/v1/completions", json=slow, timeout=60).status_code == 200
+
+
+@pytest.mark.timeout(120)
+def test_sglang_runtime_endpoint_requests_on_the_real_stack(up: Up) -> None:
+    """sgl.RuntimeEndpoint's requests (tests/gateway/test_sglang_runtime.py has their exact shapes)
+    on the embedded model: it connects, a gen program runs, Runtime's readiness probe passes."""
+    from tests.gateway.test_sglang_runtime import gen_body
+
+    base = up.base_url.removesuffix("/v1")
+    with httpx.Client(base_url=base, timeout=30) as http:
+        assert http.get("/get_model_info").json()["model_path"] == "embedded"
+        assert http.get("/health_generate").status_code == 200
+        answer = http.post("/generate", json=gen_body(PROMPT, 4)).json()
+        assert answer["meta_info"]["completion_tokens"] <= 4 and answer["meta_info"]["prompt_tokens"] > 0
+        assert http.get("/get_server_info").json()["context_length"] > 0

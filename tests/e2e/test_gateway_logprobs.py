@@ -138,20 +138,33 @@ def test_a_model_from_the_hub_cache_is_served_under_its_id(
         assert client.models.retrieve("acme/tiny").id == "acme/tiny"
         reply = client.completions.create(model="acme/tiny", prompt=PROMPT, max_tokens=2)
         assert reply.model == "acme/tiny"
+        # gRPC says the same name, not the snapshot's commit (the path is for callers with a key).
+        info = asyncio.run(_server_info(stack.address))
+        assert (info.model, info.model_path) == ("acme/tiny", "")
     finally:
         if proc is not None:
             stop_processes([proc])
 
 
+async def _server_info(address: str) -> gen_pb.ServerInfo:
+    async with StepwiseClient(address) as client:
+        return await client.server_info()
+
+
 def test_up_passes_the_served_model_name_to_its_gateway(tmp_path: Path) -> None:
     proc = None
     try:
-        proc, stack = start_up(tmp_path, "--gateway-served-model-name", "team/story-model")
+        proc, stack = start_up(tmp_path, "--gateway-served-model-name", "team/story-model", "story")
         client = stack.openai()
-        assert [m.id for m in client.models.list().data] == ["team/story-model"]
-        assert client.completions.create(model="team/story-model", prompt=PROMPT, max_tokens=1).model == (
-            "team/story-model"
-        )
+        assert [m.id for m in client.models.list().data] == ["team/story-model", "story"]
+        for name in ("team/story-model", "story"):
+            assert client.completions.create(model=name, prompt=PROMPT, max_tokens=1).model == name
+        # A model the gateway does not serve: vLLM's 404, never another model's answer.
+        with pytest.raises(openai.NotFoundError) as caught:
+            client.completions.create(model="gpt-4o", prompt=PROMPT, max_tokens=1)
+        assert caught.value.code == "model_not_found"
+        # The control plane reports the name the gateway reports.
+        assert asyncio.run(_server_info(stack.address)).model == "team/story-model"
     finally:
         if proc is not None:
             stop_processes([proc])

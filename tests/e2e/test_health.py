@@ -69,7 +69,13 @@ async def test_health_follows_workers_and_reflection_lists_services(tmp_path: Pa
         worker = _spawn("worker", "--control", f"127.0.0.1:{ports['worker_port']}", "--log-level", "warning")
         await _wait_status(address, health_pb2.HealthCheckResponse.SERVING)
         for version in ("v1alpha", "v1"):
-            assert "stepwise.v1.Generation" in await _reflected_services(address, version)
+            services = await _reflected_services(address, version)
+            # Every name that answers, reflection's own two included, and each one described.
+            assert {"stepwise.v1.Generation", "grpc.reflection.v1.ServerReflection"} <= services
+            assert "grpc.reflection.v1alpha.ServerReflection" in services
+            for name in services:
+                described = await _reflect(address, version, file_containing_symbol=name)
+                assert described.file_descriptor_response.file_descriptor_proto, name
             described = await _reflect(address, version, file_containing_symbol="stepwise.v1.Generation")
             assert described.file_descriptor_response.file_descriptor_proto, described
             worker_port = f"127.0.0.1:{ports['worker_port']}"

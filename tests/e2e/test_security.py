@@ -103,7 +103,8 @@ async def test_clients_need_the_key_and_tls(start_control, pki) -> None:
     async with StepwiseClient(plane.address, api_key=KEY, tls_ca=ca) as client:
         info = await client.server_info()
     # A caller with a key may see where the model lives and which weights it is.
-    assert info.model.startswith("/") and info.model_fingerprint
+    assert info.model_path.startswith("/") and info.model_fingerprint
+    assert info.model == "embedded"  # the served name, as the gateway reports it
 
 
 async def test_a_client_can_abort_only_its_own_requests(start_control) -> None:
@@ -174,7 +175,7 @@ async def test_server_info_tells_strangers_no_paths_fingerprints_or_worker_addre
     await plane.wait_workers(1)
     async with StepwiseClient(plane.address) as client:
         info = await client.server_info()
-    assert "/" not in info.model and info.model
+    assert info.model == "embedded" and info.model_path == ""
     assert info.model_fingerprint == ""
     assert [w.transfer_address for w in info.workers] == [""]
 

@@ -532,6 +532,31 @@ async def test_a_template_that_renders_no_tools_refuses_them(plane: FakeControlP
         assert reply.status_code == 400 and reply.json()["error"]["param"] == "tools"
         # tool_choice none offers nothing, so asks nothing of the template.
         assert (await http.post("/v1/chat/completions", json=chat(tool_choice="none"))).status_code == 200
+        # required and named need no template: the grammar holds the output to a call.
+        named = {"type": "function", "function": {"name": "get_weather"}}
+        for choice in ("required", named):
+            answered = await http.post("/v1/chat/completions", json=chat(tool_choice=choice))
+            assert answered.status_code == 200, answered.text
+            assert answered.json()["choices"][0]["finish_reason"] in ("tool_calls", "length")
+
+
+async def test_tool_calls_in_the_history_are_rendered_or_refused_by_name(plane: FakeControlPlane) -> None:
+    """A template that never mentions tool_calls would render the assistant's call as an empty turn:
+    a 400 naming the message, never a silently dropped call."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+    history = [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ]
+    plain = ChatTemplate("{% for m in messages %}{{ m.content }}{% endfor %}")
+    async with http_client(app(plane, plain)) as http:
+        reply = await http.post("/v1/chat/completions", json={"messages": history})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "messages.1.tool_calls"
+    assert not plane.requests
+    async with http_client(app(plane, EMBEDDED)) as http:
+        assert (await http.post("/v1/chat/completions", json={"messages": history})).status_code == 200
+    assert '"name": "get_weather"' in plane.requests[-1].text
 
 
 @pytest.mark.parametrize(

@@ -268,7 +268,7 @@ class WorkerInfo(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., kv_capacity_tokens: _Optional[int] = ..., page_size: _Optional[int] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ..., kv_used_tokens: _Optional[int] = ..., book_live_seqs: _Optional[int] = ..., book_seq_slots: _Optional[int] = ..., reported_live_seqs: _Optional[int] = ..., reported_seq_slots: _Optional[int] = ..., kv_mismatches: _Optional[int] = ..., steps: _Optional[int] = ..., retractions: _Optional[int] = ..., wait_p50_s: _Optional[float] = ..., wait_p99_s: _Optional[float] = ..., wait_total_s: _Optional[float] = ..., step_total_s: _Optional[float] = ..., leaving: _Optional[bool] = ..., prompt_tokens_total: _Optional[int] = ..., cached_tokens_total: _Optional[int] = ..., transfer_address: _Optional[str] = ..., migrated_out: _Optional[int] = ..., migrated_in: _Optional[int] = ..., migration_fallbacks: _Optional[int] = ..., role: _Optional[str] = ...) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("model", "model_fingerprint", "max_context", "vocab_size", "workers", "kv_capacity_tokens", "queued", "running", "version")
+    __slots__ = ("model", "model_fingerprint", "max_context", "vocab_size", "workers", "kv_capacity_tokens", "queued", "running", "version", "model_path")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
@@ -278,6 +278,7 @@ class ServerInfo(_message.Message):
     QUEUED_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     model: str
     model_fingerprint: str
     max_context: int
@@ -287,4 +288,5 @@ class ServerInfo(_message.Message):
     queued: int
     running: int
     version: str
-    def __init__(self, model: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., max_context: _Optional[int] = ..., vocab_size: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., kv_capacity_tokens: _Optional[int] = ..., queued: _Optional[int] = ..., running: _Optional[int] = ..., version: _Optional[str] = ...) -> None: ...
+    model_path: str
+    def __init__(self, model: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., max_context: _Optional[int] = ..., vocab_size: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., kv_capacity_tokens: _Optional[int] = ..., queued: _Optional[int] = ..., running: _Optional[int] = ..., version: _Optional[str] = ..., model_path: _Optional[str] = ...) -> None: ...
