@@ -130,6 +130,10 @@ class Request:
     cache_protected_len: int = 0
     extend_range: tuple[int, int] = (0, 0)
     num_matched_prefix_tokens: int = 0
+    # SGLang's len(full_untruncated_fill_ids): prompt plus outputs as they were when the request was
+    # last matched for admission or last decoded in a mixed step; 0 before its first match, and not
+    # reset by a retraction or preemption (docs/scheduler.md#priority-preemption reckons from it).
+    matched_fill_len: int = 0
     inflight_middle_chunks: int = 0
     wait_queue_entry_time: int = 0
     is_retracted: bool = False

@@ -126,6 +126,7 @@ class KvManager:
         the last token: the prefill must produce logits (docs/scheduler.md#prefill-adder-budgets,
         #invariants), nor a prompt position still to be scored. A request whose KV comes back from
         the host pool matches nothing and locks nothing."""
+        req.matched_fill_len = req.seqlen
         if req.host_backup_len:
             req.prefix_indices, req.last_node, req.cache_protected_len = np.zeros(0, dtype=np.int64), None, 0
             return
