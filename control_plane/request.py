@@ -140,6 +140,10 @@ class Request:
     retracted_stain: bool = False
     retraction_count: int = 0
     finished_reason: FinishReason | None = None
+    # SGLang's to_finish: an abort of a request that holds its KV past its prefill's planning only marks
+    # it; it ends at its next result, its KV cached, with this reason (docs/scheduler.md#aborts). Its
+    # finish was published when it was marked.
+    to_finish: FinishReason | None = None
     # Usage: prompt tokens served from the prefix cache at first admission.
     cached_tokens: int = 0
     # Effective priority: the client's, or the least important value when priority scheduling is
