@@ -155,3 +155,19 @@ def test_a_retracted_newcomer_counts_the_fill_of_its_last_admission() -> None:
     assert req.matched_fill_len == 20 and req.seqlen == 26
     _step(sched, worker)  # re-admitted: matched again, prompt plus its six outputs
     assert req.matched_fill_len == 26
+
+
+def test_a_mixed_step_refreshes_the_fill_of_the_requests_it_decodes() -> None:
+    """SGLang's mix_with_running refreshes each running request's fill: a later retraction or preemption
+    then reckons from the sequence as it was at that mixed step."""
+    sched = make_scheduler(capacity=2000, enable_mixed_chunk=True, chunked_prefill_size=64)
+    worker = FakeWorker(2000, eos=EOS)
+    sched.add_request("a", prompt(20, 1), params(100, ignore_eos=True))
+    for _ in range(4):
+        _step(sched, worker)
+    a = sched.requests["a"]
+    assert a.matched_fill_len == 20 and a.seqlen == 24
+    sched.add_request("b", prompt(30, 2), params(10, ignore_eos=True))
+    plan = _step(sched, worker)
+    assert plan.kind is StepKind.MIXED
+    assert a.matched_fill_len == 24 and a.seqlen == 25
