@@ -130,12 +130,20 @@ class Request:
     cache_protected_len: int = 0
     extend_range: tuple[int, int] = (0, 0)
     num_matched_prefix_tokens: int = 0
+    # SGLang's len(full_untruncated_fill_ids): prompt plus outputs as they were when the request was
+    # last matched for admission or last decoded in a mixed step; 0 before its first match, and not
+    # reset by a retraction or preemption (docs/scheduler.md#priority-preemption reckons from it).
+    matched_fill_len: int = 0
     inflight_middle_chunks: int = 0
     wait_queue_entry_time: int = 0
     is_retracted: bool = False
     retracted_stain: bool = False
     retraction_count: int = 0
     finished_reason: FinishReason | None = None
+    # SGLang's to_finish: an abort of a request that holds its KV past its prefill's planning only marks
+    # it; it ends at its next result, its KV cached, with this reason (docs/scheduler.md#aborts). Its
+    # finish was published when it was marked.
+    to_finish: FinishReason | None = None
     # Usage: prompt tokens served from the prefix cache at first admission.
     cached_tokens: int = 0
     # Effective priority: the client's, or the least important value when priority scheduling is

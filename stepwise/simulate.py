@@ -11,7 +11,9 @@ runs on the same input print the same bytes.
 Trace lines are JSON objects: `rid`, `arrival` (seconds, lines sorted by it), a prompt as
 `prompt_ids` or `prompt_len` (+ `prefix_group`, `prefix_len`: a group's requests share their first
 prefix_len tokens), `max_new_tokens`, and optionally `output_len` (tokens before EOS; default:
-never EOS), `priority`, `routing_key`, `ignore_eos`.
+never EOS), `priority`, `routing_key`, `ignore_eos`, `abort_at` (seconds, at or after `arrival`: the
+request is aborted at the first turn whose clock has reached it, after that turn's arrivals, where the
+engine applies an abort from its inbox).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import argparse
 import contextlib
 import hashlib
 import json
+import math
 import sys
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
@@ -38,7 +41,7 @@ from control_plane.record.recorder import (
     recording_header,
 )
 from control_plane.record.timeline import StepLine, TimelineSink
-from control_plane.request import RequestParams
+from control_plane.request import AbortCode, FinishReason, RequestParams
 from control_plane.scheduler.scheduler import QueueFull, RequestRejected, Scheduler
 from data_plane.sim import TOKEN_FLOOR, CostModel, SimExecutor
 from flagtypes import INT32_MAX, SEED, Int
@@ -52,6 +55,8 @@ DEFAULT_KV_TOKENS = 1 << 18
 DEFAULT_COST = "0.005,0.00005,0.0000005"
 # Plans in flight with overlap scheduling (SGLang's: the one running and the one being planned).
 OVERLAP_DEPTH = 2
+# Why a trace line's `abort_at` ended its request (a client's cancel).
+TRACE_ABORT = FinishReason.abort("aborted by the trace (abort_at)", AbortCode.CANCELLED)
 
 
 class TraceError(ValueError):
@@ -68,6 +73,8 @@ class TraceRequest:
     arrival: float
     input_ids: tuple[int, ...]
     params: RequestParams
+    # When the client cancels it, on the simulated clock (None: never).
+    abort_at: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,7 +118,19 @@ def parse_request(obj: dict[str, object], vocab_size: int) -> TraceRequest:
         sim_output_len=int(obj.get("output_len", NEVER_EOS)),  # type: ignore[call-overload]
     )
     arrival = float(obj.get("arrival", 0.0))  # type: ignore[arg-type]
-    return TraceRequest(rid, arrival, prompt_ids(rid, obj, vocab_size), params)
+    return TraceRequest(rid, arrival, prompt_ids(rid, obj, vocab_size), params, abort_time(obj, arrival))
+
+
+def abort_time(obj: dict[str, object], arrival: float) -> float | None:
+    """The optional `abort_at`: a finite number of seconds, not before the request's arrival."""
+    value = obj.get("abort_at")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"abort_at: want seconds on the simulated clock (a number), got {value!r}")
+    if value < arrival:
+        raise ValueError(f"abort_at: {value} is before the request's arrival ({arrival})")
+    return float(value)
 
 
 def prompt_ids(rid: str, obj: dict[str, object], vocab_size: int) -> tuple[int, ...]:
@@ -158,6 +177,10 @@ class Simulation:
         eos = min(limits.eos_token_ids)
         self.executor = SimExecutor(limits.kv_capacity_tokens, limits.vocab_size, eos, setup.cost, setup.seed)
         self.pending = deque(trace)
+        # (abort_at, line order, rid), soonest first.
+        self.aborts = deque(
+            sorted((r.abort_at, i, r.rid) for i, r in enumerate(trace) if r.abort_at is not None)
+        )
         self.progress: dict[str, _Progress] = {}
         # uid -> progress (the uid is the arrival's index + 1).
         self.by_uid: dict[int, _Progress] = {}
@@ -175,6 +198,7 @@ class Simulation:
         """Plan, let the worker run it, and apply the oldest result once `depth` plans are in flight
         (or nothing new was planned). The worker never waits: the clock is the sum of step times."""
         self._arrive()
+        self._abort_due()
         plan = self.scheduler.next_plan()
         self._collect()
         if plan is not None:
@@ -216,6 +240,14 @@ class Simulation:
                 self.scheduler.add_request(req.rid, req.input_ids, req.params, uid)
             except (QueueFull, RequestRejected, ValueError) as exc:
                 progress.finished, progress.reason = self.clock, f"refused: {type(exc).__name__}"
+
+    def _abort_due(self) -> None:
+        """The aborts whose time the clock has reached, after this turn's arrivals (so each finds its
+        request arrived): as the engine applies the aborts in its inbox before it plans. One whose request
+        has ended, or was refused at arrival, finds nothing."""
+        while self.aborts and self.aborts[0][0] <= self.clock:
+            _, _, rid = self.aborts.popleft()
+            self.scheduler.abort(rid, TRACE_ABORT)
 
     def _collect(self) -> None:
         updates = self.scheduler.take_updates()

@@ -8,8 +8,9 @@ scheduler calls that the recorder writes down (replay stays exact):
   overwrites `wait_queue_entry_time` on every re-queue, retraction and preemption included) and
   applies to every waiting request; it aborts with "Request waiting timeout reached." (503);
 - the running timeout applies to the running batch, counted from the request's first forward
-  (SGLang's forward_entry_time): a deferred finish with "Request running timeout reached.", so its
-  KV is cached like any finished request's.
+  (SGLang's forward_entry_time): an abort with "Request running timeout reached." (503) that, as every
+  abort of a running request, ends it at its next decode with its KV cached (SGLang sets to_finish,
+  docs/scheduler.md#aborts).
 """
 
 from __future__ import annotations
@@ -74,4 +75,4 @@ class Timeouts:
         for req in list(sched.running.reqs):
             started = self._first_forward(req.rid)
             if not req.finished and started is not None and now - started > self.running_s:
-                sched.finish(req.rid, FinishReason.abort(RUNNING_TIMEOUT))
+                sched.abort(req.rid, FinishReason.abort(RUNNING_TIMEOUT))

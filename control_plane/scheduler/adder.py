@@ -301,7 +301,10 @@ class PrefillAdder:
         are skipped (docs/scheduler.md#priority-preemption). Mutates the reserved budget and `preempt_list`.
         """
         sign = priority_sign(self.limits.low_priority_values_first)
-        need = (req.seqlen - len(req.prefix_indices)) + self._clip(req.max_new_tokens) - self.rem_total_tokens
+        # SGLang's fill, not the request's current length: it is refreshed only by a match, which comes
+        # after the preemption (docs/scheduler.md#priority-preemption).
+        fill = req.matched_fill_len
+        need = (fill - len(req.prefix_indices)) + self._clip(req.max_new_tokens) - self.rem_total_tokens
         chosen: list[Request] = []
         already = {id(r) for r in self.preempt_list}
         for cand in (c for c in candidates if id(c) not in already):

@@ -211,7 +211,13 @@ class Admission:
         """
         running = self.running
         running.filter_finished()
-        if not len(running) or not self.kv.check_decode_mem(running.seq_lens):
+        if not len(running):
+            return
+        # SGLang's mix_with_running refreshes each running request's fill (what a later preemption
+        # reckons from, docs/scheduler.md#priority-preemption), whether or not the decode then fits here.
+        for req in running.reqs:
+            req.matched_fill_len = req.seqlen
+        if not self.kv.check_decode_mem(running.seq_lens):
             return
         self.decode.prepare_for_decode(batch)
         stats.kind = StepKind.MIXED

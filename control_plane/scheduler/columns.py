@@ -50,6 +50,8 @@ class RowColumns:
         self.ignore_eos = np.zeros(rows, dtype=bool)
         # Whether the request has its own stop token ids (rare: checked in Python, row by row).
         self.has_stop = np.zeros(rows, dtype=bool)
+        # The request was aborted while running (Request.to_finish): its next token ends it, unstreamed.
+        self.aborting = np.zeros(rows, dtype=bool)
         self.uid = np.zeros(rows, dtype=np.uint64)
         self.handle = np.full(rows, -1, dtype=np.int64)
         self.reqs = np.full(rows, None, dtype=object)
@@ -73,6 +75,7 @@ class RowColumns:
         self.min_new[row] = req.min_new_tokens
         self.ignore_eos[row] = req.params.ignore_eos
         self.has_stop[row] = bool(req.params.stop_token_ids)
+        self.aborting[row] = req.to_finish is not None
         self.uid[row] = req.uid
         self.handle[row] = req.handle
         self.reqs[row] = req
@@ -93,6 +96,11 @@ class RowColumns:
     def set_handle(self, req: Request) -> None:
         """Mutates: the handle the request got at its first extend (after its row was attached)."""
         self.handle[req.req_pool_idx] = req.handle
+
+    def mark_aborting(self, req: Request) -> None:
+        """Mutates: the request's next token ends it (an abort that waits for it,
+        docs/scheduler.md#aborts)."""
+        self.aborting[req.req_pool_idx] = True
 
     def holds(self, req: Request, serial: int) -> bool:
         """Whether `req` still holds the row tenancy `serial` was taken for."""

@@ -1,8 +1,11 @@
 """How a live request ends: its KV cached or freed, its handle released, its finish published.
 
 A natural finish (a result's length limit or stop token) and a finish decided outside (a stop string)
-cache the request's KV; an abort frees it. A queued request holds no KV; the request mid-chunk is
-aborted at the top of the next plan (SGLang's process_pending_chunked_abort).
+cache the request's KV. An abort (docs/scheduler.md#aborts) depends on where the request is, as in
+SGLang's abort_request: a queued request holds no KV and leaves the queue; the request mid-chunk is
+aborted at the top of the next plan (SGLang's process_pending_chunked_abort), its KV freed; any other
+(running, or its last prefill planned) is only marked: it stays in its batch with its KV, is decoded
+once more, and ends at that result with its KV cached, its finish published at the mark.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ class Exits:
         self.chunk = chunk
 
     def abort(self, rid: str, reason: FinishReason) -> bool:
-        """Abort a live request; its KV is freed now and its handle released in the next plan."""
+        """Abort a live request (docs/scheduler.md#aborts): a queued one leaves at once, the one
+        mid-chunk at the top of the next plan, any other is marked to end at its next result."""
         req = self.registry.live(rid)
         if req is None:
             return False
@@ -36,6 +40,10 @@ class Exits:
             # goes with its handle).
             self.intake.remove(req)
             self.registry.finish(req, reason)
+        elif req.req_pool_idx >= 0:
+            # SGLang's abort method 3 (to_finish): the client's call ends now, the request one result later.
+            self.kv.columns.mark_aborting(req)
+            self.registry.announce(req, reason)
         else:
             self.discard(req, reason)
         return True

@@ -126,6 +126,7 @@ class KvManager:
         the last token: the prefill must produce logits (docs/scheduler.md#prefill-adder-budgets,
         #invariants), nor a prompt position still to be scored. A request whose KV comes back from
         the host pool matches nothing and locks nothing."""
+        req.matched_fill_len = req.seqlen
         if req.host_backup_len:
             req.prefix_indices, req.last_node, req.cache_protected_len = np.zeros(0, dtype=np.int64), None, 0
             return
@@ -234,10 +235,11 @@ class KvManager:
         """Mutates (may evict): one slot per sequence for position seq_len, written into its row;
         the rows' allocated length becomes seq_len + 1.
 
-        Evicts first like every allocation (docs/scheduler.md#locks-and-eviction): a mixed step has no
-        decode check.
+        Evicts first like every allocation (docs/scheduler.md#locks-and-eviction, #allocation): a
+        mixed step has no decode check. Paged, the room made is SGLang's over-estimate, a page per
+        sequence whether or not it starts one (`alloc_paged_token_slots_decode`); the check stays exact.
         """
-        self.evict_for(self.decode_need(seq_lens))
+        self.evict_for(len(seq_lens) * self.page_size)
         if len(rows):
             self._reserve(int(rows.max()) + 1, int(seq_lens.max()) + 1)
         last_slots = self.req_to_token[rows, seq_lens - 1]

@@ -39,11 +39,25 @@ class Registry:
         return [r for r in self.requests.values() if r.params.group == group]
 
     def finish(self, req: Request, reason: FinishReason) -> None:
-        """The request has ended; its KV must already be cached or freed (it holds no row)."""
+        """The request has ended; its KV must already be cached or freed (it holds no row). One that
+        was announced (`announce`) is published no more."""
+        announced = req.to_finish is not None
         req.finish(reason)
         if req.handle >= 0:
             self.books.release(req)
-        self.requests.pop(req.rid, None)
+        if not announced:
+            self._published(req, reason)
+
+    def announce(self, req: Request, reason: FinishReason) -> None:
+        """An abort that ends the request only at its next result (docs/scheduler.md#aborts): its
+        client's call ends now, so its finish is published now and it is no longer live, though it
+        keeps its KV and its place in the batch until `finish`."""
+        req.to_finish = reason
+        self._published(req, reason)
+
+    def _published(self, req: Request, reason: FinishReason) -> None:
+        if self.requests.get(req.rid) is req:
+            del self.requests[req.rid]
         self._finished.append(RequestFinished(req.rid, req.uid, reason, req.cached_tokens))
 
     def stream(

@@ -89,7 +89,7 @@ class ResultApplier:
             if not sampled:  # a middle chunk: nothing was sampled
                 req.inflight_middle_chunks = max(req.inflight_middle_chunks - 1, 0)
                 continue
-            if req.scores_pending and not self._publish_scores(req):
+            if req.scores_pending and req.to_finish is None and not self._publish_scores(req):
                 self.exits.end(req, SCORES_LOST)
                 continue
             applied.append(req)
@@ -106,7 +106,7 @@ class ResultApplier:
             }
         # In plan order, as SGLang caches them: the tree's state depends on the order of inserts.
         for i, req in enumerate(applied):
-            reason = MAX_NEW_TOKENS if sampled_at[i] < 0 else ended.get(i)
+            reason = (req.to_finish or MAX_NEW_TOKENS) if sampled_at[i] < 0 else ended.get(i)
             if reason is None:
                 self.books.remap(self.kv.cache_unfinished_req(req))
             else:
@@ -146,7 +146,9 @@ class ResultApplier:
         each token's index in the result, for the requests that asked), and return (index, reason) of
         the rows that finished, by SGLang's `_check_finished` order: the length limit first (its token
         is streamed unless it is also a stop token or EOS), then, once min_new_tokens are out, a stop
-        token id or EOS unless ignore_eos (neither streamed)."""
+        token id or EOS unless ignore_eos (neither streamed). Before all of them, a request aborted while
+        running ends at its token whatever it is, with the abort's reason, and the token is not streamed
+        (SGLang's to_finish, checked first in update_finish_state; the client's call has ended)."""
         columns = self.kv.columns
         columns.append(rows, tokens)
         n_out = columns.n_out[rows]
@@ -154,14 +156,16 @@ class ResultApplier:
         stop_hit = self._stop_token_hits(rows, tokens)
         matched = stop_hit | (self._is_eos(tokens) & ~columns.ignore_eos[rows])
         counts = n_out >= columns.min_new[rows]
-        finished = length | (matched & counts)
-        visible = ~(matched & (length | counts))
+        aborting = columns.aborting[rows]
+        finished = length | (matched & counts) | aborting
+        visible = ~(matched & (length | counts)) & ~aborting
         scores = None
         if self._logprobs and at_result is not None:
             scores = self._scores_of(rows[visible], at_result[visible])
         self.registry.stream(columns.uid[rows][visible], tokens[visible], scores)
+        reqs = columns.reqs
         return [
-            (i, self._reason(bool(length[i]), bool(stop_hit[i]), int(tokens[i])))
+            (i, reqs[rows[i]].to_finish or self._reason(bool(length[i]), bool(stop_hit[i]), int(tokens[i])))
             for i in np.flatnonzero(finished).tolist()
         ]
 

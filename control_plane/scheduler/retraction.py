@@ -145,7 +145,8 @@ class Retraction:
         part before anything reuses its slots. False: no spill worker, no room there, or a request
         still scoring its prompt (its rows would be lost)."""
         spill = self.spill
-        if spill is None or req.scores_pending:
+        # An aborted request (marked, docs/scheduler.md#aborts) has no client to continue for.
+        if spill is None or req.scores_pending or req.to_finish is not None:
             return False
         need = req.kv_committed_len + self.config.retract_decode_steps
         if need > spill.tokens:

@@ -256,7 +256,9 @@ class Scheduler:
         return self.intake.add_request(rid, input_ids, params, uid)
 
     def abort(self, rid: str, reason: FinishReason) -> bool:
-        """Abort a live request; its KV is freed now and its handle released in the next plan."""
+        """Abort a live request (docs/scheduler.md#aborts): its finish is published now; a queued one
+        leaves the queue, the one mid-chunk frees its KV in the next plan, any other stays in its batch
+        with its KV until its next result, then ends with its KV cached."""
         return self.exits.abort(rid, reason)
 
     def finish(self, rid: str, reason: FinishReason) -> bool:

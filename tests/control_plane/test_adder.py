@@ -40,6 +40,13 @@ def make_req(
     return req
 
 
+def matched(req: Request) -> Request:
+    """The request as an earlier pass left it after matching it (and finding nothing cached): its fill
+    is its whole sequence (docs/scheduler.md#priority-preemption)."""
+    req.matched_fill_len = req.seqlen
+    return req
+
+
 def limits(
     chunk: int | None = None, max_prefill: int = 16384, page_size: int = 1, low_first: bool = False
 ) -> AdderLimits:
@@ -210,7 +217,8 @@ def test_preemption_picks_least_important_and_subtracts_its_offset(
     low_first: bool, new_priority: int, victim: str, after: float
 ) -> None:
     running = three_running(low_first)
-    # rem_total = 300 − 225 = 75; the newcomer needs 50 + 50 → 25 short.
+    # rem_total = 300 − 225 = 75; the newcomer, never matched, needs 0 + 50 − 75 < 0: the walk still takes
+    # the first qualifying candidate before it checks.
     kv = make_kv(300)
     adder = PrefillAdder(kv, limits(low_first=low_first), running, 1.0)
     assert adder.rem_total_token_offset == 225
@@ -235,7 +243,7 @@ def test_preemption_fails_when_victims_cannot_free_enough() -> None:
     running = three_running(low_first=False)
     adder = PrefillAdder(make_kv(300), limits(), running, 1.0)
     # 500 short, and all three together free only 225.
-    new = make_req("new", prompt_len=500, max_new=75, priority=100, seed=7)
+    new = matched(make_req("new", prompt_len=500, max_new=75, priority=100, seed=7))
     assert adder.preempt_to_schedule(new, least_important_first(running, False)) is None
     assert adder.rem_total_token_offset == 225
 
@@ -255,10 +263,21 @@ def test_multi_victim_preemption() -> None:
     adder = PrefillAdder(make_kv(500), limits(), reqs, 1.0)
     assert adder.rem_total_token_offset == 475
     # rem_total = 25; needs 150 + 50 → 175 short: the first two (100 + 125) cover it.
-    new = make_req("new", prompt_len=150, max_new=50, priority=50, seed=7)
+    new = matched(make_req("new", prompt_len=150, max_new=50, priority=50, seed=7))
     chosen = adder.preempt_to_schedule(new, least_important_first(reqs, False))
     assert chosen is not None and [r.rid for r in chosen] == ["r100", "r125"]
     assert adder.rem_total_token_offset == 250
+
+
+def test_a_newcomer_never_matched_needs_room_for_its_decode_only() -> None:
+    """SGLang's fill is empty until the request's first match (after the preemption): the same newcomer
+    as above, never matched, needs 0 + 50 − 25 = 25, which the first victim's 100 covers."""
+    reqs = [make_req(f"r{n}", max_new=n, priority=p, seed=n) for n, p in ((100, 1), (125, 2), (250, 3))]
+    adder = PrefillAdder(make_kv(500), limits(), reqs, 1.0)
+    new = make_req("new", prompt_len=150, max_new=50, priority=50, seed=7)
+    chosen = adder.preempt_to_schedule(new, least_important_first(reqs, False))
+    assert chosen is not None and [r.rid for r in chosen] == ["r100"]
+    assert adder.rem_total_token_offset == 375
 
 
 def test_a_chunked_request_is_the_last_one_admitted() -> None:

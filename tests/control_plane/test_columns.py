@@ -75,4 +75,9 @@ def test_a_request_reads_its_columns_while_it_holds_a_row() -> None:
     with pytest.raises(RuntimeError, match="columns'"):
         req.output_ids = []
     assert sched.abort("a", FinishReason.abort("cancelled"))
-    assert req.req_pool_idx == -1 and len(req.output_ids) == 4 and req.kv_committed_len == 9
+    # Aborted while running (docs/scheduler.md#aborts): it holds its row until its next result.
+    assert req.req_pool_idx == row
+    plan = sched.next_plan()
+    assert plan is not None
+    sched.apply_result(worker.run(plan))
+    assert req.req_pool_idx == -1 and len(req.output_ids) == 5 and req.kv_committed_len == 10

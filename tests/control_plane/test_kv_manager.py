@@ -286,6 +286,72 @@ def test_check_decode_mem_fails_when_even_eviction_cannot_cover_it() -> None:
     assert (kv.available_size(), kv.evictable_size()) == (32, 0)
 
 
+def test_paged_decode_allocation_evicts_a_page_per_request_when_fewer_are_free() -> None:
+    """docs/scheduler.md#allocation (SGLang's `alloc_paged_token_slots_decode`): before the decode
+    allocation, make room for `len(seq_lens) · P` = 2 · 4 = 8 tokens whenever fewer are free, even
+    though neither sequence starts a page (the allocation takes none). 36 slots: an unlocked 8-token
+    prompt and two running 10-token ones (3 pages each) leave 4 free < 8: evict 8, the old prompt's
+    whole leaf."""
+    kv = make_kv(36, page_size=4)
+    cache_unlocked(kv, tokens(8, 100))
+    reqs = [prefill(kv, f"r{i}", tokens(10, 200 + 100 * i)) for i in range(2)]
+    assert (kv.available_size(), kv.evictable_size()) == (4, 8)
+    seq_lens = np.array([10, 10], dtype=np.int64)
+    assert kv.decode_need(seq_lens) == 0 and kv.check_decode_mem(seq_lens)
+    assert (kv.available_size(), kv.evictable_size()) == (4, 8)  # the check stays exact
+    rows = np.array([r.req_pool_idx for r in reqs], dtype=np.int64)
+    kv.alloc_for_decode(rows, seq_lens)
+    assert (kv.available_size(), kv.evictable_size()) == (12, 0)
+    assert cached_len(kv, tokens(8, 100)) == 0
+
+
+def test_paged_decode_allocation_with_enough_free_evicts_nothing() -> None:
+    """As above with a 4-token old prompt: 8 free, not fewer than 2 · 4, so nothing is evicted."""
+    kv = make_kv(36, page_size=4)
+    cache_unlocked(kv, tokens(4, 100))
+    reqs = [prefill(kv, f"r{i}", tokens(10, 200 + 100 * i)) for i in range(2)]
+    assert (kv.available_size(), kv.evictable_size()) == (8, 4)
+    rows = np.array([r.req_pool_idx for r in reqs], dtype=np.int64)
+    kv.alloc_for_decode(rows, np.array([10, 10], dtype=np.int64))
+    assert (kv.available_size(), kv.evictable_size()) == (8, 4)
+
+
+def test_a_cached_prompt_is_lost_to_the_decode_allocations_page_per_request() -> None:
+    """The minimal case of docs/scheduler.md#allocation (page 16, KV 1,024): a finished request's 96-token
+    prompt stays cached (E = 96); four 200-token requests decode, and at position 208 each takes a
+    page: A = 1,024 − 96 − 4 · 208 − 4 · 16 = 32. The next decode starts no page (the check needs 0),
+    but its allocation makes room for 4 · 16 = 64 > 32 tokens: the 96-token prompt, the only evictable
+    leaf, goes. So a request sharing that prompt, arriving now, is admitted with nothing cached (SGLang
+    matches 0 tokens; evicting only the exact need kept all 96)."""
+    sched = make_scheduler(capacity=1024, page_size=16)
+    worker = FakeWorker(1024)
+    shared = prompt(96, 1)
+    sched.add_request("p", shared, params(1, ignore_eos=True))
+    step(sched, worker)
+    assert (sched.kv.available_size(), sched.kv.evictable_size()) == (928, 96)
+    for i in range(4):
+        sched.add_request(f"d{i}", prompt(200, 10 + i), params(12, ignore_eos=True))
+    while sched.kv.available_size() >= 64:
+        step(sched, worker)
+    assert (sched.kv.available_size(), sched.kv.evictable_size()) == (32, 96)
+    sched.add_request("q", [*shared, *prompt(20, 7)], params(4, ignore_eos=True))
+    q = sched.requests["q"]
+    plan = step(sched, worker)  # q does not fit beside the four; their decode allocation evicts
+    assert len(plan.decodes.handles) == 4 and not len(plan.extends.handles)
+    assert (sched.kv.available_size(), sched.kv.evictable_size()) == (128, 0)
+    while q.handle < 0:
+        step(sched, worker)
+    assert q.extend_range == (0, 116) and q.cached_tokens == 0
+
+
+def step(sched: Scheduler, worker: FakeWorker) -> Any:
+    plan = sched.next_plan()
+    assert plan is not None
+    sched.apply_result(worker.run(plan))
+    sched.take_updates()
+    return plan
+
+
 # --- docs/scheduler.md#retraction: release_req for retraction
 # --------------------------------------------------------------
 

@@ -282,10 +282,10 @@ def test_a_request_blocked_on_the_running_cap_is_not_matched_so_its_cached_promp
     assert s.tokens == {"v": 50, "x": 1, "h1": 20, "h2": 20} and s.sched.num_retracted_total == 0
 
 
-def test_a_newcomer_reckons_the_room_to_free_without_its_cached_prefix() -> None:
-    """docs/scheduler.md#priority-preemption step 2: need = (len(fill_ids) - len(prefix_indices)) +
-    min(max_new_tokens, 4096) - rem_total_tokens, with the prefix the request's previous round left: none
-    for a newcomer, even when most of its prompt is cached. So it preempts for its whole prompt."""
+def test_a_newcomer_never_matched_reckons_the_room_to_free_from_an_empty_fill() -> None:
+    """docs/scheduler.md#priority-preemption step 2: need = (matched fill - len(prefix_indices)) +
+    min(max_new_tokens, 4096) - rem_total_tokens, the fill being what the request's last match saw
+    (SGLang's full_untruncated_fill_ids): nothing for a newcomer, whose prompt then counts for nothing."""
     s = priority_stepper()
     cached = prompt(60, 1)
     s.add("p", cached, params(1, priority=0))
@@ -295,16 +295,20 @@ def test_a_newcomer_reckons_the_room_to_free_without_its_cached_prefix() -> None
     assert s.extended(s.step()) == ["l1", "l2"]  # step 2: 61 < 200, then 61 < 139
 
     # Step 3: n (priority 100) shares p's 60 tokens and finds the batch full. A = 200 - 60 - 20 = 120,
-    # E = 60 (p), offsets 2 · min(50 - 1, 4096) · 0.7 = 68.6: rem_total = 111.4. need = (70 - 0) + 100 -
-    # 111.4 = 58.6. Least important first, the later queued first among equals: l2 (need 58.6 - 34.3 =
-    # 24.3 > 0), then l1 (-10 <= 0): both are preempted, in batch order. (With n matched first, need = 10 +
-    # 100 - 111.4 would be covered by l2 alone.) Their prompts become evictable (E = 80) and their offsets
-    # are returned: rem_total = 200. Now n is matched (60 cached) and locks them (E = 20): 10 + 100 + 1 = 111
-    # < 120 + 20 = 140, admitted, extending [60, 70).
+    # E = 60 (p), offsets 2 · min(50 - 1, 4096) · 0.7 = 68.6: rem_total = 111.4. need = (0 - 0) + 100 -
+    # 111.4 = -11.4: the first candidate, least important and later queued, l2, is enough (the walk takes
+    # one before it checks). Its prompt becomes evictable (E = 70) and its offset is returned: rem_total =
+    # 120 + 70 - 34.3 = 155.7. Now n is matched (60 cached) and locks them (E = 10): rem_total = 95.7, and
+    # 10 + 100 + 1 = 111 >= 95.7: NO_TOKEN. Nothing is admitted; l1 decodes alone and l2 goes back to the
+    # queue behind n (docs/scheduler.md#priority-preemption, the departure: SGLang would lose it).
     s.add("n", cached + prompt(10, 4), params(100, priority=100))
     plan = s.step()
-    assert s.preempted(plan) == ["l1", "l2"] and s.extend_ranges(plan) == {"n": (60, 70)}
-    assert s.waiting() == ["l1", "l2"]
+    assert s.preempted(plan) == ["l2"] and s.extend_ranges(plan) == {} and s.decoded(plan) == ["l1"]
+    assert s.waiting() == ["n", "l2"]
+    # The running batch has a free slot from now on, so n is offered to add_one_req as any request, and is
+    # refused until l1's reservation is gone.
+    plan = s.step()
+    assert s.preempted(plan) == [] and s.decoded(plan) == ["l1"] and s.waiting() == ["n", "l2"]
     s.run_to_end()
     assert s.tokens == {"p": 1, "l1": 50, "l2": 50, "n": 100} and s.sched.num_retracted_total == 0
 

@@ -14,6 +14,7 @@ from typing import Any
 from control_plane.request import FinishKind
 from control_plane.scheduler.retraction import GROUP_ABORTED
 from control_plane.scheduler.scheduler import Scheduler
+from protos.worker import StepKind
 from tests.control_plane.factories import EOS, FakeWorker, finishes, make_scheduler, params, prompt
 
 
@@ -105,3 +106,68 @@ def test_a_group_aborted_for_memory_takes_its_waiting_members_with_it() -> None:
     }
     assert not sched.waiting and not len(sched.running)
     assert plan is not None and sorted(plan.releases.tolist()) == [1, 2]
+
+
+def _plan_rids(sched: Scheduler, handles: list[int]) -> list[str]:
+    return [sched.by_handle[h].rid for h in handles]
+
+
+def test_the_room_to_free_counts_the_fill_of_the_newcomers_last_match_not_its_whole_prompt() -> None:
+    """SGLang reckons `need` from `len(full_untruncated_fill_ids) - len(prefix_indices)`, and a request
+    never matched has an empty fill: the 2,000-token prompt of "high" counts for nothing there. Two
+    priority-0 requests at cap 2 on a 3,000-token pool each reserve ~347 tokens; "high" (max_new 500)
+    then needs 500 − 2,102 < 0: one victim is enough (the least important, most recently queued, "l2"),
+    and "l1" keeps decoding beside "high". Counting the whole prompt (2,000 + 500 − 2,102 = 398 > 347)
+    took both, and "l1" came back through a re-prefill."""
+    sched = make_scheduler(
+        capacity=3000, max_context=8192, enable_priority_scheduling=True, max_running_requests=2
+    )
+    worker = FakeWorker(3000, eos=EOS)
+    for rid, seed in (("l1", 1), ("l2", 2)):
+        sched.add_request(rid, prompt(100, seed), params(500, priority=0, ignore_eos=True))
+    for _ in range(3):
+        _step(sched, worker)
+    sched.add_request("high", prompt(2000, 9), params(500, priority=50, ignore_eos=True))
+    plan = _step(sched, worker)
+    assert _plan_rids(sched, plan.extends.handles.tolist()) == ["high"]
+    assert [r.rid for r in sched.waiting] == ["l2"]
+    assert [r.rid for r in sched.running.reqs] == ["l1"]
+    plan = _step(sched, worker)
+    assert plan.kind is StepKind.DECODE
+    assert _plan_rids(sched, plan.decodes.handles.tolist()) == ["l1", "high"]
+
+
+def test_a_retracted_newcomer_counts_the_fill_of_its_last_admission() -> None:
+    """After a retraction SGLang's fill is stale (`reset_for_retract` leaves it): prompt plus the
+    outputs the request had when it was last admitted, not those it generated since."""
+    sched = make_scheduler(capacity=400, enable_priority_scheduling=True, max_running_requests=2)
+    worker = FakeWorker(400, eos=EOS)
+    sched.add_request("a", prompt(20, 1), params(100, priority=0, ignore_eos=True))
+    _step(sched, worker)
+    req = sched.requests["a"]
+    assert req.matched_fill_len == 20
+    for _ in range(5):
+        _step(sched, worker)
+    assert req.num_outputs == 6
+    sched.retraction.release_for_requeue(req, remaining=0)
+    sched.running.remove([req])
+    sched.intake.requeue(req)
+    assert req.matched_fill_len == 20 and req.seqlen == 26
+    _step(sched, worker)  # re-admitted: matched again, prompt plus its six outputs
+    assert req.matched_fill_len == 26
+
+
+def test_a_mixed_step_refreshes_the_fill_of_the_requests_it_decodes() -> None:
+    """SGLang's mix_with_running refreshes each running request's fill: a later retraction or preemption
+    then reckons from the sequence as it was at that mixed step."""
+    sched = make_scheduler(capacity=2000, enable_mixed_chunk=True, chunked_prefill_size=64)
+    worker = FakeWorker(2000, eos=EOS)
+    sched.add_request("a", prompt(20, 1), params(100, ignore_eos=True))
+    for _ in range(4):
+        _step(sched, worker)
+    a = sched.requests["a"]
+    assert a.matched_fill_len == 20 and a.seqlen == 24
+    sched.add_request("b", prompt(30, 2), params(10, ignore_eos=True))
+    plan = _step(sched, worker)
+    assert plan.kind is StepKind.MIXED
+    assert a.matched_fill_len == 24 and a.seqlen == 25

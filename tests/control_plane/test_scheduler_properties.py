@@ -356,7 +356,11 @@ def _fire(d: Driven, action: Action) -> bool:
     if action.kind == "abort_waiting":
         candidates = list(sched.waiting)
     else:
-        candidates = [r for r in sched.running.reqs if not r.finished and r.output_ids]
+        # A request aborted while running stays in the batch until its next result, but is no longer live
+        # (docs/scheduler.md#aborts): nothing outside can end it again.
+        candidates = [
+            r for r in sched.running.reqs if not r.finished and r.to_finish is None and r.output_ids
+        ]
     if not candidates:
         return False
     req = candidates[action.pick % len(candidates)]

@@ -2,8 +2,9 @@
 loop, in process.
 
 The waiting timeout counts from the latest (re-)entry into the waiting queue and applies to every
-waiting request, retracted ones included; the running timeout applies to the running batch and is a
-deferred finish: the request's KV is cached like any finished request's (SGLang:
+waiting request, retracted ones included; the running timeout applies to the running batch and is an
+abort of a running request: the request is decoded once more, then its KV is cached like any finished
+request's (docs/scheduler.md#aborts; SGLang:
 `scheduler.py:_abort_on_waiting_timeout`, `_abort_on_running_timeout`; `wait_queue_entry_time` is
 overwritten on every re-queue, `_add_request_to_queue`).
 """
@@ -68,10 +69,14 @@ async def test_the_running_timeout_finishes_and_caches_the_request(tokenizer: To
     engine, hub = _engine(tokenizer, running_timeout_s=0.2)
     task = asyncio.create_task(engine.run())
     (stream,) = await finished(hub, submit(engine, "slow", [5, 6, 7, 8, 9], _params(500)), timeout=30)
+    # The stream ends at the timeout; the request leaves the scheduler one decode later.
+    async with asyncio.timeout(30):
+        while not engine.scheduler.is_idle:
+            await asyncio.sleep(0.01)
     engine.stop()
     await task
     assert stream.finished is not None
     assert (stream.finished.kind.value, stream.finished.message) == ("abort", RUNNING_TIMEOUT)
     assert 0 < len(stream.tokens) < 500
-    # A deferred finish caches prompt and output in the tree; an abort would have freed the output.
-    assert engine.scheduler.kv.evictable_size() >= 5 + len(stream.tokens) - 1
+    # Prompt and every streamed output are cached in the tree (freed at once, the outputs were not).
+    assert engine.scheduler.kv.evictable_size() >= 5 + len(stream.tokens)

@@ -142,3 +142,74 @@ def test_bad_trace_is_refused_with_the_line(tmp_path: Path, capsys: pytest.Captu
     )
     assert sim.main([str(trace)]) == 2
     assert "bad.jsonl:2" in capsys.readouterr().err
+
+
+# Aborts from the trace (docs/debugging.md#simulating-a-trace): with FLAT_COST and no overlap, plan k is made
+# at clock 0.01 · (k − 1), and an abort whose time the clock has reached is applied before that plan.
+ABORTS = [
+    {"rid": "run", "arrival": 0, "prompt_len": 30, "max_new_tokens": 20},
+    # Arrives at plan 3 and is chunked (32 a step); aborted before plan 5, mid-chunk.
+    {"rid": "long", "arrival": 0.02, "prompt_len": 100, "max_new_tokens": 5, "abort_at": 0.035},
+    # Queued behind "long"'s chunks; aborted before plan 4.
+    {"rid": "q", "arrival": 0.02, "prompt_len": 10, "max_new_tokens": 5, "abort_at": 0.025},
+    # Prefilled by plan 6; aborted before plan 7, its last prefill done and not yet merged.
+    {"rid": "last", "arrival": 0.05, "prompt_len": 10, "max_new_tokens": 5, "abort_at": 0.055},
+    # Prefilled by plan 6 too, and decoding when aborted before plan 12.
+    {"rid": "dec", "arrival": 0.05, "prompt_len": 10, "max_new_tokens": 20, "abort_at": 0.105},
+]
+
+
+def _aborted_at(lines: list[dict]) -> dict[str, int]:
+    return {a["rid"]: line["step"] for line in lines for a in line["aborted"]}
+
+
+def test_trace_aborts_of_queued_mid_chunk_last_prefill_and_running_requests(simulate: Simulate) -> None:
+    """docs/scheduler.md#aborts, from the trace: a queued request is never extended; a request mid-chunk gets
+    no further chunk; the last-prefill and the running one are decoded once more, in the plan made right
+    after their abort, and never again."""
+    lines, summary = simulate(
+        ABORTS, *FLAT_COST, "--chunked-prefill-size", "32", "--disable-overlap-schedule"
+    )
+    assert _aborted_at(lines) == {"q": 4, "long": 5, "last": 7, "dec": 12}
+    assert _passes(lines, "q") == []
+    assert [(e["start"], e["chunked"]) for e in _passes(lines, "long")] == [(0, True), (32, True)]
+    for rid, step in (("last", 7), ("dec", 12)):
+        decoded = [line["step"] for line in lines if rid in line["decodes"]]
+        assert decoded[-1] == step, rid
+    assert [line["step"] for line in lines if "last" in line["decodes"]] == [7]
+    assert summary["finish_reasons"] == {"abort": 4, "length": 1}
+    # Streamed: "run" 20; "last" its prefill's token only; "dec" its prefill's and 5 decodes' (plans 7-11).
+    assert summary["output_tokens"] == 20 + 1 + 6
+
+
+def test_trace_aborts_record_and_replay_identically(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The aborts are scheduler calls like the engine's: recorded, and replayed exactly (overlap on)."""
+    from stepwise import replay
+
+    trace = write_trace(tmp_path / "t.jsonl", ABORTS)
+    rec = tmp_path / "rec"
+    flags = [*FLAT_COST, "--chunked-prefill-size", "32", "--summary-only", "--record", str(rec)]
+    assert sim.main([str(trace), *flags]) == 0
+    capsys.readouterr()
+    assert replay.main(["scheduler", str(rec)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("identical: ") and "4 aborts" in out.splitlines()[0], out
+
+
+@pytest.mark.parametrize(
+    ("value", "says"),
+    [('"soon"', "abort_at: want seconds"), ("0.01", "abort_at: 0.01 is before"), ("true", "abort_at: want")],
+)
+def test_a_bad_abort_at_is_refused_with_the_line_and_field(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], value: str, says: str
+) -> None:
+    trace = tmp_path / "bad.jsonl"
+    trace.write_text(
+        '{"rid": "a", "arrival": 0, "prompt_len": 4}\n'
+        f'{{"rid": "b", "arrival": 0.02, "prompt_len": 4, "abort_at": {value}}}\n'
+    )
+    assert sim.main([str(trace)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "bad.jsonl:2: " in err[0] and says in err[0], err
