@@ -93,8 +93,10 @@ class CostFit:
 
     @property
     def model(self) -> CostModel:
-        a, p, r, c = self.coefficients
-        return CostModel(a, p, c, r - p)
+        """The fit as a CostModel, to four significant digits (the data is noisier than that, and
+        the last digits of a solve differ between BLAS builds)."""
+        a, p, r, c = (float(f"{x:.4g}") for x in self.coefficients)
+        return CostModel(a, p, c, float(f"{r - p:.4g}"))
 
 
 # --- steps from a recording -----------------------------------------------------------------------
@@ -310,10 +312,15 @@ def report(recordings: Sequence[RecordingSteps], fit: CostFit) -> str:
         lines.append(
             f"{name:>9}: R² {errors.r2:.4f}, mean |error| {errors.mean_abs_s * 1e3:.4f} ms, "
             f"relative error mean {errors.mean_rel:.1%}, p90 {errors.p90_rel:.1%}, "
-            f"total {errors.total_rel:+.1%}"
+            f"total {_signed(errors.total_rel)}"
         )
     lines.append(f"--cost {fit.model.spec()}")
     return "\n".join(lines)
+
+
+def _signed(fraction: float) -> str:
+    """+1.2% or -1.2%; a rounding error's -0.0 prints as +0.0."""
+    return f"{round(fraction, 4) + 0.0:+.1%}"
 
 
 def as_json(recordings: Sequence[RecordingSteps], fit: CostFit) -> dict[str, object]:

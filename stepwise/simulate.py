@@ -292,7 +292,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--cost",
         default=DEFAULT_COST,
         help="step time: 'a,b,c[,d]' (a + b·new tokens + c·context + d·decode rows, in seconds), a named "
-        f"model ({costs.describe_named()}) or a JSON file with a, b, c, d",
+        f"model ({costs.describe_named()}: docs/performance.md#step-cost-models) or a JSON file with a, b, "
+        "c, d",
     )
     add(
         "--fit-cost",
