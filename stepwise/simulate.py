@@ -345,6 +345,9 @@ def main(argv: Sequence[str]) -> int:
     parser = build_parser()
     ns = parser.parse_args(argv)
     if ns.fit_cost is not None:
+        if ns.trace is not None:
+            parser.error(f"--fit-cost fits recordings and runs no trace: drop {ns.trace}")
+        # STEPWISE_FIT_COST gives one path, not a list.
         return cost_fit.main(ns.fit_cost if isinstance(ns.fit_cost, list) else [ns.fit_cost], ns.json)
     if ns.trace is None:
         parser.error("the following arguments are required: trace")

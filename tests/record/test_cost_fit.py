@@ -183,3 +183,17 @@ def test_a_named_cost_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     named = capsys.readouterr().out
     assert sim.main([str(_trace(tmp_path)), "--summary-only"]) == 0
     assert named == capsys.readouterr().out
+
+
+def test_fit_cost_from_the_environment_and_not_with_a_trace(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """STEPWISE_FIT_COST names one recording; a trace beside --fit-cost is refused, not ignored."""
+    path = _record(tmp_path, "0.001,0.0001,1e-06,0.0002")
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exited:
+        sim.main([str(_trace(tmp_path)), "--fit-cost", str(path)])
+    assert exited.value.code == 2 and "--fit-cost" in capsys.readouterr().err
+    monkeypatch.setenv("STEPWISE_FIT_COST", str(path))
+    assert sim.main(["--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["cost"] == "0.001,0.0001,1e-06,0.0002"
