@@ -12,11 +12,12 @@ the seconds themselves, every coefficient >= 0 (the best of the fits that leave 
 out). A simulated clock is a sum of step times and a request's latency a sum over its steps: an
 unweighted fit with a step term keeps the model's total equal to the measured total (weighting by
 1/seconds fitted single short steps better, but ran 13-34% short in total on this project's CPU
-recordings). Every fifth step (in recording order) is held out; the model printed is fitted on the
-other four fifths, and its error is measured on the held-out fifth: R², mean absolute error, mean
-and p90 relative error, and the error of the total (the model's seconds summed over the steps
-against the measured sum). As a CostModel (a + b·new tokens + c·context + d·decode rows, new tokens
-counting each decode row once) it is a, b = p, c, d = r - p.
+recordings). Every fifth step (in recording order) is held out; the model printed is fitted on the other
+four fifths, and its error is measured on the held-out fifth: R², mean absolute error, mean and
+p90 relative error, and the error of the total (the model's seconds summed over the steps against
+the measured sum); `--check-cost` measures it on every step of other runs too. As a CostModel
+(a + b·new tokens + c·context + d·decode rows, new tokens counting each decode row once) it is
+a, b = p, c, d = r - p.
 
 Steps without work (no extend, no decode), steps the worker failed, and steps whose context is not
 known (a recording read from a later part on, before the decoded sequences' prefills) are left out.
@@ -24,6 +25,7 @@ known (a recording read from a later part on, before the decoded sequences' pref
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import sys
@@ -90,6 +92,8 @@ class CostFit:
     test: Errors
     # Terms the non-negative fit left at 0.
     pinned: tuple[str, ...] = ()
+    # The error on every step of other runs (--check-cost), when given.
+    other: Errors | None = None
 
     @property
     def model(self) -> CostModel:
@@ -278,37 +282,42 @@ def _kind(header: Header) -> tuple[str, str, str]:
     return limits.model_fingerprint, limits.device, limits.dtype
 
 
-def fit_recordings(paths: Sequence[Path]) -> tuple[list[RecordingSteps], CostFit]:
-    """Read and fit; RecordingError or CostFitError (one line each) when that cannot be done."""
-    recordings = [read_steps(path) for path in paths]
-    return recordings, fit_steps(recordings)
-
-
-def fit_steps(recordings: Sequence[RecordingSteps]) -> CostFit:
-    """One fit of the recordings' steps; CostFitError unless all are of one kind of worker."""
-    kinds = {_kind(r.header) for r in recordings}
-    if len(kinds) > 1:
-        seen = "; ".join(f"{r.path}: {' '.join(_kind(r.header))}" for r in recordings)
+def fit_steps(recordings: Sequence[RecordingSteps], others: Sequence[RecordingSteps] = ()) -> CostFit:
+    """One fit of the recordings' steps, measured also on every step of `others` (other runs);
+    CostFitError unless all are of one kind of worker."""
+    every = [*recordings, *others]
+    if len({_kind(r.header) for r in every}) > 1:
+        seen = "; ".join(f"{r.path}: {' '.join(_kind(r.header))}" for r in every)
         raise CostFitError(f"the recordings are of different worker kinds (model, device, dtype): {seen}")
-    return fit_cost([shape for r in recordings for shape in r.shapes])
+    fit = fit_cost([shape for r in recordings for shape in r.shapes])
+    if not others:
+        return fit
+    checked = [shape for r in others for shape in r.shapes]
+    if not checked:
+        raise CostFitError("the --check-cost recordings hold no step with work")
+    x, y = design(checked)
+    return dataclasses.replace(fit, other=_errors(x @ np.asarray(fit.coefficients), y))
 
 
-def report(recordings: Sequence[RecordingSteps], fit: CostFit) -> str:
+def report(recordings: Sequence[RecordingSteps], fit: CostFit, others: Sequence[RecordingSteps] = ()) -> str:
     lines = []
-    for r in recordings:
+    for r, only in [*((r, "") for r in recordings), *((r, "; checked only") for r in others)]:
         limits, skipped = r.header.limits, r.skipped
         lines.append(
             f"{r.path}: {len(r.shapes)} steps (left out: {skipped.empty} empty, "
             f"{skipped.failed} failed or untimed, {skipped.unknown_context} of unknown context); "
             f"worker {limits.worker_id}, device {limits.device}, dtype {limits.dtype}, "
-            f"model {limits.model_fingerprint[:12]}"
+            f"model {limits.model_fingerprint[:12]}{only}"
         )
     held = f"every {HOLDOUT_EVERY}th step"
     lines.append(f"fitted on {fit.train.steps} steps, error on {fit.test.steps} held out ({held})")
     for term, value in zip(TERMS, fit.coefficients, strict=True):
         pinned = "  (pinned at 0: no weight in the data)" if term in fit.pinned else ""
         lines.append(f"  per {term:<14} {value * 1e6:12.4f} µs{pinned}")
-    for name, errors in (("held out", fit.test), ("fitted", fit.train)):
+    shown = [("held out", fit.test), ("fitted", fit.train)]
+    if fit.other is not None:
+        shown.insert(0, ("other run", fit.other))
+    for name, errors in shown:
         lines.append(
             f"{name:>9}: R² {errors.r2:.4f}, mean |error| {errors.mean_abs_s * 1e3:.4f} ms, "
             f"relative error mean {errors.mean_rel:.1%}, p90 {errors.p90_rel:.1%}, "
@@ -336,6 +345,7 @@ def as_json(recordings: Sequence[RecordingSteps], fit: CostFit) -> dict[str, obj
         "pinned": list(fit.pinned),
         "held_out": _errors_json(fit.test),
         "fitted": _errors_json(fit.train),
+        "other_runs": None if fit.other is None else _errors_json(fit.other),
         "recordings": [
             {"path": str(r.path), "steps": len(r.shapes), "device": r.header.limits.device}
             for r in recordings
@@ -354,15 +364,18 @@ def _errors_json(errors: Errors) -> dict[str, float | int]:
     }
 
 
-def main(paths: Sequence[Path], as_json_output: bool) -> int:
-    """Print the fit of the recordings at `paths`: 0, or one line on stderr and 2."""
+def main(paths: Sequence[Path], others: Sequence[Path], as_json_output: bool) -> int:
+    """Print the fit of the recordings at `paths` (and its error on `others`): 0, or one line on
+    stderr and 2."""
     try:
-        recordings, fit = fit_recordings(paths)
+        recordings = [read_steps(path) for path in paths]
+        checked = [read_steps(path) for path in others]
+        fit = fit_steps(recordings, checked)
     except (OSError, RecordingError, CostFitError) as exc:
         print(f"stepwise simulate: --fit-cost: {exc}", file=sys.stderr)
         return 2
     if as_json_output:
         print(json.dumps(as_json(recordings, fit)))
     else:
-        print(report(recordings, fit))
+        print(report(recordings, fit, checked))
     return 0

@@ -89,7 +89,7 @@ def _trace(tmp_path: Path) -> Path:
 
 
 def _record(tmp_path: Path, cost: str, *flags: str) -> Path:
-    out = tmp_path / f"rec-{cost}"
+    out = tmp_path / f"rec-{cost}-{len(list(tmp_path.glob('rec-*')))}"
     argv = [str(_trace(tmp_path)), "--summary-only", "--cost", cost, "--record", str(out), *flags]
     assert sim.main(argv) == 0
     return out
@@ -197,3 +197,25 @@ def test_fit_cost_from_the_environment_and_not_with_a_trace(
     monkeypatch.setenv("STEPWISE_FIT_COST", str(path))
     assert sim.main(["--json"]) == 0
     assert json.loads(capsys.readouterr().out)["cost"] == "0.001,0.0001,1e-06,0.0002"
+
+
+def test_check_cost_measures_the_fit_on_another_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--check-cost: the fit of one run measured on every step of another. Another run of the same
+    model (other chunks) is predicted exactly; one whose steps cost twice as much comes out at half."""
+    fitted = _record(tmp_path, "0.001,0.0001,1e-06,0.0002")
+    same = _record(tmp_path, "0.001,0.0001,1e-06,0.0002", "--chunked-prefill-size", "32")
+    double = _record(tmp_path, "0.002,0.0002,2e-06,0.0004")
+    capsys.readouterr()
+    assert sim.main(["--fit-cost", str(fitted), "--check-cost", str(same), "--json"]) == 0
+    checked = json.loads(capsys.readouterr().out)["other_runs"]
+    assert checked["r2"] == pytest.approx(1.0) and checked["total_rel"] == pytest.approx(0.0, abs=1e-9)
+    assert sim.main(["--fit-cost", str(fitted), "--check-cost", str(double)]) == 0
+    assert "other run: R²" in capsys.readouterr().out
+    assert sim.main(["--fit-cost", str(fitted), "--check-cost", str(double), "--json"]) == 0
+    checked = json.loads(capsys.readouterr().out)["other_runs"]
+    assert checked["total_rel"] == pytest.approx(-0.5) and checked["mean_rel"] == pytest.approx(0.5)
+    with pytest.raises(SystemExit) as exited:
+        sim.main(["--check-cost", str(same)])
+    assert exited.value.code == 2 and "--fit-cost" in capsys.readouterr().err
