@@ -219,3 +219,16 @@ def test_check_cost_measures_the_fit_on_another_run(
     with pytest.raises(SystemExit) as exited:
         sim.main(["--check-cost", str(same)])
     assert exited.value.code == 2 and "--fit-cost" in capsys.readouterr().err
+
+
+def test_every_named_model_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Each name --cost offers runs a trace; the H200 model (more bandwidth, same FLOPs) is faster
+    than the H100's on the same trace."""
+    from stepwise import costs
+
+    simulated = {}
+    for name in costs.NAMED:
+        capsys.readouterr()
+        assert sim.main([str(_trace(tmp_path)), "--summary-only", "--cost", name]) == 0
+        simulated[name] = json.loads(capsys.readouterr().out)["summary"]["simulated_s"]
+    assert simulated["h200-llama3-8b"] < simulated["h100-llama3-8b"]
