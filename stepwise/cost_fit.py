@@ -25,6 +25,7 @@ known (a recording read from a later part on, before the decoded sequences' pref
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import itertools
 import json
@@ -362,6 +363,44 @@ def _errors_json(errors: Errors) -> dict[str, float | int]:
         "p90_rel": errors.p90_rel,
         "total_rel": errors.total_rel,
     }
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """`stepwise simulate`'s flags of the fit."""
+    parser.add_argument(
+        "--fit-cost",
+        type=Path,
+        nargs="+",
+        metavar="RECORDING",
+        help="fit a step cost model to recorded steps (stepwise up --record), print it and its error on "
+        "held-out steps, and exit (no trace); with --json, a JSON object --cost FILE reads",
+    )
+    parser.add_argument(
+        "--check-cost",
+        type=Path,
+        nargs="+",
+        metavar="RECORDING",
+        help="with --fit-cost: also measure the fitted model on every step of these (other runs)",
+    )
+
+
+def run_from_args(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int | None:
+    """`simulate --fit-cost`'s exit status, or None when simulate runs a trace; a usage error
+    (exit 2) for a trace beside --fit-cost, --check-cost alone, or neither a trace nor a fit."""
+    if ns.fit_cost is not None:
+        if ns.trace is not None:
+            parser.error(f"--fit-cost fits recordings and runs no trace: drop {ns.trace}")
+        return main(_paths(ns.fit_cost), _paths(ns.check_cost), ns.json)
+    if ns.check_cost is not None:
+        parser.error("--check-cost measures a fit: give --fit-cost RECORDING too")
+    if ns.trace is None:
+        parser.error("the following arguments are required: trace")
+    return None
+
+
+def _paths(value: list[Path] | Path | None) -> list[Path]:
+    """A list flag's paths (its STEPWISE_* variable gives one path, not a list)."""
+    return [] if value is None else value if isinstance(value, list) else [value]
 
 
 def main(paths: Sequence[Path], others: Sequence[Path], as_json_output: bool) -> int:

@@ -295,21 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
         f"model ({costs.describe_named()}: docs/performance.md#step-cost-models) or a JSON file with a, b, "
         "c, d",
     )
-    add(
-        "--fit-cost",
-        type=Path,
-        nargs="+",
-        metavar="RECORDING",
-        help="fit a step cost model to recorded steps (stepwise up --record), print it and its error on "
-        "held-out steps, and exit (no trace); with --json, a JSON object --cost FILE reads",
-    )
-    add(
-        "--check-cost",
-        type=Path,
-        nargs="+",
-        metavar="RECORDING",
-        help="with --fit-cost: also measure the fitted model on every step of these (other runs)",
-    )
+    cost_fit.add_arguments(parser)
     add("--sim-seed", type=SEED, default=0, help="seed of the simulated tokens")
     add("--json", action="store_true", help="one JSON object per step, then {'summary': ...}")
     add("--summary-only", action="store_true", help="print the summary only (no timeline)")
@@ -346,24 +332,13 @@ def _sink(ns: argparse.Namespace, setup: SimSetup, emit: Callable[[StepLine], No
     return Tee(sinks) if sinks else None
 
 
-def _paths(value: list[Path] | Path | None) -> list[Path]:
-    """A list flag's paths (its STEPWISE_* variable gives one path, not a list)."""
-    return [] if value is None else value if isinstance(value, list) else [value]
-
-
 def main(argv: Sequence[str]) -> int:
     from stepwise.replay import print_table  # rich is loaded only for the table
 
     parser = build_parser()
     ns = parser.parse_args(argv)
-    if ns.fit_cost is not None:
-        if ns.trace is not None:
-            parser.error(f"--fit-cost fits recordings and runs no trace: drop {ns.trace}")
-        return cost_fit.main(_paths(ns.fit_cost), _paths(ns.check_cost), ns.json)
-    if ns.check_cost is not None:
-        parser.error("--check-cost measures a fit: give --fit-cost RECORDING too")
-    if ns.trace is None:
-        parser.error("the following arguments are required: trace")
+    if (fitted := cost_fit.run_from_args(parser, ns)) is not None:
+        return fitted
     try:
         setup = setup_from_args(ns)
         trace = load_trace(ns.trace, setup.limits.vocab_size)
