@@ -152,7 +152,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--backend", choices=("model", "sim"), default="model", help="sim: a simulator without a model"
     )
-    parser.add_argument("--sim-cost", default="0.005,0.00005,0.0000005", help="sim step time a,b,c (seconds)")
+    parser.add_argument(
+        "--sim-cost",
+        default="0.005,0.00005,0.0000005",
+        help="sim step time a,b,c[,d]: a + b·new tokens + c·context + d·decode rows (seconds)",
+    )
     parser.add_argument(
         "--tls-ca", type=pathlib.Path, default=None, help="PEM CA of the control plane's certificate (TLS)"
     )

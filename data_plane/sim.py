@@ -6,8 +6,8 @@ deterministic tokens: the token at position p of a request is a hash of (seed, r
 the request's output token number `sim_output_len` (from the plan, or a seeded rule) is EOS. Tokens
 depend on the request id and position only, so batching, chunking and retraction never change a
 request's output; a sequence decoded past its EOS (the control plane learns of a finish a step late
-under overlap) simply gets more tokens. Step time follows a cost model,
-`a + b·(new tokens) + c·(Σ context of the batch)` seconds.
+under overlap) simply gets more tokens. Step time follows a cost model (CostModel),
+`a + b·(new tokens) + c·(Σ context of the batch) + d·(decode rows)` seconds.
 
 KV moves (prefill/decode workers, migration) go over a real transfer link when the worker serves one:
 a send carries zeros of the K/V shape the model's config.json gives (`kv_shape`, in float16), so its
@@ -64,25 +64,41 @@ _INITIAL_ROWS = 64
 
 @dataclass(frozen=True, slots=True)
 class CostModel:
-    """Seconds per step: a + b·new_tokens + c·context_tokens."""
+    """Seconds per step: a + b·new_tokens + c·context_tokens + d·decode_rows.
+
+    new_tokens counts every token computed (prefill tokens and one per decode row), so `d` is what a
+    decode row costs beyond a prefill token: 0 by default (the three-term model), negative when a
+    row is cheaper (b + d >= 0 keeps it from costing less than nothing)."""
 
     a: float = 0.005
     b: float = 5e-5
     c: float = 5e-7
+    d: float = 0.0
 
     @classmethod
-    def parse(cls, text: str) -> CostModel:
-        """'a,b,c' (seconds); ValueError naming the flag when malformed."""
+    def parse(cls, text: str, flag: str = "--sim-cost") -> CostModel:
+        """'a,b,c' or 'a,b,c,d' (seconds); ValueError naming the flag when malformed."""
         try:
-            a, b, c = (float(x) for x in text.split(","))
+            values = [float(x) for x in text.split(",")]
         except ValueError:
-            raise ValueError(f"--sim-cost wants 'a,b,c' in seconds, got {text!r}") from None
-        if not all(0 <= x < math.inf for x in (a, b, c)):  # NaN fails too
-            raise ValueError(f"--sim-cost values must be finite and >= 0, got {text!r}")
-        return cls(a, b, c)
+            values = []
+        if len(values) not in (3, 4):
+            raise ValueError(f"{flag} wants 'a,b,c' or 'a,b,c,d' in seconds, got {text!r}")
+        model = cls(*values)
+        if not all(0 <= x < math.inf for x in (model.a, model.b, model.c)):  # NaN fails too
+            raise ValueError(f"{flag} values a, b, c must be finite and >= 0, got {text!r}")
+        if not (-model.b <= model.d < math.inf):
+            raise ValueError(
+                f"{flag} value d must be finite and >= -b (a decode row costs >= 0), got {text!r}"
+            )
+        return model
 
-    def step_seconds(self, new_tokens: int, context_tokens: int) -> float:
-        return self.a + self.b * new_tokens + self.c * context_tokens
+    def step_seconds(self, new_tokens: int, context_tokens: int, decode_rows: int = 0) -> float:
+        return self.a + self.b * new_tokens + self.c * context_tokens + self.d * decode_rows
+
+    def spec(self) -> str:
+        """The 'a,b,c,d' text `parse` reads back to this model."""
+        return ",".join(repr(x) for x in (self.a, self.b, self.c, self.d))
 
 
 def _mix(x: np.ndarray) -> np.ndarray:
@@ -245,7 +261,7 @@ class SimExecutor:
                 for entry, count in zip(scoring.entries.tolist(), scoring.counts.tolist(), strict=True)
             )
         context = int(self.table.length[ext_rows].sum() + self.table.length[dec_rows].sum())
-        seconds = self.cost.step_seconds(int(ext.lens.sum()) + len(dec_rows), context)
+        seconds = self.cost.step_seconds(int(ext.lens.sum()) + len(dec_rows), context, len(dec_rows))
         if self.sleep:
             time.sleep(max(seconds - (time.perf_counter() - started), 0.0))
         return StepResult(

@@ -46,7 +46,7 @@ from control_plane.scheduler.scheduler import QueueFull, RequestRejected, Schedu
 from data_plane.sim import TOKEN_FLOOR, CostModel, SimExecutor
 from flagtypes import INT32_MAX, SEED, Int
 from protos.worker import SamplerParams, StepResult, WorkerLimits
-from stepwise import flags
+from stepwise import cost_fit, costs, flags
 from stepwise.wire import step_through_wire
 
 # Without an output length a request never emits EOS (it runs to max_new_tokens).
@@ -305,7 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = flags.ArgumentParser(
         prog="stepwise simulate", description="the real scheduler on a request trace with a sim worker"
     )
-    parser.add_argument("trace", type=Path, help="JSON lines, one request each, sorted by arrival")
+    parser.add_argument("trace", type=Path, nargs="?", help="JSON lines, one request each, sorted by arrival")
     control_config.add_arguments(parser)
     add = parser.add_argument
     # The simulated pool is allocated in this process: its cap keeps that to a few GiB at most.
@@ -320,7 +320,14 @@ def build_parser() -> argparse.ArgumentParser:
     add(
         "--eos-token-id", type=Int(0, INT32_MAX), default=2, help="the token id the simulated model ends with"
     )
-    add("--cost", default=DEFAULT_COST, help="step time a,b,c: a + b·new tokens + c·context (seconds)")
+    add(
+        "--cost",
+        default=DEFAULT_COST,
+        help="step time: 'a,b,c[,d]' (a + b·new tokens + c·context + d·decode rows, in seconds), a named "
+        f"model ({costs.describe_named()}: docs/performance.md#step-cost-models) or a JSON file with a, b, "
+        "c, d",
+    )
+    cost_fit.add_arguments(parser)
     add("--sim-seed", type=SEED, default=0, help="seed of the simulated tokens")
     add("--json", action="store_true", help="one JSON object per step, then {'summary': ...}")
     add("--summary-only", action="store_true", help="print the summary only (no timeline)")
@@ -331,10 +338,7 @@ def build_parser() -> argparse.ArgumentParser:
 def setup_from_args(ns: argparse.Namespace) -> SimSetup:
     config = control_config.scheduler_config_from_args(ns)
     page = config.page_size or 1
-    try:
-        cost = CostModel.parse(ns.cost)
-    except ValueError:
-        raise ValueError(f"--cost wants 'a,b,c' with values >= 0, got {ns.cost!r}") from None
+    cost = costs.parse_cost(ns.cost)
     limits = WorkerLimits(
         worker_id="sim",
         kv_capacity_tokens=ns.kv_tokens // page * page,
@@ -363,7 +367,10 @@ def _sink(ns: argparse.Namespace, setup: SimSetup, emit: Callable[[StepLine], No
 def main(argv: Sequence[str]) -> int:
     from stepwise.replay import print_table  # rich is loaded only for the table
 
-    ns = build_parser().parse_args(argv)
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    if (fitted := cost_fit.run_from_args(parser, ns)) is not None:
+        return fitted
     try:
         setup = setup_from_args(ns)
         trace = load_trace(ns.trace, setup.limits.vocab_size)

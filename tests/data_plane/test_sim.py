@@ -116,6 +116,25 @@ def test_cost_model() -> None:
         CostModel.parse("1,2")
 
 
+def test_cost_model_decode_row_term() -> None:
+    """The fourth term prices a decode row beyond a prefill token; three terms mean d = 0, and a
+    model's spec reads back to itself."""
+    assert CostModel.parse("0.01,0.001,0.0001") == CostModel.parse("0.01,0.001,0.0001,0")
+    cost = CostModel.parse("0.01,0.001,0.0001,-0.0005")
+    assert cost.step_seconds(10, 100, decode_rows=4) == pytest.approx(0.01 + 0.01 + 0.01 - 0.002)
+    assert CostModel.parse(cost.spec()) == cost
+    for bad in ("0.01,0.001,0.0001,-0.002", "0.01,0.001,0.0001,nan", "1,2,3,4,5", "-1,0,0"):
+        with pytest.raises(ValueError, match="--sim-cost"):
+            CostModel.parse(bad)
+
+
+def test_sim_step_time_charges_decode_rows() -> None:
+    """A step's forward_s is the model's: d counts each decode row once."""
+    executor = SimExecutor(4096, 1000, 0, CostModel(0.0, 0.0, 0.0, 0.5))
+    assert executor.execute(_prefill(1, [(1, "a", 5, 100), (2, "b", 3, 100)])).forward_s == 0.0
+    assert executor.execute(_decode(2, [1, 2], 0)).forward_s == pytest.approx(1.0)
+
+
 def test_bad_plan_is_an_error_result() -> None:
     result = SimExecutor(4096, 1000, 0).execute(_decode(1, [42], 0))
     assert "42" in result.error

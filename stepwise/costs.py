@@ -1,0 +1,73 @@
+"""Step cost models by name: `--cost` takes numbers, a named model, or a JSON file.
+
+A model prices one step of one kind of worker (a model on a device):
+`a + b·new tokens + c·context tokens + d·decode rows` seconds (data_plane.sim.CostModel). The same
+spec names a model wherever a worker kind needs one, so a fleet's kinds can each name theirs.
+
+- `a,b,c` or `a,b,c,d`: the coefficients, in seconds;
+- a name from NAMED (`stepwise simulate --help` lists them; docs/performance.md says where each
+  comes from);
+- a path to a JSON object with keys `a`, `b`, `c` and optionally `d` (what `stepwise simulate
+  --fit-cost ... --json` prints; other keys are ignored).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from data_plane.sim import CostModel
+
+
+@dataclass(frozen=True, slots=True)
+class NamedCost:
+    model: CostModel
+    # Where the figures come from: a fit (its command and error) or published figures.
+    source: str
+
+
+# docs/performance.md#step-cost-models gives each one's command, data and error.
+NAMED: dict[str, NamedCost] = {
+    "default": NamedCost(CostModel(0.005, 5e-5, 5e-7), "made up: 5 ms a step, no model behind it"),
+    "h100-llama3-8b": NamedCost(
+        CostModel(0.006, 3.25e-5, 4.9e-8),
+        "published specs, not measured: H100 SXM (989 TFLOPS bf16 dense, 3.35 TB/s) and Llama 3 8B in "
+        "bf16 (16.06 GB of weights, 128 KiB of K/V a token) at 50% of peak FLOPs and 80% of peak bandwidth",
+    ),
+    "h200-llama3-8b": NamedCost(
+        CostModel(0.0042, 3.25e-5, 3.4e-8),
+        "published specs, not measured: as h100-llama3-8b with the H200's 4.8 TB/s",
+    ),
+}
+
+
+def parse_cost(text: str, flag: str = "--cost") -> CostModel:
+    """The model `text` names; ValueError naming `flag` when it names none."""
+    if text in NAMED:
+        return NAMED[text].model
+    if "," in text:
+        return CostModel.parse(text, flag)
+    path = Path(text)
+    if not path.is_file():
+        names = ", ".join(NAMED)
+        raise ValueError(f"{flag} wants 'a,b,c[,d]', a named model ({names}) or a JSON file, got {text!r}")
+    return _from_file(path, flag)
+
+
+def _from_file(path: Path, flag: str) -> CostModel:
+    try:
+        obj = json.loads(path.read_text())
+        values = [obj[k] for k in ("a", "b", "c")] + ([obj["d"]] if "d" in obj else [])
+        if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in values):
+            raise TypeError("a, b, c, d must be numbers")
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(
+            f"{flag} {path}: not a cost model (a JSON object with a, b, c[, d]): {exc!s}"
+        ) from None
+    return CostModel.parse(",".join(repr(float(v)) for v in values), f"{flag} {path}")
+
+
+def describe_named() -> str:
+    """The names, for --help."""
+    return ", ".join(NAMED)
