@@ -34,10 +34,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import random
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -46,8 +45,8 @@ import structlog
 from control_plane import metrics
 from control_plane.cache.invariants import InvariantError, PoolCheck, check_pool_invariants
 from control_plane.config import ControlConfig
-from control_plane.core import balance
 from control_plane.core.drain import Departure, Drain, Leaving
+from control_plane.core.fleet import BALANCE_REASONS, Call, Fleet, Move, Room, Rules, Spill
 from control_plane.core.handover import HandOver, WorkerGone, orphan_of
 from control_plane.core.inbox import (
     AbortItem,
@@ -69,7 +68,7 @@ from control_plane.link import link_of
 from control_plane.record.recorder import close_recording, make_scheduler
 from control_plane.request import AbortCode, FinishReason, RequestParams
 from control_plane.scheduler.records import StepStats
-from control_plane.scheduler.scheduler import QueueFull, RequestRejected
+from control_plane.scheduler.scheduler import QueueFull, RequestRejected, Scheduler
 from protos.worker import StepPlan, StepResult, TransferOutcome, WorkerLimits
 
 log = structlog.get_logger("stepwise.engine")
@@ -108,11 +107,10 @@ class Engine:
     """Drives one worker. All scheduler calls happen inside `run` (and `submit`'s registration),
     one at a time, on the core's event loop.
 
-    `successor` picks the engine that takes over this one's requests when its worker is lost or
-    leaves (the router's); `on_leaving` is told when this engine starts leaving; `peers` are the
-    engines taking requests (the router's), which running requests may move to for KV room;
-    `engine_of` finds the attached engine of a worker id (the router's), the one a transfer this
-    worker received came from."""
+    `fleet` (core/fleet/) is what this engine knows of the other workers: who takes over its
+    requests when its worker is lost or leaves, which of its running calls move after a step and
+    where, the engine a transfer its worker received came from; it is told when this engine
+    starts leaving and when its loop ends. Without one the worker is alone."""
 
     def __init__(
         self,
@@ -120,34 +118,31 @@ class Engine:
         limits: WorkerLimits,
         channel: WorkerChannel,
         publisher: Publisher,
-        successor: Callable[[Engine], Engine | None] | None = None,
-        on_leaving: Callable[[Engine], None] | None = None,
-        peers: Callable[[], list[Engine]] | None = None,
-        engine_of: Callable[[str], Engine | None] | None = None,
+        fleet: Fleet[Engine] | None = None,
     ) -> None:
         self.config = config
-        self.limits = limits
+        self.limits: WorkerLimits = limits
         self.channel = channel
-        self.worker = limits.worker_id
+        self.worker: str = limits.worker_id
         metrics.register_worker(self.worker)
         self.log = log.bind(worker=limits.worker_id)
         self.step_log = StepLog(self.worker, config.decode_log_interval, self.log)
-        self._successor = successor
-        self._on_leaving = on_leaving
-        self._peers = peers
-        self._engine_of = engine_of
+        self.fleet: Fleet[Engine] = fleet if fleet is not None else Fleet()
+        self.rules = Rules(
+            config.kv_balance_steps,
+            config.kv_balance_threshold,
+            config.kv_balance,
+            config.test_migrate_interval,
+        )
         # The worker the scheduler's retractions go to instead (Scheduler.spill_to), if any.
         self._spill_to: Engine | None = None
         self.streams = Streams(publisher, self.worker, self.step_log.metrics)
         self.handover = HandOver(self.streams, self.worker, self.log, self._heir)
         self.drain = Drain(config.drain_timeout_s, self.streams, self.handover, self.worker, self.log)
         self.migration = Migrations(self.worker, limits, self.streams, self.log, self._fallback)
-        # STEPWISE_TEST_MIGRATE: a running call migrates every this many steps (0: never).
-        self._test_migrate = config.test_migrate_interval
-        self._test_rng = random.Random(self.worker)
         self.timeouts = Timeouts(config.waiting_timeout_s, config.running_timeout_s, self.streams.admitted_at)
         # A RecordingScheduler under --record DIR: every call below is also written down.
-        self.scheduler = make_scheduler(config, limits)
+        self.scheduler: Scheduler = make_scheduler(config, limits)
         self.depth = 2 if config.overlap else 1
         self._inflight: deque[InFlight] = deque()
         self._inbox: list[Item] = []
@@ -156,7 +151,7 @@ class Engine:
         # The loop has ended (or will never run): nothing may wait here any more.
         self._closed = False
         # When the worker attached (the newest is the one asked to move).
-        self.attached_at = time.monotonic()
+        self.attached_at: float = time.monotonic()
         # The session ended because the worker left (drained or moved), not because it was lost.
         self.departed = False
         # Why the worker was dropped for breaking the protocol (or hanging); None while it behaves.
@@ -168,7 +163,7 @@ class Engine:
         # Books vs. the worker's report (checked every step).
         self.kv_mismatches = 0
         self.reported_kv = (0, 0)
-        self.steps = 0
+        self.steps: int = 0
         # The worker's idle gap before each of its recent steps (GetServerInfo shows percentiles).
         self.waits: deque[float] = deque(maxlen=1000)
         self.wait_total_s = 0.0
@@ -185,7 +180,7 @@ class Engine:
         return not self._closed and self.drain.leaving is None
 
     def _heir(self) -> Engine | None:
-        return self._successor(self) if self._successor is not None else None
+        return self.fleet.heir(self)
 
     def _fallback(self) -> Destination | None:
         """Where a request whose migration failed continues: here while this engine serves (its
@@ -281,7 +276,7 @@ class Engine:
     def worker_received(self, outcome: TransferOutcome) -> None:
         """This worker holds a transfer in full (its own report, which its channel passes on as it
         comes): the word goes to the engine whose worker sent it."""
-        source = self._engine_of(transfer_source(outcome.transfer_id)) if self._engine_of else None
+        source = self.fleet.member(transfer_source(outcome.transfer_id))
         if source is not None:
             source.copy_arrived(outcome, self.worker)
 
@@ -317,8 +312,7 @@ class Engine:
     def leave(self, departure: Departure, reason: str) -> None:
         """Start leaving: at once for the router, on the loop's next turn for the requests (drain.py)."""
         if self.drain.start(departure, reason):
-            if self._on_leaving is not None:
-                self._on_leaving(self)
+            self.fleet.leaving(self)
             self._wake.set()
 
     def worker_draining(self, reason: str) -> None:
@@ -459,12 +453,7 @@ class Engine:
         if self.config.scheduler.strict_invariants:
             self._check_invariants()
         self.step_log.record(plan, flight.stats, self.scheduler)
-        if self._test_migrate and self.steps % self._test_migrate == 0:
-            self._migrate_one_at_random()
-        elif self.limits.role == "prefill" and self._peers is not None:
-            self._to_decode()
-        elif self.config.kv_balance and self._peers is not None:
-            self._balance()
+        self._place()
 
     async def _await_result(self) -> StepResult:
         """The oldest plan's result, no later than the in-flight plans' deadline (a hung worker)."""
@@ -505,117 +494,61 @@ class Engine:
         if not leaving.begun:
             self.drain.begin(self.scheduler, self.load())
         if self.config.drain_migration and self.streams:
-            leaving.migrated += self._migrate_all("drain")
+            leaving.migrated += sum(len(m.rids) for m in self.fleet.drain(self).moves if self.start_move(m))
         self.drain.check_deadline(self.scheduler)
         return not self.streams and not self._inflight and not self.migration.busy
 
-    def _migrate_all(self, reason: str) -> int:
-        """Migrate every call whose samples all run here to the least loaded other worker; the
-        samples moved."""
-        moved = 0
-        for rids in list(self.streams.live_calls()):
-            heir = self._heir()
-            if heir is None:
-                break
-            if self.migration.start(self.scheduler, rids, heir, reason):
-                moved += len(rids)
-        return moved
+    # --- placement: the fleet decides, the engine moves -----------------------------------------
 
-    def _migrate_one_at_random(self) -> None:
-        """STEPWISE_TEST_MIGRATE: one running call, drawn from a seeded generator, moves; only a
-        call whose samples have each made a token here (moving one before its first token on each
-        worker could go on for ever)."""
-        heir = self._heir()
-        calls = [rids for rids in self.streams.live_calls() if all(self._has_run(rid) for rid in rids)]
-        if heir is not None and calls:
-            self.migration.start(self.scheduler, self._test_rng.choice(calls), heir, "test")
+    def _place(self) -> None:
+        """After a step: the moves the fleet decides for this worker's calls (core/fleet/)."""
+        plan = self.fleet.place(self, self.rules)
+        if plan.spill is not None:
+            self._spill(plan.spill)
+        for move in plan.moves:
+            self.start_move(move)
 
-    def room(self, steps: int) -> balance.Room:
-        """This worker's KV once its running requests have decoded `steps` more (balance.py)."""
+    def start_move(self, move: Move) -> bool:
+        """Start migrating a call (migration.py); False when it cannot start."""
+        destination = self.fleet.member(move.to)
+        if destination is None:
+            return False
+        return self.migration.start(self.scheduler, list(move.rids), destination, move.reason, move.precopy)
+
+    def room(self, steps: int) -> Room:
+        """This worker's KV once its running requests have decoded `steps` more (fleet/balance.py)."""
         sched = self.scheduler  # waiting: what the latest plan did not admit
-        return balance.Room(sched.decode_headroom(steps), sched.capacity, len(sched.waiting))
+        return Room(sched.decode_headroom(steps), sched.capacity, len(sched.waiting))
 
-    def _balance(self) -> None:
-        """KV room across workers (balance.py). When a retraction may come within the look-ahead,
-        the scheduler is told where to send its victims instead (`spill_to`: the roomiest worker),
-        and running calls move there ahead of it, in the order a retraction would release them, as
-        many as cover the shortfall; for a queue beside another worker's free KV, one. The next
-        decision waits for these moves' outcomes."""
-        steps = self.config.kv_balance_steps
-        here = self.room(steps)
-        if not self.serving or (here.headroom >= 0 and not here.queued):
-            self._spill(None, 0)
-            return  # the common case: two reads
-        assert self._peers is not None
-        peers = {e.worker: e for e in self._same_role_peers()}
-        rooms = {worker: engine.room(steps) for worker, engine in peers.items()}
-        target = balance.roomiest(rooms)
-        if target is None:
-            self._spill(None, 0)
-            return
-        there = rooms[target]
-        self._spill(peers[target] if here.headroom < 0 else None, there.headroom)
-        why = balance.why_move(here, there, self.config.kv_balance_threshold)
-        if why is None or self.migration.underway(balance.REASONS):
-            return
-        short = -here.headroom
-        calls = {rid: call for call in self.streams.live_calls() for rid in call}
-        for rid in self.scheduler.retraction_order():
-            call = calls.pop(rid, None)
-            if call is None or not all(self._has_run(r) for r in call):
-                continue
-            reqs = [r for r in map(self.scheduler.running_request, call) if r is not None]
-            if any(r.max_new_tokens - r.num_outputs <= steps for r in reqs):
-                continue  # it ends within the look-ahead anyway
-            tokens = sum(r.kv_allocated_len for r in reqs)
-            growth = steps * len(call)
-            if not balance.fits(why, here, there, tokens, growth):
-                continue
-            if not self.migration.start(self.scheduler, call, peers[target], why):
-                continue
-            short -= tokens + growth
-            if why != balance.KV or short <= 0:
-                return
-            there = balance.Room(there.headroom - tokens - growth, there.capacity, there.queued)
+    def calls(self, steps: int, by_retraction: bool) -> Iterator[Call]:
+        """The live calls as placement sees them: as they came, or (`by_retraction`) in the order a
+        retraction would release them (then only those running)."""
+        live = list(self.streams.live_calls())
+        if by_retraction:
+            of = {rid: tuple(call) for call in live for rid in call}
+            order = dict.fromkeys(of[rid] for rid in self.scheduler.retraction_order() if rid in of)
+            live = [list(call) for call in order]
+        for rids in live:
+            reqs = [self.scheduler.running_request(rid) for rid in rids]
+            running = [r for r in reqs if r is not None]
+            yield Call(
+                tuple(rids),
+                tokens=sum(r.kv_allocated_len for r in running),
+                movable=len(running) == len(rids) and not any(map(self.migration.moving, rids)),
+                started=all(r.num_outputs > 0 for r in running),
+                ends_soon=any(r.max_new_tokens - r.num_outputs <= steps for r in running),
+            )
 
-    def _same_role_peers(self) -> list[Engine]:
-        """The other workers this one can migrate to that have its role (decode workers balance
-        among themselves, mixed among themselves)."""
-        assert self._peers is not None
-        role = self.limits.role
-        return [e for e in self._peers() if e.limits.role == role and not self.migration.can_reach(e)]
+    def balancing(self) -> bool:
+        return self.migration.underway(BALANCE_REASONS)
 
-    def _to_decode(self) -> None:
-        """A prefill worker: each call whose samples each have their first token moves to the least
-        loaded decode worker with room for it and its next kv_balance_steps tokens, at once, its
-        whole KV in one copy (docs/migration.md#prefill-and-decode-workers); with none, it decodes
-        here meanwhile."""
-        assert self._peers is not None
-        steps = self.config.kv_balance_steps
-        calls = [c for c in self.streams.live_calls() if all(self._has_run(r) for r in c)]
-        if not calls:
-            return
-        decoders = [e for e in self._peers() if e.limits.role == "decode" and not self.migration.can_reach(e)]
-        rooms = {e.worker: e.room(steps).headroom for e in decoders}
-        loads = {e.worker: sum(e.load()) for e in decoders}  # counting the moves this turn starts
-        for call in calls:
-            reqs = [r for r in map(self.scheduler.running_request, call) if r is not None]
-            need = sum(r.kv_allocated_len for r in reqs) + steps * len(call)
-            fitting = [e for e in decoders if rooms[e.worker] >= need]
-            if not fitting:
-                continue
-            target = min(fitting, key=lambda e: (loads[e.worker], -rooms[e.worker], e.worker))
-            if self.migration.start(self.scheduler, call, target, "pd", precopy=False):
-                rooms[target.worker] -= need
-                loads[target.worker] += len(call)
-
-    def _spill(self, destination: Engine | None, tokens: int) -> None:
+    def _spill(self, spill: Spill) -> None:
         """Where the scheduler's retractions go instead (None: nowhere, they retract)."""
-        if destination is None and self._spill_to is None:
+        if spill.to is None and self._spill_to is None:
             return
-        self._spill_to = destination if tokens > 0 else None
+        self._spill_to = self.fleet.member(spill.to) if spill.to is not None and spill.tokens > 0 else None
         address = self._spill_to.limits.transfer_address if self._spill_to is not None else ""
-        self.scheduler.spill_to(address, tokens)
+        self.scheduler.spill_to(address, spill.tokens)
 
     def _emigrate(self) -> None:
         """The latest plan sent requests to the spill worker instead of retracting them: each
@@ -626,10 +559,6 @@ class Engine:
             assert sample is not None and destination is not None  # running here; spill_to was set
             orphan = orphan_of(emigrant.req, sample)
             self.migration.spilled(orphan, emigrant.transfer_id, emigrant.tokens, destination)
-
-    def _has_run(self, rid: str) -> bool:
-        req = self.scheduler.running_request(rid)
-        return req is not None and req.num_outputs > 0 and not self.migration.moving(rid)
 
     async def _depart(self) -> None:
         self.departed = True

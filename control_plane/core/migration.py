@@ -41,6 +41,7 @@ from typing import Protocol
 import structlog
 
 from control_plane import metrics
+from control_plane.core.fleet import unreachable
 from control_plane.core.handover import orphan_of
 from control_plane.core.inbox import Forget, Immigrant, LiveSample, Orphan, Precopied
 from control_plane.core.publisher import Streams
@@ -205,20 +206,9 @@ class Migrations:
 
     def can_reach(self, destination: Destination) -> str:
         """Why a request cannot migrate to `destination` ("" when it can)."""
-        if destination.worker == self._worker:
-            return "it is this worker"
-        if not destination.serving:
+        if destination.worker != self._worker and not destination.serving:
             return f"worker {destination.worker} takes no requests"
-        if not self._limits.transfer_address or not destination.limits.transfer_address:
-            return "a worker serves no KV transfer link"
-        mine, theirs = self._limits, destination.limits
-        if (mine.page_size, mine.dtype, mine.model_fingerprint) != (
-            theirs.page_size,
-            theirs.dtype,
-            theirs.model_fingerprint,
-        ):
-            return "the workers differ in page size, dtype or model"
-        return ""
+        return unreachable(self._limits, destination.limits)
 
     def start(
         self,

@@ -15,9 +15,10 @@ import structlog
 
 from control_plane.core import engine as engine_module
 from control_plane.core.drain import DRAINED, Departure
+from control_plane.core.fleet import Fleet as WorkerFleet
+from control_plane.core.fleet import Router
 from control_plane.core.handover import WorkerGone
 from control_plane.core.inbox import LiveSample, Orphan, Verdict
-from control_plane.core.router import Router
 from control_plane.link import UID_LINK_SHIFT
 from control_plane.request import FinishReason, RequestParams
 from control_plane.tokenizer import Tokenizer
@@ -394,20 +395,19 @@ class Fleet:
 
     def __init__(self) -> None:
         self.hub = FakeHub()
-        self.router = Router("test")
+        self.router = Router[engine_module.Engine]("test")
+        fleet = WorkerFleet(self.router)
         self.a, channel, _ = make_engine(
             1000,
             step_s=0.002,
             worker_id="a",
             hub=self.hub,
-            successor=self.router.successor,
+            fleet=fleet,
             channel_class=EndingChannel,
         )
         assert isinstance(channel, EndingChannel)
         self.channel = channel
-        self.b, _, _ = make_engine(
-            1000, step_s=0.002, worker_id="b", hub=self.hub, successor=self.router.successor
-        )
+        self.b, _, _ = make_engine(1000, step_s=0.002, worker_id="b", hub=self.hub, fleet=fleet)
         self.tasks: dict[str, asyncio.Task[None]] = {}
         for engine in (self.a, self.b):
             self.router.attach(engine)

@@ -1,0 +1,81 @@
+"""One control plane's workers as each worker's engine sees the others: the object an engine is
+given instead of reaching for other engines itself.
+
+It reads the plain values placement decides from off the live members (their rooms, loads and
+roles), asks placement.py, and hands the plan back to the engine that asked, which starts the
+moves. What spans workers is kept here: the test knob's seeded generators.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from typing import Generic, TypeVar
+
+from control_plane.core.fleet import placement
+from control_plane.core.fleet.member import Member
+from control_plane.core.fleet.placement import NO_ROOM, NO_SPILL, Peer, Plan, Rules, unreachable
+from control_plane.core.fleet.router import Router
+
+M = TypeVar("M", bound=Member)
+
+
+class Fleet(Generic[M]):
+    def __init__(
+        self, router: Router[M] | None = None, on_leaving: Callable[[M], None] | None = None
+    ) -> None:
+        # A fleet of one (no router given): no heir, no peers.
+        self.router: Router[M] = router if router is not None else Router("")
+        self._on_leaving = on_leaving
+        self._rngs: dict[str, random.Random] = {}
+
+    def heir(self, member: M) -> M | None:
+        """Who continues a lost or leaving worker's requests (the router's successor)."""
+        return self.router.successor(member)
+
+    def member(self, worker: str) -> M | None:
+        """The attached engine of `worker`."""
+        return self.router.engines.get(worker)
+
+    def leaving(self, member: M) -> None:
+        """`member` started to drain or move away."""
+        if self._on_leaving is not None:
+            self._on_leaving(member)
+
+    # --- placement ------------------------------------------------------------------------------
+
+    def place(self, member: M, rules: Rules) -> Plan:
+        """After a step of `member`'s worker: what moves (and where its retractions spill)."""
+        steps = rules.steps
+        if rules.test_interval and member.steps % rules.test_interval == 0:
+            rng = self._rngs.setdefault(member.worker, random.Random(member.worker))
+            return placement.one_at_random(member.calls(steps, False), self._peers(member, steps), rng)
+        if member.limits.role == "prefill":
+            ready = [c for c in member.calls(steps, False) if c.ready]
+            if not ready:
+                return Plan()
+            return placement.to_decode(ready, self._peers(member, steps, "decode", True), steps)
+        if not rules.kv_balance:
+            return Plan()
+        here = member.room(steps)
+        if not member.serving or (here.headroom >= 0 and not here.queued):
+            return Plan(spill=NO_SPILL)  # the common case: two reads
+        peers = self._peers(member, steps, member.limits.role, True)
+        return placement.balance(here, peers, member.calls(steps, True), rules, member.balancing())
+
+    def drain(self, member: M) -> Plan:
+        """A turn of `member` leaving: where each of its calls goes."""
+        return placement.drain(member.calls(0, False), self._peers(member, 0))
+
+    def _peers(self, member: M, steps: int, role: str | None = None, rooms: bool = False) -> list[Peer]:
+        """The workers `member` can move calls to now (of `role`, when given): serving and
+        reachable, with their rooms when asked."""
+        peers = []
+        for other in self.router.available():
+            if other is member or (role is not None and other.limits.role != role):
+                continue
+            if unreachable(member.limits, other.limits):
+                continue
+            room = other.room(steps) if rooms else NO_ROOM
+            peers.append(Peer(other.worker, other.limits.role, room, sum(other.load())))
+        return peers
