@@ -12,7 +12,9 @@ what the frontends hear of them, through the hub's Publisher), HandOver (handove
 worker's requests continue on another engine; a fault of our own restarts the scheduler), Drain
 (drain.py: a worker that drains or is asked to move), Migrations (migration.py: running requests
 that move to another worker with their KV, or come here so), Timeouts (timeouts.py), StepLog
-(step_log.py: log lines and metrics); worker_checks.py checks every result.
+(step_log.py: log lines and metrics), Books (books.py: the worker's report against the books, the
+pool's invariants); worker_checks.py checks every result. What spans workers (who inherits, which
+calls move where) the Fleet decides (core/fleet/).
 
 Every request ends with its tokens or an explicit finish reason, whichever way `run` ends. A lost
 worker (WorkerGone: its stream broke or it failed a step; WorkerFault: it broke the protocol or
@@ -43,8 +45,9 @@ from typing import Protocol
 import structlog
 
 from control_plane import metrics
-from control_plane.cache.invariants import InvariantError, PoolCheck, check_pool_invariants
+from control_plane.cache.invariants import InvariantError
 from control_plane.config import ControlConfig
+from control_plane.core.books import Books
 from control_plane.core.drain import Departure, Drain, Leaving
 from control_plane.core.fleet import BALANCE_REASONS, Call, Fleet, Move, Room, Rules, Spill
 from control_plane.core.handover import HandOver, WorkerGone, orphan_of
@@ -73,8 +76,6 @@ from protos.worker import StepPlan, StepResult, TransferOutcome, WorkerLimits
 
 log = structlog.get_logger("stepwise.engine")
 
-# Work units of the idle pool check per slice (about a millisecond), between which the loop yields.
-IDLE_CHECK_BUDGET = 4096
 SEED_SPACE = 1 << 64
 SHUTTING_DOWN = "control plane is shutting down"
 
@@ -158,16 +159,10 @@ class Engine:
         self.fault: str | None = None
         # The next plan tells the worker to forget everything (after _recover).
         self._reset_worker = False
-        # The pool has changed since its last complete idle check.
-        self._pool_dirty = True
-        # Books vs. the worker's report (checked every step).
-        self.kv_mismatches = 0
-        self.reported_kv = (0, 0)
+        self.books = Books(
+            self.worker, limits.kv_capacity_tokens, config.scheduler.strict_invariants, self.log
+        )
         self.steps: int = 0
-        # The worker's idle gap before each of its recent steps (GetServerInfo shows percentiles).
-        self.waits: deque[float] = deque(maxlen=1000)
-        self.wait_total_s = 0.0
-        self.step_total_s = 0.0
 
     @property
     def leaving(self) -> Leaving | None:
@@ -441,17 +436,13 @@ class Engine:
             return
         check_result(plan, result, self.limits.vocab_size)
         self.handover.step_completed()
-        self._pool_dirty = True
-        self._check_books(plan.step_id, flight.books, result)
+        self.books.check(plan.step_id, flight.books, result)
         self.scheduler.apply_result(result)
         self.migration.note_tokens(self.scheduler)
         self.steps += 1
-        self.waits.append(result.wait_s)
-        self.wait_total_s += result.wait_s
-        self.step_total_s += result.forward_s
-        self.step_log.metrics.worker_wait.observe(result.wait_s)
+        self.step_log.timed(result.wait_s, result.forward_s)
         if self.config.scheduler.strict_invariants:
-            self._check_invariants()
+            self.books.check_pool(self.scheduler)
         self.step_log.record(plan, flight.stats, self.scheduler)
         self._place()
 
@@ -472,7 +463,9 @@ class Engine:
     async def _idle(self) -> None:
         if self.scheduler.is_idle:
             self.scheduler.on_idle()
-            await self._check_pool_while_idle()
+            await self.books.check_pool_while_idle(
+                self.scheduler, lambda: bool(self._inbox) or self._stopping
+            )
         self._wake.clear()
         if self._inbox or self._stopping or (self.leaving is not None and not self.leaving.begun):
             return
@@ -581,7 +574,7 @@ class Engine:
         self._spill_to = None  # the fresh scheduler has none
         self._forget_in_flight()
         self.migration.recovered()
-        self._reset_worker, self._pool_dirty = True, True
+        self._reset_worker, self.books.pool_dirty = True, True
         self._inbox.extend(orphans)
 
     def _waiting_rids(self) -> set[str]:
@@ -642,55 +635,6 @@ class Engine:
         aborted with the same reason. Its frontend has ended the stream already."""
         if not self.scheduler.finish(item.rid, item.reason):
             self.scheduler.abort(item.rid, item.reason)
-
-    # --- timeouts, books, invariants ------------------------------------------------------------------
-
-    def _check_books(self, step_id: int, expected: tuple[int, int], result: StepResult) -> None:
-        reported = (result.kv.live_seqs, result.kv.seq_slots)
-        self.reported_kv = reported
-        if reported != expected or result.kv.capacity_tokens != self.limits.kv_capacity_tokens:
-            self.kv_mismatches += 1
-            metrics.KV_BOOK_MISMATCHES.labels(self.worker).inc()
-            self.log.error(
-                "kv books mismatch",
-                step=step_id,
-                book_live_seqs=expected[0],
-                book_seq_slots=expected[1],
-                worker_live_seqs=reported[0],
-                worker_seq_slots=reported[1],
-                worker_capacity=result.kv.capacity_tokens,
-            )
-
-    async def _check_pool_while_idle(self) -> None:
-        """The pool invariants, in slices of about a millisecond with the loop free between them.
-
-        Only the engine's own loop changes the scheduler, and it is here; arrivals and aborts wait
-        in the inbox. So the state holds still across slices, and the check is dropped (to start
-        afresh at the next idle time) as soon as work arrives.
-        """
-        if not self._pool_dirty:
-            return
-        sched = self.scheduler
-        check = PoolCheck(sched.kv.allocator, sched.kv.tree, sched.private_slots())
-        while not self._inbox and not self._stopping:
-            try:
-                done = check.run(IDLE_CHECK_BUDGET)
-            except InvariantError as exc:
-                self.log.error("kv pool invariant violated", error=str(exc))
-                done = True
-            if done:
-                self._pool_dirty = False
-                return
-            await asyncio.sleep(0)
-
-    def _check_invariants(self) -> None:
-        sched = self.scheduler
-        try:
-            check_pool_invariants(sched.kv.allocator, sched.kv.tree, sched.private_slots())
-        except AssertionError as exc:
-            self.log.error("kv pool invariant violated", error=str(exc))
-            if self.config.scheduler.strict_invariants:
-                raise
 
 
 def _verdict(exc: Exception) -> Verdict:

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import structlog
 
+from control_plane.core import books as books_module
 from control_plane.core import engine as engine_module
 from control_plane.core.drain import DRAINED, Departure
 from control_plane.core.fleet import Fleet as WorkerFleet
@@ -201,7 +202,7 @@ async def test_a_fault_of_ours_restarts_the_scheduler_and_requests_continue(toke
     await _released(channel)
     engine.stop()
     await task
-    assert engine.kv_mismatches == 0
+    assert engine.books.kv_mismatches == 0
 
 
 async def test_a_request_that_keeps_faulting_ends_with_an_abort(tokenizer: Tokenizer) -> None:
@@ -284,16 +285,16 @@ def test_largest_seed_wraps_for_parallel_samples() -> None:
 async def test_the_idle_pool_check_runs_in_slices_and_yields_between_them(
     tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(engine_module, "IDLE_CHECK_BUDGET", 1)
+    monkeypatch.setattr(books_module, "IDLE_CHECK_BUDGET", 1)
     slices: list[int] = []
     ticks = {"n": 0}
-    run = engine_module.PoolCheck.run
+    run = books_module.PoolCheck.run
 
     def counted(self, budget: int) -> bool:  # type: ignore[no-untyped-def]
         slices.append(ticks["n"])
         return run(self, budget)
 
-    monkeypatch.setattr(engine_module.PoolCheck, "run", counted)
+    monkeypatch.setattr(books_module.PoolCheck, "run", counted)
 
     async def ticker() -> None:
         while True:
@@ -304,7 +305,7 @@ async def test_the_idle_pool_check_runs_in_slices_and_yields_between_them(
     task = asyncio.create_task(engine.run())
     tick = asyncio.create_task(ticker())
     await finished(hub, submit(engine, "r", tokenizer.encode("Once upon a time"), _params(6)))
-    while engine._pool_dirty:
+    while engine.books.pool_dirty:
         await asyncio.sleep(0.01)
     engine.stop()
     await task
