@@ -378,6 +378,7 @@ class Engine:
         answer at once), and every one still here ends with an abort: those in the inbox too, their
         calls let through to read it."""
         self._closed = True
+        self.fleet.gone(self)
         self._inbox.clear()
         self.migration.abort_all(SHUTTING_DOWN)
         self.streams.abort_all(SHUTTING_DOWN)
@@ -534,6 +535,13 @@ class Engine:
 
     def balancing(self) -> bool:
         return self.migration.underway(BALANCE_REASONS)
+
+    def destination_gone(self, worker: str, why: str) -> None:
+        """`worker` left or was lost: each copy on its way there from here fails now, so its call
+        goes on here (or recomputes on an heir) instead of waiting on an outcome that may never
+        come (a hung destination's)."""
+        for transfer_id in self.migration.bound_for(worker):
+            self.copy_arrived(TransferOutcome(transfer_id, error=why), worker)
 
     def _spill(self, spill: Spill) -> None:
         """Where the scheduler's retractions go instead (None: nowhere, they retract)."""

@@ -190,6 +190,11 @@ class Migrations:
         """How long an idle loop may sleep (None: as long as it likes)."""
         return POLL_S if self.busy else None
 
+    def bound_for(self, worker: str) -> list[str]:
+        """The transfers on their way to `worker` whose outcome is still to come."""
+        pending = [t for t, c in self.precopies.items() if c.destination.worker == worker and t in c.pending]
+        return pending + [t for t, e in self.exports.items() if e.destination.worker == worker]
+
     def in_transit(self, which: Callable[[LiveSample], bool]) -> list[LiveSample]:
         """Switched samples whose tail is on its way (in no engine's streams), those `which` picks."""
         return [e.orphan.sample for e in self.exports.values() if which(e.orphan.sample)]

@@ -3,7 +3,10 @@ given instead of reaching for other engines itself.
 
 It reads the plain values placement decides from off the live members (their rooms, loads and
 roles), asks placement.py, and hands the plan back to the engine that asked, which starts the
-moves. What spans workers is kept here: the test knob's seeded generators.
+moves. What spans workers is kept here: the test knob's seeded generators. When a worker leaves
+or its loop ends, every copy on its way to it from another worker fails at once (`leaving`,
+`gone`): the calls go on at their sources (or recompute on an heir, when they had switched)
+instead of waiting on a destination that will not report.
 """
 
 from __future__ import annotations
@@ -41,6 +44,16 @@ class Fleet(Generic[M]):
         """`member` started to drain or move away."""
         if self._on_leaving is not None:
             self._on_leaving(member)
+        self._release(member, f"worker {member.worker} is leaving")
+
+    def gone(self, member: M) -> None:
+        """`member`'s loop ended (lost, dropped, drained or stopped)."""
+        self._release(member, f"worker {member.worker} is gone")
+
+    def _release(self, member: M, why: str) -> None:
+        for engine in list(self.router.engines.values()):
+            if engine is not member:
+                engine.destination_gone(member.worker, why)
 
     # --- placement ------------------------------------------------------------------------------
 

@@ -1,5 +1,5 @@
 """What the fleet reads of one worker's engine, and tells it (core/engine.py is the one; tests and
-a simulator bring their own). The fleet decides; the engine acts."""
+a simulator bring their own). The fleet decides; the engine acts (`start_move`, `destination_gone`)."""
 
 from __future__ import annotations
 
@@ -61,3 +61,7 @@ class Member(Protocol):
     def knows(self, rid: str) -> bool: ...
 
     def stop(self) -> None: ...
+
+    def destination_gone(self, worker: str, why: str) -> None:
+        """`worker` left or was lost: every copy from here to it fails now."""
+        ...
