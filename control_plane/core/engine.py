@@ -37,7 +37,7 @@ import asyncio
 import contextlib
 import dataclasses
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol
@@ -535,6 +535,9 @@ class Engine:
 
     def balancing(self) -> bool:
         return self.migration.underway(BALANCE_REASONS)
+
+    def heading(self) -> Counter[str]:
+        return self.migration.heading()
 
     def destination_gone(self, worker: str, why: str) -> None:
         """`worker` left or was lost: each copy on its way there from here fails now, so its call

@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -189,6 +190,15 @@ class Migrations:
     def wait_s(self) -> float | None:
         """How long an idle loop may sleep (None: as long as it likes)."""
         return POLL_S if self.busy else None
+
+    def heading(self) -> Counter[str]:
+        """Samples moving from here whose copy has had no outcome yet, by destination worker."""
+        counts: Counter[str] = Counter()
+        for copy in {id(c): c for c in self.precopies.values()}.values():
+            counts[copy.destination.worker] += len(copy.rids)
+        for export in self.exports.values():
+            counts[export.destination.worker] += 1
+        return counts
 
     def bound_for(self, worker: str) -> list[str]:
         """The transfers on their way to `worker` whose outcome is still to come."""

@@ -12,6 +12,7 @@ instead of waiting on a destination that will not report.
 from __future__ import annotations
 
 import random
+from collections import Counter
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
@@ -82,7 +83,11 @@ class Fleet(Generic[M]):
 
     def _peers(self, member: M, steps: int, role: str | None = None, rooms: bool = False) -> list[Peer]:
         """The workers `member` can move calls to now (of `role`, when given): serving and
-        reachable, with their rooms when asked."""
+        reachable, with their rooms when asked; a worker's load counts the samples on their way to
+        it (a hung destination's copies never land: without them it would stay the least loaded)."""
+        heading: Counter[str] = Counter()
+        for engine in self.router.engines.values():
+            heading.update(engine.heading())
         peers = []
         for other in self.router.available():
             if other is member or (role is not None and other.limits.role != role):
@@ -90,5 +95,6 @@ class Fleet(Generic[M]):
             if unreachable(member.limits, other.limits):
                 continue
             room = other.room(steps) if rooms else NO_ROOM
-            peers.append(Peer(other.worker, other.limits.role, room, sum(other.load())))
+            load = sum(other.load()) + heading[other.worker]
+            peers.append(Peer(other.worker, other.limits.role, room, load))
         return peers

@@ -3,6 +3,7 @@ a simulator bring their own). The fleet decides; the engine acts (`start_move`, 
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable
 from typing import Protocol
 
@@ -56,6 +57,10 @@ class Member(Protocol):
 
     def balancing(self) -> bool:
         """A move it started for KV room has not had its outcome yet."""
+        ...
+
+    def heading(self) -> Counter[str]:
+        """Samples moving from here whose copy has had no outcome yet, by destination worker."""
         ...
 
     def knows(self, rid: str) -> bool: ...

@@ -15,8 +15,10 @@ Four reasons, one decision per step, tried in this order:
 
 A call is "ready" when each of its samples made a token here (moving one before its first token on
 each worker could go on for ever) and none is moving already; only movable calls (every sample
-running here, none moving) are ever returned, each at most once. A hand-off counts toward its
-target's load at once, so a burst spreads. A candidate on probation gets at most one move per
+running here, none moving) are ever returned, each at most once. A candidate's load counts the
+calls on their way to it, and each hand-off or drain move counts toward its target at once, so a
+burst spreads instead of piling on the worker that was idlest before it (a hung one, whose copies
+never land, stays idlest for ever otherwise). A candidate on probation gets at most one move per
 decision.
 """
 
@@ -188,11 +190,18 @@ def balance(here: Room, peers: Sequence[Peer], calls: Iterable[Call], rules: Rul
 
 
 def drain(calls: Iterable[Call], peers: Sequence[Peer]) -> Plan:
-    """A leaving worker: every movable call to the least loaded peer."""
-    target = min(peers, key=lambda p: (p.load, p.worker), default=None)
-    if target is None:
-        return Plan()
-    movable = [c for c in calls if c.movable]
-    if target.once:
-        movable = movable[:1]
-    return Plan(tuple(Move(c.rids, target.worker, "drain") for c in movable))
+    """A leaving worker: each movable call to the least loaded peer, counting each move."""
+    loads = {p.worker: p.load for p in peers}
+    once = {p.worker for p in peers if p.once}
+    moves = []
+    for call in calls:
+        if not loads:
+            break
+        if not call.movable:
+            continue
+        target = min(loads, key=lambda w: (loads[w], w))
+        moves.append(Move(call.rids, target, "drain"))
+        loads[target] += len(call.rids)
+        if target in once:
+            del loads[target]
+    return Plan(tuple(moves))

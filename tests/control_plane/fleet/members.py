@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -25,6 +26,8 @@ class FakeMember:
     attached_at: float = 0.0
     leaving: object | None = None
     scheduler: object = None
+    # Samples moving from here, by destination, whose copies have had no outcome.
+    moving_to: Counter[str] = field(default_factory=Counter)
 
     def __post_init__(self) -> None:
         address = f"{self.worker}:1" if self.transfer else ""
@@ -43,6 +46,12 @@ class FakeMember:
 
     def balancing(self) -> bool:
         return self.underway
+
+    def heading(self) -> Counter[str]:
+        return self.moving_to
+
+    def destination_gone(self, worker: str, why: str) -> None:
+        self.moving_to.pop(worker, None)
 
     def knows(self, rid: str) -> bool:
         return any(rid in c.rids for c in self.live)

@@ -147,3 +147,17 @@ async def test_a_destination_that_goes_away_releases_the_copies_on_their_way_to_
         assert stream.finished is not None and stream.finished.kind is FinishKind.LENGTH
         assert stream.tokens == await _alone(60, PROMPT)
         assert plane.engines["d1"].migration.migrated_in == 1
+
+
+async def test_calls_in_transit_count_in_a_destinations_load() -> None:
+    """Ten new streams with d0 hung: each hand-off counts toward its destination at once, so d0,
+    whose copies never land, does not stay the least loaded and take them all (before: all ten went
+    to d0 and sat after their first token)."""
+    async with _plane(PD) as plane:
+        p, d1 = plane.engines["p"], plane.engines["d1"]
+        plane.channels["p"].hung.add("d0:1")
+        for i in range(10):
+            plane.send(f"r{i}", 200, [30 + i, *PROMPT])
+            await asyncio.sleep(0.004)
+        await _until(lambda: _exports_to(p, "d0") + d1.migration.migrated_in == 10, "ten hand-offs")
+        assert d1.migration.migrated_in >= 4, (_exports_to(p, "d0"), d1.migration.migrated_in)

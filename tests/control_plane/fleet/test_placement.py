@@ -90,10 +90,11 @@ def test_no_move_while_one_of_its_reasons_is_underway() -> None:
 # --- drain and the test knob -----------------------------------------------------------------------
 
 
-def test_a_drain_sends_every_movable_call_to_the_least_loaded() -> None:
+def test_a_drain_spreads_every_movable_call_over_the_least_loaded() -> None:
     calls = [_call("a"), _call("b", samples=2), _call("c", movable=False), _call("d")]
     plan = drain(calls, [Peer("x", load=0), Peer("y", load=1)])
-    assert [(m.rids, m.to) for m in plan.moves] == [(("a",), "x"), (("b/0", "b/1"), "x"), (("d",), "x")]
+    # a: x (0 < 1); b: x again (1 = 1, the smaller id), x now 3; d: y.
+    assert [(m.rids, m.to) for m in plan.moves] == [(("a",), "x"), (("b/0", "b/1"), "x"), (("d",), "y")]
 
 
 def test_the_test_knob_moves_one_ready_call_drawn_from_its_generator() -> None:
@@ -188,11 +189,10 @@ def test_a_drain_empties_its_worker(calls: list[Call], peers: list[Peer]) -> Non
     plan = drain(calls, peers)
     _check_common(calls, peers, plan.moves, ready_only=False)
     movable = [c.rids for c in calls if c.movable]
-    target = min(peers, key=lambda p: (p.load, p.worker), default=None)
-    if target is not None and not target.once:
+    if any(not p.once for p in peers):
         assert sorted(m.rids for m in plan.moves) == sorted(movable)
     else:
-        assert len(plan.moves) == min(len(movable), len(peers), 1)
+        assert len(plan.moves) == min(len(movable), len(peers))
 
 
 # --- the fleet reads the members and keeps to roles and reachability -----------------------------
@@ -230,3 +230,14 @@ def test_the_fleet_moves_calls_only_to_serving_reachable_workers_of_the_right_ro
     for move in fleet.drain(me).moves:
         target = router.engines[move.to]
         assert target is not me and target.serving and target.transfer
+
+
+def test_calls_on_their_way_to_a_worker_count_in_its_load() -> None:
+    """d0's copies from p hang (it never reports them): counted, d0 is no longer the least loaded."""
+    router: Router[FakeMember] = Router("m")
+    p = FakeMember("p", "prefill", live=[_call("new")], moving_to=Counter({"d0": 2}))
+    for member in (p, FakeMember("d0", "decode"), FakeMember("d1", "decode", running=1)):
+        router.attach(member)
+    assert [m.to for m in Fleet(router).place(p, RULES).moves] == ["d1"]
+    p.moving_to.clear()
+    assert [m.to for m in Fleet(router).place(p, RULES).moves] == ["d0"]
