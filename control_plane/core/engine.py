@@ -140,7 +140,9 @@ class Engine:
         self.streams = Streams(publisher, self.worker, self.step_log.metrics)
         self.handover = HandOver(self.streams, self.worker, self.log, self._heir)
         self.drain = Drain(config.drain_timeout_s, self.streams, self.handover, self.worker, self.log)
-        self.migration = Migrations(self.worker, limits, self.streams, self.log, self._fallback)
+        self.migration = Migrations(
+            self.worker, limits, self.streams, self.log, self._fallback, self.fleet.moved
+        )
         self.timeouts = Timeouts(config.waiting_timeout_s, config.running_timeout_s, self.streams.admitted_at)
         # A RecordingScheduler under --record DIR: every call below is also written down.
         self.scheduler: Scheduler = make_scheduler(config, limits)
@@ -507,7 +509,10 @@ class Engine:
         destination = self.fleet.member(move.to)
         if destination is None:
             return False
-        return self.migration.start(self.scheduler, list(move.rids), destination, move.reason, move.precopy)
+        if not self.migration.start(self.scheduler, list(move.rids), destination, move.reason, move.precopy):
+            return False
+        self.fleet.started(move.to)
+        return True
 
     def room(self, steps: int) -> Room:
         """This worker's KV once its running requests have decoded `steps` more (fleet/balance.py)."""

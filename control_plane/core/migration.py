@@ -136,6 +136,7 @@ class Migrations:
         streams: Streams,
         log: structlog.typing.FilteringBoundLogger,
         fallback: Callable[[], Destination | None],
+        on_outcome: Callable[[str, bool], None] = lambda _worker, _landed: None,
     ) -> None:
         self._worker = worker
         self._limits = limits
@@ -143,6 +144,8 @@ class Migrations:
         self._log = log
         # Where a request whose tail copy failed continues: this engine while it serves, else an heir.
         self._fallback = fallback
+        # Told each move's outcome, (destination worker, landed): the fleet's back-off listens.
+        self._on_outcome = on_outcome
         # By transfer id (each of a call's samples'), from the send until the call switches.
         self.precopies: dict[str, Precopy] = {}
         self.exports: dict[str, Export] = {}
@@ -398,6 +401,8 @@ class Migrations:
         ):
             why = "it ended or stopped running meanwhile"
         if why:  # it stays here
+            if copy.error:
+                self._on_outcome(destination.worker, False)
             metrics.MIGRATIONS.labels(self._worker, copy.reason, "called_off").inc()
             for transfer_id, _ in copy.sent.values():
                 destination.forget_transfer(transfer_id)
@@ -421,6 +426,7 @@ class Migrations:
             self._give_up(export, f"worker {destination.worker} left before the copy arrived")
             return
         seconds = time.monotonic() - export.started
+        self._on_outcome(destination.worker, True)
         self.migrated_out += 1
         metrics.MIGRATIONS.labels(self._worker, export.reason, "ok").inc()
         metrics.MIGRATED_TOKENS.labels(self._worker).inc(len(export.tokens))
@@ -440,6 +446,7 @@ class Migrations:
         """The tail did not arrive: the request continues here (or on an heir); the destination
         forgets both copies."""
         self.fallbacks += 1
+        self._on_outcome(export.destination.worker, False)
         metrics.MIGRATIONS.labels(self._worker, export.reason, "fallback").inc()
         self._forget_both(export)
         heir = self._fallback()

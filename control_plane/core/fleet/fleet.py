@@ -3,7 +3,8 @@ given instead of reaching for other engines itself.
 
 It reads the plain values placement decides from off the live members (their rooms, loads and
 roles), asks placement.py, and hands the plan back to the engine that asked, which starts the
-moves. What spans workers is kept here: the test knob's seeded generators. When a worker leaves
+moves. What spans workers is kept here: the back-off of destinations whose moves failed
+(backoff.py), on the clock the fleet is given, and the test knob's seeded generators. When a worker leaves
 or its loop ends, every copy on its way to it from another worker fails at once (`leaving`,
 `gone`): the calls go on at their sources (or recompute on an heir, when they had switched)
 instead of waiting on a destination that will not report.
@@ -12,25 +13,37 @@ instead of waiting on a destination that will not report.
 from __future__ import annotations
 
 import random
+import time
 from collections import Counter
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
+import structlog
+
 from control_plane.core.fleet import placement
+from control_plane.core.fleet.backoff import Backoff
 from control_plane.core.fleet.member import Member
 from control_plane.core.fleet.placement import NO_ROOM, NO_SPILL, Peer, Plan, Rules, unreachable
 from control_plane.core.fleet.router import Router
+
+log = structlog.get_logger("stepwise.fleet")
 
 M = TypeVar("M", bound=Member)
 
 
 class Fleet(Generic[M]):
     def __init__(
-        self, router: Router[M] | None = None, on_leaving: Callable[[M], None] | None = None
+        self,
+        router: Router[M] | None = None,
+        on_leaving: Callable[[M], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         # A fleet of one (no router given): no heir, no peers.
         self.router: Router[M] = router if router is not None else Router("")
         self._on_leaving = on_leaving
+        # Seconds on any monotonic clock (a simulator passes its own).
+        self._clock = clock
+        self.backoff = Backoff()
         self._rngs: dict[str, random.Random] = {}
 
     def heir(self, member: M) -> M | None:
@@ -50,6 +63,19 @@ class Fleet(Generic[M]):
     def gone(self, member: M) -> None:
         """`member`'s loop ended (lost, dropped, drained or stopped)."""
         self._release(member, f"worker {member.worker} is gone")
+        self.backoff.forget(member.worker)  # one that attaches under its id starts afresh
+
+    def started(self, worker: str) -> None:
+        """A move toward `worker` started."""
+        self.backoff.started(worker)
+
+    def moved(self, worker: str, landed: bool) -> None:
+        """A move toward `worker` had its outcome."""
+        if landed:
+            self.backoff.landed(worker)
+            return
+        seconds = self.backoff.failed(worker, self._clock())
+        log.info("a move failed: the destination sits out", worker=worker, seconds=round(seconds, 3))
 
     def _release(self, member: M, why: str) -> None:
         for engine in list(self.router.engines.values()):
@@ -83,8 +109,10 @@ class Fleet(Generic[M]):
 
     def _peers(self, member: M, steps: int, role: str | None = None, rooms: bool = False) -> list[Peer]:
         """The workers `member` can move calls to now (of `role`, when given): serving and
-        reachable, with their rooms when asked; a worker's load counts the samples on their way to
-        it (a hung destination's copies never land: without them it would stay the least loaded)."""
+        reachable, and not sitting out a back-off, with their rooms when asked; a worker's load
+        counts the samples on their way to it (a hung destination's copies never land: without them
+        it would stay the least loaded)."""
+        now = self._clock()
         heading: Counter[str] = Counter()
         for engine in self.router.engines.values():
             heading.update(engine.heading())
@@ -92,9 +120,10 @@ class Fleet(Generic[M]):
         for other in self.router.available():
             if other is member or (role is not None and other.limits.role != role):
                 continue
-            if unreachable(member.limits, other.limits):
+            if unreachable(member.limits, other.limits) or not self.backoff.allows(other.worker, now):
                 continue
             room = other.room(steps) if rooms else NO_ROOM
             load = sum(other.load()) + heading[other.worker]
-            peers.append(Peer(other.worker, other.limits.role, room, load))
+            once = self.backoff.on_probation(other.worker)
+            peers.append(Peer(other.worker, other.limits.role, room, load, once))
         return peers

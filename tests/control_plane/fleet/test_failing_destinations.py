@@ -161,3 +161,24 @@ async def test_calls_in_transit_count_in_a_destinations_load() -> None:
             await asyncio.sleep(0.004)
         await _until(lambda: _exports_to(p, "d0") + d1.migration.migrated_in == 10, "ten hand-offs")
         assert d1.migration.migrated_in >= 4, (_exports_to(p, "d0"), d1.migration.migrated_in)
+
+
+async def test_a_drain_goes_on_to_the_healthy_peer_when_another_fails_its_copies() -> None:
+    """a drains four calls with two idle peers, b first by its id; every copy to b fails. b sits
+    out after its first failures and the calls move to c; the attempts toward b stay within one
+    burst (before: a new pre-copy to b every turn, hundreds a second, and none went to c)."""
+    async with _plane({"a": "mixed", "b": "mixed", "c": "mixed"}) as plane:
+        a, c = plane.engines["a"], plane.engines["c"]
+        plane.channels["a"].failing.add("b:1")
+        prompts = [[40 + i, *PROMPT] for i in range(4)]
+        uids = [submit(a, f"r{i}", prompt, _params(400))[0] for i, prompt in enumerate(prompts)]
+        streams = [plane.hub.stream(uid) for uid in uids]
+        await _until(lambda: all(len(s.tokens) >= 2 for s in streams), "two tokens each on a")
+        a.leave(Departure.SHUTDOWN, "the worker is stopping")
+        await _until(lambda: a.departed, "a drained", timeout=20)
+        for stream, prompt in zip(streams, prompts, strict=True):
+            await asyncio.wait_for(stream.done.wait(), 20)
+            assert stream.finished is not None and stream.finished.kind is FinishKind.LENGTH
+            assert stream.tokens == await _alone(400, prompt)
+        assert c.migration.migrated_in == 4
+        assert plane.channels["a"].sent_to["b:1"] <= 4, plane.channels["a"].sent_to
