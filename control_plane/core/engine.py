@@ -388,6 +388,8 @@ class Engine:
 
     async def _iteration(self) -> None:
         self._drain_inbox()
+        if self.migration.busy:
+            self._fail_overdue_copies()
         self.migration.switch_ready(self.scheduler)
         if self._leave_turn():
             await self._depart()
@@ -550,6 +552,16 @@ class Engine:
         come (a hung destination's)."""
         for transfer_id in self.migration.bound_for(worker):
             self.copy_arrived(TransferOutcome(transfer_id, error=why), worker)
+
+    def _fail_overdue_copies(self) -> None:
+        """A copy with no word past the step deadline for its size fails (a hung destination, or
+        a send that never ends): its call goes on as after any failed copy, and the destination
+        sits out a back-off."""
+        deadline_s = self.config.limits.step_deadline_s
+        for transfer_id, worker, limit in self.migration.overdue(time.monotonic(), deadline_s):
+            self.copy_arrived(
+                TransferOutcome(transfer_id, error=f"no word on the copy within {limit:.1f} s"), worker
+            )
 
     def _spill(self, spill: Spill) -> None:
         """Where the scheduler's retractions go instead (None: nowhere, they retract)."""

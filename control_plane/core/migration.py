@@ -96,6 +96,8 @@ class Precopy:
     # Transfer ids whose outcome is still to come, and whether any failed (why).
     pending: set[str] = field(default_factory=set)
     error: str = ""
+    # When the sends were planned (time.monotonic()).
+    started: float = field(default_factory=time.monotonic)
 
 
 @dataclass(slots=True)
@@ -202,6 +204,21 @@ class Migrations:
         for export in self.exports.values():
             counts[export.destination.worker] += 1
         return counts
+
+    def overdue(self, now: float, deadline_s: Callable[[int], float]) -> list[tuple[str, str, float]]:
+        """(transfer id, destination worker, deadline) of each copy whose outcome has not come
+        within `deadline_s(positions it carries)` of its start."""
+        late = [
+            (tid, c.destination.worker, deadline_s(c.sent[rid][1]), c.started)
+            for c in {id(c): c for c in self.precopies.values()}.values()
+            for rid, (tid, _) in c.sent.items()
+            if tid in c.pending
+        ]
+        late += [
+            (tid, e.destination.worker, deadline_s(len(e.tokens) - e.start), e.started)
+            for tid, e in self.exports.items()
+        ]
+        return [(tid, worker, limit) for tid, worker, limit, started in late if now - started > limit]
 
     def bound_for(self, worker: str) -> list[str]:
         """The transfers on their way to `worker` whose outcome is still to come."""

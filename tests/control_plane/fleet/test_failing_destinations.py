@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from control_plane.config import Limits
 from control_plane.core.drain import Departure
 from control_plane.core.engine import Engine
 from control_plane.core.fleet import Fleet, Router
@@ -143,6 +144,22 @@ async def test_a_destination_that_goes_away_releases_the_copies_on_their_way_to_
             plane.tasks["d0"].cancel()
         else:
             d0.leave(Departure.SHUTDOWN, "the worker is stopping")
+        await asyncio.wait_for(stream.done.wait(), 5)
+        assert stream.finished is not None and stream.finished.kind is FinishKind.LENGTH
+        assert stream.tokens == await _alone(60, PROMPT)
+        assert plane.engines["d1"].migration.migrated_in == 1
+
+
+async def test_a_copy_with_no_word_past_the_step_timeout_fails_and_its_call_goes_on() -> None:
+    """d0 hangs while idle (never dropped: it has no step in flight) and p's copy to it never
+    reports: past --worker-step-timeout (0.3 s here) the copy counts as failed, the call goes back
+    onto p and on to d1. Before: it sat after its first tokens for as long as d0 hung."""
+    async with _plane(PD, limits=Limits(worker_step_timeout_s=0.3)) as plane:
+        p = plane.engines["p"]
+        plane.channels["p"].hung.add("d0:1")
+        uid = plane.send("r", 60)
+        stream = plane.hub.stream(uid)
+        await _until(lambda: _exports_to(p, "d0") == 1, "the hand-off to d0")
         await asyncio.wait_for(stream.done.wait(), 5)
         assert stream.finished is not None and stream.finished.kind is FinishKind.LENGTH
         assert stream.tokens == await _alone(60, PROMPT)
