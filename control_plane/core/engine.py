@@ -47,6 +47,7 @@ import structlog
 from control_plane import metrics
 from control_plane.cache.invariants import InvariantError
 from control_plane.config import ControlConfig
+from control_plane.core.admission import admit, admit_orphan
 from control_plane.core.books import Books
 from control_plane.core.drain import Departure, Drain, Leaving
 from control_plane.core.fleet import BALANCE_REASONS, Call, Fleet, Move, Room, Rules, Spill
@@ -69,14 +70,13 @@ from control_plane.core.timeouts import Timeouts
 from control_plane.core.worker_checks import WorkerFault, check_result
 from control_plane.link import link_of
 from control_plane.record.recorder import close_recording, make_scheduler
-from control_plane.request import AbortCode, FinishReason, RequestParams
+from control_plane.request import AbortCode, FinishReason
 from control_plane.scheduler.records import StepStats
-from control_plane.scheduler.scheduler import QueueFull, RequestRejected, Scheduler
+from control_plane.scheduler.scheduler import Scheduler
 from protos.worker import StepPlan, StepResult, TransferOutcome, WorkerLimits
 
 log = structlog.get_logger("stepwise.engine")
 
-SEED_SPACE = 1 << 64
 SHUTTING_DOWN = "control plane is shutting down"
 
 
@@ -617,12 +617,12 @@ class Engine:
         inbox, self._inbox = self._inbox, []
         for item in inbox:
             if isinstance(item, Arrival):
-                self._admit(item)
+                admit(self.scheduler, self.streams, item, self.log)
             elif isinstance(item, Orphan):
-                self._admit_orphan(item)
+                admit_orphan(self.scheduler, self.streams, item, self.worker)
             elif isinstance(item, Immigrant):
                 self.migration.arrive(self.scheduler, item)
-                self._admit_orphan(item.orphan)
+                admit_orphan(self.scheduler, self.streams, item.orphan, self.worker)
             elif isinstance(item, Forget | Precopied):
                 self.migration.arrive(self.scheduler, item)
             elif isinstance(item, StopItem):
@@ -630,60 +630,8 @@ class Engine:
             elif not self.scheduler.abort(item.rid, item.reason):
                 self.streams.fail(item.rid, item.reason)
 
-    def _admit(self, arrival: Arrival) -> None:
-        """Add every sample of a call, or none: a refusal withdraws the samples already queued."""
-        added: list[str] = []
-        n = len(arrival.samples)
-        try:
-            for i, sample in enumerate(arrival.samples):
-                params = _sample_params(arrival.params, i, n, sample.call)
-                self.scheduler.add_request(sample.rid, arrival.input_ids, params, uid=sample.uid)
-                added.append(sample.rid)
-        except Exception as exc:
-            verdict = _verdict(exc)
-            if verdict is Verdict.INTERNAL:
-                self.log.exception("admission failed", rid=arrival.samples[0].call)
-            for rid in added:
-                self.scheduler.abort(rid, FinishReason.abort(str(exc)))
-            self.streams.refuse(arrival.samples, verdict, str(exc))
-            return
-        self.streams.accept(arrival.samples)
-
-    def _admit_orphan(self, orphan: Orphan) -> None:
-        try:
-            self.scheduler.add_request(
-                orphan.sample.rid, orphan.input_ids, orphan.params, uid=orphan.sample.uid
-            )
-        except (QueueFull, RequestRejected, ValueError) as exc:
-            message = f"its worker went away and {self.worker} could not take it over: {exc}"
-            self.streams.finish(orphan.sample, FinishReason.abort(message))
-
     def _stop(self, item: StopItem) -> None:
         """A stop string: finish and cache a running request; a queued one (retracted meanwhile) is
         aborted with the same reason. Its frontend has ended the stream already."""
         if not self.scheduler.finish(item.rid, item.reason):
             self.scheduler.abort(item.rid, item.reason)
-
-
-def _verdict(exc: Exception) -> Verdict:
-    if isinstance(exc, QueueFull):
-        return Verdict.QUEUE_FULL
-    if isinstance(exc, RequestRejected):
-        return Verdict.REJECTED
-    if isinstance(exc, ValueError):
-        return Verdict.DUPLICATE
-    return Verdict.INTERNAL
-
-
-def _sample_params(params: RequestParams, index: int, n: int, group: str) -> RequestParams:
-    """Sample i of n: seed + i, and a group name so the samples are retracted together or not at all.
-    Only sample 0 scores the prompt (the call hears its prompt log probabilities once); the others
-    match the prefix cache as usual."""
-    if n == 1:
-        return params
-    seed = params.sampler.seed
-    # Seeds are uint64 on the wire: sample i's seed wraps around rather than overflowing.
-    wrapped = None if seed is None else (seed + index) % SEED_SPACE
-    sampler = params.sampler if wrapped is None else dataclasses.replace(params.sampler, seed=wrapped)
-    start = params.logprob_start_len if index == 0 else -1
-    return dataclasses.replace(params, sampler=sampler, group=group, logprob_start_len=start)

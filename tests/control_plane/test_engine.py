@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import structlog
 
+from control_plane.core import admission
 from control_plane.core import books as books_module
 from control_plane.core import engine as engine_module
 from control_plane.core.drain import DRAINED, Departure
@@ -278,7 +279,7 @@ async def test_a_refused_arrival_gets_its_verdict_and_nothing_else(tokenizer: To
 def test_largest_seed_wraps_for_parallel_samples() -> None:
     """Seeds are uint64 on the wire: sample 1 of seed 2^64-1 gets 0, not an overflow in the codec."""
     params = RequestParams(max_new_tokens=3, sampler=SamplerParams(temperature=1.0, seed=2**64 - 1))
-    seeds = [engine_module._sample_params(params, i, 2, "g").sampler.seed for i in range(2)]
+    seeds = [admission.sample_params(params, i, 2, "g").sampler.seed for i in range(2)]
     assert seeds == [2**64 - 1, 0]
 
 
