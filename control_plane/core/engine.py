@@ -57,7 +57,7 @@ from control_plane.core.inbox import (
     Arrival,
     Forget,
     Immigrant,
-    Item,
+    Inbox,
     Orphan,
     Precopied,
     StopItem,
@@ -148,8 +148,7 @@ class Engine:
         self.scheduler: Scheduler = make_scheduler(config, limits)
         self.depth = 2 if config.overlap else 1
         self._inflight: deque[InFlight] = deque()
-        self._inbox: list[Item] = []
-        self._wake = asyncio.Event()
+        self.inbox = Inbox()
         self._stopping = False
         # The loop has ended (or will never run): nothing may wait here any more.
         self._closed = False
@@ -193,15 +192,12 @@ class Engine:
             self.streams.refuse(arrival.samples, Verdict.UNAVAILABLE, f"worker {self.worker} is gone")
             return
         self.streams.arrive(arrival.samples)
-        self._inbox.append(arrival)
-        self._wake.set()
+        self.inbox.put(arrival)
 
     def abort(self, rid: str, message: str, code: AbortCode = AbortCode.CANCELLED) -> bool:
         """Abort a Generate call (all its samples) or one sample by its own id."""
         live = self.streams.rids_of(rid)
-        for r in live:
-            self._inbox.append(AbortItem(r, FinishReason.abort(message, code)))
-        self._wake.set()
+        self.inbox.put(*(AbortItem(r, FinishReason.abort(message, code)) for r in live))
         moving = self.migration.end_in_transit(
             lambda s: rid in (s.rid, s.call), FinishReason.abort(message, code)
         )
@@ -212,25 +208,20 @@ class Engine:
         rid = self.streams.rid_of_uid(uid)
         if rid is None:
             return bool(self.migration.end_in_transit(lambda s: s.uid == uid, reason))
-        self._inbox.append(StopItem(rid, reason))
-        self._wake.set()
+        self.inbox.put(StopItem(rid, reason))
         return True
 
     def abort_everything(self, message: str) -> int:
         """Abort every live sample (the control plane drained past its timeout). Returns how many."""
         rids = self.streams.rids()
-        for rid in rids:
-            self._inbox.append(AbortItem(rid, FinishReason.abort(message)))
-        self._wake.set()
+        self.inbox.put(*(AbortItem(rid, FinishReason.abort(message)) for rid in rids))
         return len(rids) + self.migration.end_in_transit(lambda _s: True, FinishReason.abort(message))
 
     def abort_link(self, link_id: int, message: str) -> int:
         """A frontend died: abort every sample it submitted. Returns how many."""
         rids = self.streams.rids_of_link(link_id)
         reason = FinishReason.abort(message, AbortCode.CANCELLED)
-        for rid in rids:
-            self._inbox.append(AbortItem(rid, reason))
-        self._wake.set()
+        self.inbox.put(*(AbortItem(rid, reason) for rid in rids))
         return len(rids) + self.migration.end_in_transit(lambda s: link_of(s.uid) == link_id, reason)
 
     def adopt(self, orphans: list[Orphan]) -> None:
@@ -242,16 +233,14 @@ class Engine:
             return
         for orphan in orphans:
             self.streams.adopt(orphan.sample)
-            self._inbox.append(orphan)
-        self._wake.set()
+        self.inbox.put(*orphans)
 
     def precopied(self, transfer_id: str, tokens: tuple[int, ...]) -> bool:
         """A running request's KV was pre-copied to this worker: it is held here until the request
         comes. False when this engine takes no requests."""
         if not self.serving:
             return False
-        self._inbox.append(Precopied(transfer_id, tokens))
-        self._wake.set()
+        self.inbox.put(Precopied(transfer_id, tokens))
         return True
 
     def immigrate(self, item: Immigrant) -> bool:
@@ -260,15 +249,13 @@ class Engine:
         if not self.serving:
             return False
         self.streams.adopt(item.orphan.sample)
-        self._inbox.append(item)
-        self._wake.set()
+        self.inbox.put(item)
         return True
 
     def forget_transfer(self, transfer_id: str) -> None:
         """A migration to here was given up: the worker drops its copy (now or when it arrives)."""
         if not self._closed:
-            self._inbox.append(Forget(transfer_id))
-            self._wake.set()
+            self.inbox.put(Forget(transfer_id))
 
     def worker_received(self, outcome: TransferOutcome) -> None:
         """This worker holds a transfer in full (its own report, which its channel passes on as it
@@ -282,7 +269,7 @@ class Engine:
         worker's own word): a tail's request continues there now, a pre-copied call switches at
         this loop's next turn."""
         self.migration.received(outcome, receiver)
-        self._wake.set()
+        self.inbox.wake.set()
 
     def knows(self, rid: str) -> bool:
         """A live call or sample here, or one migrating from here whose tail is on its way."""
@@ -299,18 +286,13 @@ class Engine:
     def load(self) -> tuple[int, int]:
         """(queued, running) for routing and server info."""
         sched = self.scheduler
-        arriving = sum(
-            len(m.samples) if isinstance(m, Arrival) else 1
-            for m in self._inbox
-            if isinstance(m, Arrival | Orphan | Immigrant)
-        )
-        return len(sched.waiting) + arriving, len(sched.running)
+        return len(sched.waiting) + self.inbox.arriving(), len(sched.running)
 
     def leave(self, departure: Departure, reason: str) -> None:
         """Start leaving: at once for the router, on the loop's next turn for the requests (drain.py)."""
         if self.drain.start(departure, reason):
             self.fleet.leaving(self)
-            self._wake.set()
+            self.inbox.wake.set()
 
     def worker_draining(self, reason: str) -> None:
         """The worker sent Drain (its channel calls this)."""
@@ -318,7 +300,7 @@ class Engine:
 
     def stop(self) -> None:
         self._stopping = True
-        self._wake.set()
+        self.inbox.wake.set()
 
     # --- the loop ---------------------------------------------------------------------------------
 
@@ -381,7 +363,7 @@ class Engine:
         calls let through to read it."""
         self._closed = True
         self.fleet.gone(self)
-        self._inbox.clear()
+        self.inbox.take()
         self.migration.abort_all(SHUTTING_DOWN)
         self.streams.abort_all(SHUTTING_DOWN)
         close_recording(self.scheduler)
@@ -468,18 +450,16 @@ class Engine:
     async def _idle(self) -> None:
         if self.scheduler.is_idle:
             self.scheduler.on_idle()
-            await self.books.check_pool_while_idle(
-                self.scheduler, lambda: bool(self._inbox) or self._stopping
-            )
-        self._wake.clear()
-        if self._inbox or self._stopping or (self.leaving is not None and not self.leaving.begun):
+            await self.books.check_pool_while_idle(self.scheduler, lambda: bool(self.inbox) or self._stopping)
+        self.inbox.wake.clear()
+        if self.inbox or self._stopping or (self.leaving is not None and not self.leaving.begun):
             return
         timeout = self.timeouts.poll_s() if self.streams else None
         for wait_s in (self.drain.wait_s(), self.migration.wait_s()):
             if wait_s is not None:
                 timeout = wait_s if timeout is None else min(timeout, wait_s)
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._wake.wait(), timeout)
+            await asyncio.wait_for(self.inbox.wake.wait(), timeout)
 
     # --- leaving, losing the worker, faults of our own -------------------------------------------
 
@@ -595,7 +575,7 @@ class Engine:
         """Log the fault, replace the scheduler, and continue every live request on the fresh one;
         the worker is told to forget everything with the next plan (handover.py says what is kept)."""
         self.log.error("step loop fault: restarting this worker's scheduler", exc_info=exc)
-        orphans = self.handover.salvage(self.scheduler, exc, self._waiting_rids())
+        orphans = self.handover.salvage(self.scheduler, exc, self.inbox.waiting_rids())
         with contextlib.suppress(Exception):
             close_recording(self.scheduler)
         self.scheduler = make_scheduler(self.config, self.limits)
@@ -603,19 +583,12 @@ class Engine:
         self._forget_in_flight()
         self.migration.recovered()
         self._reset_worker, self.books.pool_dirty = True, True
-        self._inbox.extend(orphans)
-
-    def _waiting_rids(self) -> set[str]:
-        """Samples whose arrival, orphan or immigrant is still in the inbox."""
-        waiting = {s.rid for item in self._inbox if isinstance(item, Arrival) for s in item.samples}
-        waiting |= {item.orphan.sample.rid for item in self._inbox if isinstance(item, Immigrant)}
-        return waiting | {item.sample.rid for item in self._inbox if isinstance(item, Orphan)}
+        self.inbox.items.extend(orphans)
 
     # --- the inbox -----------------------------------------------------------------------------------
 
     def _drain_inbox(self) -> None:
-        inbox, self._inbox = self._inbox, []
-        for item in inbox:
+        for item in self.inbox.take():
             if isinstance(item, Arrival):
                 admit(self.scheduler, self.streams, item, self.log)
             elif isinstance(item, Orphan):
