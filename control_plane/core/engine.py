@@ -5,16 +5,16 @@ docs/scheduler.md#overlap) two plans are in flight: the plan for step N+1 is on 
 step N, so the worker starts N+1 the moment N ends. Every turn sends the next plan before it
 publishes the previous step's tokens, so publishing never delays the accelerator.
 
-Arrivals, aborts and stop-string finishes wait in an inbox applied at the top of each turn, so the
-scheduler sees them at a well-defined step (what the recorder stamps). The engine's collaborators
-each own their state and are handed what they need: Streams (publisher.py: the live samples and
-what the frontends hear of them, through the hub's Publisher), HandOver (handover.py: a lost
-worker's requests continue on another engine; a fault of our own restarts the scheduler), Drain
-(drain.py: a worker that drains or is asked to move), Migrations (migration.py: running requests
-that move to another worker with their KV, or come here so), Timeouts (timeouts.py), StepLog
-(step_log.py: log lines and metrics), Books (books.py: the worker's report against the books, the
-pool's invariants); worker_checks.py checks every result. What spans workers (who inherits, which
-calls move where) the Fleet decides (core/fleet/).
+Arrivals, aborts and stop-string finishes wait in an inbox (inbox.py) applied at the top of each
+turn (admission.py), so the scheduler sees them at a well-defined step (what the recorder stamps).
+The engine's collaborators each own their state and are handed what they need: Streams
+(publisher.py: the live samples and what the frontends hear of them, through the hub's Publisher),
+HandOver (handover.py: a lost worker's requests continue on another engine; a fault of our own
+restarts the scheduler), Drain (drain.py: a worker that drains or is asked to move), Migrations
+(migration.py: running requests that move to another worker with their KV, or come here so),
+Timeouts (timeouts.py), StepLog (step_log.py: log lines and metrics), Books (books.py: the worker's
+report against the books, the pool's invariants); worker_checks.py checks every result. What spans
+workers (who inherits, which calls move where) the Fleet decides (core/fleet/).
 
 Every request ends with its tokens or an explicit finish reason, whichever way `run` ends. A lost
 worker (WorkerGone: its stream broke or it failed a step; WorkerFault: it broke the protocol or
