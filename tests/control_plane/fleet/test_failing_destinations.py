@@ -20,7 +20,7 @@ from control_plane.core.fleet import Fleet, Router
 from control_plane.request import FinishKind, RequestParams
 from protos.worker import SamplerParams, StepResult, TransferOutcome
 from tests.control_plane.fake_core import FakeChannel, FakeHub, make_engine, submit
-from tests.control_plane.test_migration_engine import _alone
+from tests.control_plane.test_migration_engine import _alone, _until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -110,13 +110,6 @@ async def _plane(roles: dict[str, str], **control: object) -> AsyncIterator[Plan
         yield plane
     finally:
         await plane.close()
-
-
-async def _until(condition, what: str, timeout: float = 10.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not condition():
-        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.002)
 
 
 def _exports_to(engine: Engine, worker: str) -> int:
