@@ -135,7 +135,8 @@ class SchedulerConfig:
 
 @dataclass(frozen=True, slots=True)
 class RoutingConfig:
-    """Which attached worker a request goes to (control_plane/core/router.py); SGLang gateway's defaults."""
+    """Which attached worker a request goes to (control_plane/core/fleet/router.py); SGLang gateway's
+    defaults."""
 
     # Longest cached prefix first (else least loaded); False: always the least loaded.
     cache_aware: bool = True

@@ -13,6 +13,9 @@ A file's folder says which process runs it and what it may import:
   nothing of the project but itself;
 - `flagtypes/` (the flag table's range-checked types, which every command line uses) imports
   nothing of the project.
+- the rooms that decide in plain values, `control_plane/core/fleet/` and `control_plane/scheduler/`,
+  import no grpc, asyncio or torch (directly or through each other), and the engine reaches the
+  fleet only through its public entry (`control_plane.core.fleet`), never a module inside it.
 
 Imports inside functions and under TYPE_CHECKING count like any other.
 """
@@ -155,3 +158,89 @@ def test_allowed_imports_pass() -> None:
         ("stepwise/x.py", "from control_plane.core import server\nfrom data_plane import sim"),
     ]
     assert violations(allowed) == []
+
+
+# --- the pure rooms and the fleet's entry --------------------------------------------------------
+
+# Rooms that decide in plain values: no module of theirs imports these, directly or through another
+# module of these rooms (the live core and a simulator drive them alike). The shared root's modules
+# they use are not followed (control_plane.config reaches asyncio through protos.targets).
+PURE_ROOMS = ("control_plane.core.fleet", "control_plane.scheduler")
+EDGE_LIBRARIES = ("grpc", "asyncio", "torch")
+# The engine drives one worker; what spans workers it reaches through the fleet's public entry only.
+FLEET = "control_plane.core.fleet"
+FLEET_USERS = ("control_plane.core.engine",)
+
+
+def _pure(module: str) -> bool:
+    return any(_under(module, room) for room in PURE_ROOMS)
+
+
+def edge_reaches(files: list[tuple[str, str]]) -> list[str]:
+    """For each module of a pure room that reaches an edge library: the chain of imports."""
+    sources = {_module_of(rel): (rel, source) for rel, source in files}
+    graph = {module: [m for _, m in _imports(rel, source)] for module, (rel, source) in sources.items()}
+    chains = (_path_to_edge(module, graph) for module in sorted(filter(_pure, sources)))
+    return [" -> ".join(chain) for chain in chains if chain]
+
+
+def _path_to_edge(start: str, graph: dict[str, list[str]]) -> list[str]:
+    seen = {start}
+    stack = [[start]]
+    while stack:
+        path = stack.pop()
+        for imported in graph.get(path[-1], []):
+            if any(_under(imported, lib) for lib in EDGE_LIBRARIES):
+                return [*path, imported]
+            if _pure(imported) and imported in graph and imported not in seen:
+                seen.add(imported)
+                stack.append([*path, imported])
+    return []
+
+
+def fleet_internals(files: list[tuple[str, str]]) -> list[str]:
+    """Imports of a module inside the fleet's package by the modules that may use only its entry."""
+    out = []
+    for rel, source in files:
+        if _module_of(rel) in FLEET_USERS:
+            out += [
+                f"{rel}:{line}: imports {imported} (only {FLEET} itself)"
+                for line, imported in _imports(rel, source)
+                if _under(imported, FLEET) and imported != FLEET and _module_of_fleet(imported)
+            ]
+    return out
+
+
+def _module_of_fleet(imported: str) -> bool:
+    """`control_plane.core.fleet.X...` names a module of the package (not a name its entry exports)."""
+    name = imported.removeprefix(FLEET + ".").partition(".")[0]
+    return (ROOT / "control_plane" / "core" / "fleet" / f"{name}.py").exists()
+
+
+def test_the_pure_rooms_reach_no_grpc_asyncio_or_torch() -> None:
+    assert edge_reaches(_tree()) == []
+
+
+def test_the_engine_uses_only_the_fleets_public_entry() -> None:
+    assert fleet_internals(_tree()) == []
+
+
+@pytest.mark.parametrize("statement", ["import asyncio", "import grpc", "from torch import nn"])
+def test_the_edge_check_catches_a_reach_through_another_module(statement: str) -> None:
+    """Planted in a function of a scheduler module the fleet imports, and the fleet is caught."""
+    files = [
+        ("control_plane/core/fleet/x.py", "from control_plane.scheduler import helper\n"),
+        ("control_plane/scheduler/helper.py", f"def f():\n    {statement}\n"),
+    ]
+    lib = statement.split()[1]
+    assert f"control_plane.core.fleet.x -> control_plane.scheduler.helper -> {lib}" in edge_reaches(files)
+    assert edge_reaches([files[0], ("control_plane/scheduler/helper.py", "import json\n")]) == []
+
+
+def test_the_fleet_entry_check_catches_an_internal_import() -> None:
+    engine = "control_plane/core/engine.py"
+    assert fleet_internals([(engine, "from control_plane.core.fleet.placement import Plan\n")]) != []
+    assert fleet_internals([(engine, "from control_plane.core.fleet import placement\n")]) != []
+    assert fleet_internals([(engine, "from control_plane.core.fleet import Fleet, Plan\n")]) == []
+    server = ("control_plane/core/server.py", "from control_plane.core.fleet.census import take\n")
+    assert fleet_internals([server]) == []

@@ -4,9 +4,9 @@ Connect would).
 
 A worker asks every control plane it can find before it attaches (it takes the one with the fewest
 workers that would take it); control planes ask their peers, about the worker they would move, to
-decide whether to hand it over (rebalance.py).
-`take` counts this control plane; `PeerCensus` asks the peers. Workers that are leaving (draining
-or moving away) are not counted: they are about to be gone.
+decide whether to hand it over (rebalance.py). `take` (fleet/census.py) counts this control plane;
+`PeerCensus` asks the peers. Workers that are leaving (draining or moving away) are not counted:
+they are about to be gone.
 
 With mutual TLS on the worker port (`--worker-ca`), a control plane asks its peers as a worker
 would: it presents its own `--tls-cert`/`--tls-key` and checks theirs against `--worker-ca`, so one
@@ -17,13 +17,11 @@ must allow client authentication too (extended key usage serverAuth and clientAu
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
 
 import grpc
 import structlog
 
 from control_plane.config import Security
-from control_plane.core.engine import Engine
 from protos import worker_codec
 from protos.stepwise.v1 import worker_pb2 as wk_pb
 from protos.stepwise.v1 import worker_pb2_grpc as wk_grpc
@@ -34,20 +32,6 @@ log = structlog.get_logger("stepwise.census")
 
 # A peer that does not answer within this long is left out of this round.
 PEER_TIMEOUT_S = 1.0
-
-
-def take(control_plane_id: str, engines: Iterable[Engine], accepting: bool, fingerprint: str) -> Census:
-    """This control plane's census over its attached engines (those leaving are left out)."""
-    staying = [e for e in engines if e.leaving is None]
-    loads = [e.load() for e in staying]
-    return Census(
-        control_plane_id=control_plane_id,
-        workers=len(staying),
-        queued=sum(q for q, _ in loads),
-        running=sum(r for _, r in loads),
-        accepting=accepting,
-        model_fingerprint=fingerprint,
-    )
 
 
 class PeerCensus:

@@ -5,14 +5,16 @@ docs/scheduler.md#overlap) two plans are in flight: the plan for step N+1 is on 
 step N, so the worker starts N+1 the moment N ends. Every turn sends the next plan before it
 publishes the previous step's tokens, so publishing never delays the accelerator.
 
-Arrivals, aborts and stop-string finishes wait in an inbox applied at the top of each turn, so the
-scheduler sees them at a well-defined step (what the recorder stamps). The engine's collaborators
-each own their state and are handed what they need: Streams (publisher.py: the live samples and
-what the frontends hear of them, through the hub's Publisher), HandOver (handover.py: a lost
-worker's requests continue on another engine; a fault of our own restarts the scheduler), Drain
-(drain.py: a worker that drains or is asked to move), Migrations (migration.py: running requests
-that move to another worker with their KV, or come here so), Timeouts (timeouts.py), StepLog
-(step_log.py: log lines and metrics); worker_checks.py checks every result.
+Arrivals, aborts and stop-string finishes wait in an inbox (inbox.py) applied at the top of each
+turn (admission.py), so the scheduler sees them at a well-defined step (what the recorder stamps).
+The engine's collaborators each own their state and are handed what they need: Streams
+(publisher.py: the live samples and what the frontends hear of them, through the hub's Publisher),
+HandOver (handover.py: a lost worker's requests continue on another engine; a fault of our own
+restarts the scheduler), Drain (drain.py: a worker that drains or is asked to move), Migrations
+(migration.py: running requests that move to another worker with their KV, or come here so),
+Timeouts (timeouts.py), StepLog (step_log.py: log lines and metrics), Books (books.py: the worker's
+report against the books, the pool's invariants); worker_checks.py checks every result. What spans
+workers (who inherits, which calls move where) the Fleet decides (core/fleet/).
 
 Every request ends with its tokens or an explicit finish reason, whichever way `run` ends. A lost
 worker (WorkerGone: its stream broke or it failed a step; WorkerFault: it broke the protocol or
@@ -34,27 +36,28 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import random
 import time
-from collections import deque
-from collections.abc import Callable
+from collections import Counter, deque
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
 import structlog
 
 from control_plane import metrics
-from control_plane.cache.invariants import InvariantError, PoolCheck, check_pool_invariants
+from control_plane.cache.invariants import InvariantError
 from control_plane.config import ControlConfig
-from control_plane.core import balance
+from control_plane.core.admission import admit, admit_orphan
+from control_plane.core.books import Books
 from control_plane.core.drain import Departure, Drain, Leaving
+from control_plane.core.fleet import BALANCE_REASONS, Call, Fleet, Move, Room, Rules, Spill
 from control_plane.core.handover import HandOver, WorkerGone, orphan_of
 from control_plane.core.inbox import (
     AbortItem,
     Arrival,
     Forget,
     Immigrant,
-    Item,
+    Inbox,
     Orphan,
     Precopied,
     StopItem,
@@ -67,16 +70,13 @@ from control_plane.core.timeouts import Timeouts
 from control_plane.core.worker_checks import WorkerFault, check_result
 from control_plane.link import link_of
 from control_plane.record.recorder import close_recording, make_scheduler
-from control_plane.request import AbortCode, FinishReason, RequestParams
+from control_plane.request import AbortCode, FinishReason
 from control_plane.scheduler.records import StepStats
-from control_plane.scheduler.scheduler import QueueFull, RequestRejected
+from control_plane.scheduler.scheduler import Scheduler
 from protos.worker import StepPlan, StepResult, TransferOutcome, WorkerLimits
 
 log = structlog.get_logger("stepwise.engine")
 
-# Work units of the idle pool check per slice (about a millisecond), between which the loop yields.
-IDLE_CHECK_BUDGET = 4096
-SEED_SPACE = 1 << 64
 SHUTTING_DOWN = "control plane is shutting down"
 
 
@@ -108,11 +108,10 @@ class Engine:
     """Drives one worker. All scheduler calls happen inside `run` (and `submit`'s registration),
     one at a time, on the core's event loop.
 
-    `successor` picks the engine that takes over this one's requests when its worker is lost or
-    leaves (the router's); `on_leaving` is told when this engine starts leaving; `peers` are the
-    engines taking requests (the router's), which running requests may move to for KV room;
-    `engine_of` finds the attached engine of a worker id (the router's), the one a transfer this
-    worker received came from."""
+    `fleet` (core/fleet/) is what this engine knows of the other workers: who takes over its
+    requests when its worker is lost or leaves, which of its running calls move after a step and
+    where, the engine a transfer its worker received came from; it is told when this engine
+    starts leaving and when its loop ends. Without one the worker is alone."""
 
     def __init__(
         self,
@@ -120,59 +119,51 @@ class Engine:
         limits: WorkerLimits,
         channel: WorkerChannel,
         publisher: Publisher,
-        successor: Callable[[Engine], Engine | None] | None = None,
-        on_leaving: Callable[[Engine], None] | None = None,
-        peers: Callable[[], list[Engine]] | None = None,
-        engine_of: Callable[[str], Engine | None] | None = None,
+        fleet: Fleet[Engine] | None = None,
     ) -> None:
         self.config = config
-        self.limits = limits
+        self.limits: WorkerLimits = limits
         self.channel = channel
-        self.worker = limits.worker_id
+        self.worker: str = limits.worker_id
         metrics.register_worker(self.worker)
         self.log = log.bind(worker=limits.worker_id)
         self.step_log = StepLog(self.worker, config.decode_log_interval, self.log)
-        self._successor = successor
-        self._on_leaving = on_leaving
-        self._peers = peers
-        self._engine_of = engine_of
+        self.fleet: Fleet[Engine] = fleet if fleet is not None else Fleet()
+        self.rules = Rules(
+            config.kv_balance_steps,
+            config.kv_balance_threshold,
+            config.kv_balance,
+            config.test_migrate_interval,
+        )
         # The worker the scheduler's retractions go to instead (Scheduler.spill_to), if any.
         self._spill_to: Engine | None = None
         self.streams = Streams(publisher, self.worker, self.step_log.metrics)
         self.handover = HandOver(self.streams, self.worker, self.log, self._heir)
         self.drain = Drain(config.drain_timeout_s, self.streams, self.handover, self.worker, self.log)
-        self.migration = Migrations(self.worker, limits, self.streams, self.log, self._fallback)
-        # STEPWISE_TEST_MIGRATE: a running call migrates every this many steps (0: never).
-        self._test_migrate = config.test_migrate_interval
-        self._test_rng = random.Random(self.worker)
+        self.migration = Migrations(
+            self.worker, limits, self.streams, self.log, self._fallback, self.fleet.moved
+        )
         self.timeouts = Timeouts(config.waiting_timeout_s, config.running_timeout_s, self.streams.admitted_at)
         # A RecordingScheduler under --record DIR: every call below is also written down.
-        self.scheduler = make_scheduler(config, limits)
+        self.scheduler: Scheduler = make_scheduler(config, limits)
         self.depth = 2 if config.overlap else 1
         self._inflight: deque[InFlight] = deque()
-        self._inbox: list[Item] = []
-        self._wake = asyncio.Event()
+        self.inbox = Inbox()
         self._stopping = False
         # The loop has ended (or will never run): nothing may wait here any more.
         self._closed = False
         # When the worker attached (the newest is the one asked to move).
-        self.attached_at = time.monotonic()
+        self.attached_at: float = time.monotonic()
         # The session ended because the worker left (drained or moved), not because it was lost.
         self.departed = False
         # Why the worker was dropped for breaking the protocol (or hanging); None while it behaves.
         self.fault: str | None = None
         # The next plan tells the worker to forget everything (after _recover).
         self._reset_worker = False
-        # The pool has changed since its last complete idle check.
-        self._pool_dirty = True
-        # Books vs. the worker's report (checked every step).
-        self.kv_mismatches = 0
-        self.reported_kv = (0, 0)
-        self.steps = 0
-        # The worker's idle gap before each of its recent steps (GetServerInfo shows percentiles).
-        self.waits: deque[float] = deque(maxlen=1000)
-        self.wait_total_s = 0.0
-        self.step_total_s = 0.0
+        self.books = Books(
+            self.worker, limits.kv_capacity_tokens, config.scheduler.strict_invariants, self.log
+        )
+        self.steps: int = 0
 
     @property
     def leaving(self) -> Leaving | None:
@@ -185,7 +176,7 @@ class Engine:
         return not self._closed and self.drain.leaving is None
 
     def _heir(self) -> Engine | None:
-        return self._successor(self) if self._successor is not None else None
+        return self.fleet.heir(self)
 
     def _fallback(self) -> Destination | None:
         """Where a request whose migration failed continues: here while this engine serves (its
@@ -201,15 +192,12 @@ class Engine:
             self.streams.refuse(arrival.samples, Verdict.UNAVAILABLE, f"worker {self.worker} is gone")
             return
         self.streams.arrive(arrival.samples)
-        self._inbox.append(arrival)
-        self._wake.set()
+        self.inbox.put(arrival)
 
     def abort(self, rid: str, message: str, code: AbortCode = AbortCode.CANCELLED) -> bool:
         """Abort a Generate call (all its samples) or one sample by its own id."""
         live = self.streams.rids_of(rid)
-        for r in live:
-            self._inbox.append(AbortItem(r, FinishReason.abort(message, code)))
-        self._wake.set()
+        self.inbox.put(*(AbortItem(r, FinishReason.abort(message, code)) for r in live))
         moving = self.migration.end_in_transit(
             lambda s: rid in (s.rid, s.call), FinishReason.abort(message, code)
         )
@@ -220,25 +208,20 @@ class Engine:
         rid = self.streams.rid_of_uid(uid)
         if rid is None:
             return bool(self.migration.end_in_transit(lambda s: s.uid == uid, reason))
-        self._inbox.append(StopItem(rid, reason))
-        self._wake.set()
+        self.inbox.put(StopItem(rid, reason))
         return True
 
     def abort_everything(self, message: str) -> int:
         """Abort every live sample (the control plane drained past its timeout). Returns how many."""
         rids = self.streams.rids()
-        for rid in rids:
-            self._inbox.append(AbortItem(rid, FinishReason.abort(message)))
-        self._wake.set()
+        self.inbox.put(*(AbortItem(rid, FinishReason.abort(message)) for rid in rids))
         return len(rids) + self.migration.end_in_transit(lambda _s: True, FinishReason.abort(message))
 
     def abort_link(self, link_id: int, message: str) -> int:
         """A frontend died: abort every sample it submitted. Returns how many."""
         rids = self.streams.rids_of_link(link_id)
         reason = FinishReason.abort(message, AbortCode.CANCELLED)
-        for rid in rids:
-            self._inbox.append(AbortItem(rid, reason))
-        self._wake.set()
+        self.inbox.put(*(AbortItem(rid, reason) for rid in rids))
         return len(rids) + self.migration.end_in_transit(lambda s: link_of(s.uid) == link_id, reason)
 
     def adopt(self, orphans: list[Orphan]) -> None:
@@ -250,16 +233,14 @@ class Engine:
             return
         for orphan in orphans:
             self.streams.adopt(orphan.sample)
-            self._inbox.append(orphan)
-        self._wake.set()
+        self.inbox.put(*orphans)
 
     def precopied(self, transfer_id: str, tokens: tuple[int, ...]) -> bool:
         """A running request's KV was pre-copied to this worker: it is held here until the request
         comes. False when this engine takes no requests."""
         if not self.serving:
             return False
-        self._inbox.append(Precopied(transfer_id, tokens))
-        self._wake.set()
+        self.inbox.put(Precopied(transfer_id, tokens))
         return True
 
     def immigrate(self, item: Immigrant) -> bool:
@@ -268,20 +249,18 @@ class Engine:
         if not self.serving:
             return False
         self.streams.adopt(item.orphan.sample)
-        self._inbox.append(item)
-        self._wake.set()
+        self.inbox.put(item)
         return True
 
     def forget_transfer(self, transfer_id: str) -> None:
         """A migration to here was given up: the worker drops its copy (now or when it arrives)."""
         if not self._closed:
-            self._inbox.append(Forget(transfer_id))
-            self._wake.set()
+            self.inbox.put(Forget(transfer_id))
 
     def worker_received(self, outcome: TransferOutcome) -> None:
         """This worker holds a transfer in full (its own report, which its channel passes on as it
         comes): the word goes to the engine whose worker sent it."""
-        source = self._engine_of(transfer_source(outcome.transfer_id)) if self._engine_of else None
+        source = self.fleet.member(transfer_source(outcome.transfer_id))
         if source is not None:
             source.copy_arrived(outcome, self.worker)
 
@@ -290,7 +269,7 @@ class Engine:
         worker's own word): a tail's request continues there now, a pre-copied call switches at
         this loop's next turn."""
         self.migration.received(outcome, receiver)
-        self._wake.set()
+        self.inbox.wake.set()
 
     def knows(self, rid: str) -> bool:
         """A live call or sample here, or one migrating from here whose tail is on its way."""
@@ -307,19 +286,13 @@ class Engine:
     def load(self) -> tuple[int, int]:
         """(queued, running) for routing and server info."""
         sched = self.scheduler
-        arriving = sum(
-            len(m.samples) if isinstance(m, Arrival) else 1
-            for m in self._inbox
-            if isinstance(m, Arrival | Orphan | Immigrant)
-        )
-        return len(sched.waiting) + arriving, len(sched.running)
+        return len(sched.waiting) + self.inbox.arriving(), len(sched.running)
 
     def leave(self, departure: Departure, reason: str) -> None:
         """Start leaving: at once for the router, on the loop's next turn for the requests (drain.py)."""
         if self.drain.start(departure, reason):
-            if self._on_leaving is not None:
-                self._on_leaving(self)
-            self._wake.set()
+            self.fleet.leaving(self)
+            self.inbox.wake.set()
 
     def worker_draining(self, reason: str) -> None:
         """The worker sent Drain (its channel calls this)."""
@@ -327,7 +300,7 @@ class Engine:
 
     def stop(self) -> None:
         self._stopping = True
-        self._wake.set()
+        self.inbox.wake.set()
 
     # --- the loop ---------------------------------------------------------------------------------
 
@@ -389,13 +362,16 @@ class Engine:
         answer at once), and every one still here ends with an abort: those in the inbox too, their
         calls let through to read it."""
         self._closed = True
-        self._inbox.clear()
+        self.fleet.gone(self)
+        self.inbox.take()
         self.migration.abort_all(SHUTTING_DOWN)
         self.streams.abort_all(SHUTTING_DOWN)
         close_recording(self.scheduler)
 
     async def _iteration(self) -> None:
         self._drain_inbox()
+        if self.migration.busy:
+            self._fail_overdue_copies()
         self.migration.switch_ready(self.scheduler)
         if self._leave_turn():
             await self._depart()
@@ -447,24 +423,15 @@ class Engine:
             return
         check_result(plan, result, self.limits.vocab_size)
         self.handover.step_completed()
-        self._pool_dirty = True
-        self._check_books(plan.step_id, flight.books, result)
+        self.books.check(plan.step_id, flight.books, result)
         self.scheduler.apply_result(result)
         self.migration.note_tokens(self.scheduler)
         self.steps += 1
-        self.waits.append(result.wait_s)
-        self.wait_total_s += result.wait_s
-        self.step_total_s += result.forward_s
-        self.step_log.metrics.worker_wait.observe(result.wait_s)
+        self.step_log.timed(result.wait_s, result.forward_s)
         if self.config.scheduler.strict_invariants:
-            self._check_invariants()
+            self.books.check_pool(self.scheduler)
         self.step_log.record(plan, flight.stats, self.scheduler)
-        if self._test_migrate and self.steps % self._test_migrate == 0:
-            self._migrate_one_at_random()
-        elif self.limits.role == "prefill" and self._peers is not None:
-            self._to_decode()
-        elif self.config.kv_balance and self._peers is not None:
-            self._balance()
+        self._place()
 
     async def _await_result(self) -> StepResult:
         """The oldest plan's result, no later than the in-flight plans' deadline (a hung worker)."""
@@ -483,16 +450,16 @@ class Engine:
     async def _idle(self) -> None:
         if self.scheduler.is_idle:
             self.scheduler.on_idle()
-            await self._check_pool_while_idle()
-        self._wake.clear()
-        if self._inbox or self._stopping or (self.leaving is not None and not self.leaving.begun):
+            await self.books.check_pool_while_idle(self.scheduler, lambda: bool(self.inbox) or self._stopping)
+        self.inbox.wake.clear()
+        if self.inbox or self._stopping or (self.leaving is not None and not self.leaving.begun):
             return
         timeout = self.timeouts.poll_s() if self.streams else None
         for wait_s in (self.drain.wait_s(), self.migration.wait_s()):
             if wait_s is not None:
                 timeout = wait_s if timeout is None else min(timeout, wait_s)
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._wake.wait(), timeout)
+            await asyncio.wait_for(self.inbox.wake.wait(), timeout)
 
     # --- leaving, losing the worker, faults of our own -------------------------------------------
 
@@ -505,117 +472,84 @@ class Engine:
         if not leaving.begun:
             self.drain.begin(self.scheduler, self.load())
         if self.config.drain_migration and self.streams:
-            leaving.migrated += self._migrate_all("drain")
+            leaving.migrated += sum(len(m.rids) for m in self.fleet.drain(self).moves if self.start_move(m))
         self.drain.check_deadline(self.scheduler)
         return not self.streams and not self._inflight and not self.migration.busy
 
-    def _migrate_all(self, reason: str) -> int:
-        """Migrate every call whose samples all run here to the least loaded other worker; the
-        samples moved."""
-        moved = 0
-        for rids in list(self.streams.live_calls()):
-            heir = self._heir()
-            if heir is None:
-                break
-            if self.migration.start(self.scheduler, rids, heir, reason):
-                moved += len(rids)
-        return moved
+    # --- placement: the fleet decides, the engine moves -----------------------------------------
 
-    def _migrate_one_at_random(self) -> None:
-        """STEPWISE_TEST_MIGRATE: one running call, drawn from a seeded generator, moves; only a
-        call whose samples have each made a token here (moving one before its first token on each
-        worker could go on for ever)."""
-        heir = self._heir()
-        calls = [rids for rids in self.streams.live_calls() if all(self._has_run(rid) for rid in rids)]
-        if heir is not None and calls:
-            self.migration.start(self.scheduler, self._test_rng.choice(calls), heir, "test")
+    def _place(self) -> None:
+        """After a step: the moves the fleet decides for this worker's calls (core/fleet/)."""
+        plan = self.fleet.place(self, self.rules)
+        if plan.spill is not None:
+            self._spill(plan.spill)
+        for move in plan.moves:
+            self.start_move(move)
 
-    def room(self, steps: int) -> balance.Room:
-        """This worker's KV once its running requests have decoded `steps` more (balance.py)."""
+    def start_move(self, move: Move) -> bool:
+        """Start migrating a call (migration.py); False when it cannot start."""
+        destination = self.fleet.member(move.to)
+        if destination is None:
+            return False
+        if not self.migration.start(self.scheduler, list(move.rids), destination, move.reason, move.precopy):
+            return False
+        self.fleet.started(move.to)
+        return True
+
+    def room(self, steps: int) -> Room:
+        """This worker's KV once its running requests have decoded `steps` more (fleet/balance.py)."""
         sched = self.scheduler  # waiting: what the latest plan did not admit
-        return balance.Room(sched.decode_headroom(steps), sched.capacity, len(sched.waiting))
+        return Room(sched.decode_headroom(steps), sched.capacity, len(sched.waiting))
 
-    def _balance(self) -> None:
-        """KV room across workers (balance.py). When a retraction may come within the look-ahead,
-        the scheduler is told where to send its victims instead (`spill_to`: the roomiest worker),
-        and running calls move there ahead of it, in the order a retraction would release them, as
-        many as cover the shortfall; for a queue beside another worker's free KV, one. The next
-        decision waits for these moves' outcomes."""
-        steps = self.config.kv_balance_steps
-        here = self.room(steps)
-        if not self.serving or (here.headroom >= 0 and not here.queued):
-            self._spill(None, 0)
-            return  # the common case: two reads
-        assert self._peers is not None
-        peers = {e.worker: e for e in self._same_role_peers()}
-        rooms = {worker: engine.room(steps) for worker, engine in peers.items()}
-        target = balance.roomiest(rooms)
-        if target is None:
-            self._spill(None, 0)
-            return
-        there = rooms[target]
-        self._spill(peers[target] if here.headroom < 0 else None, there.headroom)
-        why = balance.why_move(here, there, self.config.kv_balance_threshold)
-        if why is None or self.migration.underway(balance.REASONS):
-            return
-        short = -here.headroom
-        calls = {rid: call for call in self.streams.live_calls() for rid in call}
-        for rid in self.scheduler.retraction_order():
-            call = calls.pop(rid, None)
-            if call is None or not all(self._has_run(r) for r in call):
-                continue
-            reqs = [r for r in map(self.scheduler.running_request, call) if r is not None]
-            if any(r.max_new_tokens - r.num_outputs <= steps for r in reqs):
-                continue  # it ends within the look-ahead anyway
-            tokens = sum(r.kv_allocated_len for r in reqs)
-            growth = steps * len(call)
-            if not balance.fits(why, here, there, tokens, growth):
-                continue
-            if not self.migration.start(self.scheduler, call, peers[target], why):
-                continue
-            short -= tokens + growth
-            if why != balance.KV or short <= 0:
-                return
-            there = balance.Room(there.headroom - tokens - growth, there.capacity, there.queued)
+    def calls(self, steps: int, by_retraction: bool) -> Iterator[Call]:
+        """The live calls as placement sees them: as they came, or (`by_retraction`) in the order a
+        retraction would release them (then only those running)."""
+        live = list(self.streams.live_calls())
+        if by_retraction:
+            of = {rid: tuple(call) for call in live for rid in call}
+            order = dict.fromkeys(of[rid] for rid in self.scheduler.retraction_order() if rid in of)
+            live = [list(call) for call in order]
+        for rids in live:
+            reqs = [self.scheduler.running_request(rid) for rid in rids]
+            running = [r for r in reqs if r is not None]
+            yield Call(
+                tuple(rids),
+                tokens=sum(r.kv_allocated_len for r in running),
+                movable=len(running) == len(rids) and not any(map(self.migration.moving, rids)),
+                started=all(r.num_outputs > 0 for r in running),
+                ends_soon=any(r.max_new_tokens - r.num_outputs <= steps for r in running),
+            )
 
-    def _same_role_peers(self) -> list[Engine]:
-        """The other workers this one can migrate to that have its role (decode workers balance
-        among themselves, mixed among themselves)."""
-        assert self._peers is not None
-        role = self.limits.role
-        return [e for e in self._peers() if e.limits.role == role and not self.migration.can_reach(e)]
+    def balancing(self) -> bool:
+        return self.migration.underway(BALANCE_REASONS)
 
-    def _to_decode(self) -> None:
-        """A prefill worker: each call whose samples each have their first token moves to the least
-        loaded decode worker with room for it and its next kv_balance_steps tokens, at once, its
-        whole KV in one copy (docs/migration.md#prefill-and-decode-workers); with none, it decodes
-        here meanwhile."""
-        assert self._peers is not None
-        steps = self.config.kv_balance_steps
-        calls = [c for c in self.streams.live_calls() if all(self._has_run(r) for r in c)]
-        if not calls:
-            return
-        decoders = [e for e in self._peers() if e.limits.role == "decode" and not self.migration.can_reach(e)]
-        rooms = {e.worker: e.room(steps).headroom for e in decoders}
-        loads = {e.worker: sum(e.load()) for e in decoders}  # counting the moves this turn starts
-        for call in calls:
-            reqs = [r for r in map(self.scheduler.running_request, call) if r is not None]
-            need = sum(r.kv_allocated_len for r in reqs) + steps * len(call)
-            fitting = [e for e in decoders if rooms[e.worker] >= need]
-            if not fitting:
-                continue
-            target = min(fitting, key=lambda e: (loads[e.worker], -rooms[e.worker], e.worker))
-            if self.migration.start(self.scheduler, call, target, "pd", precopy=False):
-                rooms[target.worker] -= need
-                loads[target.worker] += len(call)
+    def heading(self) -> Counter[str]:
+        return self.migration.heading()
 
-    def _spill(self, destination: Engine | None, tokens: int) -> None:
+    def destination_gone(self, worker: str, why: str) -> None:
+        """`worker` left or was lost: each copy on its way there from here fails now, so its call
+        goes on here (or recomputes on an heir) instead of waiting on an outcome that may never
+        come (a hung destination's)."""
+        for transfer_id in self.migration.bound_for(worker):
+            self.copy_arrived(TransferOutcome(transfer_id, error=why), worker)
+
+    def _fail_overdue_copies(self) -> None:
+        """A copy with no word past the step deadline for its size fails (a hung destination, or
+        a send that never ends): its call goes on as after any failed copy, and the destination
+        sits out a back-off."""
+        deadline_s = self.config.limits.step_deadline_s
+        for transfer_id, worker, limit in self.migration.overdue(time.monotonic(), deadline_s):
+            self.copy_arrived(
+                TransferOutcome(transfer_id, error=f"no word on the copy within {limit:.1f} s"), worker
+            )
+
+    def _spill(self, spill: Spill) -> None:
         """Where the scheduler's retractions go instead (None: nowhere, they retract)."""
-        if destination is None and self._spill_to is None:
+        if spill.to is None and self._spill_to is None:
             return
-        self._spill_to = destination if tokens > 0 else None
+        self._spill_to = self.fleet.member(spill.to) if spill.to is not None and spill.tokens > 0 else None
         address = self._spill_to.limits.transfer_address if self._spill_to is not None else ""
-        self.scheduler.spill_to(address, tokens)
+        self.scheduler.spill_to(address, spill.tokens)
 
     def _emigrate(self) -> None:
         """The latest plan sent requests to the spill worker instead of retracting them: each
@@ -626,10 +560,6 @@ class Engine:
             assert sample is not None and destination is not None  # running here; spill_to was set
             orphan = orphan_of(emigrant.req, sample)
             self.migration.spilled(orphan, emigrant.transfer_id, emigrant.tokens, destination)
-
-    def _has_run(self, rid: str) -> bool:
-        req = self.scheduler.running_request(rid)
-        return req is not None and req.num_outputs > 0 and not self.migration.moving(rid)
 
     async def _depart(self) -> None:
         self.departed = True
@@ -645,34 +575,27 @@ class Engine:
         """Log the fault, replace the scheduler, and continue every live request on the fresh one;
         the worker is told to forget everything with the next plan (handover.py says what is kept)."""
         self.log.error("step loop fault: restarting this worker's scheduler", exc_info=exc)
-        orphans = self.handover.salvage(self.scheduler, exc, self._waiting_rids())
+        orphans = self.handover.salvage(self.scheduler, exc, self.inbox.waiting_rids())
         with contextlib.suppress(Exception):
             close_recording(self.scheduler)
         self.scheduler = make_scheduler(self.config, self.limits)
         self._spill_to = None  # the fresh scheduler has none
         self._forget_in_flight()
         self.migration.recovered()
-        self._reset_worker, self._pool_dirty = True, True
-        self._inbox.extend(orphans)
-
-    def _waiting_rids(self) -> set[str]:
-        """Samples whose arrival, orphan or immigrant is still in the inbox."""
-        waiting = {s.rid for item in self._inbox if isinstance(item, Arrival) for s in item.samples}
-        waiting |= {item.orphan.sample.rid for item in self._inbox if isinstance(item, Immigrant)}
-        return waiting | {item.sample.rid for item in self._inbox if isinstance(item, Orphan)}
+        self._reset_worker, self.books.pool_dirty = True, True
+        self.inbox.items.extend(orphans)
 
     # --- the inbox -----------------------------------------------------------------------------------
 
     def _drain_inbox(self) -> None:
-        inbox, self._inbox = self._inbox, []
-        for item in inbox:
+        for item in self.inbox.take():
             if isinstance(item, Arrival):
-                self._admit(item)
+                admit(self.scheduler, self.streams, item, self.log)
             elif isinstance(item, Orphan):
-                self._admit_orphan(item)
+                admit_orphan(self.scheduler, self.streams, item, self.worker)
             elif isinstance(item, Immigrant):
                 self.migration.arrive(self.scheduler, item)
-                self._admit_orphan(item.orphan)
+                admit_orphan(self.scheduler, self.streams, item.orphan, self.worker)
             elif isinstance(item, Forget | Precopied):
                 self.migration.arrive(self.scheduler, item)
             elif isinstance(item, StopItem):
@@ -680,109 +603,8 @@ class Engine:
             elif not self.scheduler.abort(item.rid, item.reason):
                 self.streams.fail(item.rid, item.reason)
 
-    def _admit(self, arrival: Arrival) -> None:
-        """Add every sample of a call, or none: a refusal withdraws the samples already queued."""
-        added: list[str] = []
-        n = len(arrival.samples)
-        try:
-            for i, sample in enumerate(arrival.samples):
-                params = _sample_params(arrival.params, i, n, sample.call)
-                self.scheduler.add_request(sample.rid, arrival.input_ids, params, uid=sample.uid)
-                added.append(sample.rid)
-        except Exception as exc:
-            verdict = _verdict(exc)
-            if verdict is Verdict.INTERNAL:
-                self.log.exception("admission failed", rid=arrival.samples[0].call)
-            for rid in added:
-                self.scheduler.abort(rid, FinishReason.abort(str(exc)))
-            self.streams.refuse(arrival.samples, verdict, str(exc))
-            return
-        self.streams.accept(arrival.samples)
-
-    def _admit_orphan(self, orphan: Orphan) -> None:
-        try:
-            self.scheduler.add_request(
-                orphan.sample.rid, orphan.input_ids, orphan.params, uid=orphan.sample.uid
-            )
-        except (QueueFull, RequestRejected, ValueError) as exc:
-            message = f"its worker went away and {self.worker} could not take it over: {exc}"
-            self.streams.finish(orphan.sample, FinishReason.abort(message))
-
     def _stop(self, item: StopItem) -> None:
         """A stop string: finish and cache a running request; a queued one (retracted meanwhile) is
         aborted with the same reason. Its frontend has ended the stream already."""
         if not self.scheduler.finish(item.rid, item.reason):
             self.scheduler.abort(item.rid, item.reason)
-
-    # --- timeouts, books, invariants ------------------------------------------------------------------
-
-    def _check_books(self, step_id: int, expected: tuple[int, int], result: StepResult) -> None:
-        reported = (result.kv.live_seqs, result.kv.seq_slots)
-        self.reported_kv = reported
-        if reported != expected or result.kv.capacity_tokens != self.limits.kv_capacity_tokens:
-            self.kv_mismatches += 1
-            metrics.KV_BOOK_MISMATCHES.labels(self.worker).inc()
-            self.log.error(
-                "kv books mismatch",
-                step=step_id,
-                book_live_seqs=expected[0],
-                book_seq_slots=expected[1],
-                worker_live_seqs=reported[0],
-                worker_seq_slots=reported[1],
-                worker_capacity=result.kv.capacity_tokens,
-            )
-
-    async def _check_pool_while_idle(self) -> None:
-        """The pool invariants, in slices of about a millisecond with the loop free between them.
-
-        Only the engine's own loop changes the scheduler, and it is here; arrivals and aborts wait
-        in the inbox. So the state holds still across slices, and the check is dropped (to start
-        afresh at the next idle time) as soon as work arrives.
-        """
-        if not self._pool_dirty:
-            return
-        sched = self.scheduler
-        check = PoolCheck(sched.kv.allocator, sched.kv.tree, sched.private_slots())
-        while not self._inbox and not self._stopping:
-            try:
-                done = check.run(IDLE_CHECK_BUDGET)
-            except InvariantError as exc:
-                self.log.error("kv pool invariant violated", error=str(exc))
-                done = True
-            if done:
-                self._pool_dirty = False
-                return
-            await asyncio.sleep(0)
-
-    def _check_invariants(self) -> None:
-        sched = self.scheduler
-        try:
-            check_pool_invariants(sched.kv.allocator, sched.kv.tree, sched.private_slots())
-        except AssertionError as exc:
-            self.log.error("kv pool invariant violated", error=str(exc))
-            if self.config.scheduler.strict_invariants:
-                raise
-
-
-def _verdict(exc: Exception) -> Verdict:
-    if isinstance(exc, QueueFull):
-        return Verdict.QUEUE_FULL
-    if isinstance(exc, RequestRejected):
-        return Verdict.REJECTED
-    if isinstance(exc, ValueError):
-        return Verdict.DUPLICATE
-    return Verdict.INTERNAL
-
-
-def _sample_params(params: RequestParams, index: int, n: int, group: str) -> RequestParams:
-    """Sample i of n: seed + i, and a group name so the samples are retracted together or not at all.
-    Only sample 0 scores the prompt (the call hears its prompt log probabilities once); the others
-    match the prefix cache as usual."""
-    if n == 1:
-        return params
-    seed = params.sampler.seed
-    # Seeds are uint64 on the wire: sample i's seed wraps around rather than overflowing.
-    wrapped = None if seed is None else (seed + index) % SEED_SPACE
-    sampler = params.sampler if wrapped is None else dataclasses.replace(params.sampler, seed=wrapped)
-    start = params.logprob_start_len if index == 0 else -1
-    return dataclasses.replace(params, sampler=sampler, group=group, logprob_start_len=start)

@@ -42,7 +42,8 @@ from protos.stepwise.v1 import generation_pb2 as gen_pb
 from protos.worker import TokenLogprobs
 
 if TYPE_CHECKING:
-    from control_plane.core.router import Router
+    from control_plane.core.engine import Engine
+    from control_plane.core.fleet import Router
 
 log = structlog.get_logger("stepwise.hub")
 
@@ -142,7 +143,7 @@ class FrontendHub:
     def __init__(
         self,
         config: ControlConfig,
-        router: Router,
+        router: Router[Engine],
         server_info: Callable[[], gen_pb.ServerInfo],
         on_stalled: Callable[[int, int], None] | None = None,
     ) -> None:

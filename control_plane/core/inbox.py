@@ -7,6 +7,7 @@ well-defined step: the one the recorder stamps.
 
 from __future__ import annotations
 
+import asyncio
 import enum
 from dataclasses import dataclass
 
@@ -112,3 +113,37 @@ class Forget:
 
 
 Item = Arrival | AbortItem | StopItem | Orphan | Precopied | Immigrant | Forget
+
+
+class Inbox:
+    """What waits for the engine's next turn, and the event that wakes its loop when something
+    comes."""
+
+    def __init__(self) -> None:
+        self.items: list[Item] = []
+        self.wake = asyncio.Event()
+
+    def __bool__(self) -> bool:
+        return bool(self.items)
+
+    def put(self, *items: Item) -> None:
+        self.items.extend(items)
+        self.wake.set()
+
+    def take(self) -> list[Item]:
+        items, self.items = self.items, []
+        return items
+
+    def arriving(self) -> int:
+        """Samples waiting to be admitted (arrivals, orphans, immigrants)."""
+        return sum(
+            len(m.samples) if isinstance(m, Arrival) else 1
+            for m in self.items
+            if isinstance(m, Arrival | Orphan | Immigrant)
+        )
+
+    def waiting_rids(self) -> set[str]:
+        """Samples whose arrival, orphan or immigrant is still here."""
+        waiting = {s.rid for item in self.items if isinstance(item, Arrival) for s in item.samples}
+        waiting |= {item.orphan.sample.rid for item in self.items if isinstance(item, Immigrant)}
+        return waiting | {item.sample.rid for item in self.items if isinstance(item, Orphan)}

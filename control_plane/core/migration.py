@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -41,6 +42,7 @@ from typing import Protocol
 import structlog
 
 from control_plane import metrics
+from control_plane.core.fleet import unreachable
 from control_plane.core.handover import orphan_of
 from control_plane.core.inbox import Forget, Immigrant, LiveSample, Orphan, Precopied
 from control_plane.core.publisher import Streams
@@ -94,6 +96,8 @@ class Precopy:
     # Transfer ids whose outcome is still to come, and whether any failed (why).
     pending: set[str] = field(default_factory=set)
     error: str = ""
+    # When the sends were planned (time.monotonic()).
+    started: float = field(default_factory=time.monotonic)
 
 
 @dataclass(slots=True)
@@ -134,6 +138,7 @@ class Migrations:
         streams: Streams,
         log: structlog.typing.FilteringBoundLogger,
         fallback: Callable[[], Destination | None],
+        on_outcome: Callable[[str, bool], None] = lambda _worker, _landed: None,
     ) -> None:
         self._worker = worker
         self._limits = limits
@@ -141,6 +146,8 @@ class Migrations:
         self._log = log
         # Where a request whose tail copy failed continues: this engine while it serves, else an heir.
         self._fallback = fallback
+        # Told each move's outcome, (destination worker, landed): the fleet's back-off listens.
+        self._on_outcome = on_outcome
         # By transfer id (each of a call's samples'), from the send until the call switches.
         self.precopies: dict[str, Precopy] = {}
         self.exports: dict[str, Export] = {}
@@ -189,6 +196,35 @@ class Migrations:
         """How long an idle loop may sleep (None: as long as it likes)."""
         return POLL_S if self.busy else None
 
+    def heading(self) -> Counter[str]:
+        """Samples moving from here whose copy has had no outcome yet, by destination worker."""
+        counts: Counter[str] = Counter()
+        for copy in {id(c): c for c in self.precopies.values()}.values():
+            counts[copy.destination.worker] += len(copy.rids)
+        for export in self.exports.values():
+            counts[export.destination.worker] += 1
+        return counts
+
+    def overdue(self, now: float, deadline_s: Callable[[int], float]) -> list[tuple[str, str, float]]:
+        """(transfer id, destination worker, deadline) of each copy whose outcome has not come
+        within `deadline_s(positions it carries)` of its start."""
+        late = [
+            (tid, c.destination.worker, deadline_s(c.sent[rid][1]), c.started)
+            for c in {id(c): c for c in self.precopies.values()}.values()
+            for rid, (tid, _) in c.sent.items()
+            if tid in c.pending
+        ]
+        late += [
+            (tid, e.destination.worker, deadline_s(len(e.tokens) - e.start), e.started)
+            for tid, e in self.exports.items()
+        ]
+        return [(tid, worker, limit) for tid, worker, limit, started in late if now - started > limit]
+
+    def bound_for(self, worker: str) -> list[str]:
+        """The transfers on their way to `worker` whose outcome is still to come."""
+        pending = [t for t, c in self.precopies.items() if c.destination.worker == worker and t in c.pending]
+        return pending + [t for t, e in self.exports.items() if e.destination.worker == worker]
+
     def in_transit(self, which: Callable[[LiveSample], bool]) -> list[LiveSample]:
         """Switched samples whose tail is on its way (in no engine's streams), those `which` picks."""
         return [e.orphan.sample for e in self.exports.values() if which(e.orphan.sample)]
@@ -205,20 +241,9 @@ class Migrations:
 
     def can_reach(self, destination: Destination) -> str:
         """Why a request cannot migrate to `destination` ("" when it can)."""
-        if destination.worker == self._worker:
-            return "it is this worker"
-        if not destination.serving:
+        if destination.worker != self._worker and not destination.serving:
             return f"worker {destination.worker} takes no requests"
-        if not self._limits.transfer_address or not destination.limits.transfer_address:
-            return "a worker serves no KV transfer link"
-        mine, theirs = self._limits, destination.limits
-        if (mine.page_size, mine.dtype, mine.model_fingerprint) != (
-            theirs.page_size,
-            theirs.dtype,
-            theirs.model_fingerprint,
-        ):
-            return "the workers differ in page size, dtype or model"
-        return ""
+        return unreachable(self._limits, destination.limits)
 
     def start(
         self,
@@ -393,6 +418,8 @@ class Migrations:
         ):
             why = "it ended or stopped running meanwhile"
         if why:  # it stays here
+            if copy.error:
+                self._on_outcome(destination.worker, False)
             metrics.MIGRATIONS.labels(self._worker, copy.reason, "called_off").inc()
             for transfer_id, _ in copy.sent.values():
                 destination.forget_transfer(transfer_id)
@@ -416,6 +443,7 @@ class Migrations:
             self._give_up(export, f"worker {destination.worker} left before the copy arrived")
             return
         seconds = time.monotonic() - export.started
+        self._on_outcome(destination.worker, True)
         self.migrated_out += 1
         metrics.MIGRATIONS.labels(self._worker, export.reason, "ok").inc()
         metrics.MIGRATED_TOKENS.labels(self._worker).inc(len(export.tokens))
@@ -435,6 +463,7 @@ class Migrations:
         """The tail did not arrive: the request continues here (or on an heir); the destination
         forgets both copies."""
         self.fallbacks += 1
+        self._on_outcome(export.destination.worker, False)
         metrics.MIGRATIONS.labels(self._worker, export.reason, "fallback").inc()
         self._forget_both(export)
         heir = self._fallback()

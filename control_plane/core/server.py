@@ -37,12 +37,14 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from clients.wakeups import read_in_bulk
 from control_plane import metrics
 from control_plane.config import ControlConfig
-from control_plane.core import census
+from control_plane.core.census import PeerCensus
 from control_plane.core.drain import Departure
 from control_plane.core.engine import Engine
+from control_plane.core.fleet import Fleet, Router
+from control_plane.core.fleet.census import take as take_census
 from control_plane.core.hub import FrontendHub
 from control_plane.core.rebalance import Rebalancer
-from control_plane.core.router import Router
+from control_plane.core.server_info import server_info
 from control_plane.core.supervisor import FrontendEntry, Frontends
 from control_plane.core.worker_checks import hello_refusal
 from control_plane.core.worker_link import StreamChannel
@@ -123,10 +125,7 @@ class WorkerLinkService(wk_grpc.WorkerLinkServicer):
             limits,
             channel,
             self.hub,
-            successor=self.router.successor,
-            on_leaving=self.plane.worker_leaving,
-            peers=self.router.available,
-            engine_of=self.router.engines.get,
+            self.plane.fleet,
         )
         channel.on_drain = engine.worker_draining
         channel.on_received = engine.worker_received
@@ -203,11 +202,12 @@ class ControlPlane:
         self.config = config
         self.tokenizer = Tokenizer.from_dir(config.model_dir)
         self.health = health.aio.HealthServicer()  # type: ignore[attr-defined]
-        self.router = Router(
+        self.router: Router[Engine] = Router(
             model_name=config.model_name or config.model_dir.name,
             on_change=self._on_workers_changed,
             routing=config.routing,
         )
+        self.fleet: Fleet[Engine] = Fleet(self.router, on_leaving=self.worker_leaving)
         self.worker_server = grpc.aio.server(options=WORKER_SERVER_OPTIONS)
         self._dir = tempfile.mkdtemp(prefix="stepwise-core-")
         self.frontends = Frontends(config, str(Path(self._dir) / "link.sock"), log_level, frontend_entry)
@@ -221,11 +221,11 @@ class ControlPlane:
         self._rebalancing: asyncio.Task[None] | None = None
 
     def server_info(self) -> gen_pb.ServerInfo:
-        return self.router.server_info(self.config, self.tokenizer, VERSION)
+        return server_info(self.router, self.tokenizer, VERSION, model_path=str(self.config.model_dir))
 
     def census(self) -> Census:
         """What this control plane answers to Census: its workers (not leaving) and their load."""
-        return census.take(
+        return take_census(
             self.id, self.router.engines.values(), not self.draining, self.router.model_fingerprint
         )
 
@@ -260,7 +260,7 @@ class ControlPlane:
     def _start_rebalancing(self) -> None:
         if not self.config.peers:
             return
-        peers = census.PeerCensus(self.config.peers, self.config.security)
+        peers = PeerCensus(self.config.peers, self.config.security)
         self.rebalancer = Rebalancer(self.config.rebalance_interval_s, peers, self.census, self.router)
         self._rebalancing = asyncio.get_running_loop().create_task(self.rebalancer.run())
 

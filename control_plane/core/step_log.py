@@ -5,6 +5,7 @@ figures, per step. Formatting lives here so the loop reads as plan, send, receiv
 from __future__ import annotations
 
 import time
+from collections import deque
 
 import structlog
 
@@ -54,6 +55,18 @@ class StepLog:
         # Since the worker attached (GetServerInfo): prompt tokens admitted, cached ones included.
         self.prompt_tokens_total = 0
         self.cached_tokens_total = 0
+        # The worker's idle gap before each of its recent steps (GetServerInfo shows percentiles),
+        # and its idle and busy seconds in all.
+        self.waits: deque[float] = deque(maxlen=1000)
+        self.wait_total_s = 0.0
+        self.step_total_s = 0.0
+
+    def timed(self, wait_s: float, forward_s: float) -> None:
+        """A step's result says how long the worker waited for its plan and how long it ran."""
+        self.waits.append(wait_s)
+        self.wait_total_s += wait_s
+        self.step_total_s += forward_s
+        self.metrics.worker_wait.observe(wait_s)
 
     def record(self, plan: StepPlan, stats: StepStats, sched: Scheduler) -> None:
         """Counters every step, the pool's gauges every POOL_GAUGES_S; SGLang's prefill line per

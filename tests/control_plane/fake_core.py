@@ -14,6 +14,7 @@ import numpy as np
 
 from control_plane.config import ControlConfig
 from control_plane.core.engine import Engine
+from control_plane.core.fleet import Fleet
 from control_plane.core.inbox import Arrival, LiveSample, Verdict
 from control_plane.link import UID_LINK_SHIFT
 from control_plane.request import FinishReason, RequestParams
@@ -164,20 +165,17 @@ def make_engine(
     control: dict[str, object] | None = None,
     worker_id: str = "w-test",
     hub: FakeHub | None = None,
-    successor: Callable[[Engine], Engine | None] | None = None,
-    on_leaving: Callable[[Engine], None] | None = None,
+    fleet: Fleet[Engine] | None = None,
     channel_class: type[FakeChannel] = FakeChannel,
     network: dict[str, list[tuple[int, int]]] | None = None,
-    peers: Callable[[], list[Engine]] | None = None,
     role: str = "mixed",
     receivers: Receivers | None = None,
-    engine_of: Callable[[str], Engine | None] | None = None,
     **scheduler: object,
 ) -> tuple[Engine, FakeChannel, FakeHub]:
     """An engine over a FakeWorker; `control` sets ControlConfig fields, the rest the scheduler's.
-    Engines that share a `hub` publish to one place (as a control plane's engines do); `successor`,
-    `on_leaving`, `peers` and `engine_of` are wired as the server wires them (the router's, the
-    control plane's). Engines whose workers share a `network` can migrate requests between them
+    Engines that share a `hub` publish to one place (as a control plane's engines do); engines
+    given one `fleet` (over the router they are attached to) know each other as the server's do.
+    Engines whose workers share a `network` can migrate requests between them
     (each announces a transfer address); with a shared `receivers` too, each destination worker
     reports what it received as a real one welcomed with `transfer_reports` does."""
     config = ControlConfig(
@@ -191,16 +189,7 @@ def make_engine(
     limits = WorkerLimits(worker_id, capacity, 1, 2048, vocab, eos, transfer_address=address, role=role)
     channel = channel_class(FakeWorker(capacity, vocab=vocab, network=network), step_s, log, receivers)
     hub = hub if hub is not None else FakeHub(channel.log)
-    engine = Engine(
-        config,
-        limits,
-        channel,
-        hub,
-        successor=successor,
-        on_leaving=on_leaving,
-        peers=peers,
-        engine_of=engine_of,
-    )
+    engine = Engine(config, limits, channel, hub, fleet)
     if receivers is not None:
         receivers[address] = engine.worker_received
     return engine, channel, hub

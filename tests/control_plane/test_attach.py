@@ -53,7 +53,7 @@ async def test_a_call_routed_to_a_worker_whose_welcome_fails_continues_elsewhere
     """The worker is attached before its welcome goes out (so a call right after the welcome finds
     it): a call the router gives it meanwhile must not vanish when the welcome fails."""
     hub = FakeHub()
-    heir, _, _ = make_engine(1000, worker_id="b", hub=hub, successor=plane.router.successor)
+    heir, _, _ = make_engine(1000, worker_id="b", hub=hub, fleet=plane.fleet)
     plane.router.attach(heir)
     heir_task = asyncio.create_task(heir.run())
     service = WorkerLinkService(plane)

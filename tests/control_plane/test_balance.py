@@ -1,4 +1,4 @@
-"""The KV balancer's rules (control_plane/core/balance.py) and the scheduler's look-ahead they read
+"""The KV balancer's rules (control_plane/core/fleet/balance.py) and the scheduler's look-ahead they read
 (`decode_headroom`): a worker whose headroom over the next k decodes is not negative does not
 retract in those k steps, and one whose headroom for the next decode is negative retracts in it."""
 
@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from control_plane.core.balance import BALANCE, KV, Room, fits, roomiest, why_move
+from control_plane.core.fleet.balance import BALANCE, KV, Room, fits, roomiest, why_move
 from tests.control_plane.factories import make_scheduler, params
 from tests.control_plane.fake_worker import FakeWorker
 

@@ -50,8 +50,7 @@ class Plane:
             control={"drain_timeout_s": self.plane.config.drain_timeout_s},
             worker_id=worker,
             hub=self.hub,
-            successor=self.plane.router.successor,
-            on_leaving=self.plane.worker_leaving,
+            fleet=self.plane.fleet,
         )
         self.plane.router.attach(engine)
         self.channels[worker] = channel

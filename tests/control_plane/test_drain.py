@@ -17,7 +17,7 @@ import structlog
 
 from control_plane.core.drain import DRAINED, Departure
 from control_plane.core.engine import Engine
-from control_plane.core.router import Router
+from control_plane.core.fleet import Fleet, Router
 from control_plane.request import RequestParams
 from protos.worker import SamplerParams, StepPlan, StepResult
 from tests.control_plane.fake_core import FakeChannel, FakeHub, Stream, finished, make_engine, submit
@@ -38,7 +38,8 @@ class Pair:
 
     def __init__(self, drain_timeout_s: float, step_s: float, **scheduler: object) -> None:
         self.hub = FakeHub()
-        self.router = Router("test")
+        self.router = Router[Engine]("test")
+        fleet = Fleet(self.router)
         self.channels: dict[str, FakeChannel] = {}
         self.introduced: dict[str, list[str]] = {}
         self.engines: dict[str, Engine] = {}
@@ -49,7 +50,7 @@ class Pair:
                 control={"drain_timeout_s": drain_timeout_s},
                 worker_id=worker,
                 hub=self.hub,
-                successor=self.router.successor,
+                fleet=fleet,
                 **scheduler,
             )
             self.router.attach(engine)

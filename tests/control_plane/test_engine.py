@@ -13,11 +13,14 @@ import numpy as np
 import pytest
 import structlog
 
+from control_plane.core import admission
+from control_plane.core import books as books_module
 from control_plane.core import engine as engine_module
 from control_plane.core.drain import DRAINED, Departure
+from control_plane.core.fleet import Fleet as WorkerFleet
+from control_plane.core.fleet import Router
 from control_plane.core.handover import WorkerGone
 from control_plane.core.inbox import LiveSample, Orphan, Verdict
-from control_plane.core.router import Router
 from control_plane.link import UID_LINK_SHIFT
 from control_plane.request import FinishReason, RequestParams
 from control_plane.tokenizer import Tokenizer
@@ -200,7 +203,7 @@ async def test_a_fault_of_ours_restarts_the_scheduler_and_requests_continue(toke
     await _released(channel)
     engine.stop()
     await task
-    assert engine.kv_mismatches == 0
+    assert engine.books.kv_mismatches == 0
 
 
 async def test_a_request_that_keeps_faulting_ends_with_an_abort(tokenizer: Tokenizer) -> None:
@@ -276,23 +279,23 @@ async def test_a_refused_arrival_gets_its_verdict_and_nothing_else(tokenizer: To
 def test_largest_seed_wraps_for_parallel_samples() -> None:
     """Seeds are uint64 on the wire: sample 1 of seed 2^64-1 gets 0, not an overflow in the codec."""
     params = RequestParams(max_new_tokens=3, sampler=SamplerParams(temperature=1.0, seed=2**64 - 1))
-    seeds = [engine_module._sample_params(params, i, 2, "g").sampler.seed for i in range(2)]
+    seeds = [admission.sample_params(params, i, 2, "g").sampler.seed for i in range(2)]
     assert seeds == [2**64 - 1, 0]
 
 
 async def test_the_idle_pool_check_runs_in_slices_and_yields_between_them(
     tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(engine_module, "IDLE_CHECK_BUDGET", 1)
+    monkeypatch.setattr(books_module, "IDLE_CHECK_BUDGET", 1)
     slices: list[int] = []
     ticks = {"n": 0}
-    run = engine_module.PoolCheck.run
+    run = books_module.PoolCheck.run
 
     def counted(self, budget: int) -> bool:  # type: ignore[no-untyped-def]
         slices.append(ticks["n"])
         return run(self, budget)
 
-    monkeypatch.setattr(engine_module.PoolCheck, "run", counted)
+    monkeypatch.setattr(books_module.PoolCheck, "run", counted)
 
     async def ticker() -> None:
         while True:
@@ -303,7 +306,7 @@ async def test_the_idle_pool_check_runs_in_slices_and_yields_between_them(
     task = asyncio.create_task(engine.run())
     tick = asyncio.create_task(ticker())
     await finished(hub, submit(engine, "r", tokenizer.encode("Once upon a time"), _params(6)))
-    while engine._pool_dirty:
+    while engine.books.pool_dirty:
         await asyncio.sleep(0.01)
     engine.stop()
     await task
@@ -394,20 +397,19 @@ class Fleet:
 
     def __init__(self) -> None:
         self.hub = FakeHub()
-        self.router = Router("test")
+        self.router = Router[engine_module.Engine]("test")
+        fleet = WorkerFleet(self.router)
         self.a, channel, _ = make_engine(
             1000,
             step_s=0.002,
             worker_id="a",
             hub=self.hub,
-            successor=self.router.successor,
+            fleet=fleet,
             channel_class=EndingChannel,
         )
         assert isinstance(channel, EndingChannel)
         self.channel = channel
-        self.b, _, _ = make_engine(
-            1000, step_s=0.002, worker_id="b", hub=self.hub, successor=self.router.successor
-        )
+        self.b, _, _ = make_engine(1000, step_s=0.002, worker_id="b", hub=self.hub, fleet=fleet)
         self.tasks: dict[str, asyncio.Task[None]] = {}
         for engine in (self.a, self.b):
             self.router.attach(engine)

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from control_plane.config import ControlConfig, add_arguments, control_config_from_args
+from control_plane.core.fleet import Router
 from control_plane.core.heartbeat import Silence
 from control_plane.core.hub import FrontendHub
-from control_plane.core.router import Router
 from control_plane.frontend.heartbeat import Heartbeat
 from control_plane.link import FrameReader, FrameWriter, LinkClosed, read_frame, write_frame
 from protos.stepwise.v1 import frontend_pb2 as fe_pb

@@ -15,7 +15,7 @@ import structlog
 
 from control_plane import metrics
 from control_plane.core.engine import Engine
-from control_plane.core.router import Router
+from control_plane.core.fleet import Fleet, Router
 from control_plane.request import FinishKind, RequestParams
 from protos.worker import SamplerParams, StepPlan, StepResult, TransferOutcome
 from tests.control_plane.fake_core import FakeHub, make_engine, submit
@@ -36,14 +36,14 @@ class Pair:
 
     def __init__(self, reports: bool = False) -> None:
         self.hub = FakeHub()
-        self.router = Router("test")
+        self.router = Router[Engine]("test")
+        self.fleet = Fleet(self.router)
         network: dict[str, list[tuple[int, int]]] = {}
         wiring = {
             "hub": self.hub,
-            "successor": self.router.successor,
+            "fleet": self.fleet,
             "network": network,
             "receivers": {} if reports else None,
-            "engine_of": self.router.engines.get,
         }
         self.receivers = wiring["receivers"]
         self.a, self.channel_a, _ = make_engine(1000, step_s=0.002, worker_id="a", **wiring)  # type: ignore[arg-type]
@@ -302,7 +302,8 @@ def _moves(worker: str) -> Counter[str]:
 
 async def _two_engines(capacities: dict[str, int], **scheduler: object) -> tuple[FakeHub, list[Engine]]:
     """Engines behind one router whose workers share a network, wired as the server wires them."""
-    hub, router = FakeHub(), Router("test")
+    hub, router = FakeHub(), Router[Engine]("test")
+    fleet = Fleet(router)
     network: dict[str, list[tuple[int, int]]] = {}
     engines = []
     for worker, capacity in capacities.items():
@@ -312,9 +313,8 @@ async def _two_engines(capacities: dict[str, int], **scheduler: object) -> tuple
             step_s=0.002,
             worker_id=worker,
             hub=hub,
-            successor=router.successor,
+            fleet=fleet,
             network=network,
-            peers=router.available,
             **scheduler,
         )
         router.attach(engine)

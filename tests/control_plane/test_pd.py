@@ -13,7 +13,7 @@ import pytest
 
 from control_plane.config import Limits
 from control_plane.core.engine import Engine
-from control_plane.core.router import Router
+from control_plane.core.fleet import Fleet, Router
 from control_plane.core.worker_checks import hello_refusal
 from control_plane.request import FinishKind, RequestParams
 from protos.worker import SamplerParams, WorkerLimits
@@ -31,7 +31,8 @@ class Plane:
     """Engines by worker id behind one router; `roles` and `capacities` by worker id."""
 
     def __init__(self, roles: dict[str, str], capacities: dict[str, int] | None = None) -> None:
-        self.hub, self.router = FakeHub(), Router("test")
+        self.hub, self.router = FakeHub(), Router[Engine]("test")
+        fleet = Fleet(self.router)
         network: dict[str, list[tuple[int, int]]] = {}
         self.engines: dict[str, Engine] = {}
         for worker, role in roles.items():
@@ -41,9 +42,8 @@ class Plane:
                 step_s=0.002,
                 worker_id=worker,
                 hub=self.hub,
-                successor=self.router.successor,
+                fleet=fleet,
                 network=network,
-                peers=self.router.available,
                 role=role,
             )
             self.router.attach(engine)

@@ -1,5 +1,6 @@
-"""Rebalancing among control planes (control_plane/core/rebalance.py): the decision as a pure function,
-the peers it compares with, and one Rebalancer over engines attached to a real router."""
+"""Rebalancing among control planes (control_plane/core/rebalance.py, its rules in fleet/rebalance.py):
+the decision as a pure function, the peers it compares with, and one Rebalancer over engines attached
+to a real router."""
 
 from __future__ import annotations
 
@@ -8,19 +9,12 @@ import random
 
 import pytest
 
-from control_plane.core.census import Census
 from control_plane.core.drain import Departure
 from control_plane.core.engine import Engine
-from control_plane.core.rebalance import (
-    HOLD_OFF_INTERVALS,
-    JITTER,
-    Rebalancer,
-    jittered,
-    should_move,
-    targets,
-)
-from control_plane.core.router import Router
-from protos.worker import WorkerLimits
+from control_plane.core.fleet import Router
+from control_plane.core.fleet.rebalance import JITTER, jittered, should_move, targets
+from control_plane.core.rebalance import HOLD_OFF_INTERVALS, Rebalancer
+from protos.worker import Census, WorkerLimits
 from tests.control_plane.fake_core import FakeHub, make_engine
 
 pytestmark = pytest.mark.timeout(30)

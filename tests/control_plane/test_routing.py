@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from control_plane.cache.radix import RadixCache, as_token_bytes
 from control_plane.config import RoutingConfig
-from control_plane.core.router import Router
+from control_plane.core.fleet import Router
 
 
 @dataclass

@@ -20,8 +20,8 @@ While a worker is short, its scheduler is also told to send the victims of a ret
 worker instead (`Scheduler.spill_to`): pre-copies take a few steps, and the shortfall may come
 first.
 
-The rules are pure functions of `Room`s (tested directly); the engine reads the rooms and starts
-the migration (engine.py `_balance`).
+The rules are pure functions of `Room`s (tested directly); placement.py applies them to a worker's
+running calls (`balance`), and the engine starts the moves it returns.
 """
 
 from __future__ import annotations

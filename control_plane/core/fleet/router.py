@@ -12,19 +12,20 @@ from __future__ import annotations
 
 import zlib
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
+from typing import Generic, TypeVar
 
 import numpy as np
 
 from control_plane import metrics
 from control_plane.cache.radix import as_token_bytes
-from control_plane.config import ControlConfig, RoutingConfig
-from control_plane.core.engine import Engine
-from control_plane.tokenizer import Tokenizer
-from protos.stepwise.v1 import generation_pb2 as gen_pb
+from control_plane.config import RoutingConfig
+from control_plane.core.fleet.member import Member
+
+M = TypeVar("M", bound=Member)
 
 
-class Router:
+class Router(Generic[M]):
     def __init__(
         self,
         model_name: str,
@@ -32,7 +33,7 @@ class Router:
         routing: RoutingConfig | None = None,
     ) -> None:
         self.model_name = model_name
-        self.engines: dict[str, Engine] = {}
+        self.engines: dict[str, M] = {}
         self.model_fingerprint = ""
         self._on_change = on_change
         self.routing = routing or RoutingConfig()
@@ -42,12 +43,12 @@ class Router:
     def has(self, worker_id: str) -> bool:
         return worker_id in self.engines
 
-    def attach(self, engine: Engine) -> None:
+    def attach(self, engine: M) -> None:
         self.engines[engine.limits.worker_id] = engine
         self.model_fingerprint = self.model_fingerprint or engine.limits.model_fingerprint
         self._changed()
 
-    def detach(self, engine: Engine) -> None:
+    def detach(self, engine: M) -> None:
         if self.engines.get(engine.limits.worker_id) is engine:
             del self.engines[engine.limits.worker_id]
         if not self.engines:
@@ -58,13 +59,13 @@ class Router:
         if self._on_change is not None:
             self._on_change(len(self.engines))
 
-    def available(self) -> list[Engine]:
+    def available(self) -> list[M]:
         """Attached engines that are not leaving (draining or moving away) and whose loop has not
         ended (an engine stays attached until its session's last message is out), in order of
         attachment: the ones a new request may go to."""
         return [e for e in self.engines.values() if e.serving]
 
-    def pick(self, routing_key: str = "", input_ids: np.ndarray | None = None) -> Engine | None:
+    def pick(self, routing_key: str = "", input_ids: np.ndarray | None = None) -> M | None:
         """The engine for a new request (None when no worker can take it); see the module docstring."""
         engine, how = self._choose(routing_key, input_ids)
         if engine is not None:
@@ -72,13 +73,13 @@ class Router:
             metrics.ROUTING_DECISIONS.labels(how).inc()
         return engine
 
-    def takers(self) -> list[Engine]:
+    def takers(self) -> list[M]:
         """The engines a new request may go to: prefill and mixed workers, or, when none serves,
         decode workers (a decode worker can prefill: better than refusing the request)."""
         available = self.available()
         return [e for e in available if e.limits.role != "decode"] or available
 
-    def _choose(self, routing_key: str, input_ids: np.ndarray | None) -> tuple[Engine | None, str]:
+    def _choose(self, routing_key: str, input_ids: np.ndarray | None) -> tuple[M | None, str]:
         candidates = self.takers()
         if not candidates:
             return None, ""
@@ -104,12 +105,12 @@ class Router:
             return candidates[least], "load"
         return candidates[best], "cache"
 
-    def successor(self, lost: Engine) -> Engine | None:
+    def successor(self, lost: M) -> M | None:
         """The least loaded other worker that is not leaving, to continue a lost worker's requests."""
         others = [e for e in self.available() if e is not lost]
         return min(others, key=lambda e: (sum(e.load()), e.limits.worker_id), default=None)
 
-    def find(self, rid: str) -> Engine | None:
+    def find(self, rid: str) -> M | None:
         for engine in self.engines.values():
             if engine.knows(rid):
                 return engine
@@ -118,61 +119,3 @@ class Router:
     def stop_all(self) -> None:
         for engine in self.engines.values():
             engine.stop()
-
-    def server_info(self, config: ControlConfig, tokenizer: Tokenizer, version: str) -> gen_pb.ServerInfo:
-        workers = [
-            self._worker_info(e) for e in sorted(self.engines.values(), key=lambda e: e.limits.worker_id)
-        ]
-        limits = [e.limits for e in self.engines.values()]
-        return gen_pb.ServerInfo(
-            model=self.model_name,
-            model_path=str(config.model_dir),
-            model_fingerprint=self.model_fingerprint,
-            max_context=min((lim.max_context for lim in limits), default=0),
-            vocab_size=tokenizer.vocab_size,
-            workers=workers,
-            kv_capacity_tokens=sum(lim.kv_capacity_tokens for lim in limits),
-            queued=sum(w.queued for w in workers),
-            running=sum(w.running for w in workers),
-            version=version,
-        )
-
-    @staticmethod
-    def _worker_info(engine: Engine) -> gen_pb.WorkerInfo:
-        queued, running = engine.load()
-        sched = engine.scheduler
-        books = sched.books()
-        return gen_pb.WorkerInfo(
-            worker_id=engine.limits.worker_id,
-            device=engine.limits.device,
-            dtype=engine.limits.dtype,
-            kv_capacity_tokens=engine.limits.kv_capacity_tokens,
-            page_size=sched.page_size,
-            running=running,
-            queued=queued,
-            kv_used_tokens=sched.kv.used_tokens(),
-            book_live_seqs=books[0],
-            book_seq_slots=books[1],
-            reported_live_seqs=engine.reported_kv[0],
-            reported_seq_slots=engine.reported_kv[1],
-            kv_mismatches=engine.kv_mismatches,
-            wait_p50_s=_percentile(engine.waits, 50),
-            wait_p99_s=_percentile(engine.waits, 99),
-            wait_total_s=engine.wait_total_s,
-            step_total_s=engine.step_total_s,
-            steps=engine.steps,
-            retractions=sched.num_retracted_total,
-            leaving=engine.leaving is not None,
-            prompt_tokens_total=engine.step_log.prompt_tokens_total,
-            cached_tokens_total=engine.step_log.cached_tokens_total,
-            transfer_address=engine.limits.transfer_address,
-            migrated_out=engine.migration.migrated_out,
-            migrated_in=engine.migration.migrated_in,
-            migration_fallbacks=engine.migration.fallbacks,
-            role=engine.limits.role,
-        )
-
-
-def _percentile(values: Iterable[float], q: float) -> float:
-    window = list(values)
-    return float(np.percentile(window, q)) if window else 0.0
