@@ -9,6 +9,7 @@ from control_plane.config import SchedulerConfig
 from control_plane.request import AbortCode, FinishReason, Request, RequestParams
 from control_plane.scheduler.policy import Policy
 from control_plane.scheduler.priority import urgency
+from control_plane.scheduler.queue_clock import QueueClock
 from control_plane.scheduler.records import MAX_INT, QueueFull, RequestRejected
 from control_plane.scheduler.registry import Registry
 from control_plane.scheduler.sizing import PoolSizes, clamp_max_new_tokens
@@ -21,9 +22,15 @@ class Intake:
     """New requests into the waiting queue, and the queue itself (docs/scheduler.md#intake)."""
 
     def __init__(
-        self, config: SchedulerConfig, sizes: PoolSizes, registry: Registry, priority_sign: int
+        self,
+        config: SchedulerConfig,
+        sizes: PoolSizes,
+        registry: Registry,
+        priority_sign: int,
+        clock: QueueClock | None = None,
     ) -> None:
         self.config = config
+        self.queue_clock = QueueClock() if clock is None else clock
         self.sizes = sizes
         self.registry = registry
         self.priority_sign = priority_sign
@@ -93,6 +100,8 @@ class Intake:
             self.registry.finish(victim, FinishReason.abort(PRIORITY_EVICTED))
         self._clock += 1
         req.wait_queue_entry_time = self._clock
+        req.queue_entry_s = self.queue_clock.busy_s
+        req.queue_entry_tokens = self.queue_clock.prefill_tokens
         self.waiting.append(req)
 
     def _queue_victim(self, newcomer: Request) -> Request | None:
