@@ -136,6 +136,8 @@ class Request:
     # worker time and prefill tokens computed.
     queue_entry_s: float = 0.0
     queue_entry_tokens: int = 0
+    # LPM's sort key from the kept matches past 128 waiting (scheduler/queue_matches.py).
+    queue_key: float = 0.0
     is_retracted: bool = False
     retracted_stain: bool = False
     retraction_count: int = 0

@@ -13,6 +13,7 @@ from __future__ import annotations
 import random
 from collections import Counter
 from collections.abc import Callable, Sequence
+from operator import attrgetter
 from typing import Protocol
 
 from control_plane.cache.radix import RadixCache
@@ -21,7 +22,7 @@ from control_plane.request import Request
 from control_plane.scheduler.kv import KvManager
 from control_plane.scheduler.priority import priority_sign, urgency
 from control_plane.scheduler.queue_clock import QueueClock
-from control_plane.scheduler.queue_matches import KeptMatch, QueueMatches
+from control_plane.scheduler.queue_matches import QueueMatches
 
 # Past this many waiting requests LPM falls back to FCFS for the pass (per-request matching cost);
 # SGLang's constant. With --cache-aware-queue-limit 0 or above it, deeper passes read kept matches.
@@ -107,43 +108,25 @@ class PrefixMatcher:
         self.check_threshold = config.in_batch_prefix_check_threshold
         self.deprioritize_threshold = config.in_batch_prefix_deprioritize_threshold
         # Kept matches for passes past LPM_FALLBACK_QUEUE_LEN (docs/scheduler.md#kept-matches).
-        self.kept = QueueMatches(kv.tree, max(self.deprioritize_threshold, 0)) if kept else None
+        self.kept = QueueMatches(kv.tree, self.check_threshold, self.deprioritize_threshold) if kept else None
+
+    def deep(self, queue: Sequence[Request]) -> bool:
+        """Whether this pass reads the kept matches (past 128 waiting, when they are kept)."""
+        return self.kept is not None and len(queue) > LPM_FALLBACK_QUEUE_LEN
 
     def match(self, queue: Sequence[Request]) -> set[str]:
-        """`match_all` (SGLang's pass) up to 128 waiting requests, or with no kept matches; else
-        `match_kept`. Returns the rids to deprioritize."""
-        if self.kept is not None and len(queue) > LPM_FALLBACK_QUEUE_LEN:
+        """`match_all` (SGLang's pass), or past 128 waiting the kept matches. Sets every request's
+        num_matched_prefix_tokens; returns the rids to deprioritize."""
+        if self.deep(queue):
             return self.match_kept(queue)
         return self.match_all(queue)
 
     def match_kept(self, queue: Sequence[Request]) -> set[str]:
-        """Sets num_matched_prefix_tokens from the kept matches (no tree access: prefix_indices and
-        last_node are left alone, admission matches for real) and dedups through first tokens."""
+        """From the kept matches: no tree access, so prefix_indices and last_node are left alone
+        (admission matches each request it tries for real)."""
         assert self.kept is not None
-        return self._dedup(self.kept.refresh(queue))
-
-    def _dedup(self, kept: list[KeptMatch]) -> set[str]:
-        """The in-batch dedup of `match_all` without its simulated tree: a request's match there
-        reaches `deprioritize` tokens exactly when an earlier inserted request has the same first
-        `deprioritize` tokens (page size 1), so a set of those first tokens answers the same."""
-        deprioritized: set[str] = set()
-        if self.check_threshold < 0:
-            return deprioritized
-        check, every = self.check_threshold, self.deprioritize_threshold <= 0
-        heads: set[bytes] = set()
-        for k in kept:
-            if k.tokens > check:
-                continue
-            head = k.head
-            if every:
-                deprioritized.add(k.req.rid)
-            elif head is None:
-                continue
-            elif head in heads:
-                deprioritized.add(k.req.rid)
-            else:
-                heads.add(head)
-        return deprioritized
+        self.kept.sync(queue)
+        return self.kept.deprioritized(queue)
 
     def match_all(self, queue: Sequence[Request]) -> set[str]:
         """Mutates each request's prefix fields; returns the rids to deprioritize."""
@@ -167,6 +150,9 @@ def _simulated_tree() -> RadixCache:
     return RadixCache(None, page_size=1)
 
 
+_QUEUE_KEY = attrgetter("queue_key")
+
+
 def falls_back(queue: Sequence[Request], limit: int) -> bool:
     """Past `limit` waiting requests (0: never) the pass is FCFS's: no matching, no reordering."""
     return 0 < limit < len(queue)
@@ -182,6 +168,11 @@ class LongestPrefixMatch:
     def order(self, queue: list[Request], running: Sequence[Request]) -> None:
         if falls_back(queue, self.limit):
             return  # FCFS for this pass
+        if self.matcher.deep(queue):
+            assert self.matcher.kept is not None
+            self.matcher.kept.sync(queue)
+            queue.sort(key=_QUEUE_KEY)  # the same order, its keys kept up to date
+            return
         deprioritized = self.matcher.match(queue)
         inf = float("inf")
         queue.sort(key=lambda r: inf if r.rid in deprioritized else -r.num_matched_prefix_tokens)
@@ -365,3 +356,11 @@ def make_policy(config: SchedulerConfig, kv: KvManager, clock: QueueClock | None
     if config.max_queue_wait_s > 0:
         policy = StarvationBound(policy, config.max_queue_wait_s, clock)
     return policy
+
+
+def queue_watcher(policy: Policy) -> QueueMatches | None:
+    """The kept matches the waiting queue must tell of arrivals and departures, if the policy keeps
+    any."""
+    inner = policy.inner if isinstance(policy, StarvationBound) else policy
+    matcher = getattr(inner, "matcher", None)
+    return matcher.kept if isinstance(matcher, PrefixMatcher) else None

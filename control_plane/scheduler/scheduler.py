@@ -40,7 +40,7 @@ from control_plane.scheduler.exits import Exits
 from control_plane.scheduler.intake import PRIORITY_EVICTED, QUEUE_FULL, Intake
 from control_plane.scheduler.kv import KvManager
 from control_plane.scheduler.planning import PlanBuilder
-from control_plane.scheduler.policy import make_policy
+from control_plane.scheduler.policy import make_policy, queue_watcher
 from control_plane.scheduler.preemption import Preemption
 from control_plane.scheduler.priority import priority_sign
 from control_plane.scheduler.queue_clock import QueueClock
@@ -120,7 +120,7 @@ class Scheduler:
         self.running = RunningBatch(self.kv.columns)
         self.seq_books = SequenceBooks(limits.host_pool_capacity_tokens)
         self.registry = Registry(self.seq_books)
-        self.intake = Intake(config, sizes, self.registry, sign, self.queue_clock)
+        self.intake = Intake(config, sizes, self.registry, sign, self.queue_clock, queue_watcher(self.policy))
         self.chunk = ChunkInProgress()
         self.exits = Exits(self.kv, self.registry, self.intake, self.chunk)
         self.retraction = Retraction(

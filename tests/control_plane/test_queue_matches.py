@@ -36,18 +36,22 @@ class KeptMatchMachine(RuleBasedStateMachine):
     @initialize(page_size=st.sampled_from([1, 2]), policy=st.sampled_from(["lru", "lfu", "mru"]))
     def setup(self, page_size: int, policy: str) -> None:
         self.alloc, self.tree = make_cache(self.capacity, page_size, policy)
-        self.matches = QueueMatches(self.tree, head_len=3)
+        self.matches = QueueMatches(self.tree, check=4, deprioritize=3)
 
     @rule(tokens=tokens_st)
     def arrive(self, tokens: list[int]) -> None:
         self.count += 1
-        self.queue.append(Request(rid=f"r{self.count}", origin_input_ids=tokens, params=params()))
+        req = Request(rid=f"r{self.count}", origin_input_ids=tokens, params=params())
+        req.wait_queue_entry_time = self.count
+        self.queue.append(req)
+        self.matches.joined(req)
 
     @precondition(lambda self: self.queue)
     @rule(data=st.data())
     def admit(self, data: st.DataObject) -> None:
         """A request leaves the queue and its prompt is computed into the tree."""
         req = self.queue.pop(data.draw(st.integers(0, len(self.queue) - 1)))
+        self.matches.left(req)
         self._insert(list(req.origin_input_ids))
 
     @rule(tokens=tokens_st)
@@ -65,8 +69,8 @@ class KeptMatchMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.queue)
     @rule()
-    def refresh(self) -> None:
-        self.matches.refresh(self.queue)
+    def sync(self) -> None:
+        self.matches.sync(self.queue)
 
     @rule()
     def reset(self) -> None:
@@ -82,13 +86,29 @@ class KeptMatchMachine(RuleBasedStateMachine):
 
     @invariant()
     def kept_equals_fresh(self) -> None:
-        kept = self.matches.refresh(self.queue)
+        kept = self.matches.kept(self.queue)
+        assert self.matches.resyncs == 0  # the queue told of every change
         assert [k.req for k in kept] == self.queue
         for k in kept:  # the node first: peek touches nothing, a real match may split
             assert k.node is self.tree.peek(k.req.fill_ids.tobytes()).node
         for k in kept:
             assert k.tokens == fresh_len(self.tree, k.req), k.req.rid
             assert k.req.num_matched_prefix_tokens == min(k.tokens, k.req.seqlen - 1)
+
+    @invariant()
+    def dedup_defers_all_but_the_earliest_of_a_group(self) -> None:
+        """Match at most `check` = 4 tokens and share the first 3 with an earlier such request."""
+        self.matches.sync(self.queue)
+        heads: set[tuple[int, ...]] = set()
+        expected = set()
+        for req in sorted(self.queue, key=lambda r: r.wait_queue_entry_time):
+            head = tuple(req.origin_input_ids[:3])
+            if len(req.origin_input_ids) < 3 or fresh_len(self.tree, req) > 4:
+                continue
+            if head in heads:
+                expected.add(req.rid)
+            heads.add(head)
+        assert self.matches.deprioritized(self.queue) == expected
 
 
 TestKeptMatches = KeptMatchMachine.TestCase
@@ -97,22 +117,22 @@ TestKeptMatches.settings = settings(max_examples=150, stateful_step_count=40, de
 
 def test_a_change_elsewhere_matches_nothing_again() -> None:
     alloc, tree = make_cache(4096)
-    matches = QueueMatches(tree, head_len=32)
+    matches = QueueMatches(tree, check=32, deprioritize=32)
     a, b = prompt(100, 1), prompt(100, 2)
     insert_fresh(alloc, tree, a[:50])
     queue = [
         Request(rid=f"a{i}", origin_input_ids=a[:60] + prompt(5, 10 + i), params=params()) for i in range(50)
     ]
-    matches.refresh(queue)
+    matches.sync(queue)
     assert matches.rematches == 50
     insert_fresh(alloc, tree, b)  # another path
     tree.match_prefix(b[:30])  # splits b's node, which no waiting request ends in
     tree.match_prefix(a[:50])  # a is the most recently used now
     tree.evict(1)  # so b's lower part goes (lru)
-    matches.refresh(queue)
+    matches.sync(queue)
     assert matches.rematches == 50
     insert_fresh(alloc, tree, a[:60])  # extends every waiting request's path
-    kept = matches.refresh(queue)
+    kept = matches.kept(queue)
     assert matches.rematches == 100
     assert {k.tokens for k in kept} == {60}
 
@@ -133,10 +153,12 @@ def test_deep_lpm_reads_kept_matches_through_a_whole_run() -> None:
         if len(s.waiting) <= LPM_FALLBACK_QUEUE_LEN:
             return
         deep += 1
-        for k in matcher.kept.refresh(s.waiting):
+        for k in matcher.kept.kept(s.waiting):
             assert k.tokens == s.kv.tree.peek(k.req.fill_ids[: k.req.seqlen].tobytes()).tokens
 
     out = run(sched, FakeWorker(3000, vocab=1000), arrivals, on_step=check)
     assert len(out.finished) == 400
     assert deep > 10
-    assert sched.policy.matcher.kept.rematches < 400 * deep  # type: ignore[attr-defined]
+    kept = sched.policy.matcher.kept  # type: ignore[attr-defined]
+    assert kept.rematches < 400 * deep
+    assert kept.resyncs == 0  # the queue told of every arrival and departure
