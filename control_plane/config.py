@@ -140,7 +140,7 @@ class SchedulerConfig:
     # A request waiting longer than this goes first (0: off; docs/scheduler.md#max-queue-wait).
     max_queue_wait_s: float = 0.0
     # lpm-aging: matched tokens a second of waiting is worth.
-    lpm_aging_tokens_per_s: float = 1000.0
+    lpm_aging_tokens_per_s: float = 100.0
     # Check pool invariants after every step (tests), not only when idle.
     strict_invariants: bool = False
 
@@ -279,7 +279,7 @@ def _add_scheduler_arguments(parser: argparse.ArgumentParser) -> None:
     add(
         "--lpm-aging-tokens-per-s",
         type=Float(0.0, 1e9),
-        default=1000.0,
+        default=100.0,
         help="lpm-aging: a second of waiting counts as this many matched prefix tokens",
     )
     add(
