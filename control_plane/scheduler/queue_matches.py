@@ -86,6 +86,10 @@ class QueueMatches:
             self._forget(old)
         k = self._kept[id(req)] = KeptMatch(req, self.head_len)
         self._stale.append(k)
+        if len(self._stale) > 2 * len(self._kept) + 64:
+            # No deep pass has synced for a while (a shallow queue): drop the departed, so the list
+            # stays within a constant factor of the queue (amortised O(1) per arrival).
+            self._stale = [s for s in self._stale if s.stale and not s.gone]
 
     def left(self, req: Request) -> None:
         k = self._kept.get(id(req))

@@ -162,3 +162,16 @@ def test_deep_lpm_reads_kept_matches_through_a_whole_run() -> None:
     kept = sched.policy.matcher.kept  # type: ignore[attr-defined]
     assert kept.rematches < 400 * deep
     assert kept.resyncs == 0  # the queue told of every arrival and departure
+
+
+def test_a_shallow_queue_keeps_nothing_of_the_departed() -> None:
+    """Arrivals and departures with no pass to sync them (the queue never passes 128): the pending
+    list stays within a constant factor of the queue."""
+    _, tree = make_cache(64)
+    matches = QueueMatches(tree, check=32, deprioritize=32)
+    for i in range(5000):
+        req = Request(rid=f"r{i}", origin_input_ids=prompt(8, i), params=params())
+        req.wait_queue_entry_time = i
+        matches.joined(req)
+        matches.left(req)
+    assert len(matches._stale) <= 64
