@@ -11,6 +11,13 @@ whose own time is not counted. `--baseline DIR` also runs this script against an
 `git worktree add /tmp/base HEAD`) in a subprocess and prints both side by side; a checkout from
 before overlap scheduling and columnar results is measured without overlap only.
 Goal: next_plan + apply_result + take_updates p50 ≤ 0.5 ms at 1024 running, ≤ 2 ms at 4096.
+
+`--ordering` measures one LPM ordering pass instead (docs/scheduler.md#kept-matches), at 4096
+waiting requests by default, in prefix groups, while the tree changes between passes as under load
+(a few admitted requests' prompts inserted, a few new arrivals, some eviction). CPU time of
+`policy.order` alone, per pass: `kept` is `--cache-aware-queue-limit 0` (kept matches), `full` is
+what the cutoff avoids (every request matched on every pass, SGLang's pass without its fallback),
+`cutoff` is the default (past 128 the pass reorders nothing). Goal: kept ≤ 0.5 ms at 4096.
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ def _root_from_argv() -> Path:
 
 sys.path.insert(0, str(_root_from_argv()))
 
+from control_plane.request import Request  # noqa: E402
 from control_plane.scheduler.scheduler import Scheduler  # noqa: E402
 from protos.worker import KvReport, StepPlan, StepResult  # noqa: E402
 from tests.control_plane.factories import make_scheduler, params, prompt  # noqa: E402
@@ -111,6 +119,7 @@ class Driver:
         self.worker = BenchWorker()
         self.overlap = overlap
         self.churn = churn
+        self.kept = self.sched.policy.matcher.kept  # type: ignore[attr-defined]
         self.rng = random.Random(seed)
         self.in_flight: deque[StepResult] = deque()
         self.added = 0
@@ -220,8 +229,114 @@ def print_table(rows: list[tuple[str, dict[str, Any]]]) -> None:
         print(f"{label:9} {row['running']:7d} {overlap:>7} {cells} {gc_ms:10.3f} {gcs:5d}")
 
 
+ORDERING_VARIANTS = ("kept", "full", "cutoff")
+
+
+class OrderingDriver:
+    """A waiting queue of `depth` requests in `groups` prefix groups and a tree that changes between
+    passes, for one variant; the same seed gives every variant the same sequence of changes."""
+
+    def __init__(self, variant: str, depth: int, groups: int, seed: int = 0) -> None:
+        limit = {"kept": 0, "full": 0, "cutoff": 128}[variant]
+        self.sched = make_scheduler(
+            capacity=1 << 22, max_context=4096, schedule_policy="lpm", cache_aware_queue_limit=limit
+        )
+        if variant == "full":  # the same policy with no kept matches: every pass matches everyone
+            self.sched.kv.tree.listener = None
+            self.sched.policy.matcher.kept = None  # type: ignore[attr-defined]
+        self.kept = self.sched.policy.matcher.kept  # type: ignore[attr-defined]
+        self.rng = random.Random(seed)
+        self.prefixes = [prompt(512, 10_000 + g) for g in range(groups)]
+        self.queue: list[Request] = []
+        self.count = 0
+        for _ in range(depth):
+            self._arrive()
+        for g in range(0, groups, 2):  # half the groups cached at the start
+            self._compute(self.prefixes[g])
+
+    def _arrive(self) -> None:
+        self.count += 1
+        group = self.rng.randrange(len(self.prefixes))
+        ids = self.prefixes[group] + prompt(128, self.count)
+        req = Request(rid=f"r{self.count}", origin_input_ids=ids, params=params(16))
+        req.wait_queue_entry_time = self.count
+        self.queue.append(req)
+        if self.kept is not None:  # as the scheduler's Intake tells it
+            self.kept.joined(req)
+
+    def _compute(self, ids: list[int]) -> None:
+        kv = self.sched.kv
+        kv.evict_for(len(ids))
+        slots = kv.allocator.alloc(len(ids))
+        assert slots is not None
+        cached = kv.tree.insert(ids, slots)
+        kv.allocator.free(slots[:cached])
+
+    def churn(self) -> None:
+        """Between passes: the first 8 are admitted (their prompts go into the tree), 8 arrive, and
+        now and then some of the tree is evicted."""
+        for req in self.queue[:8]:
+            if self.kept is not None:
+                self.kept.left(req)
+            self._compute(list(req.origin_input_ids))
+        del self.queue[:8]
+        for _ in range(8):
+            self._arrive()
+        if self.rng.random() < 0.2:
+            self.sched.kv.tree.evict(4096)
+
+    def order(self) -> int:
+        started = time.process_time_ns()
+        self.sched.policy.order(self.queue, [])
+        return time.process_time_ns() - started
+
+
+def measure_ordering(variant: str, depth: int, passes: int, groups: int) -> dict[str, Any]:
+    driver = OrderingDriver(variant, depth, groups)
+    driver.order()  # the first pass matches everyone in every variant but the cutoff
+    driver.churn()
+    ns: list[int] = []
+    for _ in range(passes):
+        ns.append(driver.order())
+        driver.churn()
+    kept = driver.sched.policy.matcher.kept  # type: ignore[attr-defined]
+    ms = np.asarray(ns) / 1e6
+    return {
+        "variant": variant,
+        "depth": depth,
+        "groups": groups,
+        "passes": passes,
+        "p50_ms": float(np.percentile(ms, 50)),
+        "mean_ms": float(ms.mean()),
+        "p99_ms": float(np.percentile(ms, 99)),
+        "rematches_per_pass": (kept.rematches - depth) / passes if kept is not None else None,
+    }
+
+
+def ordering_main(args: argparse.Namespace) -> None:
+    rows = [
+        measure_ordering(v, depth, args.passes, args.groups) for depth in args.depths for v in args.variants
+    ]
+    if args.json:
+        print(json.dumps(rows))
+        return
+    print(f"one LPM ordering pass; {args.passes} passes per row; {args.groups} prefix groups; CPU ms")
+    print(f"{'variant':8} {'waiting':>7} {'p50':>8} {'mean':>8} {'p99':>8} {'matches/pass':>12}")
+    for r in rows:
+        again = "" if r["rematches_per_pass"] is None else f"{r['rematches_per_pass']:.1f}"
+        figures = f"{r['p50_ms']:8.3f} {r['mean_ms']:8.3f} {r['p99_ms']:8.3f}"
+        print(f"{r['variant']:8} {r['depth']:7d} {figures} {again:>12}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ordering", action="store_true", help="time one LPM ordering pass instead")
+    parser.add_argument("--depths", type=int, nargs="+", default=[4096], help="--ordering: waiting requests")
+    parser.add_argument("--passes", type=int, default=200, help="--ordering: passes measured per row")
+    parser.add_argument("--groups", type=int, default=256, help="--ordering: prefix groups")
+    parser.add_argument(
+        "--variants", nargs="+", default=list(ORDERING_VARIANTS), choices=ORDERING_VARIANTS, help="--ordering"
+    )
     parser.add_argument("--steps", type=int, default=200, help="steps measured per size and mode")
     parser.add_argument("--sizes", type=int, nargs="+", default=[256, 1024, 4096])
     parser.add_argument("--churn", action="store_true", help="requests finish after 16-64 tokens, replaced")
@@ -230,6 +345,9 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print the rows as one JSON line")
     parser.add_argument("--profile", action="store_true", help="cProfile the largest size (overlap)")
     args = parser.parse_args()
+    if args.ordering:
+        ordering_main(args)
+        return
     if args.profile:
         profile(max(args.sizes), args.steps, args.churn)
         return

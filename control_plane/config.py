@@ -30,7 +30,17 @@ from flagtypes import (
 )
 from grammars import backend as grammar_backends
 
-SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random", "routing-key")
+SCHEDULE_POLICIES = (
+    "fcfs",
+    "lpm",
+    "dfs-weight",
+    "lof",
+    "random",
+    "routing-key",
+    "hrrn",
+    "shortest-prefill-first",
+    "lpm-aging",
+)
 EVICTION_POLICIES = ("lru", "lfu", "fifo", "mru", "filo", "priority", "slru")
 RETRACTION_POLICIES = ("length", "priority")
 DEFAULT_RECORD_MAX_BYTES = 256 * 1024 * 1024
@@ -125,6 +135,12 @@ class SchedulerConfig:
     test_retract_interval: int = 3
     # Seed of the `random` policy's shuffles.
     random_seed: int = 0
+    # Past this many waiting requests lpm, hrrn and lpm-aging order FCFS (0: never; SGLang: 128).
+    cache_aware_queue_limit: int = 128
+    # A request waiting longer than this goes first (0: off; docs/scheduler.md#max-queue-wait).
+    max_queue_wait_s: float = 0.0
+    # lpm-aging: matched tokens a second of waiting is worth.
+    lpm_aging_tokens_per_s: float = 100.0
     # Check pool invariants after every step (tests), not only when idle.
     strict_invariants: bool = False
 
@@ -251,7 +267,29 @@ def _add_scheduler_arguments(parser: argparse.ArgumentParser) -> None:
         choices=SCHEDULE_POLICIES,
         default="fcfs",
         help="order of the waiting queue: fcfs (arrival), lpm (longest cached prefix first), dfs-weight "
-        "(depth-first over the prefix tree), lof (longest output first), random, routing-key",
+        "(depth-first over the prefix tree), lof (longest output first), random, routing-key, hrrn "
+        "(highest response ratio next), shortest-prefill-first (fewest uncached tokens first), "
+        "lpm-aging (cached prefix plus time waited)",
+    )
+    add(
+        "--cache-aware-queue-limit",
+        type=count(0),
+        default=128,
+        help="past this many waiting requests lpm, hrrn and lpm-aging order the queue first come first "
+        "served (SGLang's 128); 0: never, cache-aware order at any depth from kept prefix matches",
+    )
+    add(
+        "--max-queue-wait-s",
+        type=seconds(),
+        default=0.0,
+        help="a request waiting longer than this (worker busy time) goes first, in arrival order, "
+        "whatever the policy; 0: off",
+    )
+    add(
+        "--lpm-aging-tokens-per-s",
+        type=Float(0.0, 1e9),
+        default=100.0,
+        help="lpm-aging: a second of waiting counts as this many matched prefix tokens",
     )
     add(
         "--chunked-prefill-size",
@@ -707,6 +745,9 @@ def scheduler_config_from_args(
         "retraction_policy": ns.retraction_policy,
         "allow_auto_truncate": ns.allow_auto_truncate,
         "random_seed": ns.random_seed,
+        "cache_aware_queue_limit": ns.cache_aware_queue_limit,
+        "max_queue_wait_s": ns.max_queue_wait_s,
+        "lpm_aging_tokens_per_s": ns.lpm_aging_tokens_per_s,
         "strict_invariants": ns.strict_invariants,
     }
     for name, (attr, parse) in _ENV_KNOBS.items():
@@ -724,6 +765,8 @@ def validate_scheduler_config(config: SchedulerConfig) -> None:
     """Reject flag combinations SGLang rejects, with the flag named in the message."""
     if config.enable_priority_scheduling and config.schedule_policy not in ("fcfs", "lof"):
         raise ValueError("--enable-priority-scheduling requires --schedule-policy fcfs or lof")
+    if config.schedule_policy == "shortest-prefill-first" and config.disable_radix_cache:
+        raise ValueError("--schedule-policy shortest-prefill-first requires the radix cache")
     if config.retraction_policy == "priority" and not config.enable_priority_scheduling:
         raise ValueError("--retraction-policy priority requires --enable-priority-scheduling")
     if config.enable_mixed_chunk and not config.chunking_enabled:

@@ -136,6 +136,12 @@ class Request:
     matched_fill_len: int = 0
     inflight_middle_chunks: int = 0
     wait_queue_entry_time: int = 0
+    # The queue clock at the latest entry into the waiting queue (queue_clock.py): seconds of
+    # worker time and prefill tokens computed.
+    queue_entry_s: float = 0.0
+    queue_entry_tokens: int = 0
+    # LPM's sort key from the kept matches past 128 waiting (scheduler/queue_matches.py).
+    queue_key: float = 0.0
     is_retracted: bool = False
     retracted_stain: bool = False
     retraction_count: int = 0

@@ -71,7 +71,7 @@ class SimulationStuck(RuntimeError):
 class TraceRequest:
     rid: str
     arrival: float
-    input_ids: tuple[int, ...]
+    input_ids: Sequence[int]
     params: RequestParams
     # When the client cancels it, on the simulated clock (None: never).
     abort_at: float | None = None
@@ -302,6 +302,8 @@ def _distribution(name: str, values: list[float]) -> dict[str, float | None]:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from stepwise import traces  # it reads this module's trace types
+
     parser = flags.ArgumentParser(
         prog="stepwise simulate", description="the real scheduler on a request trace with a sim worker"
     )
@@ -331,6 +333,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--sim-seed", type=SEED, default=0, help="seed of the simulated tokens")
     add("--json", action="store_true", help="one JSON object per step, then {'summary': ...}")
     add("--summary-only", action="store_true", help="print the summary only (no timeline)")
+    traces.add_arguments(parser)
     flags.apply_env_defaults(parser)
     return parser
 
@@ -365,6 +368,7 @@ def _sink(ns: argparse.Namespace, setup: SimSetup, emit: Callable[[StepLine], No
 
 
 def main(argv: Sequence[str]) -> int:
+    from stepwise import traces
     from stepwise.replay import print_table  # rich is loaded only for the table
 
     parser = build_parser()
@@ -373,7 +377,7 @@ def main(argv: Sequence[str]) -> int:
         return fitted
     try:
         setup = setup_from_args(ns)
-        trace = load_trace(ns.trace, setup.limits.vocab_size)
+        trace = traces.read_trace(ns, setup.limits.vocab_size)
     except (OSError, ValueError) as exc:
         print(f"stepwise simulate: {exc}", file=sys.stderr)
         return 2

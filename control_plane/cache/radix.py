@@ -29,7 +29,7 @@ import heapq
 import sys
 from array import array
 from collections.abc import Hashable, Iterator, Sequence
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import numpy as np
 
@@ -48,6 +48,29 @@ _HEAP_SLACK = 64
 class MatchResult(NamedTuple):
     indices: np.ndarray  # KV slots of the matched, page-aligned prefix
     last_node: TreeNode  # deepest matched node (the root when nothing matched); lock it to keep `indices`
+
+
+class TreeListener(Protocol):
+    """Told of every change to the tree's shape, right after it is made (the waiting queue's kept
+    matches, control_plane/scheduler/queue_matches.py). Access times and locks are not shape."""
+
+    def on_split(self, lower: TreeNode) -> None:
+        """`lower` now hangs under a new node that holds the first part of its old key."""
+
+    def on_new_child(self, parent: TreeNode, edge: Hashable) -> None:
+        """A new leaf hangs under `parent` at `edge`."""
+
+    def on_removed(self, leaf: TreeNode) -> None:
+        """`leaf` was evicted."""
+
+    def on_reset(self) -> None:
+        """Every node was dropped."""
+
+
+class PeekResult(NamedTuple):
+    tokens: int  # page-aligned tokens matched
+    node: TreeNode  # the node the match ends in (the root when nothing matched)
+    whole: bool  # the match covers all of `node`'s key (always for the root)
 
 
 class ReqCacheState(NamedTuple):
@@ -98,6 +121,8 @@ class RadixCache:
         self._page_bytes = page_size * TOKEN_BYTES
         self._eviction_key = eviction_key_fn(eviction_policy)
         self._clock = 0
+        # At most one; None costs a test per shape change.
+        self.listener: TreeListener | None = None
         self._init_tree()
 
     def _init_tree(self) -> None:
@@ -173,9 +198,14 @@ class RadixCache:
         worker's scheduler then matches for real, so routing leaves no trace a replay would miss."""
         if self.disable:
             return 0
+        return self.peek(tokens, extra_key).tokens
+
+    def peek(self, tokens: bytes, extra_key: Hashable = None) -> PeekResult:
+        """`match_prefix` without its side effects (no split, no access time): how many tokens
+        match and which node the match ends in, possibly part way."""
         step = self._page_bytes
         end = len(tokens) - len(tokens) % step
-        node, at = self.root, 0
+        node, at, whole = self.root, 0, True
         edge = self._edge(tokens, 0, extra_key) if end else None
         while at < end:
             child = node.children.get(edge)
@@ -189,11 +219,20 @@ class RadixCache:
                 matched = self._match_len(child_key, tokens, at, end)
             at += matched
             if matched < size:
+                if matched:
+                    node, whole = child, False
                 break
             node = child
             if at < end:
                 edge = tokens[at : at + step]
-        return at // TOKEN_BYTES
+        return PeekResult(at // TOKEN_BYTES, node, whole)
+
+    def edge_at(self, tokens: bytes, at_token: int) -> Hashable | None:
+        """The child key a match of `tokens` (with no extra key) follows after `at_token` tokens;
+        None when less than a page is left."""
+        at = at_token * TOKEN_BYTES
+        end = len(tokens) - len(tokens) % self._page_bytes
+        return tokens[at : at + self._page_bytes] if at < end else None
 
     def insert(
         self,
@@ -319,6 +358,8 @@ class RadixCache:
         if values and self.allocator is not None:
             self.allocator.free(np.concatenate(values))
         self._init_tree()
+        if self.listener is not None:
+            self.listener.on_reset()
 
     # ---- per-request helpers (docs/scheduler.md#caching-requests)
     # ------------------------------------------------------
@@ -461,6 +502,8 @@ class RadixCache:
         child.parent = upper
         upper.children[self._edge(child.key, 0)] = child
         parent.children[edge] = upper  # type: ignore[union-attr]
+        if self.listener is not None:
+            self.listener.on_split(child)
         return upper
 
     def _add_leaf(
@@ -472,6 +515,8 @@ class RadixCache:
         self._evictable_size += len(value)
         self._refresh_leaf(parent)
         self._refresh_leaf(leaf)
+        if self.listener is not None:
+            self.listener.on_new_child(parent, edge)
 
     def _delete_leaf(self, leaf: TreeNode) -> None:
         parent = leaf.parent
@@ -480,6 +525,8 @@ class RadixCache:
         self._evictable_size -= len(leaf.value)
         leaf.parent = None  # marks it evicted: inc_lock_ref refuses it
         self._refresh_leaf(parent)
+        if self.listener is not None:
+            self.listener.on_removed(leaf)
 
     def _move_size(self, node: TreeNode, locking: bool) -> int:
         size = len(node.value)

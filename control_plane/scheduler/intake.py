@@ -4,11 +4,13 @@ the waiting queue with its cap (SGLang's waiting_queue and _add_request_to_queue
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
+from typing import Protocol
 
 from control_plane.config import SchedulerConfig
 from control_plane.request import AbortCode, FinishReason, Request, RequestParams
 from control_plane.scheduler.policy import Policy
 from control_plane.scheduler.priority import urgency
+from control_plane.scheduler.queue_clock import QueueClock
 from control_plane.scheduler.records import MAX_INT, QueueFull, RequestRejected
 from control_plane.scheduler.registry import Registry
 from control_plane.scheduler.sizing import PoolSizes, clamp_max_new_tokens
@@ -17,13 +19,30 @@ QUEUE_FULL = "The request queue is full."
 PRIORITY_EVICTED = "The request is aborted by a higher priority request."
 
 
+class QueueWatcher(Protocol):
+    """Told of every request that enters or leaves the waiting queue (the kept matches,
+    queue_matches.py)."""
+
+    def joined(self, req: Request) -> None: ...
+
+    def left(self, req: Request) -> None: ...
+
+
 class Intake:
     """New requests into the waiting queue, and the queue itself (docs/scheduler.md#intake)."""
 
     def __init__(
-        self, config: SchedulerConfig, sizes: PoolSizes, registry: Registry, priority_sign: int
+        self,
+        config: SchedulerConfig,
+        sizes: PoolSizes,
+        registry: Registry,
+        priority_sign: int,
+        clock: QueueClock | None = None,
+        watcher: QueueWatcher | None = None,
     ) -> None:
         self.config = config
+        self.queue_clock = QueueClock() if clock is None else clock
+        self.watcher = watcher
         self.sizes = sizes
         self.registry = registry
         self.priority_sign = priority_sign
@@ -89,11 +108,15 @@ class Intake:
             victim = self._queue_victim(req)
             if victim is None:
                 raise QueueFull(QUEUE_FULL)
-            self.waiting.remove(victim)
+            self.remove(victim)
             self.registry.finish(victim, FinishReason.abort(PRIORITY_EVICTED))
         self._clock += 1
         req.wait_queue_entry_time = self._clock
+        req.queue_entry_s = self.queue_clock.busy_s
+        req.queue_entry_tokens = self.queue_clock.prefill_tokens
         self.waiting.append(req)
+        if self.watcher is not None:
+            self.watcher.joined(req)
 
     def _queue_victim(self, newcomer: Request) -> Request | None:
         if not self.config.enable_priority_scheduling or not self.waiting:
@@ -116,6 +139,8 @@ class Intake:
 
     def remove(self, req: Request) -> None:
         self.waiting.remove(req)
+        if self.watcher is not None:
+            self.watcher.left(req)
 
     def order(self, policy: Policy, running: Sequence[Request]) -> None:
         """Reorder the queue for this prefill attempt (docs/scheduler.md#ordering-policies calc_priority)."""
@@ -123,7 +148,16 @@ class Intake:
 
     def remove_admitted(self, admitted: Collection[int]) -> None:
         """Drop the requests (by id()) admitted in this pass; the rest keep their order."""
-        self.waiting = [r for r in self.waiting if id(r) not in admitted]
+        if self.watcher is None:
+            self.waiting = [r for r in self.waiting if id(r) not in admitted]
+            return
+        waiting: list[Request] = []
+        for r in self.waiting:
+            if id(r) in admitted:
+                self.watcher.left(r)
+            else:
+                waiting.append(r)
+        self.waiting = waiting
 
     def pending_tokens(self) -> int:
         return sum(r.seqlen for r in self.waiting)

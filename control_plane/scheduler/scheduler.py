@@ -40,9 +40,10 @@ from control_plane.scheduler.exits import Exits
 from control_plane.scheduler.intake import PRIORITY_EVICTED, QUEUE_FULL, Intake
 from control_plane.scheduler.kv import KvManager
 from control_plane.scheduler.planning import PlanBuilder
-from control_plane.scheduler.policy import make_policy
+from control_plane.scheduler.policy import make_policy, queue_watcher
 from control_plane.scheduler.preemption import Preemption
 from control_plane.scheduler.priority import priority_sign
+from control_plane.scheduler.queue_clock import QueueClock
 from control_plane.scheduler.ratio import NewTokenRatioTracker
 from control_plane.scheduler.records import (
     MAX_INT,
@@ -103,7 +104,8 @@ class Scheduler:
             eviction_policy=config.radix_eviction_policy,
             low_priority_values_first=config.schedule_low_priority_values_first,
         )
-        self.policy = make_policy(config, self.kv)
+        self.queue_clock = QueueClock()
+        self.policy = make_policy(config, self.kv, self.queue_clock)
         self.ratio = NewTokenRatioTracker.from_config(config)
         self.adder_limits = AdderLimits(
             page_size=sizes.page_size,
@@ -118,7 +120,7 @@ class Scheduler:
         self.running = RunningBatch(self.kv.columns)
         self.seq_books = SequenceBooks(limits.host_pool_capacity_tokens)
         self.registry = Registry(self.seq_books)
-        self.intake = Intake(config, sizes, self.registry, sign)
+        self.intake = Intake(config, sizes, self.registry, sign, self.queue_clock, queue_watcher(self.policy))
         self.chunk = ChunkInProgress()
         self.exits = Exits(self.kv, self.registry, self.intake, self.chunk)
         self.retraction = Retraction(
@@ -185,6 +187,8 @@ class Scheduler:
         self.step_id += 1
         if batch is not None:
             self.forward_ct += 1
+            if batch.kind is not StepKind.DECODE:
+                self.queue_clock.prefilled(stats.new_tokens)
         stats.queued = len(self.intake.waiting)
         stats.new_token_ratio = self.ratio.current
         self.last_stats = stats
@@ -226,6 +230,7 @@ class Scheduler:
         plan's result or does not carry one token per sampled entry."""
         batch = self._oldest_in_flight(result)
         self._in_flight.popleft()
+        self.queue_clock.worked(result.forward_s)
         self.results.process_batch_result(batch, result.token_ids, result.logprobs, result.prompt_scores)
 
     def _oldest_in_flight(self, result: StepResult) -> ScheduledBatch:
