@@ -29,6 +29,12 @@ from protos.worker import TransferOutcome
 
 # Ids a receive told the store to forget before they arrived, remembered at most this many.
 MAX_DISCARDED = 4096
+# A send's deadline (TransferDeadline): this floor, for the round trips and a busy receiver...
+DEFAULT_DEADLINE_FLOOR_S = 5.0
+# ... plus its bytes, and those the sender has in flight with it, at this rate: a third of what 64
+# concurrent pre-copies (196 MB) moved between sim workers on a loaded 2-core machine, far below
+# any network a GPU worker sits on.
+DEFAULT_DEADLINE_BYTES_PER_S = 50_000_000
 
 # The dtypes a worker runs in (--dtype) and so the ones its K and V travel in.
 DTYPES: dict[str, torch.dtype] = {
@@ -94,6 +100,21 @@ class TransferHeader:
                 f"are {expected} bytes"
             )
         return dtype
+
+
+@dataclass(frozen=True, slots=True)
+class TransferDeadline:
+    """How long a send may take before it fails (docs/migration.md#deadlines-and-hung-peers).
+
+    The bytes counted are all the sender has in flight when the send starts, its own included:
+    concurrent sends share the sender's link, so 64 pre-copies of a drain each get the time the
+    whole batch needs at `bytes_per_s`, not the time their own bytes alone would take."""
+
+    floor_s: float = DEFAULT_DEADLINE_FLOOR_S
+    bytes_per_s: float = DEFAULT_DEADLINE_BYTES_PER_S
+
+    def seconds(self, bytes_in_flight: int) -> float:
+        return self.floor_s + bytes_in_flight / self.bytes_per_s
 
 
 class TransferStore:
