@@ -23,6 +23,8 @@ DEFAULT_TRANSFER_BUFFER_BYTES = 1 << 30
 # data_plane/kv_transfer.py's TransferDeadline, repeated here so that flag parsing needs no torch).
 DEFAULT_TRANSFER_DEADLINE_FLOOR_S = 5.0
 DEFAULT_TRANSFER_DEADLINE_BYTES_PER_S = 50_000_000
+# A received transfer no step claimed within this many seconds is released (kv_transfer.DEFAULT_HOLD_S).
+DEFAULT_TRANSFER_HOLD_TIMEOUT_S = 300.0
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # Attention backends (data_plane/backends); named here so that flag parsing needs no torch.
 BACKENDS = ("auto", "sdpa", "flashinfer")
@@ -79,6 +81,8 @@ class WorkerConfig:
     # Each KV send fails past floor + bytes in flight / rate (docs/migration.md#deadlines-and-hung-peers).
     transfer_deadline_floor_s: float = DEFAULT_TRANSFER_DEADLINE_FLOOR_S
     transfer_deadline_bytes_per_s: float = DEFAULT_TRANSFER_DEADLINE_BYTES_PER_S
+    # A received transfer unclaimed this long after it landed is released.
+    transfer_hold_timeout_s: float = DEFAULT_TRANSFER_HOLD_TIMEOUT_S
     # What the control plane uses this worker for (protos/worker.py ROLES).
     role: str = "mixed"
 
@@ -214,6 +218,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the slowest rate, in bytes per second, a KV send's deadline allows for (see "
         "--transfer-deadline-floor)",
     )
+    parser.add_argument(
+        "--transfer-hold-timeout",
+        type=seconds(0.01),
+        default=DEFAULT_TRANSFER_HOLD_TIMEOUT_S,
+        help="seconds a received KV transfer is held for the step that writes it; one unclaimed by then "
+        "is released (a step claims one within a step or two: keep it well above the control plane's "
+        "--worker-step-timeout)",
+    )
 
 
 def config_from_args(ns: argparse.Namespace) -> WorkerConfig:
@@ -259,6 +271,7 @@ def config_from_args(ns: argparse.Namespace) -> WorkerConfig:
         transfer_buffer_bytes=ns.transfer_buffer_bytes,
         transfer_deadline_floor_s=ns.transfer_deadline_floor,
         transfer_deadline_bytes_per_s=ns.transfer_deadline_bytes_per_s,
+        transfer_hold_timeout_s=ns.transfer_hold_timeout,
     )
 
 

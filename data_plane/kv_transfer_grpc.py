@@ -21,6 +21,7 @@ import grpc
 import torch
 
 from data_plane.kv_transfer import (
+    DEFAULT_HOLD_S,
     BadTransfer,
     KvTransport,
     TransferDeadline,
@@ -71,6 +72,8 @@ SERVER_OPTIONS = [
 # The receiver's initial metadata once it has taken a header: the sender may write the data.
 ACCEPTED_KEY = "stepwise-kv-accepted"
 ACCEPTED = ((ACCEPTED_KEY, "1"),)
+# The store is swept this long after a copy's hold deadline (a timer may fire a moment early).
+_EXPIRY_LAG_S = 0.05
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,10 +98,11 @@ class GrpcKvTransport(KvTransport):
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         received: TransferStore | None = None,
         deadline: TransferDeadline = TransferDeadline(),  # noqa: B008 (frozen)
+        hold_s: float = DEFAULT_HOLD_S,
     ) -> None:
         if not 1 <= chunk_bytes <= MAX_CHUNK_BYTES:
             raise ValueError(f"chunk_bytes {chunk_bytes}: must be in [1, {MAX_CHUNK_BYTES}]")
-        self.received = received or TransferStore(buffer_bytes)
+        self.received = received or TransferStore(buffer_bytes, hold_s)
         self._host, self._port = host, port
         self._chunk_bytes = chunk_bytes
         self._deadline = deadline
@@ -266,4 +270,7 @@ class _Receiver(kv_grpc.KvTransferServiceServicer):
                 f"transfer {header.transfer_id!r}: {received} bytes, not total_bytes {header.total_bytes}"
             )
         self._store.complete(header.transfer_id, tensors_from(buffer, header))
+        # Nothing else may happen on this worker for a while: release the copy at its deadline
+        # if no step claimed it.
+        asyncio.get_running_loop().call_later(self._store.hold_s + _EXPIRY_LAG_S, self._store.expire)
         return received

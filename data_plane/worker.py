@@ -432,7 +432,12 @@ def make_transport(config: WorkerConfig) -> GrpcKvTransport | None:
         tls = TlsFiles(config.tls_ca, config.tls_cert, config.tls_key)
     deadline = TransferDeadline(config.transfer_deadline_floor_s, config.transfer_deadline_bytes_per_s)
     return GrpcKvTransport(
-        config.transfer_host, config.transfer_port, config.transfer_buffer_bytes, tls, deadline=deadline
+        config.transfer_host,
+        config.transfer_port,
+        config.transfer_buffer_bytes,
+        tls,
+        deadline=deadline,
+        hold_s=config.transfer_hold_timeout_s,
     )
 
 
