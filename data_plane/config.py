@@ -21,7 +21,7 @@ CUDA_KV_MEMORY_FRACTION = 0.85
 DEFAULT_TRANSFER_BUFFER_BYTES = 1 << 30
 # A KV send's deadline: this floor plus the sender's bytes in flight at this rate (the defaults of
 # data_plane/kv_transfer.py's TransferDeadline, repeated here so that flag parsing needs no torch).
-DEFAULT_TRANSFER_DEADLINE_FLOOR_S = 5.0
+DEFAULT_TRANSFER_DEADLINE_FLOOR_S = 15.0
 DEFAULT_TRANSFER_DEADLINE_BYTES_PER_S = 50_000_000
 # A received transfer no step claimed within this many seconds is released (kv_transfer.DEFAULT_HOLD_S).
 DEFAULT_TRANSFER_HOLD_TIMEOUT_S = 300.0

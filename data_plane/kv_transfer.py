@@ -36,8 +36,10 @@ MAX_DISCARDED = 4096
 # one within a step or two of the word that it landed; steps are bounded by the control plane's
 # --worker-step-timeout (60 s, plus 2 ms a planned token), so this leaves room for the longest.
 DEFAULT_HOLD_S = 300.0
-# A send's deadline (TransferDeadline): this floor, for the round trips and a busy receiver...
-DEFAULT_DEADLINE_FLOOR_S = 5.0
+# A send's deadline (TransferDeadline): this floor, for the round trips and a busy receiver (a peer
+# that stopped answering is found sooner, by keepalive: data_plane/kv_transfer_grpc.py). 5 s failed
+# a 100 KB copy between two model workers on a 2-core machine at a load average of 9.
+DEFAULT_DEADLINE_FLOOR_S = 15.0
 # ... plus its bytes, and those the sender has in flight with it, at this rate: a third of what 64
 # concurrent pre-copies (196 MB) moved between sim workers on a loaded 2-core machine, far below
 # any network a GPU worker sits on.
@@ -219,7 +221,7 @@ class TransferStore:
     def new_session(self) -> None:
         """A session with a control plane begins: forget the transfers of those before, held ones
         now and arriving ones when they land. No step will claim them: the control plane that
-        would have forgot them when its session ended."""
+        would have forgot them when their session ended."""
         held = list(self._held)
         released = sum(self._drop_held(transfer_id) for transfer_id in held)
         arriving = [transfer_id for transfer_id in list(self._reserved) if transfer_id not in self._held]

@@ -4,9 +4,10 @@ bounds the bytes in flight. With TLS files, both ends use mutual TLS: the server
 certificate signed by the CA, and the client presents the worker's own.
 
 Nothing waits on a peer for good: each send has a deadline (`TransferDeadline`), which gRPC carries
-to the receiver too (its end of the call is cancelled when it passes), and both ends ping the other
-while a call is open, so a peer that stops answering (SIGSTOP, a hung host, a link that drops every
-packet) ends the call within seconds even when its deadline is far off.
+to the receiver too (its end of the call is cancelled when it passes); both ends ping the other
+while a call is open, and a connection must finish its handshake within seconds, so a peer that
+stops answering (SIGSTOP, a hung host, a link that drops every packet) ends the call within seconds
+even when its deadline is far off.
 """
 
 from __future__ import annotations
@@ -58,7 +59,14 @@ KEEPALIVE_OPTIONS: list[tuple[str, int]] = [
     # A sender stalled by flow control sends no data between pings: keep pinging regardless.
     ("grpc.http2.max_pings_without_data", 0),
 ]
-CHANNEL_OPTIONS = [*MESSAGE_OPTIONS, *KEEPALIVE_OPTIONS]
+# A connection whose peer does not finish the HTTP/2 handshake within this long fails (gRPC's
+# default waits 20 s): a stopped process's kernel still accepts the TCP connection.
+CONNECT_TIMEOUT_MS = 5000
+CHANNEL_OPTIONS = [
+    *MESSAGE_OPTIONS,
+    *KEEPALIVE_OPTIONS,
+    ("grpc.min_reconnect_backoff_ms", CONNECT_TIMEOUT_MS),
+]
 # Without SO_REUSEPORT, a port another process holds is an error here, not a shared port. The
 # server takes the senders' pings (by default it would close a connection pinged more often than
 # every 5 minutes while it sends nothing, which a receiver does while data comes in).
