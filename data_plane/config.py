@@ -8,7 +8,7 @@ import pathlib
 import socket
 from dataclasses import dataclass
 
-from flagtypes import MAX_TOKENS, PORT, Int, seconds
+from flagtypes import MAX_TOKENS, PORT, Float, Int, seconds
 from protos.targets import parse_targets
 from protos.worker import ROLES
 
@@ -19,6 +19,12 @@ DEFAULT_CPU_KV_BYTES = 256 * 1024 * 1024
 CUDA_KV_MEMORY_FRACTION = 0.85
 # Received KV transfers the worker holds at most, until steps write them into slots.
 DEFAULT_TRANSFER_BUFFER_BYTES = 1 << 30
+# A KV send's deadline: this floor plus the sender's bytes in flight at this rate (the defaults of
+# data_plane/kv_transfer.py's TransferDeadline, repeated here so that flag parsing needs no torch).
+DEFAULT_TRANSFER_DEADLINE_FLOOR_S = 15.0
+DEFAULT_TRANSFER_DEADLINE_BYTES_PER_S = 50_000_000
+# A received transfer no step claimed within this many seconds is released (kv_transfer.DEFAULT_HOLD_S).
+DEFAULT_TRANSFER_HOLD_TIMEOUT_S = 300.0
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # Attention backends (data_plane/backends); named here so that flag parsing needs no torch.
 BACKENDS = ("auto", "sdpa", "flashinfer")
@@ -72,6 +78,11 @@ class WorkerConfig:
     transfer_port: int = 0
     transfer_host: str = "127.0.0.1"
     transfer_buffer_bytes: int = DEFAULT_TRANSFER_BUFFER_BYTES
+    # Each KV send fails past floor + bytes in flight / rate (docs/migration.md#deadlines-and-hung-peers).
+    transfer_deadline_floor_s: float = DEFAULT_TRANSFER_DEADLINE_FLOOR_S
+    transfer_deadline_bytes_per_s: float = DEFAULT_TRANSFER_DEADLINE_BYTES_PER_S
+    # A received transfer unclaimed this long after it landed is released.
+    transfer_hold_timeout_s: float = DEFAULT_TRANSFER_HOLD_TIMEOUT_S
     # What the control plane uses this worker for (protos/worker.py ROLES).
     role: str = "mixed"
 
@@ -196,6 +207,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_TRANSFER_BUFFER_BYTES,
         help="received KV transfers held at most, in bytes; a transfer that does not fit is refused",
     )
+    parser.add_argument(
+        "--transfer-deadline-floor",
+        type=seconds(0.01),
+        default=DEFAULT_TRANSFER_DEADLINE_FLOOR_S,
+        help="a KV send fails (and the request stays on, or falls back to, its source) when it has not "
+        "completed within this many seconds plus its bytes and those in flight with it at "
+        "--transfer-deadline-bytes-per-s; keep it under the control plane's --worker-step-timeout",
+    )
+    parser.add_argument(
+        "--transfer-deadline-bytes-per-s",
+        type=Float(1.0, 1e15),
+        default=DEFAULT_TRANSFER_DEADLINE_BYTES_PER_S,
+        help="the slowest rate, in bytes per second, a KV send's deadline allows for (see "
+        "--transfer-deadline-floor)",
+    )
+    parser.add_argument(
+        "--transfer-hold-timeout",
+        type=seconds(0.01),
+        default=DEFAULT_TRANSFER_HOLD_TIMEOUT_S,
+        help="seconds a received KV transfer is held for the step that writes it; one unclaimed by then "
+        "is released (a step claims one within a step or two: keep it well above the control plane's "
+        "--worker-step-timeout)",
+    )
 
 
 def config_from_args(ns: argparse.Namespace) -> WorkerConfig:
@@ -239,6 +273,9 @@ def config_from_args(ns: argparse.Namespace) -> WorkerConfig:
         role=ns.role,
         transfer_host=ns.transfer_host,
         transfer_buffer_bytes=ns.transfer_buffer_bytes,
+        transfer_deadline_floor_s=ns.transfer_deadline_floor,
+        transfer_deadline_bytes_per_s=ns.transfer_deadline_bytes_per_s,
+        transfer_hold_timeout_s=ns.transfer_hold_timeout,
     )
 
 

@@ -2,7 +2,8 @@
 
 A transfer moves the K and V of some of a worker's slots ([num_layers, n_tokens, num_kv_heads,
 head_dim] each) to another worker, under an id the control plane chose. The receiver keeps it in
-host memory, in its `TransferStore`, until a later step writes it into slots it names.
+host memory, in its `TransferStore`, until a later step writes it into slots it names, or until
+nobody can name it any more: its session with the control plane ended, or its hold deadline passed.
 
 `KvTransport` is the interface: data_plane/kv_transfer_grpc.py implements it over gRPC; an RDMA
 (NIXL) transport would implement the same four methods and check the same `TransferHeader`.
@@ -16,12 +17,14 @@ import concurrent.futures
 import contextlib
 import math
 import re
+import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from typing import Protocol
 
+import structlog
 import torch
 
 from data_plane.kv_pool import HostCopy
@@ -29,6 +32,18 @@ from protos.worker import TransferOutcome
 
 # Ids a receive told the store to forget before they arrived, remembered at most this many.
 MAX_DISCARDED = 4096
+# A received copy no step claimed within this many seconds of landing is released. A step claims
+# one within a step or two of the word that it landed; steps are bounded by the control plane's
+# --worker-step-timeout (60 s, plus 2 ms a planned token), so this leaves room for the longest.
+DEFAULT_HOLD_S = 300.0
+# A send's deadline (TransferDeadline): this floor, for the round trips and a busy receiver (a peer
+# that stopped answering is found sooner, by keepalive: data_plane/kv_transfer_grpc.py). 5 s failed
+# a 100 KB copy between two model workers on a 2-core machine at a load average of 9.
+DEFAULT_DEADLINE_FLOOR_S = 15.0
+# ... plus its bytes, and those the sender has in flight with it, at this rate: a third of what 64
+# concurrent pre-copies (196 MB) moved between sim workers on a loaded 2-core machine, far below
+# any network a GPU worker sits on.
+DEFAULT_DEADLINE_BYTES_PER_S = 50_000_000
 
 # The dtypes a worker runs in (--dtype) and so the ones its K and V travel in.
 DTYPES: dict[str, torch.dtype] = {
@@ -37,6 +52,8 @@ DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
 }
 _TRANSFER_ID = re.compile(r"[A-Za-z0-9._:@/-]{1,128}")
+
+log = structlog.get_logger("data_plane.kv_transfer")
 
 
 class BadTransfer(ValueError):
@@ -96,15 +113,47 @@ class TransferHeader:
         return dtype
 
 
+@dataclass(frozen=True, slots=True)
+class TransferDeadline:
+    """How long a send may take before it fails (docs/migration.md#deadlines-and-hung-peers).
+
+    The bytes counted are all the sender has in flight when the send starts, its own included:
+    concurrent sends share the sender's link, so 64 pre-copies of a drain each get the time the
+    whole batch needs at `bytes_per_s`, not the time their own bytes alone would take."""
+
+    floor_s: float = DEFAULT_DEADLINE_FLOOR_S
+    bytes_per_s: float = DEFAULT_DEADLINE_BYTES_PER_S
+
+    def seconds(self, bytes_in_flight: int) -> float:
+        return self.floor_s + bytes_in_flight / self.bytes_per_s
+
+
 class TransferStore:
     """Received transfers by id, in host memory, at most `capacity_bytes` of them (counting those
-    still arriving). Listeners (`listening`) hear of each one as soon as it is complete."""
+    still arriving). Listeners (`listening`) hear of each one as soon as it is complete.
 
-    def __init__(self, capacity_bytes: int) -> None:
+    A copy is held until a step takes or discards it, and no longer than nobody can: a new session
+    (`new_session`) releases those of the sessions before, whose control plane forgot them with the
+    session, and a copy held `hold_s` seconds after it landed is released unclaimed (`expire`: when
+    a header needs room, and whenever the transport calls it; the gRPC one does when each deadline
+    passes). A copy still arriving is held no longer than its sender's deadline: the transport ends
+    the call then and releases it.
+
+    Steps take and discard from their own thread while the transport's event loop reserves,
+    completes and expires: each release pops the held copy first, so of two that race for one copy
+    exactly one gets it."""
+
+    def __init__(
+        self, capacity_bytes: int, hold_s: float = DEFAULT_HOLD_S, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.capacity_bytes = capacity_bytes
+        self.hold_s = hold_s
+        self._clock = clock
         self._listeners: list[Callable[[str, int], None]] = []
         self._reserved: dict[str, int] = {}
         self._held: dict[str, HostCopy] = {}
+        # When each held copy is released unclaimed, in the order they landed (so, of deadlines).
+        self._due: dict[str, float] = {}
         # Forgotten before they arrived: dropped on arrival (oldest first past MAX_DISCARDED).
         self._discarded: deque[str] = deque(maxlen=MAX_DISCARDED)
 
@@ -117,6 +166,7 @@ class TransferStore:
         TransferRefused when the buffer cannot hold it."""
         if header.transfer_id in self._reserved:
             raise BadTransfer(f"transfer_id {header.transfer_id!r}: already received or arriving")
+        self.expire()
         free = self.capacity_bytes - self.used_bytes
         if header.total_bytes > free:
             raise TransferRefused(
@@ -141,12 +191,13 @@ class TransferStore:
             self._listeners.remove(listener)
 
     def complete(self, transfer_id: str, copy: HostCopy) -> None:
-        """Hold a reserved transfer's K and V, and tell the listeners; one discarded meanwhile is
-        dropped."""
+        """Hold a reserved transfer's K and V until its deadline, and tell the listeners; one
+        discarded meanwhile is dropped."""
         if transfer_id in self._discarded:
             self._discarded.remove(transfer_id)
             self._reserved.pop(transfer_id, None)
             return
+        self._due[transfer_id] = self._clock() + self.hold_s
         self._held[transfer_id] = copy
         nbytes = self._reserved[transfer_id]
         for listener in tuple(self._listeners):
@@ -159,15 +210,51 @@ class TransferStore:
         except KeyError:
             raise KeyError(f"no received transfer {transfer_id!r}") from None
         del self._reserved[transfer_id]
+        self._due.pop(transfer_id, None)
         return copy
 
     def discard(self, transfer_id: str) -> None:
         """Forget a transfer unwritten: now if it is held, or as soon as it arrives."""
-        if transfer_id in self._held:
-            del self._held[transfer_id]
-            del self._reserved[transfer_id]
-        else:
+        if not self._drop_held(transfer_id):
             self._discarded.append(transfer_id)
+
+    def new_session(self) -> None:
+        """A session with a control plane begins: forget the transfers of those before, held ones
+        now and arriving ones when they land. No step will claim them: the control plane that
+        would have forgot them when their session ended."""
+        held = list(self._held)
+        released = sum(self._drop_held(transfer_id) for transfer_id in held)
+        arriving = [transfer_id for transfer_id in list(self._reserved) if transfer_id not in self._held]
+        self._discarded.extend(arriving)
+        if held or arriving:
+            log.info(
+                "transfers_released",
+                reason="session ended",
+                held=len(held),
+                bytes=released,
+                arriving=len(arriving),
+            )
+
+    def expire(self) -> None:
+        """Release every copy held past its deadline."""
+        now = self._clock()
+        due = [transfer_id for transfer_id, at in list(self._due.items()) if at <= now]
+        released = sum(self._drop_held(transfer_id) for transfer_id in due)
+        if due:
+            log.warning(
+                "transfers_released",
+                reason="unclaimed past the hold deadline",
+                held=len(due),
+                bytes=released,
+                hold_s=self.hold_s,
+            )
+
+    def _drop_held(self, transfer_id: str) -> int:
+        """Forget a held copy; the bytes it held (0: none was held)."""
+        if self._held.pop(transfer_id, None) is None:
+            return 0
+        self._due.pop(transfer_id, None)
+        return self._reserved.pop(transfer_id, 0)
 
     def __contains__(self, transfer_id: str) -> bool:
         return transfer_id in self._held

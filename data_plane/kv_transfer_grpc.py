@@ -2,6 +2,12 @@
 per transfer, a header then chunks of raw bytes; the sender awaits each write, so gRPC's flow control
 bounds the bytes in flight. With TLS files, both ends use mutual TLS: the server asks for a client
 certificate signed by the CA, and the client presents the worker's own.
+
+Nothing waits on a peer for good: each send has a deadline (`TransferDeadline`), which gRPC carries
+to the receiver too (its end of the call is cancelled when it passes); both ends ping the other
+while a call is open, and a connection must finish its handshake within seconds, so a peer that
+stops answering (SIGSTOP, a hung host, a link that drops every packet) ends the call within seconds
+even when its deadline is far off.
 """
 
 from __future__ import annotations
@@ -16,8 +22,10 @@ import grpc
 import torch
 
 from data_plane.kv_transfer import (
+    DEFAULT_HOLD_S,
     BadTransfer,
     KvTransport,
+    TransferDeadline,
     TransferFailed,
     TransferHeader,
     TransferRefused,
@@ -36,11 +44,44 @@ MESSAGE_OPTIONS: list[tuple[str, int]] = [
     ("grpc.max_receive_message_length", MAX_CHUNK_BYTES + _MESSAGE_MARGIN),
     ("grpc.max_send_message_length", MAX_CHUNK_BYTES + _MESSAGE_MARGIN),
 ]
-# Without SO_REUSEPORT, a port another process holds is an error here, not a shared port.
-SERVER_OPTIONS = [*MESSAGE_OPTIONS, ("grpc.so_reuseport", 0)]
+# While a call is open each end pings the other this often, and gives up on the connection (every
+# call on it fails UNAVAILABLE) when a ping is not answered within the timeout. gRPC's core answers
+# pings on threads of its own: a receiver whose Python holds the GIL for seconds (a long step, a
+# collection) still answers; a stopped process does not.
+KEEPALIVE_TIME_MS = 2000
+KEEPALIVE_TIMEOUT_MS = 3000
+KEEPALIVE_OPTIONS: list[tuple[str, int]] = [
+    ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+    # Newer gRPC times a ping's ack with this (60 s by default), not with keepalive_timeout_ms.
+    ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+    ("grpc.keepalive_permit_without_calls", 0),
+    # A sender stalled by flow control sends no data between pings: keep pinging regardless.
+    ("grpc.http2.max_pings_without_data", 0),
+]
+# A connection whose peer does not finish the HTTP/2 handshake within this long fails (gRPC's
+# default waits 20 s): a stopped process's kernel still accepts the TCP connection.
+CONNECT_TIMEOUT_MS = 5000
+CHANNEL_OPTIONS = [
+    *MESSAGE_OPTIONS,
+    *KEEPALIVE_OPTIONS,
+    ("grpc.min_reconnect_backoff_ms", CONNECT_TIMEOUT_MS),
+]
+# Without SO_REUSEPORT, a port another process holds is an error here, not a shared port. The
+# server takes the senders' pings (by default it would close a connection pinged more often than
+# every 5 minutes while it sends nothing, which a receiver does while data comes in).
+SERVER_OPTIONS = [
+    *MESSAGE_OPTIONS,
+    *KEEPALIVE_OPTIONS,
+    ("grpc.so_reuseport", 0),
+    ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),
+    ("grpc.http2.max_ping_strikes", 0),
+]
 # The receiver's initial metadata once it has taken a header: the sender may write the data.
 ACCEPTED_KEY = "stepwise-kv-accepted"
 ACCEPTED = ((ACCEPTED_KEY, "1"),)
+# The store is swept this long after a copy's hold deadline (a timer may fire a moment early).
+_EXPIRY_LAG_S = 0.05
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +94,8 @@ class TlsFiles:
 
 
 class GrpcKvTransport(KvTransport):
-    """Serves KvTransferService on `host:port` (0: a free port) and sends to other workers' ones."""
+    """Serves KvTransferService on `host:port` (0: a free port) and sends to other workers' ones,
+    each send within `deadline`."""
 
     def __init__(
         self,
@@ -63,12 +105,17 @@ class GrpcKvTransport(KvTransport):
         tls: TlsFiles | None = None,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         received: TransferStore | None = None,
+        deadline: TransferDeadline = TransferDeadline(),  # noqa: B008 (frozen)
+        hold_s: float = DEFAULT_HOLD_S,
     ) -> None:
         if not 1 <= chunk_bytes <= MAX_CHUNK_BYTES:
             raise ValueError(f"chunk_bytes {chunk_bytes}: must be in [1, {MAX_CHUNK_BYTES}]")
-        self.received = received or TransferStore(buffer_bytes)
+        self.received = received or TransferStore(buffer_bytes, hold_s)
         self._host, self._port = host, port
         self._chunk_bytes = chunk_bytes
+        self._deadline = deadline
+        # The bytes of the sends under way, which share this worker's link (see TransferDeadline).
+        self._in_flight_bytes = 0
         self._server_creds: grpc.ServerCredentials | None = None
         self._channel_creds: grpc.ChannelCredentials | None = None
         if tls is not None:
@@ -97,8 +144,16 @@ class GrpcKvTransport(KvTransport):
 
     async def send(self, dest_address: str, transfer_id: str, k: torch.Tensor, v: torch.Tensor) -> int:
         header = TransferHeader.of(transfer_id, k, v)
+        self._in_flight_bytes += header.total_bytes
+        try:
+            return await self._send(dest_address, header, k, v)
+        finally:
+            self._in_flight_bytes -= header.total_bytes
+
+    async def _send(self, dest_address: str, header: TransferHeader, k: torch.Tensor, v: torch.Tensor) -> int:
+        timeout = self._deadline.seconds(self._in_flight_bytes)
         stub = kv_grpc.KvTransferServiceStub(self._channel(dest_address))
-        call = stub.Send()
+        call = stub.Send(timeout=timeout)
         try:
             await call.write(kv_pb.KvChunk(header=_header_to_proto(header)))
             # No data before the receiver accepts the header: a refusal then ends the call with
@@ -113,6 +168,12 @@ class GrpcKvTransport(KvTransport):
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
             pass  # the call ended early: its status says why
         code = await call.code()
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            raise TransferFailed(
+                code.name,
+                f"transfer {header.transfer_id!r} ({header.total_bytes} bytes) did not complete within its "
+                f"deadline of {timeout:.1f} s (--transfer-deadline-floor, --transfer-deadline-bytes-per-s)",
+            )
         if code != grpc.StatusCode.OK:
             raise TransferFailed(code.name, await call.details() or "")
         reply: kv_pb.KvReceived = await call
@@ -130,9 +191,9 @@ class GrpcKvTransport(KvTransport):
         channel = self._channels.get(dest_address)
         if channel is None:
             if self._channel_creds is None:
-                channel = grpc.aio.insecure_channel(dest_address, options=MESSAGE_OPTIONS)
+                channel = grpc.aio.insecure_channel(dest_address, options=CHANNEL_OPTIONS)
             else:
-                channel = grpc.aio.secure_channel(dest_address, self._channel_creds, options=MESSAGE_OPTIONS)
+                channel = grpc.aio.secure_channel(dest_address, self._channel_creds, options=CHANNEL_OPTIONS)
             self._channels[dest_address] = channel
         return channel
 
@@ -217,4 +278,7 @@ class _Receiver(kv_grpc.KvTransferServiceServicer):
                 f"transfer {header.transfer_id!r}: {received} bytes, not total_bytes {header.total_bytes}"
             )
         self._store.complete(header.transfer_id, tensors_from(buffer, header))
+        # Nothing else may happen on this worker for a while: release the copy at its deadline
+        # if no step claimed it.
+        asyncio.get_running_loop().call_later(self._store.hold_s + _EXPIRY_LAG_S, self._store.expire)
         return received

@@ -10,7 +10,9 @@ the worker waited for its plan (`wait_s`).
 
 What the executor holds (sequences, KV, host copies) and the decode set the plans diff against
 belong to the session: a new session starts with both empty, as the control plane's first plan
-to it assumes.
+to it assumes. So do the KV transfers the worker received for its control plane: those of an
+earlier session are released when the next one starts (they land late when the worker was stopped
+or cut off mid-copy; the control plane that would have claimed them forgot them with the session).
 
 When the welcome asks for it (`transfer_reports`), the writer also reports each KV transfer the
 worker's store completes, the moment it is complete (a `received` message between results): the
@@ -113,8 +115,11 @@ async def run_session(
 ) -> SessionEnd:
     """Run one session on `channel`; every way the control plane can end it (a closed or broken
     stream, a refusal, no welcome, Shutdown, Move) is a SessionEnd. `received`: the store of the
-    worker's KV transfer link, whose arrivals are reported when the welcome asks for them."""
+    worker's KV transfer link, whose arrivals are reported when the welcome asks for them, and
+    whose transfers of earlier sessions are released: no control plane will claim them."""
     executor.reset()
+    if received is not None:
+        received.new_session()
     call = worker_pb2_grpc.WorkerLinkStub(channel).Connect()
     welcomed = False
     try:

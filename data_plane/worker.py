@@ -54,7 +54,7 @@ from data_plane.dialer import Candidate, Dialer, Refusal, Retry
 from data_plane.executor import Executor
 from data_plane.health import WorkerHealth
 from data_plane.kv_pool import KvPool, capacity_tokens
-from data_plane.kv_transfer import DTYPES, TransferAgent, TransferStore
+from data_plane.kv_transfer import DTYPES, TransferAgent, TransferDeadline, TransferStore
 from data_plane.kv_transfer_grpc import GrpcKvTransport, TlsFiles
 from data_plane.link import Link
 from data_plane.models.llama import LlamaModel
@@ -430,7 +430,15 @@ def make_transport(config: WorkerConfig) -> GrpcKvTransport | None:
             log.warning("transfer_off", reason="--tls-ca without --tls-cert: no certificate to serve it with")
             return None
         tls = TlsFiles(config.tls_ca, config.tls_cert, config.tls_key)
-    return GrpcKvTransport(config.transfer_host, config.transfer_port, config.transfer_buffer_bytes, tls)
+    deadline = TransferDeadline(config.transfer_deadline_floor_s, config.transfer_deadline_bytes_per_s)
+    return GrpcKvTransport(
+        config.transfer_host,
+        config.transfer_port,
+        config.transfer_buffer_bytes,
+        tls,
+        deadline=deadline,
+        hold_s=config.transfer_hold_timeout_s,
+    )
 
 
 async def _in_daemon_thread(fn: Callable[[], T]) -> T:

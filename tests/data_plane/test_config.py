@@ -10,6 +10,7 @@ import pytest
 
 from data_plane import worker
 from data_plane.config import add_arguments, config_from_args
+from data_plane.kv_transfer import DEFAULT_HOLD_S, TransferDeadline
 
 NEW_FLAGS = ("--control", "--reconnect-max-backoff", "--drain-timeout", "--health-port", "--health-host")
 
@@ -120,6 +121,21 @@ def test_the_transfer_flags_reach_the_config_and_choose_the_transport(tmp_path: 
     ca = tmp_path / "ca.crt"
     ca.write_text("not read here")
     assert worker.make_transport(parse("--tls-ca", str(ca))) is None  # no certificate to serve with
+
+
+def test_the_transfer_deadline_flags_reach_the_transport() -> None:
+    # The flags' defaults are the rule's own (config.py repeats them so that parsing needs no torch).
+    assert worker.make_transport(parse())._deadline == TransferDeadline()  # type: ignore[union-attr]
+    config = parse("--transfer-deadline-floor", "1.5", "--transfer-deadline-bytes-per-s", "1e6")
+    transport = worker.make_transport(config)
+    assert transport is not None and transport._deadline == TransferDeadline(1.5, 1e6)
+
+
+def test_the_hold_timeout_reaches_the_store() -> None:
+    default = worker.make_transport(parse())
+    assert default is not None and default.received.hold_s == DEFAULT_HOLD_S
+    transport = worker.make_transport(parse("--transfer-hold-timeout", "42"))
+    assert transport is not None and transport.received.hold_s == 42.0
 
 
 def test_a_role_reaches_the_config_and_needs_the_transfer_link() -> None:
