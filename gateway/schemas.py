@@ -10,7 +10,6 @@ have modules of their own.
 
 from __future__ import annotations
 
-import json
 import reprlib
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -23,10 +22,15 @@ from gateway.errors import GatewayError, invalid
 from gateway.structured import Constraint, ConstraintFields, one_constraint, refuse_with_ignore_eos
 from gateway.text import Text
 from gateway.tools import ParserName, Tool, ToolPlan, plan_tools, template_arguments
+from grammars import nesting
 from protos.stepwise.v1 import generation_pb2 as gen_pb
 
 M = TypeVar("M", bound=BaseModel)
 Role = Literal["system", "developer", "user", "assistant", "tool"]
+
+# Levels a body may nest: a schema's own (nesting.MAX_DEPTH), and room for the body's around it
+# (`tools.0.function.parameters`).
+BODY_DEPTH = nesting.MAX_DEPTH + 8
 
 # Prompts of one completions request (each its own Generate call).
 MAX_PROMPTS = 256
@@ -330,11 +334,12 @@ class ChatCompletionRequest(SamplingFields):
 def parse_body(raw: bytes, model: type[M]) -> M:
     """The request body as `model`; a 400 naming the most specific bad field otherwise."""
     try:
-        data = json.loads(raw)
+        data = nesting.loads(raw, BODY_DEPTH)
+    except nesting.TooDeep as exc:
+        param = nesting.dotted("", exc.path) or None
+        raise GatewayError(400, f"{param or 'the request body'}: {exc}", param=param) from None
     except ValueError as exc:  # bad JSON or UTF-8, or an integer of over 4,300 digits
         raise GatewayError(400, f"the request body is not valid JSON: {exc}") from None
-    except RecursionError:
-        raise GatewayError(400, "the request body is not valid JSON: nested too deeply") from None
     if not isinstance(data, dict):
         raise GatewayError(400, "the request body must be a JSON object")
     try:

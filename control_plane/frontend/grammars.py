@@ -116,6 +116,8 @@ class GrammarCompiler:
             backend.compile(GrammarSpec(kind, text))
         except GrammarError as exc:
             return str(exc)
+        except RecursionError:  # a backend's own reader recursing on nesting nesting.py did not bound
+            return "nested too deeply"
         finally:
             metrics.GRAMMAR_COMPILE_TIME.observe(time.perf_counter() - started)
         return ""

@@ -193,3 +193,20 @@ async def test_compiles_and_cache_hits_are_counted() -> None:
         await compiler.check(Grammar("", "regex", "[0-9]{2}"), "sampling.regex")
     assert value("stepwise:grammar_compiles_total", {"outcome": "ok"}) == ok + 1
     assert value("stepwise:grammar_cache_hits_total") == hits + 2
+
+
+@pytest.mark.parametrize(
+    ("kind", "text"),
+    [
+        ("json_schema", '{"a":' * 2000 + "1" + "}" * 2000),
+        ("json_schema", '{"type": "object", "x": ' + "[" * 300 + "]" * 300 + "}"),
+        ("structural_tag", '{"structures": ' + "[" * 2000 + "]" * 2000 + "}"),
+        ("ebnf", "root ::= " + "(" * 3000 + '"a"' + ")" * 3000),
+        ("regex", "(" * 3000 + "a" + ")" * 3000),
+    ],
+)
+async def test_a_grammar_nested_too_deep_is_refused_naming_the_field(kind: str, text: str) -> None:
+    """Issue 37: a schema 2,000 deep was gRPC UNKNOWN (`Unexpected <class 'RecursionError'>`)."""
+    with pytest.raises(client_codec.InvalidArgument) as info:
+        await _compiler().check(Grammar("", kind, text), f"sampling.{kind}")
+    assert str(info.value).startswith(f"sampling.{kind}: ")
