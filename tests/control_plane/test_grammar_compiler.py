@@ -210,3 +210,28 @@ async def test_a_grammar_nested_too_deep_is_refused_naming_the_field(kind: str, 
     with pytest.raises(client_codec.InvalidArgument) as info:
         await _compiler().check(Grammar("", kind, text), f"sampling.{kind}")
     assert str(info.value).startswith(f"sampling.{kind}: ")
+
+
+@pytest.mark.parametrize(
+    ("kind", "text", "words"),
+    [
+        ("ebnf", 'root ::= "a" root', "can never be satisfied"),
+        ("ebnf", 'root ::= x\nx ::= "a" x | "b" x', "can never be satisfied"),
+        ("regex", "[^\\s\\S]", "can never be satisfied"),
+        ("lark", "start: /[^\\s\\S]/", "can never be satisfied"),
+        ("ebnf", 'root ::= ""', "only the empty output"),
+        ("regex", "a{0}", "only the empty output"),
+    ],
+)
+async def test_a_grammar_that_can_never_be_satisfied_is_refused(kind: str, text: str, words: str) -> None:
+    """Issue 37: these were accepted, and ended with `stop` after 0-1 tokens not matching them."""
+    with pytest.raises(client_codec.InvalidArgument) as info:
+        await _compiler().check(Grammar("", kind, text), f"sampling.{kind}")
+    assert str(info.value).startswith(f"sampling.{kind}: ") and words in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("kind", "text"), [("ebnf", 'root ::= "a" | "b" root'), ("ebnf", 'root ::= x "." \nx ::= [a-z]+ x?')]
+)
+async def test_a_recursive_grammar_that_can_finish_compiles(kind: str, text: str) -> None:
+    await _compiler().check(Grammar("", kind, text), f"sampling.{kind}")
