@@ -58,7 +58,14 @@ async def background(client: StepwiseClient, gaps: list[tuple[float, float]], st
                 break
 
 
-async def constrained(client: StepwiseClient, kind: str, text: str) -> str:
+async def constrained(address: str, kind: str, text: str) -> str:
+    """One grammar call on a connection of its own (without API keys, a frontend knows a caller by
+    its connection, and bounds each caller's compiles)."""
+    async with StepwiseClient(address) as client:
+        return await _constrained(client, kind, text)
+
+
+async def _constrained(client: StepwiseClient, kind: str, text: str) -> str:
     sampling = sampling_params(max_new_tokens=4)
     if kind == "ebnf":
         sampling.ebnf = text
@@ -95,7 +102,7 @@ async def run(ns: argparse.Namespace) -> None:
             await asyncio.sleep(5)
             sent = time.monotonic()
             texts = [gbnf(i) if ns.kind == "ebnf" else schema(i) for i in range(ns.grammars)]
-            endings = await asyncio.gather(*(constrained(client, ns.kind, t) for t in texts))
+            endings = await asyncio.gather(*(constrained(address, ns.kind, t) for t in texts))
             answered = time.monotonic() - sent
             await asyncio.sleep(3)
             stop.set()

@@ -28,6 +28,10 @@ except ImportError:  # pragma: no cover - the backend is then reported as not in
 # schema's own "x-guidance" options override these.
 JSON_LAYOUT: Any = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 KINDS = frozenset({"json_schema", "regex", "ebnf", "lark", "structural_tag"})
+# Kinds whose first mask is checked at compile (`_check_first_mask`): a grammar's text can ask for
+# nothing at all. A schema always allows some JSON, and its first matcher is what costs (3 s for
+# 5,000 properties): the worker builds it, off its step.
+PROBED = frozenset({"regex", "ebnf", "lark"})
 
 
 def available() -> bool:
@@ -79,7 +83,8 @@ class Backend:
         if error and not error.startswith("WARNING"):
             raise GrammarError(_first_line(error))
         compiled = Compiled(grammar)
-        self._check_first_mask(self._prototype(compiled))
+        if spec.kind in PROBED:
+            self._check_first_mask(self._prototype(compiled))
         return compiled
 
     def _check_first_mask(self, prototype: LLMatcher) -> None:

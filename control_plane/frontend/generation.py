@@ -16,7 +16,7 @@ import grpc
 
 from control_plane import client_codec
 from control_plane.frontend.core_link import CORE_GONE, CoreState, Frontend
-from control_plane.frontend.grammars import GrammarCompiler
+from control_plane.frontend.grammars import GrammarBusy, GrammarCompiler
 from control_plane.frontend.pacer import Pacer
 from control_plane.frontend.samples import Call, Chunk, Done, Lost, Prompt
 from control_plane.link import DRAINING, LinkClosed
@@ -184,11 +184,12 @@ class GenerationService(gen_grpc.GenerationServicer):
             ids = await self._prompt_ids(inp, state)
             grammar = inp.params.sampler.grammar
             if grammar is not None:
-                await self.grammars.check(
-                    grammar, client_codec.constraint_field(request.sampling) or "sampling"
-                )
+                field = client_codec.constraint_field(request.sampling) or "sampling"
+                await self.grammars.check(grammar, field, caller.owner)
         except client_codec.InvalidArgument as exc:
             await context.abort(invalid, str(exc))
+        except GrammarBusy as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         rid = inp.request_id or uuid.uuid4().hex
         call = self.frontend.open_call(inp, request.sampling, rid, ids, caller.owner)
         assert call.verdict is not None

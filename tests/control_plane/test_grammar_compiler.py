@@ -104,21 +104,58 @@ async def test_compiles_run_off_the_loop_and_one_compile_serves_every_call_waiti
     assert slow.compiles == 2
 
 
-async def test_a_compile_past_the_timeout_refuses_only_its_call_and_its_result_is_kept(
+async def test_a_compile_past_the_timeout_refuses_its_call_and_the_refusal_is_kept(
     slow: _SlowBackend,
 ) -> None:
+    """Issue 37: the refused compile finished and was cached, so a retry was accepted and the
+    grammar reached the worker."""
     compiler = _compiler("slow", timeout_s=0.1)
     other = asyncio.create_task(asyncio.sleep(0.3, result="served"))
     with pytest.raises(client_codec.InvalidArgument, match=r"sampling.regex: did not compile within 0.1 s"):
         await compiler.check(Grammar("", "regex", "x"), "sampling.regex")
     assert await other == "served"
     slow.release.set()
-    for _ in range(100):  # the compile goes on; once done, the next call is answered from the cache
+    for _ in range(100):
         if slow.compiles and not compiler._running:
             break
         await asyncio.sleep(0.02)
-    assert (await compiler.check(Grammar("", "regex", "x"), "sampling.regex")).backend == "slow"
+    with pytest.raises(client_codec.InvalidArgument, match=r"did not compile within 0.1 s"):
+        await compiler.check(Grammar("", "regex", "x"), "sampling.regex")
     assert slow.compiles == 1
+
+
+async def test_the_deadline_runs_from_the_compiles_start_not_from_the_queue(slow: _SlowBackend) -> None:
+    """Two slow grammars held both threads; a third waited behind them and was refused for their
+    time, blaming its own grammar."""
+    compiler = _compiler("slow", timeout_s=0.3)
+    hogs = [asyncio.create_task(compiler.check(Grammar("", "regex", t), "sampling.regex", t)) for t in "ab"]
+    await asyncio.sleep(0.05)
+    victim = asyncio.create_task(compiler.check(Grammar("", "regex", "c"), "sampling.regex", "victim"))
+    await asyncio.sleep(0.5)  # the hogs are refused; the victim has not started yet
+    for hog in hogs:
+        with pytest.raises(client_codec.InvalidArgument, match="did not compile"):
+            await hog
+    assert not victim.done()
+    slow.release.set()
+    assert (await victim).spec == "c"
+
+
+async def test_compiles_waiting_are_bounded_per_caller_and_in_all(slow: _SlowBackend) -> None:
+    compiler = _compiler("slow")
+    mine = [asyncio.create_task(compiler.check(Grammar("", "regex", t), "f", "me")) for t in "ab"]
+    await asyncio.sleep(0.01)
+    with pytest.raises(compiler_module.GrammarBusy, match="this caller"):
+        await compiler.check(Grammar("", "regex", "c"), "f", "me")
+    others = [
+        asyncio.create_task(compiler.check(Grammar("", "regex", f"o{i}"), "f", f"caller{i}"))
+        for i in range(compiler_module.MAX_QUEUED)
+    ]
+    await asyncio.sleep(0.05)
+    with pytest.raises(compiler_module.GrammarBusy, match="wait to compile"):
+        await compiler.check(Grammar("", "regex", "late"), "f", "another")
+    slow.release.set()
+    await asyncio.gather(*mine, *others)
+    await compiler.check(Grammar("", "regex", "c"), "f", "me")  # room again
 
 
 async def test_a_kind_the_backend_does_not_read_is_refused(slow: _SlowBackend) -> None:
