@@ -13,10 +13,11 @@ keyed by (kind, text), errors too, so a client repeating a schema pays once; a c
 running for the same key is shared. Each compile has --grammar-compile-timeout from the moment a
 thread starts it, not from when it was queued: a call whose compile takes longer is refused
 (INVALID_ARGUMENT: too complex a grammar is the input's fault), and that refusal is what is kept,
-so a retry is refused at once and the grammar never reaches a worker. What may wait is bounded:
-COMPILE_THREADS compiles run and at most MAX_QUEUED more wait, and one caller has at most
-MAX_PER_CALLER compiles running or waiting; past either the call is refused with GrammarBusy
-(RESOURCE_EXHAUSTED: retry), never blamed on its grammar. The worker compiles the grammar again,
+so a retry is refused at once and the grammar never reaches a worker. COMPILE_THREADS compiles run,
+taken from the callers (API keys, or connections) in turn, so one caller's many grammars cannot
+hold every thread while another's wait; at most MAX_QUEUED wait in all and MAX_PER_CALLER for one
+caller, and past either the call is refused with GrammarBusy (RESOURCE_EXHAUSTED: retry), never
+blamed on its grammar. The worker compiles the grammar again,
 before the core plans it (control_plane/core/grammar_gate.py); the backend is the same, so what
 compiled here compiles there.
 """
@@ -25,10 +26,12 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import threading
 import time
-from collections import Counter, OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Collection
+from dataclasses import dataclass
 from typing import Any
 
 from control_plane import metrics
@@ -40,9 +43,18 @@ from protos.worker import Grammar
 # Distinct constraints whose compile outcome is remembered.
 CACHE_ENTRIES = 1024
 COMPILE_THREADS = 2
-# Compiles that may wait for a thread, in all, and compiles one caller may have running or waiting.
-MAX_QUEUED = 8
-MAX_PER_CALLER = 2
+# Compiles that may wait for a thread, in all and of one caller (a grammar's text is at most
+# --max-grammar-bytes, 256 KiB by default).
+MAX_QUEUED = 256
+MAX_PER_CALLER = 64
+
+
+@dataclass(frozen=True, slots=True)
+class _Job:
+    key: tuple[str, str]
+    result: asyncio.Future[str]
+    # When a thread took it (time.monotonic()): its deadline runs from here.
+    started: asyncio.Future[float]
 
 
 class GrammarBusy(Exception):
@@ -74,8 +86,11 @@ class GrammarCompiler:
         self._running: dict[tuple[str, str], tuple[asyncio.Future[str], asyncio.Future[float]]] = {}
         # Compiles whose calls were refused for their time: their refusal is their outcome.
         self._refused: set[tuple[str, str]] = set()
+        # Compiles waiting for a thread, by caller, and the callers in turn; compiles running.
+        self._queues: dict[str, deque[_Job]] = {}
+        self._turns: deque[str] = deque()
         self._waiting = 0
-        self._callers: Counter[str] = Counter()
+        self._busy = 0
 
     async def check(self, grammar: Grammar, field: str, caller: str = "") -> Grammar:
         """The grammar with its backend named; InvalidArgument naming `field` when it does not
@@ -117,28 +132,52 @@ class GrammarCompiler:
         """Queue a compile of `key` for `caller`, or GrammarBusy past the bounds."""
         if self._waiting >= MAX_QUEUED:
             raise GrammarBusy(f"{MAX_QUEUED} grammars wait to compile on this frontend already; retry")
-        if self._callers[caller] >= MAX_PER_CALLER:
-            raise GrammarBusy(f"this caller has {MAX_PER_CALLER} grammars compiling already; retry")
+        queue = self._queues.setdefault(caller, deque())
+        if len(queue) >= MAX_PER_CALLER:
+            raise GrammarBusy(f"this caller has {MAX_PER_CALLER} grammars waiting to compile already; retry")
+        loop = asyncio.get_running_loop()
+        job = _Job(key, loop.create_future(), loop.create_future())
+        queue.append(job)
+        if caller not in self._turns:
+            self._turns.append(caller)
+        self._waiting += 1
+        self._running[key] = (job.result, job.started)
+        job.result.add_done_callback(lambda done: self._finished(key, done))
+        self._dispatch()
+        return job.result, job.started
+
+    def _dispatch(self) -> None:
+        """Start waiting compiles while a thread is free, taking callers in turn: one caller's
+        many grammars do not hold every thread while another's wait."""
         if self._pool is None:
             self._pool = concurrent.futures.ThreadPoolExecutor(COMPILE_THREADS, "grammar-compile")
         loop = asyncio.get_running_loop()
-        started: asyncio.Future[float] = loop.create_future()
-        self._waiting += 1
-        self._callers[caller] += 1
-
-        def begin() -> None:  # on the loop, as a thread takes the compile
+        while self._busy < COMPILE_THREADS and self._turns:
+            caller = self._turns.popleft()
+            queue = self._queues[caller]
+            job = queue.popleft()
+            if queue:
+                self._turns.append(caller)
+            else:
+                del self._queues[caller]
             self._waiting -= 1
-            if not started.done():
-                started.set_result(time.monotonic())
+            self._busy += 1
+            job.started.set_result(time.monotonic())
+            done = self._pool.submit(self._outcome, job.key)
+            done.add_done_callback(functools.partial(self._on_thread_end, loop, job))
 
-        def run() -> str:
-            loop.call_soon_threadsafe(begin)
-            return self._outcome(key)
+    def _on_thread_end(
+        self, loop: asyncio.AbstractEventLoop, job: _Job, done: concurrent.futures.Future[str]
+    ) -> None:
+        loop.call_soon_threadsafe(self._ended, job, done)
 
-        future = asyncio.wrap_future(self._pool.submit(run))
-        self._running[key] = (future, started)
-        future.add_done_callback(lambda done: self._finished(key, caller, done))
-        return future, started
+    def _ended(self, job: _Job, done: concurrent.futures.Future[str]) -> None:
+        self._busy -= 1
+        if done.exception() is not None:
+            job.result.set_exception(done.exception())  # type: ignore[arg-type]
+        else:
+            job.result.set_result(done.result())
+        self._dispatch()
 
     def _timed_out(self, key: tuple[str, str]) -> str:
         """The refusal of a compile past its deadline, kept as its outcome (also once the compile
@@ -148,11 +187,8 @@ class GrammarCompiler:
         self._remember(key, message)
         return message
 
-    def _finished(self, key: tuple[str, str], caller: str, done: asyncio.Future[str]) -> None:
+    def _finished(self, key: tuple[str, str], done: asyncio.Future[str]) -> None:
         self._running.pop(key, None)
-        self._callers[caller] -= 1
-        if not self._callers[caller]:
-            del self._callers[caller]
         if key in self._refused:
             self._refused.discard(key)
             return

@@ -61,10 +61,12 @@ class _SlowBackend:
     def __init__(self) -> None:
         self.release = threading.Event()
         self.compiles = 0
+        self.order: list[str] = []
         self.threads: set[str] = set()
 
     def compile(self, spec: GrammarSpec) -> object:
         self.compiles += 1
+        self.order.append(spec.text)
         self.threads.add(threading.current_thread().name)
         self.release.wait(10)
         if spec.text == "bad":
@@ -140,22 +142,39 @@ async def test_the_deadline_runs_from_the_compiles_start_not_from_the_queue(slow
     assert (await victim).spec == "c"
 
 
-async def test_compiles_waiting_are_bounded_per_caller_and_in_all(slow: _SlowBackend) -> None:
+async def test_callers_take_the_threads_in_turn(slow: _SlowBackend) -> None:
+    """One caller's many grammars do not hold every thread while another's wait."""
     compiler = _compiler("slow")
-    mine = [asyncio.create_task(compiler.check(Grammar("", "regex", t), "f", "me")) for t in "ab"]
+    mine = [asyncio.create_task(compiler.check(Grammar("", "regex", t), "f", "me")) for t in "abcd"]
     await asyncio.sleep(0.01)
-    with pytest.raises(compiler_module.GrammarBusy, match="this caller"):
-        await compiler.check(Grammar("", "regex", "c"), "f", "me")
-    others = [
-        asyncio.create_task(compiler.check(Grammar("", "regex", f"o{i}"), "f", f"caller{i}"))
-        for i in range(compiler_module.MAX_QUEUED)
-    ]
+    theirs = asyncio.create_task(compiler.check(Grammar("", "regex", "z"), "f", "them"))
     await asyncio.sleep(0.05)
+    started = [key[1] for key, (_, begun) in compiler._running.items() if begun.done()]
+    assert started == ["a", "b"]
+    slow.release.set()
+    await asyncio.gather(*mine, theirs)
+    assert slow.order.index("z") < slow.order.index("d"), slow.order
+
+
+async def test_compiles_waiting_are_bounded_per_caller_and_in_all(
+    slow: _SlowBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(compiler_module, "MAX_QUEUED", 4)
+    monkeypatch.setattr(compiler_module, "MAX_PER_CALLER", 2)
+    compiler = _compiler("slow")
+    mine = [asyncio.create_task(compiler.check(Grammar("", "regex", t), "f", "me")) for t in "abcd"]
+    await asyncio.sleep(0.01)  # a and b run, c and d wait
+    with pytest.raises(compiler_module.GrammarBusy, match="this caller"):
+        await compiler.check(Grammar("", "regex", "e"), "f", "me")
+    others = [
+        asyncio.create_task(compiler.check(Grammar("", "regex", f"o{i}"), "f", f"c{i}")) for i in range(2)
+    ]
+    await asyncio.sleep(0.01)
     with pytest.raises(compiler_module.GrammarBusy, match="wait to compile"):
         await compiler.check(Grammar("", "regex", "late"), "f", "another")
     slow.release.set()
     await asyncio.gather(*mine, *others)
-    await compiler.check(Grammar("", "regex", "c"), "f", "me")  # room again
+    await compiler.check(Grammar("", "regex", "e"), "f", "me")  # room again
 
 
 async def test_a_kind_the_backend_does_not_read_is_refused(slow: _SlowBackend) -> None:
