@@ -337,9 +337,13 @@ class StepwiseClient:
         reply = await self.stub.Abort(gen_pb.AbortRequest(request_id=request_id), metadata=self.metadata)
         return bool(reply.found)
 
-    async def server_info(self, *, api_key: str | None = None) -> gen_pb.ServerInfo:
+    async def server_info(
+        self, *, api_key: str | None = None, timeout: float | None = None
+    ) -> gen_pb.ServerInfo:
         metadata = bearer_metadata(api_key) if api_key else self.metadata
-        return await self.stub.GetServerInfo(gen_pb.GetServerInfoRequest(), metadata=metadata)
+        return await self.stub.GetServerInfo(
+            gen_pb.GetServerInfoRequest(), metadata=metadata, timeout=timeout
+        )
 
 
 def apply_response(gen: Generation, response: gen_pb.GenerateResponse) -> None:

@@ -21,8 +21,10 @@ picks) is given EOS too, so a row is never left with every logit at -inf.
 
 from __future__ import annotations
 
+import concurrent.futures
+import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,6 +37,8 @@ from protos.worker import Grammar
 # Compiled grammars kept per worker (an LRU): a compile is about a millisecond for llguidance, but
 # a request with n samples, a retraction or a hand-over builds the same grammar again.
 COMPILED_CACHE = 256
+# Threads that compile grammars the control plane asks to have ready (`prepare`), off the step.
+PREPARE_THREADS = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +68,9 @@ class Constraints:
         self._backends: dict[str, grammar_backend.Backend] = {}
         self._compiled: OrderedDict[tuple[str, str, str], object] = OrderedDict()
         self._rows: dict[int, _Sequence] = {}
+        # The compile threads and the step share the backends and the compiled cache.
+        self._lock = threading.Lock()
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self.words = grammar_backend.mask_words(vocab_size)
         self._buffer = np.zeros((0, self.words), dtype=np.int32)
 
@@ -139,32 +146,57 @@ class Constraints:
 
     # ---- grammars ----------------------------------------------------------------------------
 
+    def prepare(self, grammar: Grammar, done: Callable[[str], None]) -> None:
+        """Compile `grammar` and build its first matcher on a thread of its own, off the step, then
+        call `done` (on that thread) with "" or why it cannot be compiled. A sequence held to it
+        that comes later finds it compiled: its matcher is a copy (microseconds)."""
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(PREPARE_THREADS, "grammar-prepare")
+        self._pool.submit(self._prepare, grammar, done)
+
+    def _prepare(self, grammar: Grammar, done: Callable[[str], None]) -> None:
+        try:
+            self._matcher(grammar)
+        except PlanError as exc:
+            done(str(exc))
+        except Exception as exc:  # a backend's own failure: said to the control plane, not raised here
+            done(f"grammar ({grammar.kind}) failed to compile on this worker: {type(exc).__name__}: {exc}")
+        else:
+            done("")
+
     def _matcher(self, grammar: Grammar) -> grammar_backend.Matcher:
+        """A fresh matcher of `grammar`, compiled now unless the cache holds it. Two threads may
+        compile the same grammar at once (the second result is kept): rare, and only time lost."""
         backend = self._backend(grammar.backend)
         key = (grammar.backend, grammar.kind, grammar.spec)
         try:
-            compiled = self._compiled.get(key)
+            with self._lock:
+                compiled = self._compiled.get(key)
+                if compiled is not None:
+                    self._compiled.move_to_end(key)
             if compiled is None:
                 compiled = backend.compile(GrammarSpec(grammar.kind, grammar.spec))
-                self._compiled[key] = compiled
-                if len(self._compiled) > COMPILED_CACHE:
-                    self._compiled.popitem(last=False)
-            else:
-                self._compiled.move_to_end(key)
+                matcher = backend.matcher(compiled)  # the first matcher: what is slow to build
+                with self._lock:
+                    self._compiled[key] = compiled
+                    if len(self._compiled) > COMPILED_CACHE:
+                        self._compiled.popitem(last=False)
+                return matcher
             return backend.matcher(compiled)
         except GrammarError as exc:
             # The control plane compiled it with the same backend, so only a version skew gets here.
             raise PlanError(f"grammar ({grammar.kind}) does not compile on this worker: {exc}") from None
 
     def _backend(self, name: str) -> grammar_backend.Backend:
-        backend = self._backends.get(name)
-        if backend is not None:
+        with self._lock:
+            backend = self._backends.get(name)
+            if backend is not None:
+                return backend
+            if self._tokenizer_json is None or name not in self.backends:
+                raise PlanError(f"grammar backend {name!r} is not available on this worker")
+            backend = grammar_backend.create(name, self._tokenizer_json, self._vocab_size, self._eos)
+            self._backends[name] = backend
             return backend
-        if self._tokenizer_json is None or name not in self.backends:
-            raise PlanError(f"grammar backend {name!r} is not available on this worker")
-        backend = grammar_backend.create(name, self._tokenizer_json, self._vocab_size, self._eos)
-        self._backends[name] = backend
-        return backend
 
 
 def _allow(words: np.ndarray, tokens: Sequence[int]) -> None:

@@ -18,6 +18,7 @@ SCORE_SLICE_BYTES of logits, so scoring a long prompt never holds [positions, vo
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -35,6 +36,7 @@ from data_plane.sampler import BiasRow, PenaltyRow, SampleOutput, ids_logprobs, 
 from data_plane.scoring import ScoreRows, score_rows
 from data_plane.state import NO_TOKEN, PlanError, SequenceTable
 from protos.worker import (
+    Grammar,
     KvReceive,
     KvReport,
     KvSend,
@@ -150,6 +152,10 @@ class Executor:
         if self._mask_thread is None:
             self._mask_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-masks")
         return self._mask_thread.submit(self.constraints.fill, rows)
+
+    def prepare_grammar(self, grammar: Grammar, done: Callable[[str], None]) -> None:
+        """Compile `grammar` off the step (Constraints.prepare); `done` is called on its thread."""
+        self.constraints.prepare(grammar, done)
 
     def runs_inline(self, plan: StepPlan) -> bool:
         """A CPU step of few tokens; CUDA steps wait for the device, so they never block the loop."""

@@ -39,7 +39,10 @@ from protos.stepwise.v1 import worker_pb2_grpc
 from protos.worker import (
     Drain,
     Dropped,
+    Grammar,
+    GrammarReady,
     Move,
+    Prepare,
     Shutdown,
     StepPlan,
     StepResult,
@@ -98,12 +101,13 @@ class _Arrived:
 
 # What the reader hands the executor loop, in stream order: plans, then a Shutdown or Move, or the
 # error that ended reading.
-_Inbox = asyncio.Queue[_Arrived | Shutdown | Move | Dropped | Exception]
+_Inbox = asyncio.Queue[_Arrived | Prepare | Shutdown | Move | Dropped | Exception]
 # A hello unanswered this long ends the attempt as a lost control plane (the worker searches again).
 WELCOME_TIMEOUT_S = 10.0
 
-# What the writer writes, in order, until None: results, a drain, and transfers received.
-_Outbox = asyncio.Queue[StepResult | Drain | TransferOutcome | None]
+# What the writer writes, in order, until None: results, a drain, transfers received, grammars
+# compiled.
+_Outbox = asyncio.Queue[StepResult | Drain | TransferOutcome | GrammarReady | None]
 
 
 async def run_session(
@@ -162,7 +166,7 @@ async def _serve(
 
 async def _read(
     call: grpc.aio.StreamStreamCall, decoder: worker_codec.PlanDecoder
-) -> Welcome | StepPlan | Shutdown | Move | Dropped:
+) -> Welcome | StepPlan | Shutdown | Move | Dropped | Prepare:
     msg = await call.read()
     if msg is grpc.aio.EOF:  # type: ignore[attr-defined]
         raise StreamBroken("control plane closed the stream")
@@ -182,6 +186,8 @@ async def _read_plans(
             event = await _read(call, decoder)
             if isinstance(event, StepPlan):
                 await inbox.put(_Arrived(event, time.perf_counter()))
+            elif isinstance(event, Prepare):
+                await inbox.put(event)
             elif isinstance(event, Shutdown | Move | Dropped):
                 await inbox.put(event)
                 return
@@ -247,6 +253,9 @@ async def _execute(
             return SessionEnd(Ending.DROPPED, True, item.reason)
         if isinstance(item, Shutdown | Move):
             return await _leave(call, outbox, writer, item)
+        if isinstance(item, Prepare):
+            _prepare(executor, item.grammar, outbox)
+            continue
         wait_s = 0.0 if finished is None else max(0.0, item.at - finished)
         if executor.runs_inline(item.plan):
             result = executor.execute(item.plan)
@@ -256,6 +265,21 @@ async def _execute(
         if result.error:
             log.error("step_error", step_id=result.step_id, error=result.error)
         outbox.put_nowait(dataclasses.replace(result, wait_s=wait_s))
+
+
+def _prepare(executor: StepExecutor, grammar: Grammar, outbox: _Outbox) -> None:
+    """Start compiling `grammar` off the step; its GrammarReady goes out through the writer when it
+    is done (between results). The step loop goes on meanwhile."""
+    loop = asyncio.get_running_loop()
+
+    def done(error: str) -> None:  # on a compile thread
+        loop.call_soon_threadsafe(outbox.put_nowait, GrammarReady(grammar, error))
+
+    prepare = getattr(executor, "prepare_grammar", None)
+    if prepare is None:
+        done("this worker compiles no grammars")
+        return
+    prepare(grammar, done)
 
 
 async def _leave(
@@ -279,7 +303,7 @@ async def _leave(
 
 async def _next(
     inbox: _Inbox, writer: asyncio.Task[None]
-) -> _Arrived | Shutdown | Move | Dropped | Exception:
+) -> _Arrived | Prepare | Shutdown | Move | Dropped | Exception:
     """The next queued item; a failed result writer ends the session as a broken stream would,
     unless the control plane's last word is on its way (see `_last_word`)."""
     if writer.done():
@@ -322,6 +346,8 @@ async def _write_messages(call: grpc.aio.StreamStreamCall, outbox: _Outbox) -> N
             proto = worker_codec.drain_to_proto(message)
         elif isinstance(message, TransferOutcome):
             proto = worker_codec.received_to_proto(message)
+        elif isinstance(message, GrammarReady):
+            proto = worker_codec.grammar_ready_to_proto(message)
         else:
             proto = worker_codec.result_to_proto(message)
         try:

@@ -157,6 +157,7 @@ def load_worker(config: WorkerConfig) -> LoadedWorker:
         eos_token_ids=frozenset(model.config.eos_token_ids),
         host_pool_capacity_tokens=config.host_pool_tokens,
         grammar_backends=constraints.backends,
+        prepares_grammars=bool(constraints.backends),
         role=config.role,
     )
     return LoadedWorker(executor, hello)

@@ -27,12 +27,13 @@ from starlette.exceptions import HTTPException
 
 from clients.client import StepwiseClient, generate_request
 from gateway import sglang_info
+from gateway.auth import KeyCheck
 from gateway.chat import ChatTemplate
 from gateway.errors import GatewayError, from_grpc, invalid
 from gateway.formats import ChatFormat, Collected, CompletionFormat, Echo, Event, ResponseFormat
-from gateway.limits import HttpLimits, read_body
+from gateway.limits import HttpLimits, discard_body, read_body
 from gateway.metrics import GatewayMetrics
-from gateway.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields, parse_body
+from gateway.schemas import ChatCompletionRequest, CompletionRequest, M, SamplingFields, parse_body
 from gateway.sglang import PARAMS as SGLANG_PARAMS
 from gateway.sglang import GenerateBody, SglangFormat
 from gateway.text import utf8_text
@@ -141,6 +142,7 @@ class Gateway:
         self.metrics = GatewayMetrics()
         self.created = int(time.time())
         self._client: StepwiseClient | None = None
+        self.keys = KeyCheck(lambda key, timeout: self.client.server_info(api_key=key, timeout=timeout))
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: FastAPI) -> AsyncIterator[None]:
@@ -161,7 +163,7 @@ class Gateway:
     async def completions(self, request: Request) -> Response:
         started = time.monotonic()
         try:
-            body = parse_body(await read_body(request, self.config.limits), CompletionRequest)
+            body = await self._body(request, CompletionRequest)
             self._check_model(body.model)
             body.refuse_unsupported()
             prompts = body.prompts()
@@ -185,7 +187,7 @@ class Gateway:
     async def chat_completions(self, request: Request) -> Response:
         started = time.monotonic()
         try:
-            body = parse_body(await read_body(request, self.config.limits), ChatCompletionRequest)
+            body = await self._body(request, ChatCompletionRequest)
             self._check_model(body.model)
             body.refuse_unsupported(self.config.parser())
             prompt = self.render_chat(body)
@@ -203,7 +205,7 @@ class Gateway:
         its `meta_info` and log probability shapes."""
         started = time.monotonic()
         try:
-            body = parse_body(await read_body(request, self.config.limits), GenerateBody)
+            body = await self._body(request, GenerateBody)
             body.refuse_unsupported()
             prompts = body.prompts()
             tokenizer = self.config.tokenizer
@@ -264,7 +266,7 @@ class Gateway:
         template, as the control plane makes them."""
         started = time.monotonic()
         try:
-            body = parse_body(await read_body(request, self.config.limits), TokenizeRequest)
+            body = await self._body(request, TokenizeRequest)
             body.refuse_unsupported()
             codec = self._codec("prompt" if body.prompt is not None else "messages")
             if body.prompt is not None:
@@ -285,7 +287,7 @@ class Gateway:
         """vLLM's `/detokenize`: the text of token ids, special tokens kept."""
         started = time.monotonic()
         try:
-            body = parse_body(await read_body(request, self.config.limits), DetokenizeRequest)
+            body = await self._body(request, DetokenizeRequest)
             body.refuse_unsupported()
             codec = self._codec("tokens")
             body.check_vocabulary(codec.vocab_size)
@@ -304,6 +306,15 @@ class Gateway:
             return self._refused("version", exc, started)
         self.metrics.observe("version", 200, time.monotonic() - started)
         return JSONResponse({"version": info.version})
+
+    async def _body(self, request: Request, model: type[M]) -> M:
+        """The request's body as `model`, once the control plane takes the caller's key: a caller
+        it refuses gets its 401 with the body read and dropped, never parsed."""
+        refused = await self.keys.check(bearer_key(request))
+        if refused is not None:
+            await discard_body(request, self.config.limits)
+            raise refused
+        return parse_body(await read_body(request, self.config.limits), model)
 
     def _codec(self, param: str) -> TokenCodec:
         if self.config.tokenizer is None:

@@ -8,6 +8,7 @@ decoded, validated and encoded again, so a request costs a few times its size in
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import resource
 from dataclasses import dataclass
 
@@ -23,6 +24,20 @@ DEFAULT_MAX_CONNECTIONS = 1024
 # Files the process holds besides its HTTP connections (the listening socket, the gRPC channel, the
 # event loop's, the log), with room for one burst of accepts before the connection limit sheds it.
 RESERVED_FILES = 64
+
+
+# Counts a request may hold, checked when its body is validated, before anything is built from it:
+# what the control plane would refuse at its default limits (control_plane/config.py, Limits) is
+# refused here, never forwarded; what it does not count (messages, content parts, tools) is
+# bounded so that one 8 MiB body cannot become hundreds of thousands of models.
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 4096
+MAX_STOP_TOKEN_IDS = 1024
+MAX_PROMPTS = 256
+MAX_MESSAGES = 8192
+MAX_CONTENT_PARTS = 8192
+# OpenAI's own limit on a request's tools.
+MAX_TOOLS = 128
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +99,19 @@ async def read_body(request: Request, limits: HttpLimits) -> bytes:
     except ClientDisconnect:
         raise GatewayError(499, "the client left before its request body was whole") from None
     return b"".join(chunks)
+
+
+async def discard_body(request: Request, limits: HttpLimits) -> None:
+    """Read the body and keep none of it, within the same limits (past them, stop reading: the
+    server then closes the connection after the response), so a refusal sent before the body was
+    read reaches a client that is still sending it."""
+    size = 0
+    with contextlib.suppress(TimeoutError, ClientDisconnect):
+        async with asyncio.timeout(limits.body_timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limits.max_body_bytes:
+                    return
 
 
 def _too_large(limits: HttpLimits) -> GatewayError:

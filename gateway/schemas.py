@@ -10,7 +10,6 @@ have modules of their own.
 
 from __future__ import annotations
 
-import json
 import reprlib
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -19,11 +18,13 @@ from pydantic_core import ErrorDetails
 
 from clients.client import generate_request, sampling_params
 from flagtypes import INT32_MAX, INT32_MIN, UINT64_MAX
+from gateway import limits
 from gateway.chat import SPECIAL_TOKENS
 from gateway.errors import GatewayError, invalid
 from gateway.structured import Constraint, ConstraintFields, one_constraint, refuse_with_ignore_eos
 from gateway.text import Text
 from gateway.tools import ParserName, Tool, ToolPlan, plan_tools, template_arguments
+from grammars import nesting
 from protos.stepwise.v1 import generation_pb2 as gen_pb
 
 M = TypeVar("M", bound=BaseModel)
@@ -34,14 +35,20 @@ TEMPLATE_VARIABLES = frozenset(
     {"messages", "tools", "documents", "add_generation_prompt", "raise_exception", "strftime_now"}
     | set(SPECIAL_TOKENS)
 )
+# Levels a body may nest: a schema's own (nesting.MAX_DEPTH), and room for the body's around it
+# (`tools.0.function.parameters`).
+BODY_DEPTH = nesting.MAX_DEPTH + 8
 
 # Prompts of one completions request (each its own Generate call).
-MAX_PROMPTS = 256
+MAX_PROMPTS = limits.MAX_PROMPTS
 
 
 # The protocol's field widths: past them protobuf refuses the value, so the schema must first.
 Int32 = Annotated[int, Field(ge=INT32_MIN, le=INT32_MAX)]
 Count = Annotated[int, Field(ge=0, le=INT32_MAX)]
+# Counted lists, refused past the control plane's limits as they are validated.
+StopStrings = Annotated[list[Text], Field(max_length=limits.MAX_STOP_STRINGS)]
+StopTokenIds = Annotated[list[Int32], Field(max_length=limits.MAX_STOP_TOKEN_IDS)]
 
 
 # Unimplemented fields accepted at these values (and at null, false, [] and {}): they ask for what
@@ -94,8 +101,8 @@ class SamplingFields(ConstraintFields):
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     min_tokens: Count | None = None
-    stop: Text | list[Text] | None = None
-    stop_token_ids: list[Int32] | None = None
+    stop: Text | StopStrings | None = None
+    stop_token_ids: StopTokenIds | None = None
     ignore_eos: bool = False
     seed: int | None = Field(default=None, ge=0, le=UINT64_MAX)
     n: int = Field(default=1, ge=1, le=INT32_MAX)
@@ -109,6 +116,7 @@ class SamplingFields(ConstraintFields):
     _constraint: tuple[Constraint | None] | None = PrivateAttr(default=None)
 
     def refuse_extra(self) -> None:
+        check_stop_chars(self.stop, "stop")
         refuse_extra_fields(self)
         if self.stream_options is not None:
             refuse_extra_fields(self.stream_options, "stream_options.")
@@ -194,7 +202,12 @@ class SamplingFields(ConstraintFields):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: Text | list[Int32] | list[Text] | list[list[Int32]]
+    prompt: (
+        Text
+        | list[Int32]
+        | Annotated[list[Text], Field(max_length=MAX_PROMPTS)]
+        | Annotated[list[list[Int32]], Field(max_length=MAX_PROMPTS)]
+    )
     # The sampled token's log probability and this many most likely alternatives per position
     # (the control plane refuses more than its --max-top-logprobs).
     logprobs: Count | None = None
@@ -259,7 +272,7 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: Role
-    content: Text | list[TextPart] | None = None
+    content: Text | Annotated[list[TextPart], Field(max_length=limits.MAX_CONTENT_PARTS)] | None = None
     # An assistant's calls, and a tool message's answer to one of them.
     tool_calls: list[MessageToolCall] | None = None
     tool_call_id: Text | None = None
@@ -299,13 +312,13 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=limits.MAX_MESSAGES)
     max_completion_tokens: Count | None = None
     logprobs: bool = False
     # OpenAI allows 0..20; the control plane refuses more than its --max-top-logprobs (20).
     top_logprobs: Count | None = None
     add_generation_prompt: bool = True
-    tools: list[Tool] | None = None
+    tools: list[Tool] | None = Field(default=None, max_length=limits.MAX_TOOLS)
     tool_choice: Text | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     # vLLM's and SGLang's: more variables for the chat template (`enable_thinking`, ...).
@@ -367,14 +380,23 @@ class ChatCompletionRequest(SamplingFields):
         return [self._tool_plan.constraint if self._tool_plan is not None else None]
 
 
+def check_stop_chars(stop: str | list[str] | None, field: str) -> None:
+    """A 400 naming `field` for stop strings longer in all than the control plane takes."""
+    strings = [stop] if isinstance(stop, str) else (stop or [])
+    chars = sum(len(s) for s in strings)
+    if chars > limits.MAX_STOP_CHARS:
+        raise invalid(field, f"{chars} characters in all; at most {limits.MAX_STOP_CHARS}")
+
+
 def parse_body(raw: bytes, model: type[M]) -> M:
     """The request body as `model`; a 400 naming the most specific bad field otherwise."""
     try:
-        data = json.loads(raw)
+        data = nesting.loads(raw, BODY_DEPTH)
+    except nesting.TooDeep as exc:
+        param = nesting.dotted("", exc.path) or None
+        raise GatewayError(400, f"{param or 'the request body'}: {exc}", param=param) from None
     except ValueError as exc:  # bad JSON or UTF-8, or an integer of over 4,300 digits
         raise GatewayError(400, f"the request body is not valid JSON: {exc}") from None
-    except RecursionError:
-        raise GatewayError(400, "the request body is not valid JSON: nested too deeply") from None
     if not isinstance(data, dict):
         raise GatewayError(400, "the request body must be a JSON object")
     try:
@@ -392,8 +414,11 @@ _QUOTE.maxlevel, _QUOTE.maxstring, _QUOTE.maxother, _QUOTE.maxlist, _QUOTE.maxdi
 def _invalid_field(errors: list[ErrorDetails]) -> GatewayError:
     """Of a union's errors, the branch that got furthest into the input says what is wrong
     (`prompt.0: must be <= 2147483647`, not `prompt: should be a valid string`); within one depth a
-    bad value beats a wrong type."""
-    error = max(errors, key=lambda e: (len(_field_path(e)), not e["type"].endswith("_type")))
+    bad value beats a wrong type. A list past its count beats them all: it is refused for its length
+    whatever its items are."""
+    error = max(
+        errors, key=lambda e: (e["type"] == "too_long", len(_field_path(e)), not e["type"].endswith("_type"))
+    )
     param = ".".join(_field_path(error)) or None
     got = f", got {_QUOTE.repr(error['input'])}" if "input" in error and param else ""
     return GatewayError(400, f"{param}: {error['msg']}{got}", param=param)

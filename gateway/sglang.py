@@ -17,23 +17,33 @@ from __future__ import annotations
 
 import ast
 import uuid
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from clients.client import generate_request
 from flagtypes import INT32_MAX, UINT64_MAX
+from gateway import limits
 from gateway.errors import GatewayError, invalid
 from gateway.formats import Collected, Event, ResponseFormat
 from gateway.logprobs import sglang_ids, sglang_token, sglang_top
-from gateway.schemas import Count, Int32, SamplingFields, Text, refuse_extra_fields
+from gateway.schemas import (
+    Count,
+    Int32,
+    SamplingFields,
+    StopStrings,
+    StopTokenIds,
+    Text,
+    check_stop_chars,
+    refuse_extra_fields,
+)
 from gateway.structured import Constraint, one_constraint, refuse_with_ignore_eos, schema_text
 from gateway.tokens import TokenCodec
 from protos.stepwise.v1 import generation_pb2 as gen_pb
 
 # SGLang's default when sampling_params does not name max_new_tokens.
 DEFAULT_MAX_NEW_TOKENS = 128
-MAX_PROMPTS = 256
+MAX_PROMPTS = limits.MAX_PROMPTS
 
 
 class SglangSampling(BaseModel):
@@ -51,8 +61,8 @@ class SglangSampling(BaseModel):
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     repetition_penalty: float | None = Field(default=None, gt=0)
-    stop: Text | list[Text] | None = None
-    stop_token_ids: list[Int32] | None = None
+    stop: Text | StopStrings | None = None
+    stop_token_ids: StopTokenIds | None = None
     ignore_eos: bool | None = False
     n: int | None = Field(default=1, ge=1, le=INT32_MAX)
     logit_bias: dict[Text, float] | None = None
@@ -90,6 +100,7 @@ class SglangSampling(BaseModel):
         return constraint.renames() if constraint is not None else {}
 
     def refuse_unsupported(self) -> None:
+        check_stop_chars(self.stop, "sampling_params.stop")
         refuse_extra_fields(self, "sampling_params.")
         self.constraint()
         if self.skip_special_tokens is False:
@@ -157,8 +168,8 @@ PARAMS = {
 class GenerateBody(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    text: Text | list[Text] | None = None
-    input_ids: list[Int32] | list[list[Int32]] | None = None
+    text: Text | Annotated[list[Text], Field(max_length=MAX_PROMPTS)] | None = None
+    input_ids: list[Int32] | Annotated[list[list[Int32]], Field(max_length=MAX_PROMPTS)] | None = None
     sampling_params: SglangSampling = Field(default_factory=SglangSampling)
     rid: Text | list[Text] | None = None
     stream: bool = False

@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from gateway.errors import invalid
 from gateway.strict import closed
 from gateway.text import Text
+from grammars import nesting
 from protos.stepwise.v1 import generation_pb2 as gen_pb
 
 Kind = Literal["json_schema", "regex", "ebnf", "lark", "structural_tag", "choice"]
@@ -72,11 +73,15 @@ def one_constraint(found: Iterable[Constraint | None]) -> Constraint | None:
 def schema_text(field: str, schema: Any) -> str:
     """A JSON Schema given as an object or as JSON text, as the protocol's JSON text. Text is
     checked here so its refusal names the caller's field before anything is queued."""
-    if isinstance(schema, str):
-        try:
-            schema = json.loads(schema)
-        except ValueError as exc:
-            raise invalid(field, f"not valid JSON: {exc}") from None
+    try:
+        if isinstance(schema, str):
+            schema = nesting.loads(schema)
+        elif isinstance(schema, dict):
+            nesting.check_depth(schema)
+    except nesting.TooDeep as exc:
+        raise invalid(field, str(exc)) from None
+    except ValueError as exc:
+        raise invalid(field, f"not valid JSON: {exc}") from None
     if not isinstance(schema, dict | bool):
         raise invalid(field, f"a JSON Schema is an object, got {type(schema).__name__}")
     return json.dumps(schema, separators=(",", ":"))

@@ -13,6 +13,7 @@ from typing import Protocol
 from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.errors import invalid
+from gateway.limits import MAX_MESSAGES
 from gateway.schemas import ChatMessage, Int32, Text, refuse_extra_fields
 
 
@@ -34,7 +35,7 @@ class TokenizeRequest(BaseModel):
 
     model: Text | None = None
     prompt: Text | None = None
-    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1, max_length=MAX_MESSAGES)
     add_generation_prompt: bool = True
     # The ids are those the control plane makes of the text: special tokens included.
     add_special_tokens: bool = True

@@ -30,6 +30,7 @@ from gateway.errors import invalid
 from gateway.strict import closed
 from gateway.structured import Constraint, refuse_asking_extras
 from gateway.text import Text
+from grammars import nesting
 
 ParserName = Literal["hermes", "llama3"]
 PARSERS: tuple[ParserName, ...] = ("hermes", "llama3")
@@ -245,7 +246,9 @@ def template_arguments(raw: str, where: str) -> Any:
     """An assistant tool call's `arguments` (OpenAI's JSON text) as the object chat templates
     expect (transformers' convention; `| tojson` of the text would quote it)."""
     try:
-        return json.loads(raw)
+        return nesting.loads(raw)
+    except nesting.TooDeep as exc:
+        raise invalid(where, str(exc)) from None
     except ValueError as exc:
         raise invalid(where, f"not valid JSON: {exc}") from None
 
@@ -354,8 +357,9 @@ def _as_call(obj: Any, names: tuple[str, ...], argument_keys: tuple[str, ...]) -
 
 
 def _loads(text: str) -> Any:
+    """The model's JSON, or None (not JSON, or nested past what a call may hold)."""
     try:
-        return json.loads(text)
+        return nesting.loads(text)
     except ValueError:
         return None
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from grammars import gbnf
 from grammars.spec import GrammarError, GrammarSpec, check_json, structural_tags
 
 try:
@@ -27,6 +28,10 @@ except ImportError:  # pragma: no cover - the backend is then reported as not in
 # schema's own "x-guidance" options override these.
 JSON_LAYOUT: Any = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 KINDS = frozenset({"json_schema", "regex", "ebnf", "lark", "structural_tag"})
+# Kinds whose first mask is checked at compile (`_check_first_mask`): a grammar's text can ask for
+# nothing at all. A schema always allows some JSON, and its first matcher is what costs (3 s for
+# 5,000 properties): the worker builds it, off its step.
+PROBED = frozenset({"regex", "ebnf", "lark"})
 
 
 def available() -> bool:
@@ -68,6 +73,7 @@ class Backend:
 
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_ids: Sequence[int]) -> None:
         self._words = (vocab_size + 31) // 32
+        self._eos = frozenset(eos_ids)
         self._tokenizer = LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=list(eos_ids) or None)
         self._executor = llguidance.LLExecutor()
 
@@ -76,7 +82,23 @@ class Backend:
         error = LLMatcher.validate_grammar(grammar, self._tokenizer)
         if error and not error.startswith("WARNING"):
             raise GrammarError(_first_line(error))
-        return Compiled(grammar)
+        compiled = Compiled(grammar)
+        if spec.kind in PROBED:
+            self._check_first_mask(self._prototype(compiled))
+        return compiled
+
+    def _check_first_mask(self, prototype: LLMatcher) -> None:
+        """GrammarError when the grammar's first mask shows it can never be satisfied (its matcher
+        fails at once: `[^\\s\\S]`, a class of no character) or can only be empty (it allows
+        nothing but EOS: no output token could ever be held to it)."""
+        probe = prototype.deep_copy()
+        words = np.zeros(self._words, dtype=np.int32)
+        probe.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
+        if probe.is_error():
+            raise GrammarError(f"can never be satisfied: {_first_line(probe.get_error())}")
+        allowed = np.flatnonzero(np.unpackbits(words.view(np.uint8), bitorder="little"))
+        if not set(allowed.tolist()) - self._eos:
+            raise GrammarError("accepts only the empty output: no token could ever be generated under it")
 
     def fill_many(self, matchers: Sequence[Matcher], words: np.ndarray) -> None:
         """Fill row i of `words` from matchers[i], all in one call: llguidance's executor spreads
@@ -87,12 +109,15 @@ class Backend:
         self._executor.unsafe_compute_mask_ptr(pairs, words.ctypes.data, self._words * 4, len(matchers))
 
     def matcher(self, compiled: Compiled) -> Matcher:  # type: ignore[override]
+        return Matcher(self._prototype(compiled).deep_copy(), self._words)
+
+    def _prototype(self, compiled: Compiled) -> LLMatcher:
         if compiled.prototype is None:
             prototype = LLMatcher(self._tokenizer, compiled.grammar, log_level=0)
             if prototype.is_error():
                 raise GrammarError(_first_line(prototype.get_error()))
             compiled.prototype = prototype
-        return Matcher(compiled.prototype.deep_copy(), self._words)
+        return compiled.prototype
 
 
 def create(tokenizer_json: str, vocab_size: int, eos_ids: Sequence[int]) -> Backend:
@@ -111,11 +136,7 @@ def _grammar(spec: GrammarSpec, tokenizer: LLTokenizer) -> str:
     if spec.kind == "lark":
         return str(LLMatcher.grammar_from_lark(spec.text))
     if spec.kind == "ebnf":
-        try:
-            lark = llguidance.gbnf_to_lark.gbnf_to_lark(spec.text)
-        except Exception as exc:  # the translator raises plain exceptions on bad GBNF
-            raise GrammarError(f"is not valid GBNF: {exc}") from None
-        return str(LLMatcher.grammar_from_lark(lark))
+        return str(LLMatcher.grammar_from_lark(gbnf.to_lark(spec.text)))
     return _structural_tag(spec.text, tokenizer)
 
 

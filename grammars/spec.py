@@ -4,9 +4,10 @@ its text. A list of choices becomes a regex of escaped alternatives, so backends
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from grammars import nesting
 
 KINDS = ("json_schema", "regex", "ebnf", "lark", "structural_tag")
 # The client protocol's name for a choice list (SamplingParams.choice); it arrives at a backend as
@@ -70,8 +71,7 @@ def structural_tags(text: str) -> tuple[list[StructuralTag], list[str]]:
     """SGLang's structural tag ({"structures": [{begin, schema, end}], "triggers": [...]}) read
     once for every backend, so they refuse the same texts with the same messages: the
     structures, each with the trigger that starts it, and the triggers."""
-    check_json("structural_tag", text)
-    value = json.loads(text)
+    value = check_json("structural_tag", text)
     structures = value.get("structures")
     triggers = value.get("triggers")
     if not isinstance(structures, list) or not structures or not isinstance(triggers, list) or not triggers:
@@ -92,11 +92,15 @@ def structural_tags(text: str) -> tuple[list[StructuralTag], list[str]]:
     return tags, triggers
 
 
-def check_json(kind: str, text: str) -> None:
-    """json_schema and structural_tag must be a JSON object; GrammarError otherwise."""
+def check_json(kind: str, text: str) -> dict[str, object]:
+    """json_schema and structural_tag must be a JSON object, nested at most nesting.MAX_DEPTH
+    levels (Python's reader would recurse past its limit); the object, or GrammarError."""
     try:
-        value = json.loads(text)
+        value = nesting.loads(text)
+    except nesting.TooDeep as exc:
+        raise GrammarError(str(exc)) from None
     except ValueError as exc:
         raise GrammarError(f"is not valid JSON: {exc}") from None
     if not isinstance(value, dict):
         raise GrammarError(f"must be a JSON object, got {type(value).__name__}")
+    return value

@@ -327,6 +327,23 @@ class WorkerLimits:
     # ROLES: mixed (prefill and decode), prefill (new requests, handed to a decode worker after
     # their first token), decode (requests handed over by prefill workers).
     role: str = "mixed"
+    # The worker compiles a grammar off its step when asked (a Prepare) and says when it is ready.
+    prepares_grammars: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Prepare:
+    """Control plane -> worker: compile `grammar` and build its first matcher off the step."""
+
+    grammar: Grammar
+
+
+@dataclass(frozen=True, slots=True)
+class GrammarReady:
+    """Worker -> control plane: a Prepare's grammar is compiled (`error` empty), or why it is not."""
+
+    grammar: Grammar
+    error: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -369,7 +386,7 @@ class Drain:
 
 
 # What a worker reads off its Connect stream (ControlMessage's oneof).
-ControlEvent = Welcome | StepPlan | Shutdown | Move | Dropped
+ControlEvent = Welcome | StepPlan | Shutdown | Move | Dropped | Prepare
 
 
 # --- the census ------------------------------------------------------------------------------------

@@ -42,12 +42,14 @@ from protos.worker import (
     Dropped,
     ExtendWork,
     Grammar,
+    GrammarReady,
     KvReceive,
     KvReport,
     KvSend,
     KvTransfer,
     Move,
     NewSeq,
+    Prepare,
     PromptScores,
     SamplerParams,
     Shutdown,
@@ -234,6 +236,8 @@ class PlanDecoder:
             return Move(reason=msg.move.reason)
         if kind == "dropped":
             return Dropped(reason=msg.dropped.reason)
+        if kind == "prepare":
+            return Prepare(_grammar_from_proto(msg.prepare))
         raise ValueError("empty ControlMessage")
 
     def plan(self, p: wk_pb.StepPlan) -> StepPlan:
@@ -465,6 +469,7 @@ def hello_to_proto(limits: WorkerLimits) -> wk_pb.WorkerMessage:
         grammar_backends=limits.grammar_backends,
         transfer_address=limits.transfer_address,
         role=limits.role,
+        prepares_grammars=limits.prepares_grammars,
     )
     return wk_pb.WorkerMessage(hello=hello)
 
@@ -487,6 +492,7 @@ def hello_from_proto(hello: wk_pb.Hello) -> WorkerLimits:
         grammar_backends=tuple(hello.grammar_backends),
         transfer_address=hello.transfer_address,
         role=hello.role or "mixed",
+        prepares_grammars=hello.prepares_grammars,
     )
 
 
@@ -508,6 +514,31 @@ def control_to_proto(event: Welcome | Shutdown | Move | Dropped) -> wk_pb.Contro
         case Dropped():
             return wk_pb.ControlMessage(dropped=wk_pb.Dropped(reason=event.reason))
     raise TypeError(f"not a welcome, shutdown, move or drop: {event!r}")
+
+
+def prepare_to_proto(grammar: Grammar) -> wk_pb.ControlMessage:
+    """Ask the worker to compile `grammar` off its step (answered with GrammarReady)."""
+    return wk_pb.ControlMessage(prepare=_grammar_to_proto(grammar))
+
+
+def grammar_ready_to_proto(ready: GrammarReady) -> wk_pb.WorkerMessage:
+    msg = wk_pb.GrammarReady(grammar=_grammar_to_proto(ready.grammar), error=ready.error)
+    return wk_pb.WorkerMessage(grammar_ready=msg)
+
+
+def grammar_ready_from_proto(msg: wk_pb.GrammarReady) -> GrammarReady:
+    """ProtocolError when it names no grammar."""
+    if not msg.HasField("grammar") or not msg.grammar.kind:
+        raise ProtocolError("a grammar_ready without its grammar")
+    return GrammarReady(_grammar_from_proto(msg.grammar), msg.error)
+
+
+def _grammar_to_proto(grammar: Grammar) -> wk_pb.Grammar:
+    return wk_pb.Grammar(backend=grammar.backend, kind=grammar.kind, spec=grammar.spec)
+
+
+def _grammar_from_proto(msg: wk_pb.Grammar) -> Grammar:
+    return Grammar(msg.backend, msg.kind, msg.spec)
 
 
 def drain_to_proto(d: Drain) -> wk_pb.WorkerMessage:

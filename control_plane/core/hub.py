@@ -44,6 +44,7 @@ from protos.worker import TokenLogprobs
 if TYPE_CHECKING:
     from control_plane.core.engine import Engine
     from control_plane.core.fleet import Router
+    from control_plane.core.grammar_gate import GrammarGate
 
 log = structlog.get_logger("stepwise.hub")
 
@@ -155,6 +156,8 @@ class FrontendHub:
         # The control plane drains: arrivals are refused (UNAVAILABLE, retry elsewhere).
         self.draining = False
         self.links: dict[int, _Link] = {}
+        # Each attached worker's grammar gate, by its engine (the server adds and removes them).
+        self.grammar_gates: dict[Engine, GrammarGate] = {}
         self._link_ids = itertools.count(1)
         self._server: asyncio.AbstractServer | None = None
         self._heartbeat: asyncio.Task[None] | None = None
@@ -346,6 +349,7 @@ class FrontendHub:
     def _abandoned(self, link: _Link) -> None:
         """The frontend died: its clients are gone with it, so their requests are aborted."""
         aborted = sum(e.abort_link(link.link_id, FRONTEND_GONE) for e in self.router.engines.values())
+        aborted += sum(g.abort_link(link.link_id, link_of) for g in self.grammar_gates.values())
         if aborted:
             log.warning("frontend lost: its requests are aborted", frontend=link.index, aborted=aborted)
 
@@ -394,7 +398,12 @@ class FrontendHub:
             LiveSample(rid, uid, msg.request_id, msg.owner, msg.arrived)
             for rid, uid in zip(rids, uids, strict=True)
         )
-        engine.submit(Arrival(samples, ids.tolist(), params))
+        arrival = Arrival(samples, ids.tolist(), params)
+        gate = self.grammar_gates.get(engine)
+        if gate is not None:
+            gate.submit(arrival)
+        else:
+            engine.submit(arrival)
 
     def _refusal(self, msg: fe_pb.Arrival) -> tuple[Verdict, str] | None:
         if self.draining:
@@ -407,6 +416,9 @@ class FrontendHub:
         code = AbortCode.CANCELLED
         engine = self.router.find(msg.request_id)
         found = False
+        held = next((g for g in self.grammar_gates.values() if g.holds(msg.request_id, msg.owner)), None)
+        if held is not None:  # still waiting for its grammar: it never reaches a scheduler
+            found = held.abort(msg.request_id)
         # Someone else's request is reported as not found: its id tells the caller nothing.
         if engine is not None and engine.owner_of(msg.request_id) == msg.owner:
             found = engine.abort(msg.request_id, msg.message or "aborted", code)

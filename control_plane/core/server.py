@@ -42,6 +42,7 @@ from control_plane.core.drain import Departure
 from control_plane.core.engine import Engine
 from control_plane.core.fleet import Fleet, Router
 from control_plane.core.fleet.census import take as take_census
+from control_plane.core.grammar_gate import GrammarGate
 from control_plane.core.hub import FrontendHub
 from control_plane.core.rebalance import Rebalancer
 from control_plane.core.server_info import server_info
@@ -69,6 +70,9 @@ MOVE_ON_DRAIN = "the control plane is draining"
 # After the drain timeout, how long the aborted streams' finishes, and then the workers' moves,
 # may take before the control plane stops anyway.
 ABORT_GRACE_S = 2.0
+# A call held for its grammar waits at most this many --grammar-compile-timeout: the worker
+# compiles what the frontend compiled within one, a few at a time.
+GRAMMAR_DEADLINE_FACTOR = 3.0
 MOVE_GRACE_S = 5.0
 POLL_S = 0.02
 # SO_REUSEPORT off: a second control plane on the same port fails to start. Streams wait in the
@@ -129,6 +133,16 @@ class WorkerLinkService(wk_grpc.WorkerLinkServicer):
         )
         channel.on_drain = engine.worker_draining
         channel.on_received = engine.worker_received
+        gate = GrammarGate(
+            limits.worker_id,
+            engine.submit,
+            lambda arrival, verdict, message: self.hub.verdict(arrival.samples[0].uid, verdict, message),
+            channel.prepare,
+            limits.prepares_grammars,
+            GRAMMAR_DEADLINE_FACTOR * self.config.grammar_compile_timeout_s,
+        )
+        channel.on_grammar_ready = gate.ready
+        self.hub.grammar_gates[engine] = gate
         # Attached before the welcome: a call that follows the welcome at once finds the worker.
         self.router.attach(engine)
         try:
@@ -154,6 +168,8 @@ class WorkerLinkService(wk_grpc.WorkerLinkServicer):
         try:
             await engine.run()
         finally:
+            self.hub.grammar_gates.pop(engine, None)
+            gate.close()
             self.router.detach(engine)
             log.info("worker detached", worker=limits.worker_id)
         if engine.fault is not None:

@@ -27,7 +27,17 @@ from control_plane.core.handover import WorkerGone
 from control_plane.core.worker_checks import WorkerFault
 from protos import worker_codec
 from protos.stepwise.v1 import worker_pb2 as wk_pb
-from protos.worker import Dropped, Move, Shutdown, StepPlan, StepResult, TransferOutcome, sampled_count
+from protos.worker import (
+    Dropped,
+    Grammar,
+    GrammarReady,
+    Move,
+    Shutdown,
+    StepPlan,
+    StepResult,
+    TransferOutcome,
+    sampled_count,
+)
 
 log = structlog.get_logger("stepwise.worker_link")
 
@@ -49,6 +59,8 @@ class StreamChannel:
         self.on_drain = on_drain
         # Called with each transfer the worker reports it holds (a migration's copy arrived).
         self.on_received = on_received
+        # Called with each grammar the worker reports compiled (the answer to `prepare`).
+        self.on_grammar_ready: Callable[[GrammarReady], None] | None = None
         # Tokens each sent plan's result must carry, oldest plan first.
         self._awaiting: deque[int] = deque()
         # Plans sent whose results the reader has not read yet: a result beyond them is a fault (a
@@ -57,6 +69,7 @@ class StreamChannel:
         # What the reader read, in order: results, then the error that ended reading, if any.
         self._arrived: asyncio.Queue[wk_pb.StepResult | Exception] = asyncio.Queue()
         self._reader: asyncio.Task[None] | None = None
+        self._writing = asyncio.Lock()
         self._ended = False
 
     @property
@@ -90,6 +103,11 @@ class StreamChannel:
         except worker_codec.ProtocolError as exc:
             raise WorkerFault(str(exc)) from None
 
+    async def prepare(self, grammar: Grammar) -> None:
+        """Ask the worker to compile `grammar` off its step (answered through on_grammar_ready)."""
+        if not self._ended:
+            await self._write(worker_codec.prepare_to_proto(grammar))
+
     async def close(self, reason: str) -> None:
         """End the session with Shutdown (once; later calls and a Move after it do nothing)."""
         await self._end(worker_codec.control_to_proto(Shutdown(reason)))
@@ -113,6 +131,12 @@ class StreamChannel:
         await self._write(message)
 
     async def _write(self, message: wk_pb.ControlMessage) -> None:
+        # One write at a time: a Prepare is written from a task of its own, beside the engine's
+        # plans, and gRPC refuses a write while another is in progress.
+        async with self._writing:
+            await self._write_now(message)
+
+    async def _write_now(self, message: wk_pb.ControlMessage) -> None:
         try:
             await self.context.write(message)
         except asyncio.CancelledError:
@@ -131,6 +155,8 @@ class StreamChannel:
                     self._tell(self.on_drain, msg.drain.reason)
                 elif kind == "received":
                     self._tell(self.on_received, _received(msg.received))
+                elif kind == "grammar_ready":
+                    self._tell(self.on_grammar_ready, _grammar_ready(msg.grammar_ready))
                 elif kind == "result":
                     if not self._unanswered:
                         raise WorkerFault(f"a result for step {msg.result.step_id}, but no plan is in flight")
@@ -158,6 +184,13 @@ class StreamChannel:
 def _received(msg: wk_pb.TransferOutcome) -> TransferOutcome:
     try:
         return worker_codec.received_from_proto(msg)
+    except worker_codec.ProtocolError as exc:
+        raise WorkerFault(str(exc)) from None
+
+
+def _grammar_ready(msg: wk_pb.GrammarReady) -> GrammarReady:
+    try:
+        return worker_codec.grammar_ready_from_proto(msg)
     except worker_codec.ProtocolError as exc:
         raise WorkerFault(str(exc)) from None
 

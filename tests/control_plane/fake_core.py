@@ -101,6 +101,8 @@ class FakeHub:
         self.streams: dict[int, Stream] = {}
         self.verdicts: dict[int, tuple[Verdict, str]] = {}
         self.log = log if log is not None else []
+        # The server registers each worker's grammar gate here, as with the real hub.
+        self.grammar_gates: dict[object, object] = {}
 
     def stream(self, uid: int) -> Stream:
         return self.streams.setdefault(uid, Stream())

@@ -61,10 +61,12 @@ class _SlowBackend:
     def __init__(self) -> None:
         self.release = threading.Event()
         self.compiles = 0
+        self.order: list[str] = []
         self.threads: set[str] = set()
 
     def compile(self, spec: GrammarSpec) -> object:
         self.compiles += 1
+        self.order.append(spec.text)
         self.threads.add(threading.current_thread().name)
         self.release.wait(10)
         if spec.text == "bad":
@@ -104,21 +106,75 @@ async def test_compiles_run_off_the_loop_and_one_compile_serves_every_call_waiti
     assert slow.compiles == 2
 
 
-async def test_a_compile_past_the_timeout_refuses_only_its_call_and_its_result_is_kept(
+async def test_a_compile_past_the_timeout_refuses_its_call_and_the_refusal_is_kept(
     slow: _SlowBackend,
 ) -> None:
+    """Issue 37: the refused compile finished and was cached, so a retry was accepted and the
+    grammar reached the worker."""
     compiler = _compiler("slow", timeout_s=0.1)
     other = asyncio.create_task(asyncio.sleep(0.3, result="served"))
     with pytest.raises(client_codec.InvalidArgument, match=r"sampling.regex: did not compile within 0.1 s"):
         await compiler.check(Grammar("", "regex", "x"), "sampling.regex")
     assert await other == "served"
     slow.release.set()
-    for _ in range(100):  # the compile goes on; once done, the next call is answered from the cache
+    for _ in range(100):
         if slow.compiles and not compiler._running:
             break
         await asyncio.sleep(0.02)
-    assert (await compiler.check(Grammar("", "regex", "x"), "sampling.regex")).backend == "slow"
+    with pytest.raises(client_codec.InvalidArgument, match=r"did not compile within 0.1 s"):
+        await compiler.check(Grammar("", "regex", "x"), "sampling.regex")
     assert slow.compiles == 1
+
+
+async def test_the_deadline_runs_from_the_compiles_start_not_from_the_queue(slow: _SlowBackend) -> None:
+    """Two slow grammars held both threads; a third waited behind them and was refused for their
+    time, blaming its own grammar."""
+    compiler = _compiler("slow", timeout_s=0.3)
+    hogs = [asyncio.create_task(compiler.check(Grammar("", "regex", t), "sampling.regex", t)) for t in "ab"]
+    await asyncio.sleep(0.05)
+    victim = asyncio.create_task(compiler.check(Grammar("", "regex", "c"), "sampling.regex", "victim"))
+    await asyncio.sleep(0.5)  # the hogs are refused; the victim has not started yet
+    for hog in hogs:
+        with pytest.raises(client_codec.InvalidArgument, match="did not compile"):
+            await hog
+    assert not victim.done()
+    slow.release.set()
+    assert (await victim).spec == "c"
+
+
+async def test_callers_take_the_threads_in_turn(slow: _SlowBackend) -> None:
+    """One caller's many grammars do not hold every thread while another's wait."""
+    compiler = _compiler("slow")
+    mine = [asyncio.create_task(compiler.check(Grammar("", "regex", t), "f", "me")) for t in "abcd"]
+    await asyncio.sleep(0.01)
+    theirs = asyncio.create_task(compiler.check(Grammar("", "regex", "z"), "f", "them"))
+    await asyncio.sleep(0.05)
+    started = [key[1] for key, (_, begun) in compiler._running.items() if begun.done()]
+    assert started == ["a", "b"]
+    slow.release.set()
+    await asyncio.gather(*mine, theirs)
+    assert slow.order.index("z") < slow.order.index("d"), slow.order
+
+
+async def test_compiles_waiting_are_bounded_per_caller_and_in_all(
+    slow: _SlowBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(compiler_module, "MAX_QUEUED", 4)
+    monkeypatch.setattr(compiler_module, "MAX_PER_CALLER", 2)
+    compiler = _compiler("slow")
+    mine = [asyncio.create_task(compiler.check(Grammar("", "regex", t), "f", "me")) for t in "abcd"]
+    await asyncio.sleep(0.01)  # a and b run, c and d wait
+    with pytest.raises(compiler_module.GrammarBusy, match="this caller"):
+        await compiler.check(Grammar("", "regex", "e"), "f", "me")
+    others = [
+        asyncio.create_task(compiler.check(Grammar("", "regex", f"o{i}"), "f", f"c{i}")) for i in range(2)
+    ]
+    await asyncio.sleep(0.01)
+    with pytest.raises(compiler_module.GrammarBusy, match="wait to compile"):
+        await compiler.check(Grammar("", "regex", "late"), "f", "another")
+    slow.release.set()
+    await asyncio.gather(*mine, *others)
+    await compiler.check(Grammar("", "regex", "e"), "f", "me")  # room again
 
 
 async def test_a_kind_the_backend_does_not_read_is_refused(slow: _SlowBackend) -> None:
@@ -193,3 +249,45 @@ async def test_compiles_and_cache_hits_are_counted() -> None:
         await compiler.check(Grammar("", "regex", "[0-9]{2}"), "sampling.regex")
     assert value("stepwise:grammar_compiles_total", {"outcome": "ok"}) == ok + 1
     assert value("stepwise:grammar_cache_hits_total") == hits + 2
+
+
+@pytest.mark.parametrize(
+    ("kind", "text"),
+    [
+        ("json_schema", '{"a":' * 2000 + "1" + "}" * 2000),
+        ("json_schema", '{"type": "object", "x": ' + "[" * 300 + "]" * 300 + "}"),
+        ("structural_tag", '{"structures": ' + "[" * 2000 + "]" * 2000 + "}"),
+        ("ebnf", "root ::= " + "(" * 3000 + '"a"' + ")" * 3000),
+        ("regex", "(" * 3000 + "a" + ")" * 3000),
+    ],
+)
+async def test_a_grammar_nested_too_deep_is_refused_naming_the_field(kind: str, text: str) -> None:
+    """Issue 37: a schema 2,000 deep was gRPC UNKNOWN (`Unexpected <class 'RecursionError'>`)."""
+    with pytest.raises(client_codec.InvalidArgument) as info:
+        await _compiler().check(Grammar("", kind, text), f"sampling.{kind}")
+    assert str(info.value).startswith(f"sampling.{kind}: ")
+
+
+@pytest.mark.parametrize(
+    ("kind", "text", "words"),
+    [
+        ("ebnf", 'root ::= "a" root', "can never be satisfied"),
+        ("ebnf", 'root ::= x\nx ::= "a" x | "b" x', "can never be satisfied"),
+        ("regex", "[^\\s\\S]", "can never be satisfied"),
+        ("lark", "start: /[^\\s\\S]/", "can never be satisfied"),
+        ("ebnf", 'root ::= ""', "only the empty output"),
+        ("regex", "a{0}", "only the empty output"),
+    ],
+)
+async def test_a_grammar_that_can_never_be_satisfied_is_refused(kind: str, text: str, words: str) -> None:
+    """Issue 37: these were accepted, and ended with `stop` after 0-1 tokens not matching them."""
+    with pytest.raises(client_codec.InvalidArgument) as info:
+        await _compiler().check(Grammar("", kind, text), f"sampling.{kind}")
+    assert str(info.value).startswith(f"sampling.{kind}: ") and words in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("kind", "text"), [("ebnf", 'root ::= "a" | "b" root'), ("ebnf", 'root ::= x "." \nx ::= [a-z]+ x?')]
+)
+async def test_a_recursive_grammar_that_can_finish_compiles(kind: str, text: str) -> None:
+    await _compiler().check(Grammar("", kind, text), f"sampling.{kind}")

@@ -228,3 +228,36 @@ def test_a_matcher_that_allows_nothing_is_given_eos(model_dir: pathlib.Path) -> 
 
 def test_a_worker_without_a_tokenizer_constrains_nothing() -> None:
     assert Constraints(None, 1024, [0]).backends == ()
+
+
+def test_a_prepared_grammar_is_compiled_off_the_step(model_dir: pathlib.Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Issue 37: the compile and the first matcher build ran inside the step. `prepare` runs them
+    on a thread of its own; the sequence that comes later gets a copy, compiling nothing."""
+    import threading
+
+    constraints = Constraints(_tokenizer_json(model_dir), 1024, [0])
+    threads: list[str] = []
+    real = grammar_backend.create
+
+    def create(*args):  # type: ignore[no-untyped-def]
+        backend = real(*args)
+        compile_ = backend.compile
+
+        def counted(spec):  # type: ignore[no-untyped-def]
+            threads.append(threading.current_thread().name)
+            return compile_(spec)
+
+        backend.compile = counted
+        return backend
+
+    monkeypatch.setattr(grammar_backend, "create", create)
+    done = threading.Event()
+    errors: list[str] = []
+    constraints.prepare(JSON_GRAMMAR, lambda error: (errors.append(error), done.set()))
+    assert done.wait(30) and errors == [""]
+    assert len(threads) == 1 and threads[0].startswith("grammar-prepare")
+    constraints.start(0, JSON_GRAMMAR, len(PROMPT), np.asarray(PROMPT, dtype=np.int32))
+    assert len(threads) == 1, "the step compiled the grammar again"
+    bad = threading.Event()
+    constraints.prepare(Grammar("nope", "regex", "a"), lambda error: (errors.append(error), bad.set()))
+    assert bad.wait(30) and "not available" in errors[-1]

@@ -102,6 +102,9 @@ class FakeControlPlane:
     chunk_chars: int = 3
     # Refuse every request with INVALID_ARGUMENT and these details (a control plane's refusal).
     refuse_with: str | None = None
+    # The API keys taken (None: keys are off); the keys each GetServerInfo came with.
+    keys: frozenset[str] | None = None
+    asked: list[str | None] = field(default_factory=list)
 
     def stream(self, request: gen_pb.GenerateRequest, *, api_key: str | None = None) -> Call:
         self.requests.append(request)
@@ -187,7 +190,17 @@ class FakeControlPlane:
             out.append(gen_pb.GenerateResponse(request_id=rid, finished=fin))
         return Call(out)
 
-    async def server_info(self, *, api_key: str | None = None) -> gen_pb.ServerInfo:
+    async def server_info(
+        self, *, api_key: str | None = None, timeout: float | None = None
+    ) -> gen_pb.ServerInfo:
+        self.asked.append(api_key)
+        if self.keys is not None and api_key not in self.keys:
+            raise grpc.aio.AioRpcError(
+                grpc.StatusCode.UNAUTHENTICATED,
+                grpc.aio.Metadata(),
+                grpc.aio.Metadata(),
+                "missing or unknown API key",
+            )
         return gen_pb.ServerInfo(
             model="fake", max_context=self.max_context, vocab_size=VOCAB, version="9.9.9"
         )

@@ -7,30 +7,42 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class WorkerMessage(_message.Message):
-    __slots__ = ("hello", "result", "drain", "received")
+    __slots__ = ("hello", "result", "drain", "received", "grammar_ready")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     RESULT_FIELD_NUMBER: _ClassVar[int]
     DRAIN_FIELD_NUMBER: _ClassVar[int]
     RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_READY_FIELD_NUMBER: _ClassVar[int]
     hello: Hello
     result: StepResult
     drain: Drain
     received: TransferOutcome
-    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., result: _Optional[_Union[StepResult, _Mapping]] = ..., drain: _Optional[_Union[Drain, _Mapping]] = ..., received: _Optional[_Union[TransferOutcome, _Mapping]] = ...) -> None: ...
+    grammar_ready: GrammarReady
+    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., result: _Optional[_Union[StepResult, _Mapping]] = ..., drain: _Optional[_Union[Drain, _Mapping]] = ..., received: _Optional[_Union[TransferOutcome, _Mapping]] = ..., grammar_ready: _Optional[_Union[GrammarReady, _Mapping]] = ...) -> None: ...
 
 class ControlMessage(_message.Message):
-    __slots__ = ("welcome", "plan", "shutdown", "move", "dropped")
+    __slots__ = ("welcome", "plan", "shutdown", "move", "dropped", "prepare")
     WELCOME_FIELD_NUMBER: _ClassVar[int]
     PLAN_FIELD_NUMBER: _ClassVar[int]
     SHUTDOWN_FIELD_NUMBER: _ClassVar[int]
     MOVE_FIELD_NUMBER: _ClassVar[int]
     DROPPED_FIELD_NUMBER: _ClassVar[int]
+    PREPARE_FIELD_NUMBER: _ClassVar[int]
     welcome: Welcome
     plan: StepPlan
     shutdown: Shutdown
     move: Move
     dropped: Dropped
-    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., plan: _Optional[_Union[StepPlan, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., move: _Optional[_Union[Move, _Mapping]] = ..., dropped: _Optional[_Union[Dropped, _Mapping]] = ...) -> None: ...
+    prepare: Grammar
+    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., plan: _Optional[_Union[StepPlan, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., move: _Optional[_Union[Move, _Mapping]] = ..., dropped: _Optional[_Union[Dropped, _Mapping]] = ..., prepare: _Optional[_Union[Grammar, _Mapping]] = ...) -> None: ...
+
+class GrammarReady(_message.Message):
+    __slots__ = ("grammar", "error")
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    grammar: Grammar
+    error: str
+    def __init__(self, grammar: _Optional[_Union[Grammar, _Mapping]] = ..., error: _Optional[str] = ...) -> None: ...
 
 class Drain(_message.Message):
     __slots__ = ("reason",)
@@ -77,7 +89,7 @@ class CensusReply(_message.Message):
     def __init__(self, control_plane_id: _Optional[str] = ..., workers: _Optional[int] = ..., queued: _Optional[int] = ..., running: _Optional[int] = ..., accepting: _Optional[bool] = ..., model_fingerprint: _Optional[str] = ..., hello_judged: _Optional[bool] = ..., refusal: _Optional[str] = ...) -> None: ...
 
 class Hello(_message.Message):
-    __slots__ = ("worker_id", "model_fingerprint", "kv_capacity_tokens", "page_size", "max_context", "vocab_size", "dtype", "device", "protocol_version", "eos_token_ids", "host_pool_capacity_tokens", "grammar_backends", "transfer_address", "role")
+    __slots__ = ("worker_id", "model_fingerprint", "kv_capacity_tokens", "page_size", "max_context", "vocab_size", "dtype", "device", "protocol_version", "eos_token_ids", "host_pool_capacity_tokens", "grammar_backends", "transfer_address", "role", "prepares_grammars")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     KV_CAPACITY_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -92,6 +104,7 @@ class Hello(_message.Message):
     GRAMMAR_BACKENDS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
+    PREPARES_GRAMMARS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     model_fingerprint: str
     kv_capacity_tokens: int
@@ -106,7 +119,8 @@ class Hello(_message.Message):
     grammar_backends: _containers.RepeatedScalarFieldContainer[str]
     transfer_address: str
     role: str
-    def __init__(self, worker_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., kv_capacity_tokens: _Optional[int] = ..., page_size: _Optional[int] = ..., max_context: _Optional[int] = ..., vocab_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., protocol_version: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., host_pool_capacity_tokens: _Optional[int] = ..., grammar_backends: _Optional[_Iterable[str]] = ..., transfer_address: _Optional[str] = ..., role: _Optional[str] = ...) -> None: ...
+    prepares_grammars: bool
+    def __init__(self, worker_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., kv_capacity_tokens: _Optional[int] = ..., page_size: _Optional[int] = ..., max_context: _Optional[int] = ..., vocab_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., protocol_version: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., host_pool_capacity_tokens: _Optional[int] = ..., grammar_backends: _Optional[_Iterable[str]] = ..., transfer_address: _Optional[str] = ..., role: _Optional[str] = ..., prepares_grammars: _Optional[bool] = ...) -> None: ...
 
 class Welcome(_message.Message):
     __slots__ = ("accepted", "reason", "retryable", "transfer_reports")
