@@ -425,6 +425,7 @@ def _params(msg: fe_pb.Arrival, config: ControlConfig) -> RequestParams:
     """The arrival's parameters (the frontend checked them; the core converts them again)."""
     priority = msg.priority if msg.has_priority else None
     params = client_codec.request_params_from_proto(msg.sampling, priority, msg.routing_key, config.limits)
+    params = client_codec.with_tenancy(params, msg.tenant, msg.ttft_slo_ms, msg.tpot_slo_ms)
     if params.sampler.logprobs and config.logprobs_mode == "processed":
         params = dataclasses.replace(
             params, sampler=dataclasses.replace(params.sampler, processed_logprobs=True)
