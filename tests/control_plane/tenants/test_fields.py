@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import pytest
 
+from clients.client import generate_request
 from control_plane import client_codec
 from gateway.schemas import CompletionRequest
 from protos.stepwise.v1 import generation_pb2 as gen_pb
 
 
 def test_generate_request_fields_reach_request_params() -> None:
-    msg = gen_pb.GenerateRequest(text="hi", tenant="alice", ttft_slo_ms=1500.0, tpot_slo_ms=80.0)
+    msg = generate_request("hi", tenant="alice", ttft_slo_ms=1500.0, tpot_slo_ms=80.0)
     params = client_codec.generate_input_from_proto(msg).params
     assert (params.tenant, params.ttft_slo_ms, params.tpot_slo_ms) == ("alice", 1500.0, 80.0)
     # Unset: no tenant named, no objectives.
