@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import dataclasses
 import itertools
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -445,7 +446,7 @@ class FrontendHub:
         refusal = self.tenants.arrive(tenant, uids, prompt_tokens, time.monotonic())
         if refusal is None:
             return True
-        message = f"{refusal.field}: {refusal.message}; retry in {refusal.retry_after_s:.0f} s"
+        message = f"{refusal.field}: {refusal.message}; retry in {math.ceil(refusal.retry_after_s)} s"
         self.verdict(uids[0], Verdict.OVER_QUOTA, message, refusal.retry_after_s)
         return False
 
