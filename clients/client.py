@@ -133,8 +133,19 @@ def generate_request(
     request_id: str = "",
     routing_key: str = "",
     priority: int | None = None,
+    *,
+    tenant: str = "",
+    ttft_slo_ms: float = 0.0,
+    tpot_slo_ms: float = 0.0,
 ) -> gen_pb.GenerateRequest:
-    req = gen_pb.GenerateRequest(request_id=request_id, routing_key=routing_key, sampling=sampling)
+    req = gen_pb.GenerateRequest(
+        request_id=request_id,
+        routing_key=routing_key,
+        sampling=sampling,
+        tenant=tenant,
+        ttft_slo_ms=ttft_slo_ms,
+        tpot_slo_ms=tpot_slo_ms,
+    )
     if isinstance(prompt, str):
         req.text = prompt
     else:

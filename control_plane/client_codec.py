@@ -252,6 +252,13 @@ def request_params_from_proto(
     return dataclasses.replace(params, priority=priority, routing_key=routing_key)
 
 
+def with_tenancy(params: RequestParams, tenant: str, ttft_slo_ms: float, tpot_slo_ms: float) -> RequestParams:
+    """The request's tenant and latency objectives, checked; InvalidArgument naming the field."""
+    for name, value in (("ttft_slo_ms", ttft_slo_ms), ("tpot_slo_ms", tpot_slo_ms)):
+        _check(math.isfinite(value) and value >= 0, name, f"{value} is not a duration (0: none)")
+    return dataclasses.replace(params, tenant=tenant, ttft_slo_ms=ttft_slo_ms, tpot_slo_ms=tpot_slo_ms)
+
+
 def generate_input_from_proto(msg: gen_pb.GenerateRequest, limits: Limits | None = None) -> GenerateInput:
     """Validate a Generate call (all but what needs the tokenizer or a worker); InvalidArgument."""
     limits = limits or Limits()
@@ -267,7 +274,7 @@ def generate_input_from_proto(msg: gen_pb.GenerateRequest, limits: Limits | None
             "text",
             f"prompt of {size} bytes; at most {limits.max_prompt_bytes} are allowed (--max-prompt-bytes)",
         )
-    for name in ("request_id", "routing_key"):
+    for name in ("request_id", "routing_key", "tenant"):
         value = getattr(msg, name)
         _check(
             len(value) <= limits.max_id_chars,
@@ -276,6 +283,7 @@ def generate_input_from_proto(msg: gen_pb.GenerateRequest, limits: Limits | None
         )
     priority = msg.priority if msg.HasField("priority") else None
     params = request_params_from_proto(msg.sampling, priority, msg.routing_key, limits)
+    params = with_tenancy(params, msg.tenant, msg.ttft_slo_ms, msg.tpot_slo_ms)
     n = msg.sampling.n if msg.sampling.HasField("n") else 1
     return GenerateInput(request_id=msg.request_id, text=text, input_ids=ids, params=params, n=n)
 

@@ -227,6 +227,9 @@ class ControlConfig:
     peers: str = ""
     # Seconds between two looks at the peers' census (jittered by ±20%).
     rebalance_interval_s: float = 2.0
+    # The tenant table (--tenants, docs/deploy.md#tenants), read at start and again on SIGHUP; None:
+    # no tenants, no quotas (SGLang's behaviour).
+    tenants_file: Path | None = None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -680,6 +683,12 @@ def _add_security_arguments(parser: argparse.ArgumentParser) -> None:
     add("--api-key", default=None, help="bearer token clients must send (authorization: Bearer KEY)")
     add("--api-key-file", type=Path, default=None, help="file of accepted bearer tokens, one per line")
     add(
+        "--tenants",
+        type=Path,
+        default=None,
+        help="TOML tenant table: weights, quotas, key bindings (docs/deploy.md#tenants); reread on SIGHUP",
+    )
+    add(
         "--allow-insecure-workers",
         action="store_true",
         help="serve the worker port beyond loopback without --worker-ca (anyone reaching it can attach)",
@@ -861,4 +870,15 @@ def control_config_from_args(ns: argparse.Namespace, model_dir: Path, model_name
         test_migrate_interval=test_migrate_interval(os.environ),
         peers=_peers(ns),
         rebalance_interval_s=ns.rebalance_interval,
+        tenants_file=_tenants_file(ns),
     )
+
+
+def _tenants_file(ns: argparse.Namespace) -> Path | None:
+    """--tenants, read once now so that a bad file fails the start with one line naming the field."""
+    from control_plane.tenants.table import load  # the table module imports nothing of the config
+
+    path: Path | None = getattr(ns, "tenants", None)
+    if path is not None:
+        load(path)
+    return path

@@ -81,6 +81,12 @@ class RequestParams:
     # Prompt positions from here on are scored (SGLang's logprob_start_len); -1: none
     # (docs/scheduler.md#prompt-log-probabilities).
     logprob_start_len: int = -1
+    # Whose request this is (docs/deploy.md#tenants): the core's resolution of the caller's key and
+    # the client's `tenant` field; "" without either.
+    tenant: str = ""
+    # Latency objectives in milliseconds (0: none).
+    ttft_slo_ms: float = 0.0
+    tpot_slo_ms: float = 0.0
 
 
 class RowColumns(Protocol):

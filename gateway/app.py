@@ -104,7 +104,7 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 
 
 def error_response(error: GatewayError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status)
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers())
 
 
 def bearer_key(request: Request) -> str | None:
@@ -119,6 +119,16 @@ def bearer_key(request: Request) -> str | None:
         message = "Authorization: the bearer token must be printable ASCII"
         raise GatewayError(401, message, code="invalid_api_key")
     return key
+
+
+TENANT_HEADER = "x-stepwise-tenant"
+
+
+def tenant_header(request: Request) -> str | None:
+    """The tenant the caller names in `X-Stepwise-Tenant` (it takes precedence over the body's
+    `tenant` and `user`); the control plane decides whether the caller's key may name it."""
+    value = request.headers.get(TENANT_HEADER)
+    return value.strip() if value is not None and value.strip() else None
 
 
 SSE_DONE = b"data: [DONE]\n\n"
@@ -448,6 +458,10 @@ class Gateway:
         (the other calls are then cancelled). `renames`: the endpoint's names for protocol fields
         a refusal names."""
         key = bearer_key(request)
+        tenant = tenant_header(request)
+        if tenant is not None:
+            for one in requests:
+                one.tenant = tenant
         calls = [self.client.stream(one, api_key=key) for one in requests]
         firsts = await asyncio.gather(*(_first(call) for call in calls), return_exceptions=True)
         running = [first for first in firsts if isinstance(first, Call)]

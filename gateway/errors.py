@@ -46,9 +46,21 @@ OPENAI_FIELDS = {
 class GatewayError(Exception):
     """A request the gateway answers with an error body; `status` is the HTTP status."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        retry_after: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        # The Retry-After header's value (a control plane's `retry-after` trailer), if any.
+        self.retry_after = retry_after
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": self.retry_after} if self.retry_after else {}
 
     def body(self) -> dict[str, Any]:
         kind = ERROR_TYPES.get(self.status, "server_error" if self.status >= 500 else "invalid_request_error")
@@ -77,7 +89,15 @@ def from_grpc(exc: grpc.aio.AioRpcError) -> GatewayError:
         if " " not in field:
             param = openai_field(field)
             details = f"{param}:{rest}"
-    return GatewayError(status, details, param=param, code=exc.code().name.lower())
+    retry_after = _trailer(exc, "retry-after") if status == 429 else None
+    return GatewayError(status, details, param=param, code=exc.code().name.lower(), retry_after=retry_after)
+
+
+def _trailer(exc: grpc.aio.AioRpcError, name: str) -> str | None:
+    """A trailer's value when it is whole seconds (anything else is not passed on to HTTP)."""
+    metadata = exc.trailing_metadata()
+    value = metadata.get(name) if metadata is not None else None  # type: ignore[attr-defined]
+    return value if isinstance(value, str) and value.isdigit() else None
 
 
 def openai_field(field: str) -> str:

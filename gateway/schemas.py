@@ -110,6 +110,10 @@ class SamplingFields(ConstraintFields):
     stream_options: StreamOptions | None = None
     user: Text | None = None
     priority: Int32 | None = None
+    # Stepwise's: the tenant (else `user` names it) and latency objectives (docs/protocols.md#tenants).
+    tenant: Text | None = None
+    ttft_slo_ms: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+    tpot_slo_ms: float | None = Field(default=None, ge=0, allow_inf_nan=False)
     # OpenAI's shape: token ids as JSON object keys (strings), biases in [-100, 100].
     logit_bias: dict[Text, float] | None = None
     # The constraint, once worked out (a tuple: None is an answer too).
@@ -192,7 +196,11 @@ class SamplingFields(ConstraintFields):
         if constraint is not None:
             constraint.apply(sampling)
         self.ask_logprobs(sampling)
-        return generate_request(prompt, sampling, request_id, self.user or "", self.priority)
+        req = generate_request(prompt, sampling, request_id, self.user or "", self.priority)
+        req.tenant = self.tenant or self.user or ""
+        req.ttft_slo_ms = self.ttft_slo_ms or 0.0
+        req.tpot_slo_ms = self.tpot_slo_ms or 0.0
+        return req
 
     def ask_logprobs(self, sampling: gen_pb.SamplingParams) -> None:
         """Set the log probability fields the request asks for (none here)."""

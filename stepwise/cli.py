@@ -179,6 +179,8 @@ async def _until_stopped(plane: ControlPlane) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, signals.put_nowait, sig)
+    # SIGHUP rereads the tenant file (docs/deploy.md#tenants); it never stops the control plane.
+    loop.add_signal_handler(signal.SIGHUP, plane.reload_tenants)
     if await signals.get() != signal.SIGTERM:
         return
     drain = asyncio.create_task(plane.drain())

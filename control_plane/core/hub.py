@@ -14,6 +14,8 @@ import asyncio
 import contextlib
 import dataclasses
 import itertools
+import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -37,6 +39,8 @@ from control_plane.link import (
 )
 from control_plane.request import AbortCode, FinishReason, RequestParams
 from control_plane.scheduler.records import PromptScoring
+from control_plane.tenants.book import TenantBook
+from control_plane.tenants.table import TenantRefused
 from protos.stepwise.v1 import frontend_pb2 as fe_pb
 from protos.stepwise.v1 import generation_pb2 as gen_pb
 from protos.worker import TokenLogprobs
@@ -61,6 +65,8 @@ _STATUS = {
     Verdict.DUPLICATE: grpc.StatusCode.ALREADY_EXISTS,
     Verdict.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
     Verdict.INTERNAL: grpc.StatusCode.INTERNAL,
+    Verdict.OVER_QUOTA: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Verdict.FORBIDDEN: grpc.StatusCode.PERMISSION_DENIED,
 }
 
 
@@ -163,6 +169,8 @@ class FrontendHub:
         self._heartbeat: asyncio.Task[None] | None = None
         # Called with the frontend index and pid when a frontend connects (the supervisor waits).
         self.connected: asyncio.Queue[tuple[int, int]] = asyncio.Queue()
+        # Tenants and their quotas (--tenants); None: every request passes as before.
+        self.tenants: TenantBook | None = None
 
     async def start(self, path: str) -> None:
         self._server = await asyncio.start_unix_server(self._serve, path)
@@ -184,12 +192,18 @@ class FrontendHub:
 
     # --- the Publisher the engines call ---------------------------------------------------------
 
-    def verdict(self, uid: int, verdict: Verdict, message: str = "") -> None:
+    def verdict(self, uid: int, verdict: Verdict, message: str = "", retry_after_s: float = 0.0) -> None:
+        if verdict is not Verdict.ACCEPTED and self.tenants is not None:
+            self.tenants.refused(uid)
         link = self.links.get(link_of(uid))
         if link is not None:
-            link.outgoing().message.verdicts.add(uid=uid, code=_STATUS[verdict].value[0], message=message)
+            link.outgoing().message.verdicts.add(
+                uid=uid, code=_STATUS[verdict].value[0], message=message, retry_after_s=retry_after_s
+            )
 
     def admitted(self, uid: int, cached_tokens: int, at: float, worker: str) -> None:
+        if self.tenants is not None:
+            self.tenants.admitted(uid)
         link = self.links.get(link_of(uid))
         if link is not None:
             link.outgoing().message.admissions.add(
@@ -203,6 +217,8 @@ class FrontendHub:
         the logprobs of those that have them (`scores` index into the tokens)."""
         if not len(uids):
             return
+        if self.tenants is not None:
+            self.tenants.tokens(uids.tolist(), time.monotonic())
         owners = uids >> np.uint64(UID_LINK_SHIFT)
         first = int(owners[0])
         if len(self.links) == 1 or bool((owners == first).all()):
@@ -241,6 +257,8 @@ class FrontendHub:
             _fill_score(msg.positions.add(token_id=prompt[start + 1 + j]), row)
 
     def finished(self, uid: int, reason: FinishReason, cached_tokens: int) -> None:
+        if self.tenants is not None:
+            self.tenants.ended(uid)
         link = self.links.get(link_of(uid))
         if link is not None:
             link.outgoing().message.finished.add(
@@ -387,6 +405,10 @@ class FrontendHub:
         except client_codec.InvalidArgument as exc:
             self.verdict(uids[0], Verdict.INVALID, str(exc))
             return
+        tenanted = self._tenancy(msg, params)
+        if tenanted is None:
+            return
+        params = tenanted
         grammar = params.sampler.grammar
         if grammar is not None and grammar.backend not in engine.limits.grammar_backends:
             field_name = client_codec.constraint_field(msg.sampling)
@@ -398,12 +420,44 @@ class FrontendHub:
             LiveSample(rid, uid, msg.request_id, msg.owner, msg.arrived)
             for rid, uid in zip(rids, uids, strict=True)
         )
+        if not self._within_quota(params.tenant, tuple(uids), len(ids)):
+            return
         arrival = Arrival(samples, ids.tolist(), params)
         gate = self.grammar_gates.get(engine)
         if gate is not None:
             gate.submit(arrival)
         else:
             engine.submit(arrival)
+
+    def _tenancy(self, msg: fe_pb.Arrival, params: RequestParams) -> RequestParams | None:
+        """The request's tenant (and its tenant's latency defaults); None when its key may not
+        name the tenant it names (answered here)."""
+        if self.tenants is None:
+            tenant = msg.tenant or (msg.owner if msg.authenticated else "")
+            return dataclasses.replace(params, tenant=tenant)
+        table = self.tenants.table
+        try:
+            tenant = table.resolve(msg.owner, msg.authenticated, msg.tenant)
+        except TenantRefused as exc:
+            self.verdict(msg.uids[0], Verdict.FORBIDDEN, str(exc))
+            return None
+        entry = table.entry(tenant)
+        return dataclasses.replace(
+            params,
+            tenant=tenant,
+            ttft_slo_ms=params.ttft_slo_ms or entry.ttft_slo_ms,
+            tpot_slo_ms=params.tpot_slo_ms or entry.tpot_slo_ms,
+        )
+
+    def _within_quota(self, tenant: str, uids: tuple[int, ...], prompt_tokens: int) -> bool:
+        if self.tenants is None:
+            return True
+        refusal = self.tenants.arrive(tenant, uids, prompt_tokens, time.monotonic())
+        if refusal is None:
+            return True
+        message = f"{refusal.field}: {refusal.message}; retry in {math.ceil(refusal.retry_after_s)} s"
+        self.verdict(uids[0], Verdict.OVER_QUOTA, message, refusal.retry_after_s)
+        return False
 
     def _refusal(self, msg: fe_pb.Arrival) -> tuple[Verdict, str] | None:
         if self.draining:
@@ -437,6 +491,7 @@ def _params(msg: fe_pb.Arrival, config: ControlConfig) -> RequestParams:
     """The arrival's parameters (the frontend checked them; the core converts them again)."""
     priority = msg.priority if msg.has_priority else None
     params = client_codec.request_params_from_proto(msg.sampling, priority, msg.routing_key, config.limits)
+    params = client_codec.with_tenancy(params, msg.tenant, msg.ttft_slo_ms, msg.tpot_slo_ms)
     if params.sampler.logprobs and config.logprobs_mode == "processed":
         params = dataclasses.replace(
             params, sampler=dataclasses.replace(params.sampler, processed_logprobs=True)

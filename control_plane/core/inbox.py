@@ -24,6 +24,8 @@ class Verdict(enum.Enum):
     DUPLICATE = "duplicate"  # ALREADY_EXISTS: the request id is live
     INVALID = "invalid"  # INVALID_ARGUMENT: e.g. longer than the worker's context
     INTERNAL = "internal"
+    OVER_QUOTA = "over_quota"  # RESOURCE_EXHAUSTED with a retry-after: the tenant's quota (--tenants)
+    FORBIDDEN = "forbidden"  # PERMISSION_DENIED: the key may not name that tenant
 
 
 @dataclass(slots=True, eq=False)

@@ -45,12 +45,15 @@ from control_plane.core.fleet.census import take as take_census
 from control_plane.core.grammar_gate import GrammarGate
 from control_plane.core.hub import FrontendHub
 from control_plane.core.rebalance import Rebalancer
-from control_plane.core.server_info import server_info
+from control_plane.core.server_info import server_info, tenant_infos
 from control_plane.core.supervisor import FrontendEntry, Frontends
 from control_plane.core.worker_checks import hello_refusal
 from control_plane.core.worker_link import StreamChannel
 from control_plane.listen import bind, server_credentials
 from control_plane.reflection import enable_reflection
+from control_plane.tenants import table as tenant_table
+from control_plane.tenants.book import TenantBook
+from control_plane.tenants.metrics import TenantMetrics
 from control_plane.tokenizer import Tokenizer
 from protos import worker_codec
 from protos.stepwise.v1 import generation_pb2 as gen_pb
@@ -228,6 +231,9 @@ class ControlPlane:
         self._dir = tempfile.mkdtemp(prefix="stepwise-core-")
         self.frontends = Frontends(config, str(Path(self._dir) / "link.sock"), log_level, frontend_entry)
         self.hub = FrontendHub(config, self.router, self.server_info, on_stalled=self.frontends.kill)
+        if config.tenants_file is not None:
+            table = tenant_table.load(config.tenants_file)
+            self.hub.tenants = TenantBook.of(table, TenantMetrics())
         self.port = 0
         self.worker_port = 0
         # Random per process: peers (and this control plane, in its own --peers) recognise it by it.
@@ -237,7 +243,25 @@ class ControlPlane:
         self._rebalancing: asyncio.Task[None] | None = None
 
     def server_info(self) -> gen_pb.ServerInfo:
-        return server_info(self.router, self.tokenizer, VERSION, model_path=str(self.config.model_dir))
+        info = server_info(self.router, self.tokenizer, VERSION, model_path=str(self.config.model_dir))
+        if self.hub.tenants is not None:
+            info.tenants.extend(tenant_infos(self.hub.tenants))
+        return info
+
+    def reload_tenants(self) -> bool:
+        """Reread --tenants (on SIGHUP): a file that does not check out leaves the table as it was."""
+        path, book = self.config.tenants_file, self.hub.tenants
+        if path is None or book is None:
+            log.warning("SIGHUP: no --tenants file to reload")
+            return False
+        try:
+            table = tenant_table.load(path)
+        except tenant_table.TenantFileError as exc:
+            log.error("tenant file not reloaded: the previous table stays", error=str(exc))
+            return False
+        book.reload(table)
+        log.info("tenant file reloaded", path=str(path), tenants=len(table.tenants))
+        return True
 
     def census(self) -> Census:
         """What this control plane answers to Census: its workers (not leaving) and their load."""

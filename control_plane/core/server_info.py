@@ -8,6 +8,7 @@ import numpy as np
 
 from control_plane.core.engine import Engine
 from control_plane.core.fleet import Router
+from control_plane.tenants.book import TenantBook
 from control_plane.tokenizer import Tokenizer
 from protos.stepwise.v1 import generation_pb2 as gen_pb
 
@@ -70,3 +71,22 @@ def _worker_info(engine: Engine) -> gen_pb.WorkerInfo:
 def _percentile(values: Iterable[float], q: float) -> float:
     window = list(values)
     return float(np.percentile(window, q)) if window else 0.0
+
+
+def tenant_infos(book: TenantBook) -> list[gen_pb.TenantInfo]:
+    """Per-tenant totals, bounded (TenantBook.report), with what each holds now."""
+    infos = []
+    for name, served in book.report():
+        usage = book.quotas.usage.get(name)
+        infos.append(
+            gen_pb.TenantInfo(
+                name=name,
+                requests=served.requests,
+                rejected=served.rejected,
+                prompt_tokens=served.prompt_tokens,
+                output_tokens=served.output_tokens,
+                concurrent=usage.concurrent if usage is not None else 0,
+                queued=usage.queued if usage is not None else 0,
+            )
+        )
+    return infos

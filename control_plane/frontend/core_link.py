@@ -152,10 +152,11 @@ class Frontend:
         rid: str,
         ids: list[int],
         owner: str,
+        authenticated: bool = False,
     ) -> Call:
         """Register a call's samples and send its arrival; `call.verdict` resolves with the core's
         answer. `sampling` is the client's message, which `inp` was checked from."""
-        call = Call(rid=rid, owner=owner, arrived=time.monotonic())
+        call = Call(rid=rid, owner=owner, arrived=time.monotonic(), authenticated=authenticated)
         call.verdict = asyncio.get_running_loop().create_future()
         params = inp.params
         for index in range(inp.n):
@@ -242,6 +243,7 @@ class Frontend:
             return
         if verdict.code != grpc.StatusCode.OK.value[0]:
             self.forget(call)
+            call.retry_after_s = verdict.retry_after_s
         call.verdict.set_result((verdict.code, verdict.message))
 
     def _prompt_scores(self, msg: fe_pb.LinkPromptScores) -> None:
@@ -367,4 +369,8 @@ def _arrival(
         owner=call.owner,
         arrived=call.arrived,
         prompt_field="text" if inp.text is not None else "input_ids",
+        tenant=params.tenant,
+        ttft_slo_ms=params.ttft_slo_ms,
+        tpot_slo_ms=params.tpot_slo_ms,
+        authenticated=call.authenticated,
     )

@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import hashlib
 import hmac
+import math
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
@@ -61,6 +62,11 @@ class ApiKeys:
             if hmac.compare_digest(digest, known):
                 match = known
         return None if match is None else "key:" + match.hex()[:12]
+
+
+def retry_after_header(seconds: float) -> str:
+    """Whole seconds, rounded up (HTTP's Retry-After has no fractions; 0 would invite a busy retry)."""
+    return str(max(1, math.ceil(seconds)))
 
 
 def _bearer(metadata: tuple[tuple[str, str | bytes], ...] | None) -> str | None:
@@ -190,7 +196,7 @@ class GenerationService(gen_grpc.GenerationServicer):
         except GrammarBusy as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         rid = inp.request_id or uuid.uuid4().hex
-        call = self.frontend.open_call(inp, request.sampling, rid, ids, caller.owner)
+        call = self.frontend.open_call(inp, request.sampling, rid, ids, caller.owner, caller.authenticated)
         assert call.verdict is not None
         try:
             code, message = await call.verdict
@@ -198,7 +204,10 @@ class GenerationService(gen_grpc.GenerationServicer):
             self.frontend.cancel(call, "cancelled by the client")
             raise
         if code != grpc.StatusCode.OK.value[0]:
-            await context.abort(_STATUS.get(code, grpc.StatusCode.INTERNAL), message)
+            trailers: tuple[tuple[str, str], ...] = ()
+            if call.retry_after_s > 0:
+                trailers = (("retry-after", retry_after_header(call.retry_after_s)),)
+            await context.abort(_STATUS.get(code, grpc.StatusCode.INTERNAL), message, trailers)
         return call
 
     async def _prompt_ids(self, inp: client_codec.GenerateInput, state: CoreState) -> list[int]:

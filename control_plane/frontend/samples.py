@@ -73,6 +73,8 @@ class Call:
     rid: str
     owner: str
     arrived: float
+    # Whether `owner` is an API key's id (the core binds keys to tenants).
+    authenticated: bool = False
     # Events in order (a prompt's scores, a sample's last chunk and Done, Lost), before `due`.
     events: deque[Event] = field(default_factory=deque)
     # Samples with a message due, cut by the handler when it runs.
@@ -80,6 +82,8 @@ class Call:
     samples: list[Sample] = field(default_factory=list)
     # Resolves with the core's verdict: (grpc status code value, message); 0 is accepted.
     verdict: asyncio.Future[tuple[int, str]] | None = None
+    # With a refusal over a tenant's quota: when to try again (the `retry-after` trailer), seconds.
+    retry_after_s: float = 0.0
     # The handler's wait for something to send, while it waits.
     _waiter: asyncio.Future[None] | None = None
 

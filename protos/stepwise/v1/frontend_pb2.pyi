@@ -42,7 +42,7 @@ class Pong(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., loop_silent_s: _Optional[float] = ...) -> None: ...
 
 class Arrival(_message.Message):
-    __slots__ = ("request_id", "uids", "input_ids", "sampling", "routing_key", "has_priority", "priority", "owner", "arrived", "prompt_field")
+    __slots__ = ("request_id", "uids", "input_ids", "sampling", "routing_key", "has_priority", "priority", "owner", "arrived", "prompt_field", "tenant", "ttft_slo_ms", "tpot_slo_ms", "authenticated")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     UIDS_FIELD_NUMBER: _ClassVar[int]
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -53,6 +53,10 @@ class Arrival(_message.Message):
     OWNER_FIELD_NUMBER: _ClassVar[int]
     ARRIVED_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    TTFT_SLO_MS_FIELD_NUMBER: _ClassVar[int]
+    TPOT_SLO_MS_FIELD_NUMBER: _ClassVar[int]
+    AUTHENTICATED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     uids: _containers.RepeatedScalarFieldContainer[int]
     input_ids: bytes
@@ -63,7 +67,11 @@ class Arrival(_message.Message):
     owner: str
     arrived: float
     prompt_field: str
-    def __init__(self, request_id: _Optional[str] = ..., uids: _Optional[_Iterable[int]] = ..., input_ids: _Optional[bytes] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., routing_key: _Optional[str] = ..., has_priority: _Optional[bool] = ..., priority: _Optional[int] = ..., owner: _Optional[str] = ..., arrived: _Optional[float] = ..., prompt_field: _Optional[str] = ...) -> None: ...
+    tenant: str
+    ttft_slo_ms: float
+    tpot_slo_ms: float
+    authenticated: bool
+    def __init__(self, request_id: _Optional[str] = ..., uids: _Optional[_Iterable[int]] = ..., input_ids: _Optional[bytes] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., routing_key: _Optional[str] = ..., has_priority: _Optional[bool] = ..., priority: _Optional[int] = ..., owner: _Optional[str] = ..., arrived: _Optional[float] = ..., prompt_field: _Optional[str] = ..., tenant: _Optional[str] = ..., ttft_slo_ms: _Optional[float] = ..., tpot_slo_ms: _Optional[float] = ..., authenticated: _Optional[bool] = ...) -> None: ...
 
 class LinkAbort(_message.Message):
     __slots__ = ("request_id", "owner", "message", "cancelled", "query_id")
@@ -146,14 +154,16 @@ class CoreWelcome(_message.Message):
     def __init__(self, link_id: _Optional[int] = ...) -> None: ...
 
 class Verdict(_message.Message):
-    __slots__ = ("uid", "code", "message")
+    __slots__ = ("uid", "code", "message", "retry_after_s")
     UID_FIELD_NUMBER: _ClassVar[int]
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    RETRY_AFTER_S_FIELD_NUMBER: _ClassVar[int]
     uid: int
     code: int
     message: str
-    def __init__(self, uid: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+    retry_after_s: float
+    def __init__(self, uid: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., retry_after_s: _Optional[float] = ...) -> None: ...
 
 class Admission(_message.Message):
     __slots__ = ("uid", "cached_tokens", "admitted", "worker")

@@ -86,20 +86,26 @@ class Choices(_message.Message):
     def __init__(self, choices: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "input_ids", "sampling", "routing_key", "priority")
+    __slots__ = ("request_id", "text", "input_ids", "sampling", "routing_key", "priority", "tenant", "ttft_slo_ms", "tpot_slo_ms")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     ROUTING_KEY_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    TTFT_SLO_MS_FIELD_NUMBER: _ClassVar[int]
+    TPOT_SLO_MS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     input_ids: TokenIds
     sampling: SamplingParams
     routing_key: str
     priority: int
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., input_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., routing_key: _Optional[str] = ..., priority: _Optional[int] = ...) -> None: ...
+    tenant: str
+    ttft_slo_ms: float
+    tpot_slo_ms: float
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., input_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., routing_key: _Optional[str] = ..., priority: _Optional[int] = ..., tenant: _Optional[str] = ..., ttft_slo_ms: _Optional[float] = ..., tpot_slo_ms: _Optional[float] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
@@ -268,7 +274,7 @@ class WorkerInfo(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., kv_capacity_tokens: _Optional[int] = ..., page_size: _Optional[int] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ..., kv_used_tokens: _Optional[int] = ..., book_live_seqs: _Optional[int] = ..., book_seq_slots: _Optional[int] = ..., reported_live_seqs: _Optional[int] = ..., reported_seq_slots: _Optional[int] = ..., kv_mismatches: _Optional[int] = ..., steps: _Optional[int] = ..., retractions: _Optional[int] = ..., wait_p50_s: _Optional[float] = ..., wait_p99_s: _Optional[float] = ..., wait_total_s: _Optional[float] = ..., step_total_s: _Optional[float] = ..., leaving: _Optional[bool] = ..., prompt_tokens_total: _Optional[int] = ..., cached_tokens_total: _Optional[int] = ..., transfer_address: _Optional[str] = ..., migrated_out: _Optional[int] = ..., migrated_in: _Optional[int] = ..., migration_fallbacks: _Optional[int] = ..., role: _Optional[str] = ...) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("model", "model_fingerprint", "max_context", "vocab_size", "workers", "kv_capacity_tokens", "queued", "running", "version", "model_path")
+    __slots__ = ("model", "model_fingerprint", "max_context", "vocab_size", "workers", "kv_capacity_tokens", "queued", "running", "version", "model_path", "tenants")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
@@ -279,6 +285,7 @@ class ServerInfo(_message.Message):
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
+    TENANTS_FIELD_NUMBER: _ClassVar[int]
     model: str
     model_fingerprint: str
     max_context: int
@@ -289,4 +296,23 @@ class ServerInfo(_message.Message):
     running: int
     version: str
     model_path: str
-    def __init__(self, model: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., max_context: _Optional[int] = ..., vocab_size: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., kv_capacity_tokens: _Optional[int] = ..., queued: _Optional[int] = ..., running: _Optional[int] = ..., version: _Optional[str] = ..., model_path: _Optional[str] = ...) -> None: ...
+    tenants: _containers.RepeatedCompositeFieldContainer[TenantInfo]
+    def __init__(self, model: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., max_context: _Optional[int] = ..., vocab_size: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., kv_capacity_tokens: _Optional[int] = ..., queued: _Optional[int] = ..., running: _Optional[int] = ..., version: _Optional[str] = ..., model_path: _Optional[str] = ..., tenants: _Optional[_Iterable[_Union[TenantInfo, _Mapping]]] = ...) -> None: ...
+
+class TenantInfo(_message.Message):
+    __slots__ = ("name", "requests", "rejected", "prompt_tokens", "output_tokens", "concurrent", "queued")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CONCURRENT_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    requests: int
+    rejected: int
+    prompt_tokens: int
+    output_tokens: int
+    concurrent: int
+    queued: int
+    def __init__(self, name: _Optional[str] = ..., requests: _Optional[int] = ..., rejected: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., concurrent: _Optional[int] = ..., queued: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,1 @@
+"""Tenants: the tenant table, per-tenant quotas and usage (docs/deploy.md#tenants)."""

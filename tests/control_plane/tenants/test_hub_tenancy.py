@@ -1,0 +1,70 @@
+"""The hub's side of tenancy, in process: an arrival's tenant and latency defaults, its quota check,
+and the release of what it held through the publisher hooks (verdict, admission, tokens, finish)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from control_plane.config import ControlConfig
+from control_plane.core.fleet import Router
+from control_plane.core.hub import FrontendHub
+from control_plane.core.inbox import Verdict
+from control_plane.request import FinishReason, RequestParams
+from control_plane.tenants.book import TenantBook
+from control_plane.tenants.table import parse
+from protos.stepwise.v1 import frontend_pb2 as fe_pb
+from protos.stepwise.v1 import generation_pb2 as gen_pb
+
+KEY = "key:0123456789ab"
+
+
+def hub(table: dict[str, object] | None) -> FrontendHub:
+    made = FrontendHub(ControlConfig(model_dir=Path(".")), Router("m"), gen_pb.ServerInfo)
+    if table is not None:
+        made.tenants = TenantBook.of(parse(table))
+    return made
+
+
+def test_without_a_table_the_tenant_is_the_named_one_or_the_key_and_nothing_is_checked() -> None:
+    plain = hub(None)
+    msg = fe_pb.Arrival(uids=[1], owner=KEY, authenticated=True)
+    params = plain._tenancy(msg, RequestParams())
+    assert params is not None and params.tenant == KEY
+    msg = fe_pb.Arrival(uids=[1], owner="ipv4:127.0.0.1:1", tenant="bob")
+    params = plain._tenancy(msg, RequestParams())
+    assert params is not None and params.tenant == "bob"
+    assert all(plain._within_quota("bob", (i,), 10**6) for i in range(100))
+
+
+def test_a_tenants_latency_defaults_fill_what_the_request_leaves_unset() -> None:
+    h = hub({"tenants": {"a": {"keys": [KEY], "ttft_slo_ms": 2000, "tpot_slo_ms": 100}}})
+    msg = fe_pb.Arrival(uids=[1], owner=KEY, authenticated=True)
+    params = h._tenancy(msg, RequestParams(tpot_slo_ms=50.0))
+    assert params is not None
+    assert (params.tenant, params.ttft_slo_ms, params.tpot_slo_ms) == ("a", 2000.0, 50.0)
+
+
+def test_a_key_naming_a_tenant_it_may_not_is_refused() -> None:
+    h = hub({"tenants": {"a": {"keys": [KEY]}}})
+    msg = fe_pb.Arrival(uids=[1], owner=KEY, authenticated=True, tenant="b")
+    assert h._tenancy(msg, RequestParams()) is None
+
+
+def test_holdings_are_released_by_the_publisher_hooks() -> None:
+    h = hub({"defaults": {"max_concurrent_requests": 2, "max_queued_requests": 1}})
+    book = h.tenants
+    assert book is not None
+    assert h._within_quota("t", (1,), 5)
+    assert not h._within_quota("t", (2,), 5)  # one queued already
+    h.admitted(1, 0, 0.0, "w0")
+    assert h._within_quota("t", (3,), 5)
+    assert not h._within_quota("t", (4,), 5)  # two running or queued
+    h.tokens(np.asarray([1, 1, 3], dtype=np.uint64), np.asarray([7, 8, 9], dtype=np.int32))
+    assert book.served["t"].output_tokens == 3
+    h.finished(1, FinishReason.stop("eos"), 0)
+    # The scheduler refused call 3 after the quota passed it (QUEUE_FULL, say): it holds nothing.
+    h.verdict(3, Verdict.QUEUE_FULL, "queue full")
+    assert "t" not in book.quotas.usage
+    assert book.served["t"].rejected == 2

@@ -1,0 +1,123 @@
+"""The tenant file: what it accepts, how it refuses (naming the field), and key→tenant binding."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from control_plane.tenants.table import (
+    DEFAULT_TENANT,
+    TenantFileError,
+    TenantRefused,
+    TenantTable,
+    load,
+    parse,
+)
+
+KEY_A = "key:0123456789ab"
+KEY_B = "key:ba9876543210"
+
+GOOD = f"""
+prompt_weight = 1
+output_weight = 2
+
+[defaults]
+max_concurrent_requests = 4
+token_rate = 100.0
+
+[tenants.alice]
+weight = 2
+keys = ["{KEY_A}"]
+may_name = ["alice-batch"]
+max_queued_requests = 8
+token_rate = 1000.0
+token_burst = 5000.0
+ttft_slo_ms = 2000
+
+[tenants.gateway]
+keys = ["{KEY_B}"]
+may_name = ["*"]
+"""
+
+
+def test_a_good_file_loads(tmp_path: Path) -> None:
+    path = tmp_path / "tenants.toml"
+    path.write_text(GOOD)
+    table = load(path)
+    alice = table.entry("alice")
+    assert (alice.weight, alice.max_queued_requests) == (2, 8)
+    assert (alice.token_rate, alice.token_burst) == (1000, 5000)
+    assert alice.ttft_slo_ms == 2000
+    # Unlisted tenants get the default entry under their own name.
+    stranger = table.entry("stranger")
+    assert (stranger.name, stranger.max_concurrent_requests, stranger.token_rate) == ("stranger", 4, 100)
+    # A rate without a burst: a second's worth.
+    assert stranger.token_burst == 100
+    assert table.bound == {KEY_A: "alice", KEY_B: "gateway"}
+
+
+@pytest.mark.parametrize(
+    ("text", "field"),
+    [
+        ("[tenants.a]\nwieght = 2\n", "tenants.a.wieght: unknown field"),
+        ("colour = 1\n", "colour: unknown field"),
+        ("[tenants.a]\nweight = 0\n", "tenants.a.weight: must be > 0"),
+        ("[tenants.a]\ntoken_rate = -1\n", "tenants.a.token_rate: must be >= 0"),
+        ("[tenants.a]\ntoken_rate = nan\n", "tenants.a.token_rate: must be a finite number"),
+        ("[tenants.a]\nmax_concurrent_requests = 1.5\n", "tenants.a.max_concurrent_requests: must be"),
+        ("[tenants.a]\ntoken_burst = 10\n", "tenants.a.token_burst: needs token_rate"),
+        ("[tenants.a]\ntoken_rate = 10000\ntoken_burst = 1\n", "tenants.a.token_burst: 1.0 is infeasible"),
+        ("[tenants.a]\nkeys = ['sk-secret']\n", "tenants.a.keys: 'sk-secret' is not a key id"),
+        (f"[tenants.a]\nkeys = ['{KEY_A}']\n[tenants.b]\nkeys = ['{KEY_A}']\n", "tenants.b.keys:"),
+        ("[defaults]\nkeys = []\n", "defaults.keys: only a named tenant"),
+        ("max_metric_tenants = 0\n", "max_metric_tenants: must be at least 1"),
+        ("tenants = 3\n", "tenants: must be a table"),
+    ],
+)
+def test_a_bad_file_names_the_field(tmp_path: Path, text: str, field: str) -> None:
+    path = tmp_path / "tenants.toml"
+    path.write_text(text)
+    with pytest.raises(TenantFileError) as caught:
+        load(path)
+    assert str(caught.value).startswith(field), str(caught.value)
+    assert "\n" not in str(caught.value)
+
+
+def test_unreadable_and_not_toml(tmp_path: Path) -> None:
+    with pytest.raises(TenantFileError, match="--tenants: cannot read"):
+        load(tmp_path / "missing.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[tenants\n")
+    with pytest.raises(TenantFileError, match="is not TOML"):
+        load(bad)
+
+
+def test_without_keys_any_name_goes() -> None:
+    table = parse({})
+    assert table.resolve("ipv4:127.0.0.1:5000", False, "") == DEFAULT_TENANT
+    assert table.resolve("ipv4:127.0.0.1:5000", False, "bob") == "bob"
+
+
+def test_a_bound_key_is_its_tenant_and_names_only_what_it_may() -> None:
+    table = load_text(GOOD)
+    assert table.resolve(KEY_A, True, "") == "alice"
+    assert table.resolve(KEY_A, True, "alice") == "alice"
+    assert table.resolve(KEY_A, True, "alice-batch") == "alice-batch"
+    with pytest.raises(TenantRefused, match="tenant: this API key may not name tenant 'bob'"):
+        table.resolve(KEY_A, True, "bob")
+    # A key allowed "*" names anyone (a trusted gateway's key, say).
+    assert table.resolve(KEY_B, True, "bob") == "bob"
+
+
+def test_an_unbound_key_is_a_tenant_of_its_own() -> None:
+    table = load_text(GOOD)
+    other = "key:ffffffffffff"
+    assert table.resolve(other, True, "") == other
+    with pytest.raises(TenantRefused):
+        table.resolve(other, True, "alice")
+
+
+def load_text(text: str) -> TenantTable:
+    return parse(tomllib.loads(text))
