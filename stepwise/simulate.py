@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
 import json
-import math
 import sys
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
@@ -31,6 +29,10 @@ from pathlib import Path
 
 import numpy as np
 
+from clients import traces as client_traces
+from clients.traces import NEVER_EOS as NEVER_EOS
+from clients.traces import TraceEntry
+from clients.traces import TraceError as TraceError
 from control_plane import config as control_config
 from control_plane.config import SchedulerConfig
 from control_plane.record.recorder import (
@@ -43,24 +45,18 @@ from control_plane.record.recorder import (
 from control_plane.record.timeline import StepLine, TimelineSink
 from control_plane.request import AbortCode, FinishReason, RequestParams
 from control_plane.scheduler.scheduler import QueueFull, RequestRejected, Scheduler
-from data_plane.sim import TOKEN_FLOOR, CostModel, SimExecutor
+from data_plane.sim import CostModel, SimExecutor
 from flagtypes import INT32_MAX, SEED, Int
 from protos.worker import SamplerParams, StepResult, WorkerLimits
 from stepwise import cost_fit, costs, flags
 from stepwise.wire import step_through_wire
 
-# Without an output length a request never emits EOS (it runs to max_new_tokens).
-NEVER_EOS = 2**31 - 1
 DEFAULT_KV_TOKENS = 1 << 18
 DEFAULT_COST = "0.005,0.00005,0.0000005"
 # Plans in flight with overlap scheduling (SGLang's: the one running and the one being planned).
 OVERLAP_DEPTH = 2
 # Why a trace line's `abort_at` ended its request (a client's cancel).
 TRACE_ABORT = FinishReason.abort("aborted by the trace (abort_at)", AbortCode.CANCELLED)
-
-
-class TraceError(ValueError):
-    """A trace line that cannot be simulated; the message names the line and field."""
 
 
 class SimulationStuck(RuntimeError):
@@ -89,65 +85,21 @@ class SimSetup:
 # --- the trace ------------------------------------------------------------------------------------
 
 
-def load_trace(path: Path, vocab_size: int) -> list[TraceRequest]:
-    requests: list[TraceRequest] = []
-    for lineno, text in enumerate(path.read_text().splitlines(), start=1):
-        if not text.strip():
-            continue
-        where = f"{path}:{lineno}"
-        try:
-            request = parse_request(json.loads(text), vocab_size)
-        except (KeyError, TypeError, ValueError) as exc:
-            raise TraceError(f"{where}: {exc!s}") from None
-        if requests and request.arrival < requests[-1].arrival:
-            raise TraceError(f"{where}: arrival {request.arrival} is before the previous line's")
-        requests.append(request)
-    return requests
-
-
-def parse_request(obj: dict[str, object], vocab_size: int) -> TraceRequest:
-    rid = str(obj["rid"])
-    max_new = obj.get("max_new_tokens")
-    priority = obj.get("priority")
+def to_request(entry: TraceEntry) -> TraceRequest:
+    """A trace line (clients/traces.py reads both formats) as the scheduler takes it."""
     params = RequestParams(
-        max_new_tokens=None if max_new is None else int(max_new),  # type: ignore[call-overload]
-        ignore_eos=bool(obj.get("ignore_eos", False)),
+        max_new_tokens=entry.max_new_tokens,
+        ignore_eos=entry.ignore_eos,
         sampler=SamplerParams(temperature=0.0),
-        priority=None if priority is None else int(priority),  # type: ignore[call-overload]
-        routing_key=str(obj.get("routing_key", "")),
-        sim_output_len=int(obj.get("output_len", NEVER_EOS)),  # type: ignore[call-overload]
+        priority=entry.priority,
+        routing_key=entry.routing_key,
+        sim_output_len=entry.output_len,
     )
-    arrival = float(obj.get("arrival", 0.0))  # type: ignore[arg-type]
-    return TraceRequest(rid, arrival, prompt_ids(rid, obj, vocab_size), params, abort_time(obj, arrival))
+    return TraceRequest(entry.rid, entry.arrival, entry.input_ids, params, entry.abort_at)
 
 
-def abort_time(obj: dict[str, object], arrival: float) -> float | None:
-    """The optional `abort_at`: a finite number of seconds, not before the request's arrival."""
-    value = obj.get("abort_at")
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise ValueError(f"abort_at: want seconds on the simulated clock (a number), got {value!r}")
-    if value < arrival:
-        raise ValueError(f"abort_at: {value} is before the request's arrival ({arrival})")
-    return float(value)
-
-
-def prompt_ids(rid: str, obj: dict[str, object], vocab_size: int) -> tuple[int, ...]:
-    """`prompt_ids` as given, or `prompt_len` ids: a group's shared prefix, then the request's own."""
-    if "prompt_ids" in obj:
-        return tuple(int(t) for t in obj["prompt_ids"])  # type: ignore[attr-defined]
-    length = int(obj["prompt_len"])  # type: ignore[call-overload]
-    group = obj.get("prefix_group")
-    shared = min(int(obj.get("prefix_len", 0)), length) if group is not None else 0  # type: ignore[call-overload]
-    prefix = token_run(f"group/{group}", shared, vocab_size)
-    return prefix + token_run(f"rid/{rid}", length - shared, vocab_size)
-
-
-def token_run(name: str, n: int, vocab_size: int) -> tuple[int, ...]:
-    """n ids in [TOKEN_FLOOR, vocab), a function of the name alone (PCG64 is stable across platforms)."""
-    seed = int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little")
-    return tuple(np.random.default_rng(seed).integers(TOKEN_FLOOR, vocab_size, n).tolist())
+def load_trace(path: Path, vocab_size: int) -> list[TraceRequest]:
+    return [to_request(entry) for entry in client_traces.load_trace(path, vocab_size)]
 
 
 # --- the loop -------------------------------------------------------------------------------------
