@@ -23,7 +23,7 @@ import contextlib
 import json
 import sys
 from collections import Counter, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,6 +63,10 @@ class SimulationStuck(RuntimeError):
     """Requests remain but the scheduler plans nothing and no arrival is pending."""
 
 
+class RecordingTooShort(RuntimeError):
+    """`--cost recorded:DIR`: the simulation ran a step the recording did not measure."""
+
+
 @dataclass(frozen=True, slots=True)
 class TraceRequest:
     rid: str
@@ -80,6 +84,9 @@ class SimSetup:
     cost: CostModel
     seed: int = 0
     overlap: bool = True
+    # `--cost recorded:DIR`: each step's seconds as a live run measured them (step id -> forward_s),
+    # the clock's instead of the cost model's.
+    recorded_seconds: Mapping[int, float] | None = None
 
 
 # --- the trace ------------------------------------------------------------------------------------
@@ -117,10 +124,21 @@ class _Progress:
 
 
 class Simulation:
-    """The scheduler and a SimExecutor on a simulated clock."""
+    """The scheduler and a SimExecutor on a simulated clock.
 
-    def __init__(self, setup: SimSetup, trace: Sequence[TraceRequest], sink: Sink | None = None) -> None:
+    `arrival_steps` (rid -> step), when given, makes each request arrive when the scheduler has made
+    that many plans instead of when the clock reaches its arrival: a live recording's stamps, so that a
+    simulation of a live run sees each arrival between the same two plans (docs/debugging.md#twin)."""
+
+    def __init__(
+        self,
+        setup: SimSetup,
+        trace: Sequence[TraceRequest],
+        sink: Sink | None = None,
+        arrival_steps: Mapping[str, int] | None = None,
+    ) -> None:
         self.setup = setup
+        self.arrival_steps = arrival_steps
         if sink is None:
             self.scheduler = Scheduler(setup.config, setup.limits)
         else:
@@ -165,26 +183,42 @@ class Simulation:
         return True
 
     def _apply(self, result: StepResult) -> None:
-        self.clock += result.forward_s
+        self.clock += self._seconds(result)
         self.scheduler.apply_result(result)
         self.steps += 1
         self._collect()
+
+    def _seconds(self, result: StepResult) -> float:
+        recorded = self.setup.recorded_seconds
+        if recorded is None:
+            return result.forward_s
+        if result.step_id not in recorded:
+            raise RecordingTooShort(f"step {result.step_id} was not measured in the recording")
+        return recorded[result.step_id]
+
+    def _due(self, request: TraceRequest) -> bool:
+        if self.arrival_steps is None:
+            return request.arrival <= self.clock
+        return self.arrival_steps[request.rid] <= self.scheduler.step_id
 
     def _wait(self) -> bool:
         """Nothing to plan: go idle, then jump the clock to the next arrival (False when done)."""
         if self.scheduler.is_idle:
             self.scheduler.on_idle()
         if self.pending:
-            self.clock = max(self.clock, self.pending[0].arrival)
+            if self.arrival_steps is None:  # by step, the next arrival is due now
+                self.clock = max(self.clock, self.pending[0].arrival)
             return True
         if not self.scheduler.is_idle:
             raise SimulationStuck(f"{len(self.scheduler.requests)} requests left, nothing planned")
         return False
 
     def _arrive(self) -> None:
-        while self.pending and self.pending[0].arrival <= self.clock:
+        while self.pending and self._due(self.pending[0]):
             req = self.pending.popleft()
-            progress = _Progress(req.arrival, len(req.input_ids))
+            # Arriving by step, a request's latencies count from when it arrived on this clock.
+            arrival = req.arrival if self.arrival_steps is None else self.clock
+            progress = _Progress(arrival, len(req.input_ids))
             self.progress[req.rid] = progress
             uid = len(self.progress)
             self.by_uid[uid] = progress
@@ -278,8 +312,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--cost",
         default=DEFAULT_COST,
         help="step time: 'a,b,c[,d]' (a + b·new tokens + c·context + d·decode rows, in seconds), a named "
-        f"model ({costs.describe_named()}: docs/performance.md#step-cost-models) or a JSON file with a, b, "
-        "c, d",
+        f"model ({costs.describe_named()}: docs/performance.md#step-cost-models), a JSON file with a, b, "
+        "c, d, or recorded:DIR (each step's seconds as the recording in DIR measured them)",
     )
     cost_fit.add_arguments(parser)
     add("--sim-seed", type=SEED, default=0, help="seed of the simulated tokens")
@@ -293,7 +327,8 @@ def build_parser() -> argparse.ArgumentParser:
 def setup_from_args(ns: argparse.Namespace) -> SimSetup:
     config = control_config.scheduler_config_from_args(ns)
     page = config.page_size or 1
-    cost = costs.parse_cost(ns.cost)
+    recorded = costs.recorded_seconds(ns.cost)
+    cost = costs.parse_cost(ns.cost) if recorded is None else CostModel()
     limits = WorkerLimits(
         worker_id="sim",
         kv_capacity_tokens=ns.kv_tokens // page * page,
@@ -305,7 +340,7 @@ def setup_from_args(ns: argparse.Namespace) -> SimSetup:
         dtype="sim",
         device="sim",
     )
-    return SimSetup(config, limits, cost, ns.sim_seed, overlap=not ns.disable_overlap_schedule)
+    return SimSetup(config, limits, cost, ns.sim_seed, not ns.disable_overlap_schedule, recorded)
 
 
 def _sink(ns: argparse.Namespace, setup: SimSetup, emit: Callable[[StepLine], None]) -> Sink | None:
@@ -344,6 +379,9 @@ def main(argv: Sequence[str]) -> int:
         summary = Simulation(setup, trace, sink).run()
     except SimulationStuck as exc:
         print(f"stepwise simulate: stuck: {exc}", file=sys.stderr)
+        return 1
+    except RecordingTooShort as exc:
+        print(f"stepwise simulate: --cost {ns.cost}: {exc}", file=sys.stderr)
         return 1
     finally:
         if sink is not None:
