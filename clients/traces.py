@@ -7,7 +7,7 @@ Two formats (`--trace-format`):
 - stepwise: JSON lines with `rid`, `arrival` (seconds, lines sorted by it), a prompt as `prompt_ids` or
   `prompt_len` (+ `prefix_group`, `prefix_len`: a group's requests share their first prefix_len tokens),
   `max_new_tokens`, and optionally `output_len` (tokens before EOS; default: never EOS), `priority`,
-  `routing_key`, `ignore_eos`, `abort_at` (docs/debugging.md#simulate).
+  `routing_key`, `ignore_eos`, `abort_at` (docs/debugging.md#simulating-a-trace).
 - mooncake (docs/debugging.md#mooncake-traces): `{"timestamp": ms, "input_length": n, "output_length": m,
   "hash_ids": [...]}`: `hash_ids` name the prompt's blocks of `--block-size` tokens in order (the last one
   may be partial), and two requests whose lists start with the same ids share that many leading blocks.
