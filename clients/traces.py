@@ -126,7 +126,10 @@ def load_trace(path: Path, vocab_size: int) -> list[TraceEntry]:
             continue
         where = f"{path}:{lineno}"
         try:
-            request = parse_request(json.loads(text), vocab_size)
+            obj = json.loads(text)
+            if isinstance(obj, dict) and "event" in obj:
+                continue  # a fleet event (a worker killed, drained, added): the simulator's, not a request
+            request = parse_request(obj, vocab_size)
         except (KeyError, TypeError, ValueError) as exc:
             raise TraceError(f"{where}: {exc!s}") from None
         if requests and request.arrival < requests[-1].arrival:

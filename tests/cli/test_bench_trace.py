@@ -73,6 +73,13 @@ def _sent(requests: list[BenchRequest]) -> list[tuple[str, list[int], int, float
     return [(r.rid, r.prompt_ids, r.max_new_tokens, r.arrival or 0.0) for r in requests]
 
 
+def test_fleet_event_lines_are_no_requests(tmp_path: Path) -> None:
+    trace = _write(
+        tmp_path / "t.jsonl", [STEPWISE_TRACE[0], {"event": "kill", "at": 0.01}, STEPWISE_TRACE[1]]
+    )
+    assert [r.rid for r in bench.workload(_bench_ns(trace))] == ["a", "b"]
+
+
 def test_the_readers_token_floor_is_the_sim_workers() -> None:
     assert FIRST_TOKEN_ID == TOKEN_FLOOR
 
