@@ -1,7 +1,9 @@
 """`stepwise bench`: a load generator with serving metrics, after SGLang's `bench_serving`.
 
 Builds a seeded workload (`--dataset random | generated-shared-prefix | uniform`, clients/datasets.py),
-sends it with `--max-concurrency` requests in flight and/or Poisson arrivals at `--request-rate`,
+sends it with `--max-concurrency` requests in flight and/or Poisson arrivals at `--request-rate`; or
+sends a trace (`--dataset trace FILE`, clients/traces.py) at its own arrival times, the workload
+`stepwise simulate FILE` runs with the same trace flags,
 and reports TTFT, TPOT, ITL and end-to-end latency (mean, median, p99), request and token
 throughput, the concurrency reached, and the prefix-cache hit rate from the server's counters
 (clients/bench_report.py), as text or one JSON object; `--output-file` adds per-request records and
@@ -29,6 +31,7 @@ from typing import Any, TextIO
 import grpc
 
 from clients import bench_plot, datasets
+from clients import traces as client_traces
 from clients.bench_report import Report, Sample, render, request_records, summarize
 from clients.client import (
     StepwiseClient,
@@ -44,7 +47,7 @@ from protos.stepwise.v1 import generation_pb2 as gen_pb
 
 __all__ = ["Report", "Sample", "add_arguments", "render", "run", "summarize", "workload"]
 
-DATASETS = ("uniform", "random", "generated-shared-prefix")
+DATASETS = ("uniform", "random", "generated-shared-prefix", "trace")
 # Bounds of the workload's flags: a typo must not build a workload that fills the memory.
 MAX_REQUESTS = 1_000_000
 MAX_LEN = 1 << 20
@@ -86,7 +89,13 @@ def _add_load_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _add_dataset_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
-    add("--dataset", choices=DATASETS, default="uniform", help="the workload (SGLang's names)")
+    add("--dataset", choices=DATASETS, default="uniform", help="the workload (SGLang's names, or trace)")
+    add(
+        "trace", type=Path, nargs="?", metavar="FILE",
+        help="trace: the requests, sent at their arrival times (ignoring --max-concurrency and "
+        "--request-rate) with their prompts and output lengths, as `stepwise simulate FILE` runs them "
+        "with the same --vocab (its --vocab-size) and trace flags",
+    )  # fmt: skip
     tokens, groups = Int(1, MAX_LEN), Int(1, MAX_REQUESTS)
     add("--prompt-len", type=LENGTHS, default=(32, 256), help="uniform: min,max prompt tokens")
     add("--output-len", type=LENGTHS, default=(16, 128), help="uniform: min,max new tokens")
@@ -116,6 +125,7 @@ def _add_dataset_arguments(parser: argparse.ArgumentParser) -> None:
     add("--gsp-question-len", type=tokens, default=32, help="generated-shared-prefix: question tokens")
     add("--gsp-output-len", type=tokens, default=64, help="generated-shared-prefix: new tokens")
     add("--vocab", type=Int(4, INT32_MAX), default=1000, help="token ids are drawn from [3, vocab)")
+    client_traces.add_arguments(parser)
 
 
 def _complete(ns: argparse.Namespace) -> argparse.Namespace:
@@ -128,6 +138,8 @@ def _complete(ns: argparse.Namespace) -> argparse.Namespace:
 
 def workload(ns: argparse.Namespace) -> list[BenchRequest]:
     """The requests `--dataset` and its flags describe; deterministic in --seed."""
+    if ns.dataset == "trace":
+        return trace_workload(ns)
     if ns.dataset == "random":
         return datasets.random_requests(
             ns.requests, ns.random_input_len, ns.random_output_len, ns.random_range_ratio, ns.vocab, ns.seed
@@ -139,6 +151,27 @@ def workload(ns: argparse.Namespace) -> list[BenchRequest]:
         )  # fmt: skip
     requests = datasets.uniform_requests(ns.requests, ns.prompt_len, ns.output_len, ns.vocab, ns.seed)
     return _with_shared_prefix(requests, ns.shared_prefix, ns.groups, ns.vocab, ns.seed)
+
+
+def trace_workload(ns: argparse.Namespace) -> list[BenchRequest]:
+    """The trace's requests with their arrival times; each generates exactly the tokens it does in
+    `stepwise simulate` (EOS ignored, max_new_tokens = that length). A bad trace is a TraceError."""
+    if ns.trace is None:
+        raise client_traces.TraceError("--dataset trace: wants the trace FILE")
+    try:
+        entries = client_traces.read_trace(ns, ns.vocab)
+    except OSError as exc:
+        raise client_traces.TraceError(f"{ns.trace}: cannot read it: {exc.strerror}") from None
+    requests = []
+    for entry in entries:
+        length = entry.output_tokens
+        if length is None:
+            raise client_traces.TraceError(
+                f"{ns.trace}: request {entry.rid!r}: max_new_tokens or output_len: "
+                "a live run needs its output length"
+            )
+        requests.append(BenchRequest(list(entry.input_ids), length, rid=entry.rid, arrival=entry.arrival))
+    return requests
 
 
 def _with_shared_prefix(
@@ -176,7 +209,11 @@ async def send(
     on_done: Callable[[], None] = lambda: None,
 ) -> Load:
     """Send every request with at most `concurrency` in flight (0: no limit), arrivals Poisson at
-    `rate` per second (inf or 0: all at once); `on_done` after each request ends."""
+    `rate` per second (inf or 0: all at once); `on_done` after each request ends. Requests with an
+    `arrival` (a trace's) are sent at that offset from the start instead, none held back."""
+    timed = any(r.arrival is not None for r in requests)
+    if timed:
+        concurrency, rate = 0, math.inf
     gate = asyncio.Semaphore(concurrency if concurrency > 0 else max(len(requests), 1))
     arrivals = random.Random(seed + 1)
     paced = 0 < rate < math.inf
@@ -198,6 +235,8 @@ async def send(
     for i, request in enumerate(requests):
         if paced and i:
             await asyncio.sleep(arrivals.expovariate(rate))
+        elif request.arrival is not None:
+            await asyncio.sleep(max(0.0, started + request.arrival - time.perf_counter()))
         tasks.append(asyncio.create_task(one(request)))
     samples = await asyncio.gather(*tasks)
     return Load(list(samples), time.perf_counter() - started, peak)
@@ -205,9 +244,11 @@ async def send(
 
 async def _one(client: StepwiseClient, request: BenchRequest, started: float) -> Sample:
     """One generation's timings; a call that ends in a gRPC error comes back with `refused` set."""
-    sample = Sample(prompt_tokens=len(request.prompt_ids), max_new_tokens=request.max_new_tokens)
+    sample = Sample(
+        prompt_tokens=len(request.prompt_ids), max_new_tokens=request.max_new_tokens, rid=request.rid
+    )
     params = sampling_params(max_new_tokens=request.max_new_tokens, temperature=0.0, ignore_eos=True)
-    call = generate_request(request.prompt_ids, params)
+    call = generate_request(request.prompt_ids, params, request_id=request.rid)
     start = time.perf_counter()
     sample.start = start - started
     try:
@@ -233,7 +274,10 @@ async def _stream(
             sample.output_tokens += len(response.chunk.token_ids)
             last = now
         elif response.WhichOneof("event") == "finished":
-            sample.cached_tokens = response.finished.usage.cached_tokens
+            usage = response.finished.usage
+            sample.cached_tokens = usage.cached_tokens
+            sample.usage_prompt_tokens = usage.prompt_tokens
+            sample.usage_completion_tokens = usage.completion_tokens
             sample.aborted = response.finished.reason == gen_pb.FINISH_REASON_ABORT
             sample.ok = not sample.aborted
 
@@ -283,7 +327,10 @@ async def run(ns: argparse.Namespace, out: TextIO = sys.stdout) -> Report:
     ns = _complete(ns)
     if ns.plot is not None and not bench_plot.available():
         raise RoutineError(bench_plot.MISSING)
-    requests = workload(ns)
+    try:
+        requests = workload(ns)
+    except client_traces.TraceError as exc:
+        raise RoutineError(str(exc)) from None
     show_progress = not (ns.json or ns.quiet) and out.isatty()
     async with client_from_args(ns) as client:
         await client.wait_ready(ns.wait)

@@ -22,6 +22,9 @@ class Sample:
     prompt_tokens: int = 0
     max_new_tokens: int = 0
     cached_tokens: int = 0  # usage.cached_tokens of its Finished event
+    rid: str = ""  # the request id it was sent with ("": the server named it)
+    usage_prompt_tokens: int = 0  # usage.prompt_tokens of its Finished event: what the server admitted
+    usage_completion_tokens: int = 0  # usage.completion_tokens of its Finished event
     output_tokens: int = 0
     start: float = 0.0
     ttft: float = 0.0
@@ -141,10 +144,13 @@ def request_records(samples: list[Sample]) -> list[dict[str, Any]]:
     return [
         {
             "status": s.status,
+            "rid": s.rid,
             "prompt_tokens": s.prompt_tokens,
             "max_new_tokens": s.max_new_tokens,
             "output_tokens": s.output_tokens,
             "cached_tokens": s.cached_tokens,
+            "usage_prompt_tokens": s.usage_prompt_tokens,
+            "usage_completion_tokens": s.usage_completion_tokens,
             "start_s": round(s.start, 6),
             "ttft_s": round(s.ttft, 6),
             "latency_s": round(s.latency, 6),

@@ -17,6 +17,8 @@ class BenchRequest:
     prompt_ids: list[int]
     max_new_tokens: int
     group: int = -1  # shared-prefix group, -1 for none
+    rid: str = ""  # the request id sent (a trace's; "": the server names it)
+    arrival: float | None = None  # seconds after the start when it is sent (a trace's; None: as paced)
 
 
 def _ids(rng: random.Random, n: int, vocab: int) -> list[int]:

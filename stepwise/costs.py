@@ -8,7 +8,10 @@ spec names a model wherever a worker kind needs one, so a fleet's kinds can each
 - a name from NAMED (`stepwise simulate --help` lists them; docs/performance.md says where each
   comes from);
 - a path to a JSON object with keys `a`, `b`, `c` and optionally `d` (what `stepwise simulate
-  --fit-cost ... --json` prints; other keys are ignored).
+  --fit-cost ... --json` prints; other keys are ignored);
+- `recorded:DIR` (`stepwise simulate` only): no model, each step's seconds as a live recording
+  measured them (its results' forward_s, by step), for a simulation of that very run
+  (docs/debugging.md#twin).
 """
 
 from __future__ import annotations
@@ -17,7 +20,11 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from control_plane.record.entries import ApplyResult
+from control_plane.record.files import RecordingError, read_entries
 from data_plane.sim import CostModel
+
+RECORDED = "recorded:"
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +73,21 @@ def _from_file(path: Path, flag: str) -> CostModel:
             f"{flag} {path}: not a cost model (a JSON object with a, b, c[, d]): {exc!s}"
         ) from None
     return CostModel.parse(",".join(repr(float(v)) for v in values), f"{flag} {path}")
+
+
+def recorded_seconds(text: str, flag: str = "--cost") -> dict[int, float] | None:
+    """`recorded:DIR`'s step seconds (step id -> the worker's measured forward_s); None for any other
+    spec; ValueError naming `flag` when the recording cannot be read."""
+    if not text.startswith(RECORDED):
+        return None
+    path = Path(text.removeprefix(RECORDED))
+    try:
+        results = [e.result for e in read_entries(path) if isinstance(e, ApplyResult)]
+    except (OSError, RecordingError) as exc:
+        raise ValueError(f"{flag} {text}: cannot read the recording: {exc}") from None
+    if not results:
+        raise ValueError(f"{flag} {text}: the recording measured no step")
+    return {r.step_id: r.forward_s for r in results}
 
 
 def describe_named() -> str:

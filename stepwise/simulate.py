@@ -20,17 +20,19 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
 import json
-import math
 import sys
 from collections import Counter, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from clients import traces as client_traces
+from clients.traces import NEVER_EOS as NEVER_EOS
+from clients.traces import TraceEntry
+from clients.traces import TraceError as TraceError
 from control_plane import config as control_config
 from control_plane.config import SchedulerConfig
 from control_plane.record.recorder import (
@@ -43,14 +45,12 @@ from control_plane.record.recorder import (
 from control_plane.record.timeline import StepLine, TimelineSink
 from control_plane.request import AbortCode, FinishReason, RequestParams
 from control_plane.scheduler.scheduler import QueueFull, RequestRejected, Scheduler
-from data_plane.sim import TOKEN_FLOOR, CostModel, SimExecutor
+from data_plane.sim import CostModel, SimExecutor
 from flagtypes import INT32_MAX, SEED, Int
 from protos.worker import SamplerParams, StepResult, WorkerLimits
 from stepwise import cost_fit, costs, flags
 from stepwise.wire import step_through_wire
 
-# Without an output length a request never emits EOS (it runs to max_new_tokens).
-NEVER_EOS = 2**31 - 1
 DEFAULT_KV_TOKENS = 1 << 18
 DEFAULT_COST = "0.005,0.00005,0.0000005"
 # Plans in flight with overlap scheduling (SGLang's: the one running and the one being planned).
@@ -59,12 +59,12 @@ OVERLAP_DEPTH = 2
 TRACE_ABORT = FinishReason.abort("aborted by the trace (abort_at)", AbortCode.CANCELLED)
 
 
-class TraceError(ValueError):
-    """A trace line that cannot be simulated; the message names the line and field."""
-
-
 class SimulationStuck(RuntimeError):
     """Requests remain but the scheduler plans nothing and no arrival is pending."""
+
+
+class RecordingTooShort(RuntimeError):
+    """`--cost recorded:DIR`: the simulation ran a step the recording did not measure."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,70 +84,29 @@ class SimSetup:
     cost: CostModel
     seed: int = 0
     overlap: bool = True
+    # `--cost recorded:DIR`: each step's seconds as a live run measured them (step id -> forward_s),
+    # the clock's instead of the cost model's.
+    recorded_seconds: Mapping[int, float] | None = None
 
 
 # --- the trace ------------------------------------------------------------------------------------
 
 
-def load_trace(path: Path, vocab_size: int) -> list[TraceRequest]:
-    requests: list[TraceRequest] = []
-    for lineno, text in enumerate(path.read_text().splitlines(), start=1):
-        if not text.strip():
-            continue
-        where = f"{path}:{lineno}"
-        try:
-            request = parse_request(json.loads(text), vocab_size)
-        except (KeyError, TypeError, ValueError) as exc:
-            raise TraceError(f"{where}: {exc!s}") from None
-        if requests and request.arrival < requests[-1].arrival:
-            raise TraceError(f"{where}: arrival {request.arrival} is before the previous line's")
-        requests.append(request)
-    return requests
-
-
-def parse_request(obj: dict[str, object], vocab_size: int) -> TraceRequest:
-    rid = str(obj["rid"])
-    max_new = obj.get("max_new_tokens")
-    priority = obj.get("priority")
+def to_request(entry: TraceEntry) -> TraceRequest:
+    """A trace line (clients/traces.py reads both formats) as the scheduler takes it."""
     params = RequestParams(
-        max_new_tokens=None if max_new is None else int(max_new),  # type: ignore[call-overload]
-        ignore_eos=bool(obj.get("ignore_eos", False)),
+        max_new_tokens=entry.max_new_tokens,
+        ignore_eos=entry.ignore_eos,
         sampler=SamplerParams(temperature=0.0),
-        priority=None if priority is None else int(priority),  # type: ignore[call-overload]
-        routing_key=str(obj.get("routing_key", "")),
-        sim_output_len=int(obj.get("output_len", NEVER_EOS)),  # type: ignore[call-overload]
+        priority=entry.priority,
+        routing_key=entry.routing_key,
+        sim_output_len=entry.output_len,
     )
-    arrival = float(obj.get("arrival", 0.0))  # type: ignore[arg-type]
-    return TraceRequest(rid, arrival, prompt_ids(rid, obj, vocab_size), params, abort_time(obj, arrival))
+    return TraceRequest(entry.rid, entry.arrival, entry.input_ids, params, entry.abort_at)
 
 
-def abort_time(obj: dict[str, object], arrival: float) -> float | None:
-    """The optional `abort_at`: a finite number of seconds, not before the request's arrival."""
-    value = obj.get("abort_at")
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise ValueError(f"abort_at: want seconds on the simulated clock (a number), got {value!r}")
-    if value < arrival:
-        raise ValueError(f"abort_at: {value} is before the request's arrival ({arrival})")
-    return float(value)
-
-
-def prompt_ids(rid: str, obj: dict[str, object], vocab_size: int) -> tuple[int, ...]:
-    """`prompt_ids` as given, or `prompt_len` ids: a group's shared prefix, then the request's own."""
-    if "prompt_ids" in obj:
-        return tuple(int(t) for t in obj["prompt_ids"])  # type: ignore[attr-defined]
-    length = int(obj["prompt_len"])  # type: ignore[call-overload]
-    group = obj.get("prefix_group")
-    shared = min(int(obj.get("prefix_len", 0)), length) if group is not None else 0  # type: ignore[call-overload]
-    prefix = token_run(f"group/{group}", shared, vocab_size)
-    return prefix + token_run(f"rid/{rid}", length - shared, vocab_size)
-
-
-def token_run(name: str, n: int, vocab_size: int) -> tuple[int, ...]:
-    """n ids in [TOKEN_FLOOR, vocab), a function of the name alone (PCG64 is stable across platforms)."""
-    seed = int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little")
-    return tuple(np.random.default_rng(seed).integers(TOKEN_FLOOR, vocab_size, n).tolist())
+def load_trace(path: Path, vocab_size: int) -> list[TraceRequest]:
+    return [to_request(entry) for entry in client_traces.load_trace(path, vocab_size)]
 
 
 # --- the loop -------------------------------------------------------------------------------------
@@ -165,10 +124,21 @@ class _Progress:
 
 
 class Simulation:
-    """The scheduler and a SimExecutor on a simulated clock."""
+    """The scheduler and a SimExecutor on a simulated clock.
 
-    def __init__(self, setup: SimSetup, trace: Sequence[TraceRequest], sink: Sink | None = None) -> None:
+    `arrival_steps` (rid -> step), when given, makes each request arrive when the scheduler has made
+    that many plans instead of when the clock reaches its arrival: a live recording's stamps, so that a
+    simulation of a live run sees each arrival between the same two plans (docs/debugging.md#twin)."""
+
+    def __init__(
+        self,
+        setup: SimSetup,
+        trace: Sequence[TraceRequest],
+        sink: Sink | None = None,
+        arrival_steps: Mapping[str, int] | None = None,
+    ) -> None:
         self.setup = setup
+        self.arrival_steps = arrival_steps
         if sink is None:
             self.scheduler = Scheduler(setup.config, setup.limits)
         else:
@@ -213,26 +183,42 @@ class Simulation:
         return True
 
     def _apply(self, result: StepResult) -> None:
-        self.clock += result.forward_s
+        self.clock += self._seconds(result)
         self.scheduler.apply_result(result)
         self.steps += 1
         self._collect()
+
+    def _seconds(self, result: StepResult) -> float:
+        recorded = self.setup.recorded_seconds
+        if recorded is None:
+            return result.forward_s
+        if result.step_id not in recorded:
+            raise RecordingTooShort(f"step {result.step_id} was not measured in the recording")
+        return recorded[result.step_id]
+
+    def _due(self, request: TraceRequest) -> bool:
+        if self.arrival_steps is None:
+            return request.arrival <= self.clock
+        return self.arrival_steps[request.rid] <= self.scheduler.step_id
 
     def _wait(self) -> bool:
         """Nothing to plan: go idle, then jump the clock to the next arrival (False when done)."""
         if self.scheduler.is_idle:
             self.scheduler.on_idle()
         if self.pending:
-            self.clock = max(self.clock, self.pending[0].arrival)
+            if self.arrival_steps is None:  # by step, the next arrival is due now
+                self.clock = max(self.clock, self.pending[0].arrival)
             return True
         if not self.scheduler.is_idle:
             raise SimulationStuck(f"{len(self.scheduler.requests)} requests left, nothing planned")
         return False
 
     def _arrive(self) -> None:
-        while self.pending and self.pending[0].arrival <= self.clock:
+        while self.pending and self._due(self.pending[0]):
             req = self.pending.popleft()
-            progress = _Progress(req.arrival, len(req.input_ids))
+            # Arriving by step, a request's latencies count from when it arrived on this clock.
+            arrival = req.arrival if self.arrival_steps is None else self.clock
+            progress = _Progress(arrival, len(req.input_ids))
             self.progress[req.rid] = progress
             uid = len(self.progress)
             self.by_uid[uid] = progress
@@ -326,8 +312,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--cost",
         default=DEFAULT_COST,
         help="step time: 'a,b,c[,d]' (a + b·new tokens + c·context + d·decode rows, in seconds), a named "
-        f"model ({costs.describe_named()}: docs/performance.md#step-cost-models) or a JSON file with a, b, "
-        "c, d",
+        f"model ({costs.describe_named()}: docs/performance.md#step-cost-models), a JSON file with a, b, "
+        "c, d, or recorded:DIR (each step's seconds as the recording in DIR measured them)",
     )
     cost_fit.add_arguments(parser)
     add("--sim-seed", type=SEED, default=0, help="seed of the simulated tokens")
@@ -341,7 +327,8 @@ def build_parser() -> argparse.ArgumentParser:
 def setup_from_args(ns: argparse.Namespace) -> SimSetup:
     config = control_config.scheduler_config_from_args(ns)
     page = config.page_size or 1
-    cost = costs.parse_cost(ns.cost)
+    recorded = costs.recorded_seconds(ns.cost)
+    cost = costs.parse_cost(ns.cost) if recorded is None else CostModel()
     limits = WorkerLimits(
         worker_id="sim",
         kv_capacity_tokens=ns.kv_tokens // page * page,
@@ -353,7 +340,7 @@ def setup_from_args(ns: argparse.Namespace) -> SimSetup:
         dtype="sim",
         device="sim",
     )
-    return SimSetup(config, limits, cost, ns.sim_seed, overlap=not ns.disable_overlap_schedule)
+    return SimSetup(config, limits, cost, ns.sim_seed, not ns.disable_overlap_schedule, recorded)
 
 
 def _sink(ns: argparse.Namespace, setup: SimSetup, emit: Callable[[StepLine], None]) -> Sink | None:
@@ -392,6 +379,9 @@ def main(argv: Sequence[str]) -> int:
         summary = Simulation(setup, trace, sink).run()
     except SimulationStuck as exc:
         print(f"stepwise simulate: stuck: {exc}", file=sys.stderr)
+        return 1
+    except RecordingTooShort as exc:
+        print(f"stepwise simulate: --cost {ns.cost}: {exc}", file=sys.stderr)
         return 1
     finally:
         if sink is not None:

@@ -1,0 +1,146 @@
+"""The simulator matches live (issue 40, deliverable 5, one worker): a stack recorded under a trace sent
+by `stepwise bench --dataset trace`, and `stepwise simulate` given that recording's step seconds
+(`--cost recorded:DIR`) and its arrival stamps, plan the same steps, request by request
+(docs/debugging.md#twin)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from clients import traces as client_traces
+from control_plane.record.entries import AddRequest, Entry, Header
+from control_plane.record.files import read_entries
+from control_plane.record.timeline import StepLine, TimelineBuilder, TimelineSink
+from stepwise import costs
+from stepwise import simulate as sim
+from tests.cli.runner import ROOT, run_cli_async
+
+pytestmark = pytest.mark.timeout(120)
+
+# A dozen requests sharing a prefix, arriving while others run: prefills land between decodes,
+# batches grow and shrink, the prefix cache hits.
+TRACE = [
+    {"rid": f"r{i}", "arrival": 0.012 * i, "prompt_len": 20 + 7 * i, "prefix_group": "p", "prefix_len": 12,
+     "max_new_tokens": 4 + i % 5}
+    for i in range(12)
+]  # fmt: skip
+
+
+@pytest.fixture
+def recorded_stack(
+    request: pytest.FixtureRequest, tmp_path: Path
+) -> Iterator[tuple[str, Path, Callable[[], None]]]:
+    """`stepwise up` (one worker of the backend the test names) recording into a directory; the
+    third item stops it (the recording is whole only then: the recorder writes it in blocks)."""
+    record = tmp_path / "rec"
+    ready = tmp_path / "ready.json"
+    args = ["up", "--host", "127.0.0.1", "--port", "0", "--worker-port", "0", "--log-level", "warning"]
+    args += ["--record", str(record), "--ready-file", str(ready), *request.param]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STEPWISE_")}
+    proc = subprocess.Popen([sys.executable, "-m", "stepwise.cli", *args], cwd=ROOT, env=env)
+
+    def stop() -> None:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+    try:
+        deadline = time.monotonic() + 90
+        while not ready.exists():
+            assert proc.poll() is None, "stepwise up exited"
+            assert time.monotonic() < deadline, "stepwise up did not come up"
+            time.sleep(0.1)
+        yield json.loads(ready.read_text())["address"], record, stop
+    finally:
+        stop()
+
+
+def timeline(entries: list[Entry]) -> list[StepLine]:
+    builder = TimelineBuilder()
+    lines = [line for entry in entries for line in builder.feed(entry)]
+    return lines + builder.finish()
+
+
+def planned(lines: list[StepLine]) -> list[dict[str, object]]:
+    """Each step as the scheduler planned it, without `finished`: the live engine publishes a finish one
+    plan later than the simulator (after planning the next step), so the column shifts by a line; the
+    finishes are compared per request instead."""
+    return [{k: v for k, v in line.to_json().items() if k != "finished"} for line in lines]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "recorded_stack",
+    [
+        pytest.param(["--backend", "sim", "--sim-cost", "0.004,0.00002,0"], id="sim"),
+        pytest.param(["--model", "embedded"], id="embedded"),
+    ],
+    indirect=True,
+)
+async def test_the_simulator_plans_what_the_live_scheduler_planned(
+    recorded_stack: tuple[str, Path, Callable[[], None]], tmp_path: Path
+) -> None:
+    address, record, stop = recorded_stack
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(json.dumps(r) + "\n" for r in TRACE))
+    vocab = "1024"  # the embedded model's, which the sim backend reads from its config too
+    args = ["bench", "--address", address, "--dataset", "trace", str(trace), "--vocab", vocab, "--json"]
+    code, _, err = await run_cli_async(args)
+    assert code == 0, err
+    stop()
+    live = list(read_entries(record))
+    header = live[0]
+    assert isinstance(header, Header)
+    arrivals = {e.rid: e.step for e in live if isinstance(e, AddRequest)}
+    assert sorted(arrivals) == sorted(r["rid"] for r in TRACE)
+
+    # The simulator as the live scheduler was configured (the recording's header), on the recorded
+    # step seconds, with each request arriving between the plans it arrived between live.
+    seconds = costs.recorded_seconds(f"recorded:{record}")
+    setup = sim.SimSetup(header.scheduler, header.limits, sim.CostModel(), recorded_seconds=seconds)
+    requests = [sim.to_request(e) for e in client_traces.load_trace(trace, header.limits.vocab_size)]
+    simulated: list[StepLine] = []
+    sink = TimelineSink(simulated.append)
+    summary = sim.Simulation(setup, requests, sink, arrival_steps=arrivals).run()
+    sink.close()  # the last step's line
+
+    live_lines = timeline(live)
+    assert any(len(line.decodes) > 1 for line in live_lines)  # requests ran together
+    assert planned(simulated) == planned(live_lines)
+    finished_live = sorted(rid for line in live_lines for rid in line.finished)
+    assert sorted(rid for line in simulated for rid in line.finished) == finished_live == sorted(arrivals)
+    assert summary["finish_reasons"] == {"length": len(TRACE)}
+    # The simulated clock is the recorded steps' sum.
+    assert summary["simulated_s"] == pytest.approx(sum(seconds.values()), abs=1e-5)
+
+
+def test_recorded_cost_names_what_it_cannot_use(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(json.dumps(r) + "\n" for r in TRACE[:2]))
+    assert sim.main([str(trace), "--cost", f"recorded:{tmp_path / 'none'}", "--summary-only"]) == 2
+    assert "--cost recorded:" in capsys.readouterr().err
+    # A recording of one request cannot time the steps of two.
+    rec = tmp_path / "rec"
+    assert sim.main([str(trace), "--limit", "1", "--summary-only", "--record", str(rec)]) == 0
+    capsys.readouterr()
+    assert sim.main([str(trace), "--cost", f"recorded:{rec}", "--summary-only"]) == 1
+    assert "was not measured in the recording" in capsys.readouterr().err
+    # Its own recording times a run exactly: the simulated clock is the recorded steps' sum.
+    assert sim.main([str(trace), "--limit", "1", "--cost", f"recorded:{rec}", "--summary-only"]) == 0
+    summary = json.loads(capsys.readouterr().out)["summary"]
+    assert summary["simulated_s"] == pytest.approx(
+        sum(costs.recorded_seconds(f"recorded:{rec}").values()), abs=1e-5
+    )
