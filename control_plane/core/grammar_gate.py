@@ -97,6 +97,8 @@ class GrammarGate:
         does not prepare grammars), or when the wait ends otherwise: a sequence handed over here
         from another worker, which must not make the worker compile in a step, nor be lost."""
         key = _key(grammar)
+        if key in self._ready:
+            self._ready.move_to_end(key)
         if not self.enabled or self._closed or key in self._ready:
             proceed()
             return
