@@ -26,6 +26,7 @@ FINISH_NAMES = {
     gen_pb.FINISH_REASON_STOP: "stop",
     gen_pb.FINISH_REASON_LENGTH: "length",
     gen_pb.FINISH_REASON_ABORT: "abort",
+    gen_pb.FINISH_REASON_GRAMMAR_UNSATISFIABLE: "grammar_unsatisfiable",
 }
 
 

@@ -23,6 +23,9 @@ class FinishKind(enum.Enum):
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"
+    # The output's grammar reached a state no token goes on from and that is no complete sentence
+    # (the worker's matcher failed): the output ended there, matching no sentence of the grammar.
+    GRAMMAR_UNSATISFIABLE = "grammar_unsatisfiable"
 
 
 class AbortCode(enum.Enum):

@@ -15,8 +15,10 @@ was, and a replayed recording masks exactly as the live run did.
 Each step: `feed` accepts the extend inputs that are output tokens; `fill` writes the masks of the
 sampling rows that are constrained; after sampling, `accept` advances them by the sampled tokens.
 A matcher whose grammar is finished allows only EOS, so the sequence ends with EOS (finish reason
-stop). One whose state allows nothing (a token it refused, which sampling under its own mask never
-picks) is given EOS too, so a row is never left with every logit at -inf.
+stop). One that failed (its state allows nothing, or a token was refused, or its parser gave up: a
+grammar that can never be completed past some point, which no compile check caught) is given EOS
+too, so a row is never left with every logit at -inf, and its row is named in `GrammarMasks.failed`:
+the result reports it and the control plane ends the sequence with grammar_unsatisfiable.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import concurrent.futures
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -48,6 +50,9 @@ class GrammarMasks:
 
     index: np.ndarray  # int64 [R]
     words: np.ndarray  # int32 [R, ceil(vocab / 32)]
+    # Rows of the step's logits (ascending) whose grammar could not be satisfied: their matcher had
+    # failed, so their mask allows only EOS and the result says so (StepResult.grammar_failed).
+    failed: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
 
 @dataclass(slots=True)
@@ -135,7 +140,14 @@ class Constraints:
         empty = np.flatnonzero(~words.any(axis=1))
         for k in empty.tolist():
             _allow(words[k], self._eos)
-        return GrammarMasks(np.asarray(index, dtype=np.int64), words.copy())
+        failed = sorted(set(empty.tolist()) | {k for k, seq in enumerate(seqs) if seq.matcher.failed})
+        for k in failed:
+            # A failed matcher's own mask may allow more than EOS (xgrammar's, before its next
+            # fill); the sequence ends here either way.
+            words[k] = 0
+            _allow(words[k], self._eos)
+        index_array = np.asarray(index, dtype=np.int64)
+        return GrammarMasks(index_array, words.copy(), index_array[failed])
 
     def accept(self, rows: np.ndarray, tokens: np.ndarray) -> None:
         """Advance each constrained row's matcher by the token sampled for it."""

@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import structlog
@@ -130,9 +130,10 @@ class Executor:
         prepared = self._apply(plan)
         if prepared is None:
             return self._result(plan.step_id, np.zeros(0, np.int64), (), started)
-        masks = self._start_masks(prepared.sample_rows)
+        started_masks = self._start_masks(prepared.sample_rows)
         forward = self.model.forward(prepared.batch, self.pool)
-        output = self._sample(forward.logits, prepared.sample_rows, masks.result() if masks else None)
+        masks = started_masks.result() if started_masks else None
+        output = self._sample(forward.logits, prepared.sample_rows, masks)
         if self.constraints:
             self.constraints.accept(prepared.sample_rows, output.token_ids)
         self.table.last_token[prepared.sample_rows] = output.token_ids
@@ -142,7 +143,10 @@ class Executor:
         if prepared.scoring is not None and forward.scored_hidden is not None:
             assert prepared.ext_rows is not None
             scores = self._score_prompts(forward.scored_hidden, prepared.scoring, prepared.ext_rows)
-        return self._result(plan.step_id, output.token_ids, output.logprobs, started, prompt_scores=scores)
+        result = self._result(plan.step_id, output.token_ids, output.logprobs, started, prompt_scores=scores)
+        if masks is not None and len(masks.failed):
+            return replace(result, grammar_failed=masks.failed.astype(np.int32))
+        return result
 
     def _start_masks(self, rows: np.ndarray) -> Future[GrammarMasks | None] | None:
         """Fill the constrained rows' masks on a thread of their own while the forward runs (the

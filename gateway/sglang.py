@@ -313,11 +313,15 @@ class SglangFormat(ResponseFormat):
         self, reason: str | None, message: str, completion_tokens: int
     ) -> dict[str, Any] | None:
         """SGLang's finish reasons: `{"type": "stop", "matched": id or string}` (EOS, a stop token
-        id, a stop string), `{"type": "length", "length": n}`."""
+        id, a stop string), `{"type": "length", "length": n}`; and ours,
+        `{"type": "grammar_unsatisfiable", "message": why}` (the output's grammar could not be
+        satisfied)."""
         if reason is None:
             return None
         if reason == "length":
             return {"type": "length", "length": completion_tokens}
+        if reason == "grammar_unsatisfiable":
+            return {"type": reason, "message": message}
         matched: int | str | None = None
         if message.startswith("stop token "):
             matched = int(message.removeprefix("stop token "))

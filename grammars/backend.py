@@ -42,6 +42,12 @@ class Matcher(Protocol):
     @property
     def finished(self) -> bool: ...
 
+    @property
+    def failed(self) -> bool:
+        """No token can go on and the grammar is not complete (a token was refused, or the
+        backend's parser gave up): the output can no longer be a sentence of the grammar."""
+        ...
+
 
 class Backend(Protocol):
     name: str

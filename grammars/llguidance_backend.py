@@ -66,6 +66,11 @@ class Matcher:
     def finished(self) -> bool:
         return bool(self._matcher.is_stopped())
 
+    @property
+    def failed(self) -> bool:
+        matcher = self._matcher
+        return bool(matcher.is_error() or (matcher.is_stopped() and not matcher.is_accepting()))
+
 
 class Backend:
     name = "llguidance"

@@ -87,6 +87,10 @@ class Matcher:
         return True
 
     @property
+    def failed(self) -> bool:
+        return self._broken
+
+    @property
     def finished(self) -> bool:
         if self._broken or self._matcher.is_terminated():
             return True

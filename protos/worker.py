@@ -293,6 +293,9 @@ class StepResult:
     error: str = ""
     # Sends that ended since the previous result, in the order they ended.
     transfers: tuple[TransferOutcome, ...] = ()
+    # Indices into token_ids (ascending) of samples whose grammar could not be satisfied: the
+    # worker sampled EOS for them, and they end with finish reason grammar_unsatisfiable.
+    grammar_failed: np.ndarray = field(default_factory=_i32)
 
 
 # --- the session: hello, welcome, and how it ends ----------------------------------------------------

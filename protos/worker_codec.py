@@ -392,6 +392,7 @@ def result_to_proto(r: StepResult) -> wk_pb.WorkerMessage:
     out.device_mem_used_bytes, out.host_seqs = kv.device_mem_used_bytes, kv.host_seqs
     for t in r.transfers:
         msg.transfers.add(transfer_id=t.transfer_id, error=t.error, bytes=t.bytes)
+    msg.grammar_failed.extend(r.grammar_failed.tolist())
     return message
 
 
@@ -420,6 +421,11 @@ def result_from_proto(msg: wk_pb.StepResult, sampled: int | None = None) -> Step
         )
     if msg.logprobs and len(msg.logprobs) != len(tokens):
         raise ProtocolError(f"result has {len(msg.logprobs)} logprobs for {len(tokens)} tokens")
+    failed = np.asarray(msg.grammar_failed, dtype=np.int64)
+    if len(failed) and (failed[-1] >= len(tokens) or bool((np.diff(failed) <= 0).any())):
+        raise ProtocolError(
+            f"result for step {msg.step_id}: grammar_failed must be ascending indices below {len(tokens)}"
+        )
     for name in ("forward_s", "wait_s"):
         seconds = getattr(msg, name)
         if not (math.isfinite(seconds) and seconds >= 0.0):
@@ -447,6 +453,7 @@ def _decode_result(msg: wk_pb.StepResult, tokens: np.ndarray) -> StepResult:
         wait_s=msg.wait_s,
         error=msg.error,
         transfers=tuple(TransferOutcome(t.transfer_id, t.error, t.bytes) for t in msg.transfers),
+        grammar_failed=np.asarray(msg.grammar_failed, dtype=np.int32),
     )
 
 

@@ -51,6 +51,7 @@ from control_plane.core.admission import admit, admit_orphan
 from control_plane.core.books import Books
 from control_plane.core.drain import Departure, Drain, Leaving
 from control_plane.core.fleet import BALANCE_REASONS, Call, Fleet, Move, Room, Rules, Spill
+from control_plane.core.grammar_gate import GrammarGate
 from control_plane.core.handover import HandOver, WorkerGone, orphan_of
 from control_plane.core.inbox import (
     AbortItem,
@@ -124,6 +125,8 @@ class Engine:
         self.config = config
         self.limits: WorkerLimits = limits
         self.channel = channel
+        # The worker's grammar gate (set by the server): orphans wait there for their grammar.
+        self.grammar_gate: GrammarGate | None = None
         self.worker: str = limits.worker_id
         metrics.register_worker(self.worker)
         self.log = log.bind(worker=limits.worker_id)
@@ -233,7 +236,21 @@ class Engine:
             return
         for orphan in orphans:
             self.streams.adopt(orphan.sample)
-        self.inbox.put(*orphans)
+            self._admit_compiled(orphan)
+
+    def _admit_compiled(self, orphan: Orphan) -> None:
+        """To the inbox once the worker holds the orphan's grammar compiled, so that its first
+        plan makes no step compile (docs/protocols.md#grammars-compiled-before-they-are-planned)."""
+        grammar = orphan.params.sampler.grammar
+        if grammar is None or self.grammar_gate is None:
+            self.inbox.put(orphan)
+            return
+
+        def proceed() -> None:
+            if not self._closed and self.streams.knows(orphan.sample.rid):  # not aborted meanwhile
+                self.inbox.put(orphan)
+
+        self.grammar_gate.after(grammar, proceed)
 
     def precopied(self, transfer_id: str, tokens: tuple[int, ...]) -> bool:
         """A running request's KV was pre-copied to this worker: it is held here until the request

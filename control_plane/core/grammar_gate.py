@@ -10,9 +10,12 @@ and keeps the calls held to it back; the worker compiles on a thread of its own 
 GrammarReady, and the calls go on to the engine then. The scheduler sees them arrive at that step
 (the recorder stamps it), so a replay is exact without knowing about the gate.
 
-Calls with no grammar, and every call to a worker that does not prepare grammars (an older one),
-pass at once. A call held longer than the deadline is refused UNAVAILABLE (the worker is busy
-compiling: retry); one whose grammar fails on the worker is refused INVALID_ARGUMENT.
+A sequence handed over from another worker (a hand-over or a retraction's continuation, which
+the engine adopts) waits here too (`after`), and goes on however the wait ends: it is a running
+stream, not a call that may be refused. Calls with no grammar, and every call to a worker that
+does not prepare grammars (an older one), pass at once. A call held longer than the deadline is
+refused UNAVAILABLE (the worker is busy compiling: retry); one whose grammar fails on the worker is
+refused INVALID_ARGUMENT.
 """
 
 from __future__ import annotations
@@ -66,6 +69,9 @@ class GrammarGate:
         self._timers: dict[Key, asyncio.TimerHandle] = {}
         # Grammars asked for and not yet answered (a worker compiles each once).
         self._asked: set[Key] = set()
+        # Sequences handed over to this worker (`after`), by the grammar they wait for: they go on
+        # however the wait ends (a compile that failed or timed out is left to the step, as before).
+        self._waiters: dict[Key, list[Callable[[], None]]] = {}
         self._closed = False
 
     @property
@@ -84,6 +90,22 @@ class GrammarGate:
             self._submit(arrival)
             return
         self._held.setdefault(key, []).append(arrival)
+        self._wait_for(key, grammar)
+
+    def after(self, grammar: Grammar, proceed: Callable[[], None]) -> None:
+        """Call `proceed` once the worker holds `grammar` compiled (now, when it says it does or
+        does not prepare grammars), or when the wait ends otherwise: a sequence handed over here
+        from another worker, which must not make the worker compile in a step, nor be lost."""
+        key = _key(grammar)
+        if key in self._ready:
+            self._ready.move_to_end(key)
+        if not self.enabled or self._closed or key in self._ready:
+            proceed()
+            return
+        self._waiters.setdefault(key, []).append(proceed)
+        self._wait_for(key, grammar)
+
+    def _wait_for(self, key: Key, grammar: Grammar) -> None:
         if key not in self._asked:
             self._asked.add(key)
             self._ask(grammar)
@@ -99,6 +121,7 @@ class GrammarGate:
         timer = self._timers.pop(key, None)
         if timer is not None:
             timer.cancel()
+        _proceed(self._waiters.pop(key, []))
         if answer.error:
             for arrival in waiting:
                 self._refuse(arrival, Verdict.INVALID, f"sampling: {answer.error}")
@@ -147,10 +170,14 @@ class GrammarGate:
             for arrival in self._held.pop(key):
                 self._refuse(arrival, Verdict.UNAVAILABLE, f"worker {self.worker} is gone")
             self._forget(key)
+        for key in list(self._waiters):
+            _proceed(self._waiters.pop(key))
 
     def _forget(self, key: Key) -> None:
         """No call waits for `key` any more; its Prepare is still out, and its answer is taken."""
         self._held.pop(key, None)
+        if key in self._waiters:
+            return  # handed-over sequences still wait, under the same deadline
         timer = self._timers.pop(key, None)
         if timer is not None:
             timer.cancel()
@@ -163,10 +190,16 @@ class GrammarGate:
         message = f"worker {self.worker} did not compile the grammar within {self.deadline_s:g} s; retry"
         for arrival in waiting:
             self._refuse(arrival, Verdict.UNAVAILABLE, message)
+        _proceed(self._waiters.pop(key, []))
 
     def _ask(self, grammar: Grammar) -> None:
         task = asyncio.get_running_loop().create_task(self._prepare(grammar))
         task.add_done_callback(_log_failure)
+
+
+def _proceed(waiters: list[Callable[[], None]]) -> None:
+    for proceed in waiters:
+        proceed()
 
 
 def _names(arrival: Arrival, rid: str) -> bool:

@@ -145,6 +145,7 @@ class WorkerLinkService(wk_grpc.WorkerLinkServicer):
             GRAMMAR_DEADLINE_FACTOR * self.config.grammar_compile_timeout_s,
         )
         channel.on_grammar_ready = gate.ready
+        engine.grammar_gate = gate
         self.hub.grammar_gates[engine] = gate
         # Attached before the welcome: a call that follows the welcome at once finds the worker.
         self.router.attach(engine)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from control_plane.request import AbortCode, FinishReason, Request
+from control_plane.request import AbortCode, FinishKind, FinishReason, Request
 from control_plane.scheduler.batch import ScheduledBatch
 from control_plane.scheduler.books import SequenceBooks
 from control_plane.scheduler.exits import Exits
@@ -27,6 +27,9 @@ from protos.worker import PromptScores, TokenLogprobs
 
 MAX_NEW_TOKENS = FinishReason.length("max_new_tokens")
 EOS = FinishReason.stop("eos")
+GRAMMAR_UNSATISFIABLE = FinishReason(
+    FinishKind.GRAMMAR_UNSATISFIABLE, "the grammar could not be satisfied: no token could follow the output"
+)
 SCORES_LOST = FinishReason.abort("internal error: prompt log probabilities were lost", AbortCode.INTERNAL)
 
 
@@ -43,6 +46,8 @@ class ResultApplier:
         self._eos_ids = np.array(sorted(eos_ids), dtype=np.int32)
         # The logprobs of the result being applied (empty: none asked).
         self._logprobs: tuple[TokenLogprobs, ...] = ()
+        # Indices into the result being applied of samples whose grammar failed (empty: none).
+        self._grammar_failed = np.zeros(0, dtype=np.int64)
 
     def process_batch_result(
         self,
@@ -50,21 +55,27 @@ class ResultApplier:
         token_ids: np.ndarray,
         logprobs: tuple[TokenLogprobs, ...] = (),
         prompt_scores: tuple[PromptScores, ...] = (),
+        grammar_failed: np.ndarray | None = None,
     ) -> None:
         """Append the sampled tokens of `batch`'s result (one per sampled extend, then one per decode,
         already checked against the batch), run finish checks, cache or free the KV of finished
         requests. `logprobs` (empty, or one per token) go out with the tokens of requests that asked;
         `prompt_scores` (checked against the plan) are kept by their requests, and a request's whole
-        prompt scoring goes out before its first token."""
+        prompt scoring goes out before its first token. `grammar_failed` (indices into the result)
+        are the samples whose grammar could not be satisfied: the EOS sampled for them ends them
+        with GRAMMAR_UNSATISFIABLE instead of stop."""
         tokens = np.asarray(token_ids, dtype=np.int32)
         sampled = sum(batch.extend_sampled)
         self._logprobs = logprobs
+        if grammar_failed is not None:
+            self._grammar_failed = np.asarray(grammar_failed, dtype=np.int64)
         if prompt_scores:
             self._keep_scores(batch, prompt_scores)
         self._apply_extends(batch, tokens[:sampled])
         if len(batch.decode_rows):
             self._apply_decodes(batch, tokens[sampled:], sampled)
         self._logprobs = ()
+        self._grammar_failed = np.zeros(0, dtype=np.int64)
 
     def _keep_scores(self, batch: ScheduledBatch, prompt_scores: tuple[PromptScores, ...]) -> None:
         """Rows for requests that still hold the tenancy they were planned for, in position order."""
@@ -126,7 +137,7 @@ class ResultApplier:
         columns = self.kv.columns
         rows = batch.decode_rows
         at_result = None
-        if self._logprobs:
+        if self._logprobs or len(self._grammar_failed):
             at_result = offset + np.arange(len(rows), dtype=np.int64)
         held = columns.serial[rows] == batch.decode_serials
         if not held.all():
@@ -164,10 +175,14 @@ class ResultApplier:
             scores = self._scores_of(rows[visible], at_result[visible])
         self.registry.stream(columns.uid[rows][visible], tokens[visible], scores)
         reqs = columns.reqs
-        return [
+        ended = [
             (i, reqs[rows[i]].to_finish or self._reason(bool(length[i]), bool(stop_hit[i]), int(tokens[i])))
             for i in np.flatnonzero(finished).tolist()
         ]
+        if len(self._grammar_failed) and at_result is not None:
+            failed = np.isin(at_result, self._grammar_failed)
+            ended = [(i, _unsatisfied(reason) if failed[i] else reason) for i, reason in ended]
+        return ended
 
     def _scores_of(self, rows: np.ndarray, at_result: np.ndarray) -> list[tuple[int, TokenLogprobs]]:
         """(index among the streamed tokens, logprobs) of the tokens whose requests asked."""
@@ -197,3 +212,9 @@ class ResultApplier:
         if len(eos) == 1:
             return tokens == eos[0]
         return np.isin(tokens, eos)
+
+
+def _unsatisfied(reason: FinishReason) -> FinishReason:
+    """A stop at a sample whose grammar failed is the grammar's failure (the worker sampled EOS only
+    because nothing else was left); a length limit or an abort reached at the same token stands."""
+    return GRAMMAR_UNSATISFIABLE if reason.kind is FinishKind.STOP else reason

@@ -231,7 +231,9 @@ class Scheduler:
         batch = self._oldest_in_flight(result)
         self._in_flight.popleft()
         self.queue_clock.worked(result.forward_s)
-        self.results.process_batch_result(batch, result.token_ids, result.logprobs, result.prompt_scores)
+        self.results.process_batch_result(
+            batch, result.token_ids, result.logprobs, result.prompt_scores, result.grammar_failed
+        )
 
     def _oldest_in_flight(self, result: StepResult) -> ScheduledBatch:
         if not self._in_flight:

@@ -12,7 +12,7 @@ from control_plane.core.grammar_gate import GrammarGate
 from control_plane.core.inbox import Arrival, LiveSample, Verdict
 from control_plane.request import RequestParams
 from protos import worker_codec
-from protos.worker import Grammar, GrammarReady, Prepare, SamplerParams, WorkerLimits
+from protos.worker import Grammar, GrammarReady, Prepare, SamplerParams, StepPlan, WorkerLimits
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -101,3 +101,92 @@ def test_prepare_and_grammar_ready_on_the_wire() -> None:
     )
     hello = WorkerLimits("w", 16, 1, 64, 32, prepares_grammars=True)
     assert worker_codec.hello_from_proto(worker_codec.hello_to_proto(hello).hello).prepares_grammars
+
+
+async def _heir(grammar_gate: bool = True):  # type: ignore[no-untyped-def]
+    """An engine over a fake worker that prepares grammars, its gate wired as the server wires it,
+    and the handles of the new sequences in the plans it sends."""
+    from tests.control_plane.fake_core import make_engine
+
+    engine, channel, hub = make_engine(1000, frozenset({0}), worker_id="heir")
+    asked: list[Grammar] = []
+
+    async def prepare(grammar: Grammar) -> None:
+        asked.append(grammar)
+
+    gate = GrammarGate("heir", engine.submit, lambda a, v, m: None, prepare, True, 5.0)
+    if grammar_gate:
+        engine.grammar_gate = gate
+    planned: list[int] = []
+    send = channel.send
+
+    async def recording_send(plan: StepPlan) -> None:
+        planned.extend(s.handle for s in plan.new_seqs)
+        await send(plan)
+
+    channel.send = recording_send  # type: ignore[method-assign]
+    return engine, hub, gate, asked, planned
+
+
+def _orphan(rid: str, uid: int):  # type: ignore[no-untyped-def]
+    from control_plane.core.inbox import Orphan
+
+    params = RequestParams(max_new_tokens=4, ignore_eos=True, sampler=SamplerParams(grammar=G1))
+    return Orphan(LiveSample(rid, uid, rid, "owner", 0.0), [5, 6, 7, 8], params)
+
+
+async def test_a_handed_over_sequence_is_planned_only_once_its_grammar_is_ready_on_the_heir() -> None:
+    """Issue 37 item 4: a sequence handed over from another worker went straight to the heir's
+    scheduler, and its first plan made the heir compile the grammar inside that step."""
+    from tests.control_plane.fake_core import finished
+
+    engine, hub, gate, asked, planned = await _heir()
+    runner = asyncio.create_task(engine.run())
+    try:
+        engine.adopt([_orphan("moved", 1 << 40)])
+        await asyncio.sleep(0.2)
+        assert asked == [G1], "the heir was not asked to compile the orphan's grammar"
+        assert not planned, "the orphan was planned before its grammar was compiled on the heir"
+        gate.ready(GrammarReady(G1))
+        (stream,) = await finished(hub, [1 << 40], timeout=5)
+        assert stream.finished is not None and stream.finished.kind.value == "length"
+        assert len(planned) == 1
+    finally:
+        engine.stop()
+        await asyncio.wait_for(runner, 5)
+
+
+async def test_a_held_orphan_aborted_meanwhile_never_reaches_the_scheduler() -> None:
+    from tests.control_plane.fake_core import finished
+
+    engine, hub, gate, _asked, planned = await _heir()
+    runner = asyncio.create_task(engine.run())
+    try:
+        engine.adopt([_orphan("moved", 1 << 40)])
+        await asyncio.sleep(0.05)
+        assert engine.abort("moved", "the client left")
+        (stream,) = await finished(hub, [1 << 40], timeout=5)
+        assert stream.finished is not None and stream.finished.kind.value == "abort"
+        gate.ready(GrammarReady(G1))
+        await asyncio.sleep(0.2)
+        assert not planned and not engine.knows("moved")
+    finally:
+        engine.stop()
+        await asyncio.wait_for(runner, 5)
+
+
+async def test_a_held_orphan_goes_on_when_the_worker_never_answers() -> None:
+    """A running stream is not refused: past the deadline it goes on (the step compiles, as before)."""
+    from tests.control_plane.fake_core import finished
+
+    engine, hub, gate, _asked, planned = await _heir()
+    gate.deadline_s = 0.1
+    runner = asyncio.create_task(engine.run())
+    try:
+        engine.adopt([_orphan("moved", 1 << 40)])
+        (stream,) = await finished(hub, [1 << 40], timeout=5)
+        assert stream.finished is not None and stream.finished.kind.value == "length"
+        assert len(planned) == 1
+    finally:
+        engine.stop()
+        await asyncio.wait_for(runner, 5)

@@ -261,3 +261,33 @@ def test_a_prepared_grammar_is_compiled_off_the_step(model_dir: pathlib.Path, mo
     bad = threading.Event()
     constraints.prepare(Grammar("nope", "regex", "a"), lambda error: (errors.append(error), bad.set()))
     assert bad.wait(30) and "not available" in errors[-1]
+
+
+def test_a_grammar_that_dead_ends_after_its_first_token_is_reported_failed(executor: Executor) -> None:
+    """Issue 37 item 7: `start: "a" x`, `x: "b" x` passes the compile checks (its first mask allows
+    "a"), then its matcher fails and allows only EOS. The worker still samples EOS for it (no row
+    is left all -inf) and says, for that sample, that its grammar could not be satisfied, so the
+    control plane does not end it as a plain `stop`."""
+    grammar = Grammar("llguidance", "lark", 'start: "a" x\nx: "b" x')
+    eos = min(executor.model.config.eos_token_ids)
+    run = Run(executor)
+    first = run.prefill(_seq(1, grammar, len(PROMPT)), list(PROMPT))
+    assert first != eos
+    run.step += 1
+    slot = int(run.slots.alloc(1, 1)[0])
+    result = executor.execute(make_plan(run.step, decodes=[(1, slot)]))
+    assert result.error == ""
+    assert result.token_ids.tolist() == [eos]
+    assert result.grammar_failed.tolist() == [0]
+
+
+def test_a_finished_grammar_is_not_reported_failed(executor: Executor) -> None:
+    grammar = Grammar("llguidance", "regex", "a")
+    eos = min(executor.model.config.eos_token_ids)
+    run = Run(executor)
+    run.prefill(_seq(1, grammar, len(PROMPT)), list(PROMPT))
+    run.step += 1
+    slot = int(run.slots.alloc(1, 1)[0])
+    result = executor.execute(make_plan(run.step, decodes=[(1, slot)]))
+    assert result.token_ids.tolist() == [eos]
+    assert result.grammar_failed.tolist() == []

@@ -638,6 +638,20 @@ async def test_a_grammar_that_cannot_finish_ends_with_length(plain: Stack) -> No
         await _settled(conns)
 
 
+async def test_a_grammar_that_dead_ends_after_a_token_ends_grammar_unsatisfiable(plain: Stack) -> None:
+    """Issue 37 item 7: `start: "a" x`, `x: "b" x` passes the compile checks (its first token may
+    be "a"), then its matcher fails: the output ends there with finish reason
+    grammar_unsatisfiable, not stop (it matches no sentence of the grammar)."""
+    params = sampling_params(max_new_tokens=8, lark='start: "a" x\nx: "b" x', temperature=0.0)
+    async with Connections(plain.address) as conns:
+        gen = await conns.generate(_prompt(1), params)
+        assert gen.finish_reason == "grammar_unsatisfiable", gen
+        assert "could not be satisfied" in gen.finish_message
+        assert re.fullmatch(r"ab*", gen.text) and len(gen.token_ids) < 8, gen
+        case = next(c for c in CASES if c.name == "regex:date")
+        check(case, await conns.generate(_prompt(2), case.params(temperature=0.0)), "after a dead end")
+
+
 # ---- load -------------------------------------------------------------------------------------------
 
 BURST = 200

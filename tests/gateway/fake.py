@@ -100,6 +100,8 @@ class FakeControlPlane:
     # characters, one token each, then EOS), instead of the synthetic tokens.
     reply: Callable[[gen_pb.GenerateRequest], str] | None = None
     chunk_chars: int = 3
+    # How a scripted reply ends when max_new_tokens does not cut it (reason, message).
+    scripted_finish: tuple[int, str] = (gen_pb.FINISH_REASON_STOP, "eos")
     # Refuse every request with INVALID_ARGUMENT and these details (a control plane's refusal).
     refuse_with: str | None = None
     # The API keys taken (None: keys are off); the keys each GetServerInfo came with.
@@ -171,7 +173,7 @@ class FakeControlPlane:
         when max_new_tokens (in chunks) cuts it short."""
         s, rid = request.sampling, request.request_id
         pieces = [text[i : i + self.chunk_chars] for i in range(0, len(text), self.chunk_chars)]
-        reason, message = gen_pb.FINISH_REASON_STOP, "eos"
+        reason, message = self.scripted_finish
         if s.HasField("max_new_tokens") and s.max_new_tokens < len(pieces):
             pieces, reason, message = (
                 pieces[: s.max_new_tokens],

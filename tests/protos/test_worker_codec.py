@@ -264,8 +264,17 @@ def test_a_result_with_every_field_set_round_trips() -> None:
         kv=KvReport(live_seqs=2, seq_slots=10, capacity_tokens=100, device_mem_used_bytes=5, host_seqs=1),
         forward_s=0.25,
         wait_s=0.5,
+        grammar_failed=_i32(1),
     )
     assert_same(worker_codec.result_from_proto(_wire(worker_codec.result_to_proto(result)).result, 2), result)
+
+
+@pytest.mark.parametrize("failed", [[2], [1, 1], [1, 0]], ids=["past-the-tokens", "repeated", "descending"])
+def test_grammar_failed_must_name_the_results_samples_in_order(failed: list[int]) -> None:
+    wire = worker_codec.result_to_proto(StepResult(3, _i32(9, 10))).result
+    wire.grammar_failed.extend(failed)
+    with pytest.raises(worker_codec.ProtocolError, match="grammar_failed must be ascending indices below 2"):
+        worker_codec.result_from_proto(wire, 2)
 
 
 def test_the_workers_int64_tokens_go_on_the_wire_as_int32() -> None:

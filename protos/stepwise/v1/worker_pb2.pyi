@@ -356,7 +356,7 @@ class TransferOutcome(_message.Message):
     def __init__(self, transfer_id: _Optional[str] = ..., error: _Optional[str] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "token_ids", "logprobs", "prompt_scores", "kv", "forward_s", "error", "wait_s", "transfers")
+    __slots__ = ("step_id", "token_ids", "logprobs", "prompt_scores", "kv", "forward_s", "error", "wait_s", "transfers", "grammar_failed")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -366,6 +366,7 @@ class StepResult(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     WAIT_S_FIELD_NUMBER: _ClassVar[int]
     TRANSFERS_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FAILED_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     token_ids: bytes
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
@@ -375,4 +376,5 @@ class StepResult(_message.Message):
     error: str
     wait_s: float
     transfers: _containers.RepeatedCompositeFieldContainer[TransferOutcome]
-    def __init__(self, step_id: _Optional[int] = ..., token_ids: _Optional[bytes] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., prompt_scores: _Optional[_Iterable[_Union[PromptScores, _Mapping]]] = ..., kv: _Optional[_Union[KvReport, _Mapping]] = ..., forward_s: _Optional[float] = ..., error: _Optional[str] = ..., wait_s: _Optional[float] = ..., transfers: _Optional[_Iterable[_Union[TransferOutcome, _Mapping]]] = ...) -> None: ...
+    grammar_failed: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step_id: _Optional[int] = ..., token_ids: _Optional[bytes] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., prompt_scores: _Optional[_Iterable[_Union[PromptScores, _Mapping]]] = ..., kv: _Optional[_Union[KvReport, _Mapping]] = ..., forward_s: _Optional[float] = ..., error: _Optional[str] = ..., wait_s: _Optional[float] = ..., transfers: _Optional[_Iterable[_Union[TransferOutcome, _Mapping]]] = ..., grammar_failed: _Optional[_Iterable[int]] = ...) -> None: ...
