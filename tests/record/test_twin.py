@@ -193,3 +193,35 @@ def test_a_bad_event_line_names_line_and_field(
     assert sim.main([str(trace), "--workers", "2"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and says in err[0], err
+
+
+def test_slo_attainment_and_goodput_follow_the_rows(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    requests = [r | {"abort_at": None} for r in _requests()]
+    _, rows = _fleet(tmp_path, capsys, requests, "--workers", "2")
+    ttfts = sorted(r["ttft_s"] for r in rows.values())
+    slo_ttft = ttfts[len(ttfts) // 2]
+    fleet, rows = _fleet(
+        tmp_path, capsys, requests, "--workers", "2", "--slo-ttft", str(slo_ttft), "--slo-tpot", "1"
+    )
+    meets = [r["ttft_s"] <= slo_ttft and (r["tpot_s"] is None or r["tpot_s"] <= 1) for r in rows.values()]
+    assert fleet["slo"]["both_attained"] == round(sum(meets) / len(rows), 6)
+    assert 0.4 < fleet["slo"]["ttft_attained"] < 0.7
+    # Goodput: requests meeting both per simulated second (the summary's simulated_s).
+    simulated_s = len(rows) / fleet["completed_rps"]
+    assert fleet["slo"]["goodput_rps"] == pytest.approx(sum(meets) / simulated_s, rel=1e-4)
+    for r in rows.values():
+        assert 0 <= r["queue_s"] <= r["ttft_s"] <= r["e2e_s"]
+        if r["output_tokens"] > 1:
+            assert r["tpot_s"] == pytest.approx(
+                (r["e2e_s"] - r["ttft_s"]) / (r["output_tokens"] - 1), abs=1e-5
+            )
+    assert fleet["ttft_s"]["p50"] <= fleet["ttft_s"]["p90"] <= fleet["ttft_s"]["p99"]
+
+
+def test_plot_draws_a_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("matplotlib")  # in the dev extra; the plot extra for users
+    png = tmp_path / "fleet.png"
+    _run(tmp_path, capsys, _requests(), "--workers", "2", "--summary-only", "--plot", str(png))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
