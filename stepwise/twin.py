@@ -798,10 +798,13 @@ class Twin:
         del source.transits[orphan.rid]
         if source.alive and not source.scheduled:
             self._wake(source, self.now)  # a draining source may be done now
-        if not destination.serving:
-            self.fleet.moved(destination.worker, False)
+        if not destination.serving or not source.alive:
+            # The destination left, or the source was lost mid-copy (the copy dies with it, as
+            # migration.py's `lost`): the call recomputes on an heir.
+            if not destination.serving:
+                self.fleet.moved(destination.worker, False)
             self.migration_fallbacks += 1
-            heir = self.router.successor(destination)
+            heir = self.router.successor(destination if source.alive else source)
             if heir is None:
                 progress = self.progress[orphan.rid]
                 progress.finished, progress.reason = self.now, "abort"

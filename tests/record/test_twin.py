@@ -225,3 +225,15 @@ def test_plot_draws_a_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     png = tmp_path / "fleet.png"
     _run(tmp_path, capsys, _requests(), "--workers", "2", "--summary-only", "--plot", str(png))
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_copy_from_a_killed_source_recomputes_and_none_is_lost(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """PD hand-offs under way when the prefill worker dies: the copies die with it (a slow link
+    keeps them on the wire), and those calls recompute on an heir."""
+    requests = [r | {"abort_at": None} for r in _requests()]
+    flags = ("--roles", "p:2,d:2", "--link-gbps", "0.001", "--event", "kill:0@1")
+    fleet, rows = _fleet(tmp_path, capsys, requests, *flags)
+    assert fleet["migration_fallbacks"] > 0
+    assert _finished_ok(rows) == set(rows)
