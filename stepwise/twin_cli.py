@@ -99,6 +99,8 @@ def setup_from_args(
 ) -> twin.TwinSetup:
     """ValueError (exit 2) naming the flag for a bad one."""
     roles = twin.parse_roles(ns.roles, ns.workers)
+    if len(roles) > 1 and ns.record is not None:
+        raise ValueError("--record records one worker's scheduler: not with more than one worker")
     each, by_role = twin.parse_worker_costs(ns.worker_cost, roles, base.cost, costs.parse_cost)
     events = sorted([twin.parse_event(text) for text in ns.event] + list(trace_events), key=lambda e: e.at)
     known = len(roles)

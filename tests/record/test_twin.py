@@ -166,6 +166,7 @@ def test_decode_workers_prefill_nothing_of_the_prompts(
         (("--workers", "2", "--roles", "prefill,decode,decode"), "--roles: names 3 workers"),
         (("--roles", "p:1,x:2"), "--roles: 'x'"),
         (("--workers", "2", "--worker-cost", "7=0.01,0,0"), "--worker-cost: worker 7"),
+        (("--workers", "2", "--record", "rec"), "--record records one worker"),
     ],
 )
 def test_bad_fleet_flags_are_one_line_exit_2(
