@@ -288,7 +288,7 @@ def _distribution(name: str, values: list[float]) -> dict[str, float | None]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from stepwise import traces  # it reads this module's trace types
+    from stepwise import traces, twin_cli  # they read this module's trace types
 
     parser = flags.ArgumentParser(
         prog="stepwise simulate", description="the real scheduler on a request trace with a sim worker"
@@ -320,6 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--json", action="store_true", help="one JSON object per step, then {'summary': ...}")
     add("--summary-only", action="store_true", help="print the summary only (no timeline)")
     traces.add_arguments(parser)
+    twin_cli.add_arguments(parser)
     flags.apply_env_defaults(parser)
     return parser
 
@@ -355,7 +356,7 @@ def _sink(ns: argparse.Namespace, setup: SimSetup, emit: Callable[[StepLine], No
 
 
 def main(argv: Sequence[str]) -> int:
-    from stepwise import traces
+    from stepwise import traces, twin_cli
     from stepwise.replay import print_table  # rich is loaded only for the table
 
     parser = build_parser()
@@ -365,6 +366,8 @@ def main(argv: Sequence[str]) -> int:
     try:
         setup = setup_from_args(ns)
         trace = traces.read_trace(ns, setup.limits.vocab_size)
+        events = twin_cli.trace_events(ns)
+        fleet = twin_cli.setup_from_args(ns, setup, events) if twin_cli.wanted(ns, events) else None
     except (OSError, ValueError) as exc:
         print(f"stepwise simulate: {exc}", file=sys.stderr)
         return 2
@@ -375,8 +378,13 @@ def main(argv: Sequence[str]) -> int:
     except OSError as exc:
         print(f"stepwise simulate: --record {ns.record}: cannot write there: {exc}", file=sys.stderr)
         return 2
+    twin = None
     try:
-        summary = Simulation(setup, trace, sink).run()
+        if fleet is None:
+            summary = Simulation(setup, trace, sink).run()
+        else:
+            twin = twin_cli.twin.Twin(fleet, trace, sink if len(fleet.roles) == 1 else None)
+            summary = twin.run()
     except SimulationStuck as exc:
         print(f"stepwise simulate: stuck: {exc}", file=sys.stderr)
         return 1
@@ -390,4 +398,10 @@ def main(argv: Sequence[str]) -> int:
     if not ns.json and lines:
         print_table(lines)
     print(json.dumps({"summary": summary}))
+    if twin is not None and fleet is not None and twin_cli.shows_fleet(ns, fleet):
+        try:
+            twin_cli.report(ns, twin)
+        except (OSError, ValueError) as exc:
+            print(f"stepwise simulate: {exc}", file=sys.stderr)
+            return 2
     return 0

@@ -18,7 +18,7 @@ import structlog
 
 from control_plane.core.inbox import LiveSample, Orphan
 from control_plane.core.publisher import INTERNAL_ERROR, Streams
-from control_plane.request import FinishReason, Request
+from control_plane.request import FinishReason, Request, RequestParams
 from control_plane.scheduler.scheduler import Scheduler
 
 # A request live during this many faults of our own is ended rather than tried again.
@@ -42,6 +42,13 @@ class Heir(Protocol):
 
 def orphan_of(req: Request, sample: LiveSample) -> Orphan:
     """The request as a new arrival that continues right after its last published token."""
+    input_ids, params = continuation(req)
+    return Orphan(sample, input_ids, params)
+
+
+def continuation(req: Request) -> tuple[list[int], RequestParams]:
+    """The prompt and parameters of a new arrival that continues `req` right after its last
+    published token (the live engine's orphans and the simulator's hand-overs alike)."""
     streamed = list(req.output_ids)
     params = dataclasses.replace(req.params, min_new_tokens=max(0, req.params.min_new_tokens - len(streamed)))
     if params.max_new_tokens is not None:
@@ -51,7 +58,7 @@ def orphan_of(req: Request, sample: LiveSample) -> Orphan:
         # The client has its prompt scores: the continuation scores nothing again. Unsent ones are
         # computed again from the start on the heir (the rows received here were never published).
         params = dataclasses.replace(params, logprob_start_len=-1)
-    return Orphan(sample, req.origin_input_ids + streamed, params)
+    return req.origin_input_ids + streamed, params
 
 
 class HandOver:
