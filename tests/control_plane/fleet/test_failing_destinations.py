@@ -19,8 +19,8 @@ from control_plane.core.engine import Engine
 from control_plane.core.fleet import Fleet, Router
 from control_plane.request import FinishKind, RequestParams
 from protos.worker import SamplerParams, StepResult, TransferOutcome
+from tests.control_plane.core.test_migration_engine import _alone, _until
 from tests.control_plane.fake_core import FakeChannel, FakeHub, make_engine, submit
-from tests.control_plane.test_migration_engine import _alone, _until
 
 pytestmark = pytest.mark.timeout(60)
 
