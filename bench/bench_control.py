@@ -90,6 +90,8 @@ from clients.client import StepwiseClient, generate_request, sampling_params  # 
 from clients.wakeups import read_in_bulk  # noqa: E402
 from protos.stepwise.v1 import generation_pb2 as gen_pb  # noqa: E402
 from protos.stepwise.v1 import generation_pb2_grpc as gen_grpc  # noqa: E402
+from stepwise.up import stop_processes  # noqa: E402
+from tests.processes import DidNotStart, ready_file  # noqa: E402
 
 PROBE_PROMPT = [11, 12, 13]
 PROBE_TOKENS = 4  # a probe is a short call: read to its end, not aborted
@@ -480,6 +482,13 @@ class Child:
             await self.proc.wait()
 
 
+async def _ready(path: Path, proc: subprocess.Popen[bytes], what: str) -> dict[str, Any]:
+    try:
+        return await ready_file(path, proc, 60, what)
+    except DidNotStart as exc:
+        raise DidNotStart(f"{exc} (--verbose shows its log)") from None
+
+
 class Stack:
     """A `stepwise control` of the checkout at --root, its sim workers, and with --gateway-streams
     a `stepwise gateway` in front of it."""
@@ -540,12 +549,7 @@ class Stack:
         """Start the control plane and its workers; the client address."""
         ready = Path(self.tmp.name) / "ready.json"
         control = self._spawn("control", *self._control_flags(), "--ready-file", str(ready))
-        deadline = time.monotonic() + 60
-        while not ready.exists():
-            if control.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("control plane did not start (--verbose shows its log)")
-            await asyncio.sleep(0.05)
-        self.ready = json.loads(ready.read_text())
+        self.ready = await _ready(ready, control, "control plane")
         for i in range(self.ns.workers):
             self._spawn_worker(i)
         return f"127.0.0.1:{self.ready['port']}"
@@ -562,12 +566,7 @@ class Stack:
             *("--ready-file", str(ready)),
         )
         self.gateway_proc = gateway
-        deadline = time.monotonic() + 60
-        while not ready.exists():
-            if gateway.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("the gateway did not start (--verbose shows its log)")
-            await asyncio.sleep(0.05)
-        return f"127.0.0.1:{json.loads(ready.read_text())['port']}"
+        return f"127.0.0.1:{(await _ready(ready, gateway, 'the gateway'))['port']}"
 
     @property
     def core_pid(self) -> int:
@@ -578,15 +577,7 @@ class Stack:
         return [int(p) for p in self.ready.get("frontend_pids", [])]
 
     def stop(self) -> None:
-        for proc in reversed(self.procs):
-            with contextlib.suppress(ProcessLookupError):
-                proc.send_signal(signal.SIGTERM)
-        for proc in self.procs:
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_processes(self.procs, 10, signal.SIGTERM)
         self.tmp.cleanup()
 
 

@@ -1,6 +1,6 @@
 """Incremental detokenizing cost per generated token, before and after the byte road, side by side.
 
-"window" is the detokenizer before it (tests/control_plane/test_detokenize.py keeps it as the
+"window" is the detokenizer before it (tests/control_plane/frontend/test_detokenize.py keeps it as the
 reference: two decodes of a window of ids per push); "now" is `IncrementalDetokenizer`, which
 decodes a byte-level tokenizer's ids from their bytes (`Tokenizer.token_bytes`). Pushes of one id
 are what a sample with stop strings makes, or one without at `--stream-interval 1`; pushes of 8
@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from control_plane.frontend.detokenize import IncrementalDetokenizer
 from control_plane.tokenizer import Tokenizer
 from stepwise import embedded, smollm2
-from tests.control_plane.test_detokenize import _WindowDetokenizer
+from tests.control_plane.frontend.test_detokenize import _WindowDetokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKENS = 4000

@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from clients.client import StepwiseClient, generate_request, sampling_params
 from protos.stepwise.v1 import generation_pb2 as gen_pb
+from tests.processes import ready_file
 
 
 def gbnf(seed: int, rules: int = 1200) -> str:
@@ -88,11 +89,7 @@ async def run(ns: argparse.Namespace) -> None:
     args += ["--ready-file", str(ready)]
     proc = subprocess.Popen([sys.executable, "-m", "stepwise.cli", *args], env={**os.environ})
     try:
-        deadline = time.monotonic() + 180
-        while not ready.exists():
-            assert proc.poll() is None and time.monotonic() < deadline, "stepwise up did not start"
-            await asyncio.sleep(0.1)
-        address = json.loads(ready.read_text())["address"]
+        address = (await ready_file(ready, proc, 180, "stepwise up"))["address"]
         async with StepwiseClient(address) as client:
             info = await client.server_info()
             steps_before = info.workers[0].steps

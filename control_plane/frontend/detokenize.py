@@ -39,7 +39,7 @@ def _decode_utf8(data: bytes) -> tuple[str, bytes]:
     each maximal invalid subsequence one U+FFFD) up to an incomplete character at its end, and
     that character's bytes (b"" if none); the decoder gives one U+FFFD for those.
 
-    CPython's codec agrees (tests/control_plane/test_detokenize.py checks it) but for one case:
+    CPython's codec agrees (tests/control_plane/frontend/test_detokenize.py checks it) but for one case:
     with final=False it keeps ED A0-BF (the start of a surrogate, which UTF-8 excludes) for more
     bytes, where Rust already gives a U+FFFD for each byte; decoded as final, so does CPython.
     """

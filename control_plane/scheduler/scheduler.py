@@ -83,7 +83,7 @@ class Scheduler:
     sequence.
 
     It is composed of one object per piece of state, each the only writer of its own attributes
-    (tests/control_plane/test_scheduler_ownership.py): the running batch (batch.py, with its
+    (tests/control_plane/scheduler/test_scheduler_ownership.py): the running batch (batch.py, with its
     batch_is_full), the waiting queue (intake.py), the chunk in progress (chunk.py), the live requests
     and the updates to publish (registry.py), the books of what the worker holds (books.py), and the
     KV pool (kv.py). The rules act on them: admission (admission.py, with the PrefillAdder of

@@ -10,7 +10,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import get_type_hints
@@ -21,6 +20,7 @@ from clients import bench, bench_report
 from stepwise import cli
 from tests.cli.fake_server import CANNED_TOKENS, serve_fake
 from tests.cli.runner import ROOT, run_cli_async
+from tests.processes import ready_file_sync
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -225,12 +225,7 @@ def stack_address(tmp_path: Path) -> Iterator[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("STEPWISE_")}
     proc = subprocess.Popen([sys.executable, "-m", "stepwise.cli", *args], cwd=ROOT, env=env)
     try:
-        deadline = time.monotonic() + 60
-        while not ready.exists():
-            assert proc.poll() is None, "stepwise up exited"
-            assert time.monotonic() < deadline, "stepwise up did not come up"
-            time.sleep(0.1)
-        yield json.loads(ready.read_text())["address"]
+        yield ready_file_sync(ready, proc, 60, "stepwise up")["address"]
     finally:
         proc.send_signal(signal.SIGTERM)
         try:

@@ -26,6 +26,7 @@ from protos import worker_codec
 from protos.stepwise.v1 import worker_pb2, worker_pb2_grpc
 from protos.worker import Census, Move, Shutdown, StepPlan, Welcome
 from tests.data_plane.factories import Extend, SlotAllocator, make_plan, new_seq
+from tests.polling import until
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 PROMPT = [464, 300, 42, 17, 99, 5]
@@ -110,7 +111,7 @@ class FakeControl(worker_pb2_grpc.WorkerLinkServicer):
 
     async def session(self, index: int = 0) -> Session:
         """Session `index` once the worker said hello on it."""
-        await until(lambda: len(self.sessions) > index)
+        await until(lambda: len(self.sessions) > index, WAIT_S, f"session {index}")
         await asyncio.wait_for(self.sessions[index].hello_seen.wait(), WAIT_S)
         return self.sessions[index]
 
@@ -136,13 +137,6 @@ async def fake_control(
         yield servicer
     finally:
         await servicer.stop()
-
-
-async def until(condition: Callable[[], bool], timeout_s: float = WAIT_S) -> None:
-    """Wait until `condition()` holds; TimeoutError after `timeout_s`."""
-    async with asyncio.timeout(timeout_s):
-        while not condition():
-            await asyncio.sleep(0.01)
 
 
 def free_port() -> int:

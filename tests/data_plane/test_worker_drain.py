@@ -28,6 +28,7 @@ from tests.data_plane.fake_control import (
     welcome,
     worker_process,
 )
+from tests.polling import until
 
 SIM = ("--backend", "sim")
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -47,9 +48,10 @@ async def readiness(port: int) -> int | None:
 
 
 async def until_ready(port: int, want: int) -> None:
-    async with asyncio.timeout(WAIT_S):
-        while await readiness(port) != want:
-            await asyncio.sleep(0.05)
+    async def ready() -> bool:
+        return await readiness(port) == want
+
+    await until(ready, WAIT_S, f"health {want} on port {port}", every_s=0.05)
 
 
 @pytest.mark.timeout(90)

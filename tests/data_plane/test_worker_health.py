@@ -19,6 +19,7 @@ from protos.worker import Census
 from tests.data_plane.fake_control import (
     MOVE,
     SHUTDOWN,
+    WAIT_S,
     Session,
     fake_control,
     hold,
@@ -26,10 +27,10 @@ from tests.data_plane.fake_control import (
     served,
     serving,
     two_step_plans,
-    until,
     welcome,
     welcome_then,
 )
+from tests.polling import until
 
 pytestmark = pytest.mark.timeout(60)
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -79,7 +80,7 @@ async def test_readiness_follows_the_welcome_and_the_drain(model_dir: pathlib.Pa
             session = await plane.session(0)
             assert await statuses(health) == (SERVING, NOT_SERVING)  # hello sent, not welcomed
             go.set()
-            await until(lambda: link.attached)
+            await until(lambda: link.attached, WAIT_S, "the link attached")
             assert await statuses(health) == (SERVING, SERVING)
             await link.drain("SIGTERM")
             assert await statuses(health) == (SERVING, NOT_SERVING)
@@ -93,11 +94,11 @@ async def test_readiness_drops_when_the_control_plane_goes_away(model_dir: pathl
     async with health_server() as health:
         link = Link(health)
         async with fake_control(hold()) as plane, serving(model_dir, plane.address, link=link) as worker:
-            await until(lambda: link.attached)
+            await until(lambda: link.attached, WAIT_S, "the link attached")
             assert (await statuses(health))[1] == SERVING
             await plane.stop()
             # The control plane is gone; the worker searches on, unready.
-            await until(lambda: not link.attached)
+            await until(lambda: not link.attached, WAIT_S, "the link detached")
             assert (await statuses(health))[1] == NOT_SERVING
             assert not worker.done()
 
@@ -115,7 +116,7 @@ async def test_a_move_while_draining_ends_the_worker(model_dir: pathlib.Path) ->
         fake_control(welcome_then(SHUTDOWN), census=Census(workers=5)) as b,
         serving(model_dir, f"{a.address},{b.address}", link=link) as worker,
     ):
-        await until(lambda: link.attached)
+        await until(lambda: link.attached, WAIT_S, "the link attached")
         await link.drain("SIGTERM")
         assert await served(worker) == 0
     assert (len(a.sessions), len(b.sessions)) == (1, 0)  # no new search
@@ -131,7 +132,7 @@ async def test_a_lost_stream_while_draining_ends_the_worker(model_dir: pathlib.P
         fake_control(end_once_drained) as plane,
         serving(model_dir, plane.address, link=link) as worker,
     ):
-        await until(lambda: link.attached)
+        await until(lambda: link.attached, WAIT_S, "the link attached")
         await link.drain("SIGTERM")
         assert await served(worker) == 0
     assert len(plane.sessions) == 1

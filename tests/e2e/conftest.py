@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import os
 import subprocess
 import sys
@@ -16,6 +15,7 @@ import pytest
 
 from stepwise.models import resolve_model
 from stepwise.up import Stack, stop_processes
+from tests.processes import ready_file
 
 # --strict-invariants: the KV pool invariants are checked after every step; a violation ends the run.
 CONTROL_BASE = [
@@ -121,12 +121,7 @@ class ControlProcess:
     async def start(self, timeout: float = 60.0) -> ControlProcess:
         ready = self.tmp / f"ready-{len(self.procs)}.json"
         control = self.spawn("control", *CONTROL_BASE, *self.flags, "--ready-file", str(ready), env=self.env)
-        deadline = time.monotonic() + timeout
-        while not ready.exists():
-            assert control.poll() is None, f"control plane exited with {control.returncode}"
-            assert time.monotonic() < deadline, "control plane did not start"
-            await asyncio.sleep(0.05)
-        self.ready = json.loads(ready.read_text())
+        self.ready = await ready_file(ready, control, timeout, "control plane")
         self.address = f"127.0.0.1:{self.ready['port']}"
         self.worker_address = f"127.0.0.1:{self.ready['worker_port']}"
         return self

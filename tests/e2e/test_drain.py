@@ -26,6 +26,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from clients.client import Generation, StepwiseClient, apply_response, generate_request, sampling_params
 from tests.e2e.conftest import ControlProcess
 from tests.e2e.link_worker import LinkWorker, census
+from tests.polling import until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -79,13 +80,6 @@ async def _stream(client: StepwiseClient, max_new: int, progress: dict[str, int]
     return gen
 
 
-async def _until(condition: object, timeout: float = 20.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout
-    while not await condition():  # type: ignore[operator]
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.02)
-
-
 async def _health(address: str, service: str = "") -> int:
     async with grpc.aio.insecure_channel(address) as channel:
         request = health_pb2.HealthCheckRequest(service=service)
@@ -105,7 +99,7 @@ async def test_a_draining_worker_finishes_its_streams_then_gets_shutdown(fleet) 
         async def two_running() -> bool:
             return sum(1 for n in progress.values() if n) >= 2
 
-        await _until(two_running, what="two streams running")
+        await until(two_running, 20.0, "two streams running", every_s=0.02)
         w1 = await fleet.worker(plane.worker_address, "w1")
         await plane.wait_workers(2)
         await w0.drain("SIGTERM")
@@ -114,7 +108,7 @@ async def test_a_draining_worker_finishes_its_streams_then_gets_shutdown(fleet) 
             workers = {w.worker_id: w for w in (await client.server_info()).workers}
             return workers["w0"].leaving and not workers["w1"].leaving
 
-        await _until(w0_leaving, what="w0 leaving")
+        await until(w0_leaving, 20.0, "w0 leaving", every_s=0.02)
         assert not w0.ended.is_set()  # its running streams are not done yet
         late = await client.generate(PROMPT, max_new_tokens=20, ignore_eos=True)
         gens = await asyncio.gather(*tasks)
@@ -162,14 +156,14 @@ async def test_sigterm_drains_the_control_plane_under_load(fleet) -> None:
         async def all_streaming() -> bool:
             return len(progress) == 4 and all(progress.values())
 
-        await _until(all_streaming, what="every stream's first token")
+        await until(all_streaming, 20.0, "every stream's first token", every_s=0.02)
         signalled = time.monotonic()
         plane.control.send_signal(signal.SIGTERM)
 
         async def not_serving() -> bool:
             return await _health(plane.address) == NOT_SERVING
 
-        await _until(not_serving, timeout=2.0, what="NOT_SERVING")
+        await until(not_serving, 2.0, "NOT_SERVING", every_s=0.02)
         assert await _health(plane.address, "stepwise.v1.Generation") == NOT_SERVING
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await client.generate(PROMPT, max_new_tokens=5)
@@ -196,13 +190,13 @@ async def test_a_draining_control_plane_refuses_new_workers_as_retryable(fleet) 
     worker = await fleet.worker(plane.worker_address, "w0")
     async with StepwiseClient(plane.address) as client:
         task = asyncio.create_task(client.generate(PROMPT, max_new_tokens=300, ignore_eos=True))
-        await _until(lambda: _running(client), what="a running request")
+        await until(lambda: _running(client), 20.0, "a running request", every_s=0.02)
         plane.control.send_signal(signal.SIGTERM)
 
         async def refusing() -> bool:
             return not (await census(plane.worker_address)).accepting
 
-        await _until(refusing, timeout=5, what="accepting=false")
+        await until(refusing, 5, "accepting=false", every_s=0.02)
         late = LinkWorker(plane.worker_address, "late")
         try:
             await late.attach()

@@ -15,7 +15,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import grpc
@@ -23,6 +23,8 @@ import pytest
 
 from clients.client import Generation, StepwiseClient, apply_response, generate_request, sampling_params
 from stepwise.up import free_ports, stop_processes
+from tests.polling import until
+from tests.processes import ready_file
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -59,12 +61,7 @@ class Fleet:
         args += ["--peers", self.peers, "--rebalance-interval", "0.5", "--drain-timeout", "10"]
         args += ["--log-level", "info", *flags, "--ready-file", str(ready)]
         proc = self.controls[i] = self._spawn(args, self.tmp / f"control-{i}.log")
-        deadline = time.monotonic() + 60
-        while not ready.exists():
-            assert proc.poll() is None, f"control plane {i} exited with {proc.returncode}"
-            assert time.monotonic() < deadline, f"control plane {i} did not start"
-            await asyncio.sleep(0.05)
-        self.addresses[i] = f"127.0.0.1:{json.loads(ready.read_text())['port']}"
+        self.addresses[i] = f"127.0.0.1:{(await ready_file(ready, proc, 60, f'control plane {i}'))['port']}"
         return self.addresses[i]
 
     def worker(self, name: str, *flags: str) -> None:
@@ -149,20 +146,6 @@ def _load(addresses: list[str], per_plane: int, max_new: int, progress: dict[str
     ]
 
 
-async def _until(
-    condition: Callable[[], Awaitable[bool]] | Callable[[], bool], timeout: float, what: str
-) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        result = condition()
-        if asyncio.iscoroutine(result):
-            result = await result
-        if result:
-            return
-        assert time.monotonic() < deadline, f"timed out: {what}"
-        await asyncio.sleep(0.02)
-
-
 async def _two_planes_four_workers(fleet: Callable[[int], Fleet], planes: int = 2) -> Fleet:
     f = fleet(planes)
     await f.control(0)
@@ -177,7 +160,7 @@ async def test_a_third_control_plane_gets_its_share_within_10_s_and_no_stream_is
     f = await _two_planes_four_workers(fleet, planes=3)
     progress: dict[str, int] = {}
     tasks = _load([f.addresses[0], f.addresses[1]], 16, 300, progress)
-    await _until(lambda: len(progress) == 32, 20, "every stream started")
+    await until(lambda: len(progress) == 32, 20, "every stream started", every_s=0.02)
     started = time.monotonic()
     await f.control(2)
     converged = await f.wait_spread(lambda c: len(c) == 3 and even(c), 10, "scale-out")
@@ -195,7 +178,9 @@ async def test_sigterm_on_a_control_plane_under_load_finishes_its_streams_and_re
     f = await _two_planes_four_workers(fleet)
     progress: dict[str, int] = {}
     tasks = _load([f.addresses[0], f.addresses[1]], 16, 200, progress)
-    await _until(lambda: len(progress) == 32 and min(progress.values()) > 5, 20, "every stream running")
+    await until(
+        lambda: len(progress) == 32 and min(progress.values()) > 5, 20, "every stream running", every_s=0.02
+    )
     started = time.monotonic()
     f.controls[1].send_signal(signal.SIGTERM)
     gens = await asyncio.gather(*tasks)
@@ -218,7 +203,9 @@ async def test_a_sigkilled_control_plane_fails_its_clients_fast_and_its_workers_
     f = await _two_planes_four_workers(fleet)
     progress: dict[str, int] = {}
     tasks = _load([f.addresses[1]], 8, 2000, progress)
-    await _until(lambda: len(progress) == 8 and min(progress.values()) > 5, 20, "streams running")
+    await until(
+        lambda: len(progress) == 8 and min(progress.values()) > 5, 20, "streams running", every_s=0.02
+    )
     started = time.monotonic()
     f.controls[1].send_signal(signal.SIGKILL)
     results = await asyncio.gather(*tasks, return_exceptions=True)
@@ -245,7 +232,9 @@ async def test_a_worker_drained_under_load_finishes_its_streams_without_recomput
     await f.wait_spread(lambda c: c == [2], 30, "w1 attached")
     progress: dict[str, int] = {}
     tasks = _load([f.addresses[0]], 16, 150, progress)
-    await _until(lambda: sum(1 for n in progress.values() if n > 5) >= 8, 20, "both workers busy")
+    await until(
+        lambda: sum(1 for n in progress.values() if n > 5) >= 8, 20, "both workers busy", every_s=0.02
+    )
     f.workers["w0"].send_signal(signal.SIGTERM)
     gens = await asyncio.gather(*tasks)
     assert [(g.finish_reason, g.completion_tokens) for g in gens] == [("length", 150)] * 16

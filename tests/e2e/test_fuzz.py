@@ -14,7 +14,6 @@ import asyncio
 import json
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 
 import grpc
@@ -32,6 +31,7 @@ from stepwise.models import resolve_model
 from stepwise.up import stop_processes
 from tests.e2e.conftest import ControlProcess
 from tests.e2e.rogue import RogueWorker, hello, honest_result, tokens_bytes
+from tests.processes import ready_file_sync
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
@@ -307,12 +307,7 @@ def gateway(plane: ControlProcess, tmp_path_factory: pytest.TempPathFactory) -> 
     with log.open("wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "stepwise.cli", *args], stdout=out, stderr=out)
     try:
-        deadline = time.monotonic() + 60
-        while not ready.exists():
-            assert proc.poll() is None, f"the gateway exited with {proc.returncode}: {log.read_text()}"
-            assert time.monotonic() < deadline, "the gateway did not start"
-            time.sleep(0.05)
-        yield f"http://127.0.0.1:{json.loads(ready.read_text())['port']}"
+        yield f"http://127.0.0.1:{ready_file_sync(ready, proc, 60, 'the gateway', log=log)['port']}"
         assert "Traceback" not in log.read_text(), log.read_text()[-5000:]
     finally:
         stop_processes([proc])

@@ -25,6 +25,7 @@ from clients.client import Generation, StepwiseClient
 from gateway.chat import load_template
 from stepwise.models import resolve_model
 from stepwise.up import stop_processes
+from tests.processes import ready_file_sync
 
 PROMPT = "Once upon a time"
 UP_FLAGS = ["--host", "127.0.0.1", "--port", "0", "--worker-port", "0", "--log-level", "warning"]
@@ -499,14 +500,7 @@ def lone_gateway(up: Up, tmp: Path, *flags: str, open_files: int | None = None) 
             [sys.executable, "-m", "stepwise.cli", *args], stdout=out, stderr=out, preexec_fn=limit_files
         )
     try:
-        deadline = time.monotonic() + 60
-        while not ready.exists():
-            assert proc.poll() is None, (
-                f"the gateway exited with {proc.returncode}: {log.read_text()[-2000:]}"
-            )
-            assert time.monotonic() < deadline, "the gateway did not start"
-            time.sleep(0.05)
-        yield LoneGateway(proc, json.loads(ready.read_text())["port"], log)
+        yield LoneGateway(proc, ready_file_sync(ready, proc, 60, "the gateway", log=log)["port"], log)
     finally:
         stop_processes([proc])
 

@@ -16,8 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +25,8 @@ import pytest
 
 from stepwise.up import stop_processes
 from tests.e2e.conftest import ControlProcess
+from tests.polling import until_sync
+from tests.processes import ready_file_sync
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -110,14 +111,7 @@ def gateway(plane: ControlProcess, tmp: Path, *flags: str) -> Iterator[Gateway]:
     with log.open("wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "stepwise.cli", *args], stdout=out, stderr=out)
     try:
-        deadline = time.monotonic() + 90
-        while not ready.exists():
-            assert proc.poll() is None, (
-                f"the gateway exited with {proc.returncode}: {log.read_text()[-3000:]}"
-            )
-            assert time.monotonic() < deadline, "the gateway did not start"
-            time.sleep(0.05)
-        data = json.loads(ready.read_text())
+        data = ready_file_sync(ready, proc, 90, "the gateway", log=log)
         yield Gateway(proc, data["port"], data.get("worker_pids", []), log)
     finally:
         stop_processes([proc])
@@ -155,13 +149,6 @@ def completion_tokens(stream: bytes) -> int:
     usage = [line for line in stream.split(b"\n") if line.startswith(b"data: {") and b'"usage"' in line]
     assert usage, stream[-300:]
     return int(json.loads(usage[-1][6:])["usage"]["completion_tokens"])
-
-
-def wait_for(condition: Callable[[], bool], within_s: float, what: str) -> None:
-    deadline = time.monotonic() + within_s
-    while not condition():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.05)
 
 
 def completion(gw: Gateway) -> httpx.Response:
@@ -216,10 +203,18 @@ def test_a_killed_worker_is_reported_and_restarted(plane: ControlProcess, tmp_pa
         victim, survivor = gw.pids
         os.kill(victim, signal.SIGKILL)
         # Dead (its listening socket closed with it), so no new connection is hashed to it.
-        wait_for(lambda: _zombie(victim), 10, "the killed worker is still running")
+        until_sync(lambda: _zombie(victim), 10, "the killed worker to die")
         assert completion(gw).status_code == 200
-        wait_for(lambda: len(gw.workers_now()) == 2 and victim not in gw.workers_now(), 30, "no restart")
-        wait_for(lambda: b"gateway worker accepting again" in gw.log.read_bytes(), 30, "not accepting")
+        until_sync(
+            lambda: len(gw.workers_now()) == 2 and victim not in gw.workers_now(),
+            30,
+            "a worker in the killed one's place",
+        )
+        until_sync(
+            lambda: b"gateway worker accepting again" in gw.log.read_bytes(),
+            30,
+            "the gateway worker accepting again",
+        )
         log = gw.log.read_text()
         assert "gateway worker exited; restarting it" in log and f'"pid": {victim}' in log, log[-3000:]
         assert survivor in gw.workers_now()
@@ -252,7 +247,7 @@ def test_up_passes_gateway_workers_on(tmp_path: Path) -> None:
     args += ["--backend", "sim", "--gateway-port", "0", "--gateway-workers", "2", "--ready-file", str(ready)]
     proc = subprocess.Popen([sys.executable, "-m", "stepwise.cli", *args])
     try:
-        wait_for(lambda: ready.exists() or proc.poll() is not None, 120, "stepwise up did not start")
+        until_sync(lambda: ready.exists() or proc.poll() is not None, 120, "stepwise up to start")
         assert proc.poll() is None, f"stepwise up exited with {proc.returncode}"
         host, port = json.loads(ready.read_text())["gateway_address"].rsplit(":", 1)
         gateway_pid = _child(proc.pid, b"gateway")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import signal
 import subprocess
@@ -18,6 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2
 
 from tests.e2e.conftest import CONTROL_BASE
+from tests.processes import ready_file_sync
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -34,15 +34,6 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-
-
-def _wait_file(path: Path, proc: subprocess.Popen[bytes], timeout: float = 60) -> dict[str, int]:
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        assert proc.poll() is None, "control plane exited"
-        assert time.monotonic() < deadline, "control plane did not start"
-        time.sleep(0.05)
-    return json.loads(path.read_text())  # type: ignore[no-any-return]
 
 
 async def _status(address: str) -> int:
@@ -63,7 +54,7 @@ async def test_health_follows_workers_and_reflection_lists_services(tmp_path: Pa
     control = _spawn("control", *CONTROL_BASE, "--ready-file", str(ready))
     worker = None
     try:
-        ports = _wait_file(ready, control)
+        ports = ready_file_sync(ready, control, 60, "control plane")
         address = f"127.0.0.1:{ports['port']}"
         assert await _status(address) == health_pb2.HealthCheckResponse.NOT_SERVING
         worker = _spawn("worker", "--control", f"127.0.0.1:{ports['worker_port']}", "--log-level", "warning")

@@ -14,11 +14,11 @@ import asyncio
 import contextlib
 import os
 import signal
-import time
 
 import pytest
 
 from clients.client import StepwiseClient, generate_request, sampling_params
+from tests.polling import until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -28,13 +28,6 @@ STEP_TIMEOUT_S = 2.0
 async def _worker(client: StepwiseClient, worker_id: str):  # type: ignore[no-untyped-def]
     """The worker's entry in GetServerInfo, None while it is not attached."""
     return next((w for w in (await client.server_info()).workers if w.worker_id == worker_id), None)
-
-
-async def _until(check, timeout_s: float, what: str) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while not await check():
-        assert time.monotonic() < deadline, what
-        await asyncio.sleep(0.05)
 
 
 def _request(prompt_tokens: int, new_tokens: int, seed: int):  # type: ignore[no-untyped-def]
@@ -65,7 +58,7 @@ async def test_a_decode_worker_dropped_during_copies_takes_hand_offs_after_it_re
             async def decoding() -> bool:
                 return (await _worker(client, "d0")).migrated_in == 3
 
-            await _until(decoding, 30, "the long requests did not move to d0")
+            await until(decoding, 30, "the long requests to move to d0", every_s=0.05)
             os.kill(d0.pid, signal.SIGSTOP)
             try:
                 background += [asyncio.create_task(_run(client, 10, 8, seed=s)) for s in (3, 4, 5)]
@@ -73,7 +66,7 @@ async def test_a_decode_worker_dropped_during_copies_takes_hand_offs_after_it_re
                 async def dropped() -> bool:
                     return await _worker(client, "d0") is None
 
-                await _until(dropped, 30, "the stopped d0 was not dropped")
+                await until(dropped, 30, "the stopped d0 to be dropped", every_s=0.05)
                 # The long requests would move back to d0 with more KV than its buffer takes.
                 for task in background[:2]:
                     task.cancel()
@@ -83,14 +76,14 @@ async def test_a_decode_worker_dropped_during_copies_takes_hand_offs_after_it_re
             async def back() -> bool:
                 return await _worker(client, "d0") is not None
 
-            await _until(back, 30, "d0 did not attach again")
+            await until(back, 30, "d0 to attach again", every_s=0.05)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.gather(*background, return_exceptions=True), 15)
 
             async def idle() -> bool:
                 return all(w.book_live_seqs == 0 for w in (await client.server_info()).workers)
 
-            await _until(idle, 30, "earlier requests still run")
+            await until(idle, 30, "the earlier requests to finish", every_s=0.05)
             p0 = await _worker(client, "p0")
             await asyncio.wait_for(_run(client, 40, 8, seed=6), 30)
             after = await _worker(client, "p0")

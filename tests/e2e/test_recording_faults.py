@@ -10,7 +10,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import subprocess
 import sys
@@ -21,6 +20,7 @@ import pytest
 
 from clients.client import StepwiseClient
 from tests.e2e.conftest import CONTROL_BASE, WORKER_BASE
+from tests.processes import ready_file
 
 pytestmark = pytest.mark.timeout(180)
 ROOT = Path(__file__).resolve().parents[2]
@@ -56,15 +56,6 @@ def _with_file_size_limit(limit: int, *args: str) -> list[str]:
     return [sys.executable, "-c", program, *args]
 
 
-async def _wait_ready(path: Path, proc: subprocess.Popen[bytes], timeout: float = 60) -> dict[str, int]:
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        assert proc.poll() is None, f"exited with {proc.returncode}"
-        assert time.monotonic() < deadline, "did not start"
-        await asyncio.sleep(0.05)
-    return json.loads(path.read_text())
-
-
 async def test_a_write_error_mid_run_stops_the_recording_and_serving_goes_on(tmp_path: Path) -> None:
     record = tmp_path / "rec"
     ready = tmp_path / "ready.json"
@@ -78,7 +69,7 @@ async def test_a_write_error_mid_run_stops_the_recording_and_serving_goes_on(tmp
             stderr=control_log,
         )
         procs.append(control)
-        ports = await _wait_ready(ready, control)
+        ports = await ready_file(ready, control, 60, "control plane")
         address = f"127.0.0.1:{ports['port']}"
         sim = ["--backend", "sim", "--sim-cost", "0.001,0,0", "--worker-id", "w0"]
         sim += ["--control", f"127.0.0.1:{ports['worker_port']}"]

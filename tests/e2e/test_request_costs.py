@@ -6,10 +6,8 @@ Memory is read from /proc of the real processes."""
 from __future__ import annotations
 
 import asyncio
-import json
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -21,6 +19,7 @@ import pytest
 
 from protos.stepwise.v1 import generation_pb2 as gen_pb
 from stepwise.up import stop_processes
+from tests.processes import ready_file_sync
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -57,12 +56,7 @@ def _gateway(control: str, tmp: Path) -> Iterator[tuple[subprocess.Popen[bytes],
     with log.open("wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "stepwise.cli", *args], stdout=out, stderr=out)
     try:
-        deadline = time.monotonic() + 60
-        while not ready.exists():
-            assert proc.poll() is None, log.read_text()[-2000:]
-            assert time.monotonic() < deadline, "the gateway did not start"
-            time.sleep(0.05)
-        yield proc, f"http://127.0.0.1:{json.loads(ready.read_text())['port']}"
+        yield proc, f"http://127.0.0.1:{ready_file_sync(ready, proc, 60, 'the gateway', log=log)['port']}"
     finally:
         stop_processes([proc])
 

@@ -4,7 +4,6 @@ control planes share the workers."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import subprocess
@@ -19,6 +18,7 @@ from clients.client import Generation, StepwiseClient
 from stepwise.up import stop_processes
 from tests.e2e.test_faults import _stream
 from tests.e2e.test_generate import _encode_all
+from tests.processes import ready_file
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -59,12 +59,7 @@ async def start_up(tmp_path: Path) -> AsyncIterator[object]:
         args += [*flags, "--ready-file", str(ready)]
         proc = subprocess.Popen([sys.executable, "-m", "stepwise.cli", *args])
         procs.append(proc)
-        deadline = time.monotonic() + 120
-        while not ready.exists():
-            assert proc.poll() is None, f"stepwise up exited with {proc.returncode}"
-            assert time.monotonic() < deadline, "stepwise up did not come up"
-            await asyncio.sleep(0.05)
-        return Up(proc, json.loads(ready.read_text()))
+        return Up(proc, await ready_file(ready, proc, 120, "stepwise up"))
 
     try:
         yield start

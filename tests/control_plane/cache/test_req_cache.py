@@ -3,7 +3,7 @@
 
 These are the only implementation of docs/scheduler.md#caching-requests: the scheduler reaches them through
 KvManager
-(tests/control_plane/test_kv_manager.py covers that adapter)."""
+(tests/control_plane/scheduler/test_kv_manager.py covers that adapter)."""
 
 from __future__ import annotations
 

@@ -19,8 +19,9 @@ from control_plane.core.engine import Engine
 from control_plane.core.fleet import Fleet, Router
 from control_plane.request import FinishKind, RequestParams
 from protos.worker import SamplerParams, StepResult, TransferOutcome
+from tests.control_plane.core.test_migration_engine import _alone
 from tests.control_plane.fake_core import FakeChannel, FakeHub, make_engine, submit
-from tests.control_plane.test_migration_engine import _alone, _until
+from tests.polling import until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -129,7 +130,7 @@ async def test_a_destination_that_goes_away_releases_the_copies_on_their_way_to_
         plane.channels["p"].hung.add("d0:1")
         uid = plane.send("r", 60)
         stream = plane.hub.stream(uid)
-        await _until(lambda: _exports_to(p, "d0") == 1, "the hand-off to d0")
+        await until(lambda: _exports_to(p, "d0") == 1, 20.0, "the hand-off to d0", every_s=0.001)
         stuck = len(stream.tokens)
         await asyncio.sleep(0.1)
         assert len(stream.tokens) == stuck, "the call waits on the hung copy"
@@ -152,7 +153,7 @@ async def test_a_copy_with_no_word_past_the_step_timeout_fails_and_its_call_goes
         plane.channels["p"].hung.add("d0:1")
         uid = plane.send("r", 60)
         stream = plane.hub.stream(uid)
-        await _until(lambda: _exports_to(p, "d0") == 1, "the hand-off to d0")
+        await until(lambda: _exports_to(p, "d0") == 1, 20.0, "the hand-off to d0", every_s=0.001)
         await asyncio.wait_for(stream.done.wait(), 5)
         assert stream.finished is not None and stream.finished.kind is FinishKind.LENGTH
         assert stream.tokens == await _alone(60, PROMPT)
@@ -169,7 +170,12 @@ async def test_calls_in_transit_count_in_a_destinations_load() -> None:
         for i in range(10):
             plane.send(f"r{i}", 200, [30 + i, *PROMPT])
             await asyncio.sleep(0.004)
-        await _until(lambda: _exports_to(p, "d0") + d1.migration.migrated_in == 10, "ten hand-offs")
+        await until(
+            lambda: _exports_to(p, "d0") + d1.migration.migrated_in == 10,
+            20.0,
+            "ten hand-offs",
+            every_s=0.001,
+        )
         assert d1.migration.migrated_in >= 4, (_exports_to(p, "d0"), d1.migration.migrated_in)
 
 
@@ -183,9 +189,11 @@ async def test_a_drain_goes_on_to_the_healthy_peer_when_another_fails_its_copies
         prompts = [[40 + i, *PROMPT] for i in range(4)]
         uids = [submit(a, f"r{i}", prompt, _params(400))[0] for i, prompt in enumerate(prompts)]
         streams = [plane.hub.stream(uid) for uid in uids]
-        await _until(lambda: all(len(s.tokens) >= 2 for s in streams), "two tokens each on a")
+        await until(
+            lambda: all(len(s.tokens) >= 2 for s in streams), 20.0, "two tokens each on a", every_s=0.001
+        )
         a.leave(Departure.SHUTDOWN, "the worker is stopping")
-        await _until(lambda: a.departed, "a drained", timeout=20)
+        await until(lambda: a.departed, 20, "a drained", every_s=0.001)
         for stream, prompt in zip(streams, prompts, strict=True):
             await asyncio.wait_for(stream.done.wait(), 20)
             assert stream.finished is not None and stream.finished.kind is FinishKind.LENGTH

@@ -21,6 +21,7 @@ from protos.stepwise.v1 import worker_pb2 as wk_pb
 from protos.worker import Census, SamplerParams, WorkerLimits
 from stepwise.models import resolve_model
 from tests.control_plane.fake_core import FakeChannel, FakeHub, finished, make_engine, submit
+from tests.polling import until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -90,18 +91,12 @@ async def plane_factory() -> AsyncIterator[object]:
             await plane.close()
 
 
-async def _until(condition: object, timeout: float = 10.0) -> None:
-    async with asyncio.timeout(timeout):
-        while not condition():  # type: ignore[operator]
-            await asyncio.sleep(0.001)
-
-
 async def test_census_counts_workers_and_load_and_leaves_out_a_leaving_worker(plane_factory) -> None:
     p: Plane = plane_factory()
     assert p.plane.census() == Census(p.plane.id, 0, 0, 0, accepting=True)
     a, b = p.attach("a"), p.attach("b", step_s=0.01)
     uids = [submit(b, f"r{i}", [5, 6, 7], _params(400))[0] for i in range(3)]
-    await _until(lambda: all(p.hub.stream(u).tokens for u in uids))
+    await until(lambda: all(p.hub.stream(u).tokens for u in uids), 10.0, every_s=0.001)
     now = p.plane.census()
     assert (now.workers, now.running, now.queued, now.accepting) == (2, 3, 0, True)
     assert len(now.control_plane_id) == 32
@@ -119,12 +114,12 @@ async def test_drain_refuses_new_work_lets_streams_finish_aborts_the_rest_and_mo
 ) -> None:
     p: Plane = plane_factory(drain_timeout_s=0.5)
     a, b = p.attach("a"), p.attach("b", step_s=0.005)
-    await _until(lambda: p.plane._serving())
+    await until(lambda: p.plane._serving(), 10.0, every_s=0.001)
     (short,) = submit(a, "short", [5, 6, 7], _params(30))
     (long,) = submit(b, "long", [5, 6, 7], _params(5000))
-    await _until(lambda: p.hub.stream(short).tokens and p.hub.stream(long).tokens)
+    await until(lambda: p.hub.stream(short).tokens and p.hub.stream(long).tokens, 10.0, every_s=0.001)
     drain = asyncio.create_task(p.plane.drain())
-    await _until(lambda: p.plane.draining)
+    await until(lambda: p.plane.draining, 10.0, every_s=0.001)
     assert not p.plane.census().accepting and p.plane.hub.draining
     assert await p.health("") == NOT_SERVING and await p.health(WORKER_SERVICE) == NOT_SERVING
     await asyncio.wait_for(drain, 10)

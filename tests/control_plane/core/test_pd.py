@@ -17,8 +17,8 @@ from control_plane.core.fleet import Fleet, Router
 from control_plane.core.worker_checks import hello_refusal
 from control_plane.request import FinishKind, RequestParams
 from protos.worker import SamplerParams, WorkerLimits
+from tests.control_plane.core.test_migration_engine import _alone
 from tests.control_plane.fake_core import FakeHub, make_engine, submit
-from tests.control_plane.test_migration_engine import _alone
 
 pytestmark = pytest.mark.timeout(60)
 

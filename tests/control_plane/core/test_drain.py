@@ -21,6 +21,7 @@ from control_plane.core.fleet import Fleet, Router
 from control_plane.request import RequestParams
 from protos.worker import SamplerParams, StepPlan, StepResult
 from tests.control_plane.fake_core import FakeChannel, FakeHub, Stream, finished, make_engine, submit
+from tests.polling import until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -100,12 +101,6 @@ async def pair_factory() -> AsyncIterator[object]:
             await pair.stop()
 
 
-async def _until(condition: object, timeout: float = 10.0) -> None:
-    async with asyncio.timeout(timeout):
-        while not condition():  # type: ignore[operator]
-            await asyncio.sleep(0.001)
-
-
 def _lengths(streams: list[Stream]) -> list[int]:
     return [len(s.tokens) for s in streams]
 
@@ -127,7 +122,7 @@ async def test_a_draining_worker_finishes_its_running_requests_and_hands_on_the_
     pair: Pair = pair_factory(max_running_requests=2)
     running = [submit(pair.a, f"run{i}", PROMPT, _params(60))[0] for i in range(2)]
     queued = [submit(pair.a, f"queued{i}", PROMPT, _params(20))[0] for i in range(3)]
-    await _until(lambda: all(pair.hub.stream(u).tokens for u in running))
+    await until(lambda: all(pair.hub.stream(u).tokens for u in running), 10.0, every_s=0.001)
     assert len(pair.a.scheduler.waiting) == 3  # max_running_requests=2 holds them back
     with structlog.testing.capture_logs() as logs:
         pair.a.worker_draining("SIGTERM")
@@ -154,7 +149,7 @@ async def test_a_draining_worker_finishes_its_running_requests_and_hands_on_the_
 async def test_past_the_drain_timeout_running_requests_continue_on_the_other_worker(pair_factory) -> None:
     pair: Pair = pair_factory(drain_timeout_s=0.05, step_s=0.005)
     uids = [submit(pair.a, f"long{i}", PROMPT, _params(150))[0] for i in range(2)]
-    await _until(lambda: all(len(pair.hub.stream(u).tokens) >= 3 for u in uids))
+    await until(lambda: all(len(pair.hub.stream(u).tokens) >= 3 for u in uids), 10.0, every_s=0.001)
     with structlog.testing.capture_logs() as logs:
         pair.a.worker_draining("SIGTERM")
         await asyncio.wait_for(pair.tasks["a"], 10)
@@ -173,7 +168,7 @@ async def test_past_the_drain_timeout_with_no_other_worker_the_requests_end_with
     engine, channel, hub = make_engine(VOCAB, step_s=0.005, control={"drain_timeout_s": 0.05})
     task = asyncio.create_task(engine.run())
     (uid,) = submit(engine, "long", PROMPT, _params(500))
-    await _until(lambda: hub.stream(uid).tokens)
+    await until(lambda: hub.stream(uid).tokens, 10.0, every_s=0.001)
     engine.worker_draining("")
     (stream,) = await finished(hub, [uid])
     await asyncio.wait_for(task, 10)
@@ -185,7 +180,7 @@ async def test_past_the_drain_timeout_with_no_other_worker_the_requests_end_with
 async def test_a_moved_worker_gets_move_only_after_its_live_requests_are_done(pair_factory) -> None:
     pair: Pair = pair_factory(step_s=0.002)
     (uid,) = submit(pair.a, "r", PROMPT, _params(40))
-    await _until(lambda: pair.hub.stream(uid).tokens)
+    await until(lambda: pair.hub.stream(uid).tokens, 10.0, every_s=0.001)
     channel = pair.channels["a"]
     move = channel.move
     done_at_move: list[bool] = []

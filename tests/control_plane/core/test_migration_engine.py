@@ -19,6 +19,7 @@ from control_plane.core.fleet import Fleet, Router
 from control_plane.request import FinishKind, RequestParams
 from protos.worker import SamplerParams, StepPlan, StepResult, TransferOutcome
 from tests.control_plane.fake_core import FakeHub, make_engine, submit
+from tests.polling import until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -80,13 +81,6 @@ async def reporting_pair() -> AsyncIterator[Pair]:
         await made.close()
 
 
-async def _until(condition, what: str, timeout: float = 20.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not condition():
-        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.001)
-
-
 async def _alone(max_new: int, prompt: list[int] = PROMPT) -> list[int]:
     """What the request streams on one engine that never migrates."""
     engine, _, hub = make_engine(1000, step_s=0.0)
@@ -107,13 +101,15 @@ def _books_empty(engine: Engine) -> bool:
 async def test_a_migrated_request_streams_what_it_streams_where_it_started(pair: Pair) -> None:
     [uid] = submit(pair.a, "r", PROMPT, _params(40))
     stream = pair.hub.stream(uid)
-    await _until(lambda: len(stream.tokens) >= 5, "five tokens on a")
+    await until(lambda: len(stream.tokens) >= 5, 20.0, "five tokens on a", every_s=0.001)
     assert pair.a.migration.start(pair.a.scheduler, ["r"], pair.b, "test")
     await asyncio.wait_for(stream.done.wait(), 20)
     assert stream.finished is not None and stream.finished.kind is FinishKind.LENGTH
     assert stream.tokens == await _alone(40)
     assert (pair.a.migration.migrated_out, pair.b.migration.migrated_in) == (1, 1)
-    await _until(lambda: _books_empty(pair.a) and _books_empty(pair.b), "both books at zero")
+    await until(
+        lambda: _books_empty(pair.a) and _books_empty(pair.b), 20.0, "both books at zero", every_s=0.001
+    )
     assert pair.network == {} and pair.b.scheduler.kv.protected_size() == 0
 
 
@@ -123,7 +119,7 @@ async def test_an_abort_while_the_tail_is_on_its_way_ends_the_request_and_nothin
     copies instead of admitting it."""
     [uid] = submit(pair.a, "r", PROMPT, _params(400))
     stream = pair.hub.stream(uid)
-    await _until(lambda: len(stream.tokens) >= 3, "three tokens on a")
+    await until(lambda: len(stream.tokens) >= 3, 20.0, "three tokens on a", every_s=0.001)
     # Once a has switched, its next result (which would carry the tail's outcome) waits for the gate.
     gate, receive = asyncio.Event(), pair.channel_a.receive
 
@@ -134,14 +130,16 @@ async def test_an_abort_while_the_tail_is_on_its_way_ends_the_request_and_nothin
 
     pair.channel_a.receive = gated  # type: ignore[method-assign]
     assert pair.a.migration.start(pair.a.scheduler, ["r"], pair.b, "test")
-    await _until(lambda: bool(pair.a.migration.exports), "the switch")
+    await until(lambda: bool(pair.a.migration.exports), 20.0, "the switch", every_s=0.001)
     assert pair.a.knows("r") and pair.a.owner_of("r") == "owner" and not pair.a.streams.knows("r")
     assert pair.a.abort("r", "client went away")
     gate.set()
     await asyncio.wait_for(stream.done.wait(), 20)
     assert stream.finished is not None and stream.finished.kind is FinishKind.ABORT
     assert "client went away" in stream.finished.message
-    await _until(lambda: _books_empty(pair.a) and _books_empty(pair.b), "both books at zero")
+    await until(
+        lambda: _books_empty(pair.a) and _books_empty(pair.b), 20.0, "both books at zero", every_s=0.001
+    )
     assert pair.b.migration.migrated_in == 0 and "r" not in pair.b.scheduler.requests
     assert pair.network == {}, "the destination forgot both copies"
     assert pair.b.scheduler.kv.protected_size() == 0, "the pre-copy's hold was released"
@@ -188,7 +186,7 @@ async def test_the_destination_s_word_continues_a_request_while_the_source_s_res
     before = _arrivals("a")
     [uid] = submit(pair.a, "r", PROMPT, _params(40))
     stream = pair.hub.stream(uid)
-    await _until(lambda: len(stream.tokens) >= 5, "five tokens on a")
+    await until(lambda: len(stream.tokens) >= 5, 20.0, "five tokens on a", every_s=0.001)
     gate = _hold_the_tail_s_result(pair)
     with structlog.testing.capture_logs() as logs:
         assert pair.a.migration.start(pair.a.scheduler, ["r"], pair.b, "test", precopy=precopy)
@@ -198,7 +196,9 @@ async def test_the_destination_s_word_continues_a_request_while_the_source_s_res
         assert stream.tokens == await _alone(40)
         assert (pair.a.migration.migrated_out, pair.b.migration.migrated_in) == (1, 1)
         gate.set()
-        await _until(lambda: _books_empty(pair.a) and _books_empty(pair.b), "both books at zero")
+        await until(
+            lambda: _books_empty(pair.a) and _books_empty(pair.b), 20.0, "both books at zero", every_s=0.001
+        )
     copies = 2 if precopy else 1
     after = _arrivals("a")
     assert (after["receiver"] - before["receiver"], after["sender"] - before["sender"]) == (copies, 0)
@@ -227,7 +227,12 @@ async def test_the_samples_of_a_call_continue_together_when_their_tails_arrive_a
     pair.channel_b.send = recording  # type: ignore[method-assign]
     gate = _hold_the_tail_s_result(pair)  # a's own word on the tails would come at once
     uids = submit(pair.a, "r", PROMPT, _params(40), n=3)
-    await _until(lambda: all(len(pair.hub.stream(u).tokens) >= 5 for u in uids), "five tokens each on a")
+    await until(
+        lambda: all(len(pair.hub.stream(u).tokens) >= 5 for u in uids),
+        20.0,
+        "five tokens each on a",
+        every_s=0.001,
+    )
     assert pair.a.migration.start(pair.a.scheduler, ["r/0", "r/1", "r/2"], pair.b, "test")
     for uid in uids:
         await asyncio.wait_for(pair.hub.stream(uid).done.wait(), 20)
@@ -250,7 +255,7 @@ async def test_a_receiver_s_word_after_the_sender_s_changes_nothing(pair: Pair) 
     pair.channel_a.send = recording  # type: ignore[method-assign]
     [uid] = submit(pair.a, "r", PROMPT, _params(40))
     stream = pair.hub.stream(uid)
-    await _until(lambda: len(stream.tokens) >= 5, "five tokens on a")
+    await until(lambda: len(stream.tokens) >= 5, 20.0, "five tokens on a", every_s=0.001)
     assert pair.a.migration.start(pair.a.scheduler, ["r"], pair.b, "test")
     await asyncio.wait_for(stream.done.wait(), 20)
     assert len(sent) == 2  # the pre-copy and the tail, both settled by a's results
@@ -258,7 +263,9 @@ async def test_a_receiver_s_word_after_the_sender_s_changes_nothing(pair: Pair) 
     with structlog.testing.capture_logs() as logs:
         for transfer_id, nbytes in [*sent, ("a/unknown", 64), ("gone/elsewhere", 64)]:
             pair.b.worker_received(TransferOutcome(transfer_id, "", nbytes))
-        await _until(lambda: _books_empty(pair.a) and _books_empty(pair.b), "both books at zero")
+        await until(
+            lambda: _books_empty(pair.a) and _books_empty(pair.b), 20.0, "both books at zero", every_s=0.001
+        )
     assert _arrivals("a") == before
     assert not [e for e in logs if e["log_level"] in ("warning", "error")], logs
     assert stream.tokens == await _alone(40)
@@ -271,10 +278,10 @@ async def test_only_the_copy_s_destination_can_say_it_arrived(pair: Pair) -> Non
     gate = _hold_the_tail_s_result(pair)
     [uid] = submit(pair.a, "r", PROMPT, _params(40))
     stream = pair.hub.stream(uid)
-    await _until(lambda: len(stream.tokens) >= 5, "five tokens on a")
+    await until(lambda: len(stream.tokens) >= 5, 20.0, "five tokens on a", every_s=0.001)
     assert pair.a.migration.start(pair.a.scheduler, ["r"], pair.b, "test", precopy=False)
     [tail] = pair.a.migration.exports
-    await _until(lambda: tail in pair.network, "the tail at b")  # its result held back
+    await until(lambda: tail in pair.network, 20.0, "the tail at b", every_s=0.001)  # its result held back
     with structlog.testing.capture_logs() as logs:
         pair.a.copy_arrived(TransferOutcome(tail, "", 64), receiver="c")
     assert [e["event"] for e in logs] == ["transfer reported by another worker"]
@@ -368,7 +375,7 @@ async def test_a_worker_short_of_kv_migrates_to_one_with_room_instead_of_retract
             assert a.scheduler.num_retracted_total > 0 and b.migration.migrated_in == 0
         for uid, prompt in zip(uids, prompts, strict=True):
             assert hub.stream(uid).tokens == await _alone(60, prompt)
-        await _until(lambda: _books_empty(a) and _books_empty(b), "both books at zero")
+        await until(lambda: _books_empty(a) and _books_empty(b), 20.0, "both books at zero", every_s=0.001)
 
 
 async def test_a_queue_beside_free_kv_moves_running_requests_there() -> None:
@@ -387,4 +394,4 @@ async def test_a_queue_beside_free_kv_moves_running_requests_there() -> None:
         assert _moves("a") - before == {"balance": b.migration.migrated_in}
         for uid, prompt in zip(uids, prompts, strict=True):
             assert hub.stream(uid).tokens == await _alone(40, prompt)
-        await _until(lambda: _books_empty(a) and _books_empty(b), "both books at zero")
+        await until(lambda: _books_empty(a) and _books_empty(b), 20.0, "both books at zero", every_s=0.001)

@@ -14,7 +14,7 @@ from control_plane.scheduler.policy import LPM_FALLBACK_QUEUE_LEN, PrefixMatcher
 from control_plane.scheduler.scheduler import Scheduler
 from tests.control_plane.factories import make_config, make_scheduler, prompt
 from tests.control_plane.fake_worker import FakeWorker
-from tests.control_plane.test_policy import cache, ordered, req
+from tests.control_plane.scheduler.test_policy import cache, ordered, req
 
 DEEP = LPM_FALLBACK_QUEUE_LEN + 1
 
