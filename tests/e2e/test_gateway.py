@@ -36,8 +36,8 @@ class Up:
     address: str  # gRPC client address
     base_url: str  # http://HOST:PORT/v1
 
-    def openai(self, api_key: str = "unused") -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.base_url, api_key=api_key, max_retries=0, timeout=30)
+    def openai(self, api_key: str = "unused", timeout: float = 30) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.base_url, api_key=api_key, max_retries=0, timeout=timeout)
 
 
 def start_up(tmp: Path, *flags: str) -> tuple[subprocess.Popen[bytes], Up]:

@@ -56,6 +56,10 @@ ASK = [{"role": "user", "content": "What is the weather in Paris in celsius?"}]
 SCHEMAS = {"get_weather": WEATHER_PARAMETERS, "get_time": TIME["function"]["parameters"]}
 # Enough for a call's JSON; a cut-off one would fail to parse, which is the point of checking.
 MAX_TOKENS = 60
+# A call's deadline: SmolLM2's first constrained call compiles its grammar on the worker, and a
+# step of the 135M model on two shared cores took up to seconds while other tests ran beside it
+# (a 30 s deadline timed out once so).
+CALL_TIMEOUT_S = 120
 
 
 class Weather(BaseModel):
@@ -90,6 +94,7 @@ def _langchain(up: Up) -> ChatOpenAI:
         base_url=up.base_url,
         api_key="unused",
         max_retries=0,
+        timeout=CALL_TIMEOUT_S,
         temperature=0,
         max_tokens=MAX_TOKENS,
     )
@@ -99,7 +104,7 @@ def _langchain(up: Up) -> ChatOpenAI:
 
 
 def test_tool_choice_required_calls_a_tool_with_valid_arguments(up: Up) -> None:
-    reply = up.openai().chat.completions.create(
+    reply = up.openai(timeout=CALL_TIMEOUT_S).chat.completions.create(
         model="smollm2",
         messages=ASK,
         tools=[WEATHER, TIME],
@@ -115,7 +120,7 @@ def test_tool_choice_required_calls_a_tool_with_valid_arguments(up: Up) -> None:
 
 def test_a_named_tool_choice_calls_that_tool(up: Up) -> None:
     named = {"type": "function", "function": {"name": "get_time"}}
-    reply = up.openai().chat.completions.create(
+    reply = up.openai(timeout=CALL_TIMEOUT_S).chat.completions.create(
         model="smollm2",
         messages=ASK,
         tools=[WEATHER, TIME],
@@ -129,7 +134,7 @@ def test_a_named_tool_choice_calls_that_tool(up: Up) -> None:
 
 
 def test_auto_answers_with_text_or_a_valid_call(up: Up) -> None:
-    reply = up.openai().chat.completions.create(
+    reply = up.openai(timeout=CALL_TIMEOUT_S).chat.completions.create(
         model="smollm2",
         messages=ASK,
         tools=[WEATHER],
@@ -143,7 +148,7 @@ def test_auto_answers_with_text_or_a_valid_call(up: Up) -> None:
 
 
 def test_a_tool_result_round_trip(up: Up) -> None:
-    client = up.openai()
+    client = up.openai(timeout=CALL_TIMEOUT_S)
     first = client.chat.completions.create(
         model="smollm2",
         messages=ASK,
@@ -170,7 +175,7 @@ def test_a_tool_result_round_trip(up: Up) -> None:
 
 
 def test_streamed_tool_calls_assemble_into_valid_calls(up: Up) -> None:
-    stream = up.openai().chat.completions.create(
+    stream = up.openai(timeout=CALL_TIMEOUT_S).chat.completions.create(
         model="smollm2",
         messages=ASK,
         tools=[WEATHER, TIME],
@@ -195,7 +200,7 @@ def test_streamed_tool_calls_assemble_into_valid_calls(up: Up) -> None:
 
 def test_a_strict_pydantic_schema_gives_exactly_its_keys(up: Up) -> None:
     """Pydantic's schema leaves its objects open; strict closes them, so SmolLM2 cannot add keys."""
-    reply = up.openai().chat.completions.create(
+    reply = up.openai(timeout=CALL_TIMEOUT_S).chat.completions.create(
         model="smollm2",
         messages=[{"role": "user", "content": "Report the weather in Paris as JSON."}],
         response_format={
