@@ -23,9 +23,10 @@ import contextlib
 import json
 import sys
 from collections import Counter, deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
@@ -249,24 +250,50 @@ class Simulation:
             progress.cached_tokens = finished.cached_tokens
 
     def summary(self) -> dict[str, object]:
-        done = list(self.progress.values())
-        prompt = sum(p.prompt_tokens for p in done)
-        cached = sum(p.cached_tokens for p in done)
-        ttft = [p.first_token - p.arrival for p in done if p.first_token is not None]
-        latency = [p.finished - p.arrival for p in done if p.finished is not None]
-        return {
-            "requests": len(done),
-            "finish_reasons": dict(sorted(Counter(p.reason for p in done).items())),
-            "steps": self.steps,
-            "simulated_s": _round(self.clock),
-            "output_tokens": sum(p.output_tokens for p in done),
-            "prompt_tokens": prompt,
-            "cached_tokens": cached,
-            "hit_rate": _round(cached / prompt if prompt else 0.0),
-            "retractions": self.scheduler.num_retracted_total,
-            **_distribution("ttft", ttft),
-            **_distribution("latency", latency),
-        }
+        return summarize(self.progress.values(), self.steps, self.clock, self.scheduler.num_retracted_total)
+
+
+class RequestProgress(Protocol):
+    """What the summary reads of each request's progress (the single-worker and fleet simulators')."""
+
+    @property
+    def arrival(self) -> float: ...
+    @property
+    def prompt_tokens(self) -> int: ...
+    @property
+    def first_token(self) -> float | None: ...
+    @property
+    def finished(self) -> float | None: ...
+    @property
+    def reason(self) -> str: ...
+    @property
+    def output_tokens(self) -> int: ...
+    @property
+    def cached_tokens(self) -> int: ...
+
+
+def summarize(
+    progress: Iterable[RequestProgress], steps: int, end_s: float, retractions: int
+) -> dict[str, object]:
+    """The summary line: counts, the prefix-cache hit rate and TTFT/latency over every request."""
+    done = list(progress)
+    prompt = sum(p.prompt_tokens for p in done)
+    cached = sum(p.cached_tokens for p in done)
+    ttft = [p.first_token - p.arrival for p in done if p.first_token is not None]
+    latency = [p.finished - p.arrival for p in done if p.finished is not None]
+    return {
+        "requests": len(done),
+        "finish_reasons": dict(sorted(Counter(p.reason for p in done).items())),
+        "steps": steps,
+        "simulated_s": _round(end_s),
+        "output_tokens": sum(p.output_tokens for p in done),
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "hit_rate": _round(cached / prompt if prompt else 0.0),
+        "retractions": retractions,
+        **_distribution("ttft", ttft),
+        **_distribution("latency", latency),
+    }
 
 
 def _round(x: float) -> float:

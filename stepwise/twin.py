@@ -52,8 +52,7 @@ from stepwise.simulate import (
     SimulationStuck,
     TraceError,
     TraceRequest,
-    _distribution,
-    _round,
+    summarize,
 )
 from stepwise.wire import step_through_wire
 
@@ -819,24 +818,8 @@ class Twin:
 
     def summary(self) -> dict[str, object]:
         """The single-worker simulator's summary, over the whole fleet."""
-        done = list(self.progress.values())
-        prompt = sum(p.prompt_tokens for p in done)
-        cached = sum(p.cached_tokens for p in done)
-        ttft = [p.first_token - p.arrival for p in done if p.first_token is not None]
-        latency = [p.finished - p.arrival for p in done if p.finished is not None]
-        return {
-            "requests": len(done),
-            "finish_reasons": dict(sorted(Counter(p.reason for p in done).items())),
-            "steps": self.steps,
-            "simulated_s": _round(self.end),
-            "output_tokens": sum(p.output_tokens for p in done),
-            "prompt_tokens": prompt,
-            "cached_tokens": cached,
-            "hit_rate": _round(cached / prompt if prompt else 0.0),
-            "retractions": sum(w.scheduler.num_retracted_total for w in self.workers),
-            **_distribution("ttft", ttft),
-            **_distribution("latency", latency),
-        }
+        retractions = sum(w.scheduler.num_retracted_total for w in self.workers)
+        return summarize(self.progress.values(), self.steps, self.end, retractions)
 
 
 def _ids(input_ids: Sequence[int]) -> np.ndarray:
