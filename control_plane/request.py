@@ -81,6 +81,11 @@ class RequestParams:
     # Prompt positions from here on are scored (SGLang's logprob_start_len); -1: none
     # (docs/scheduler.md#prompt-log-probabilities).
     logprob_start_len: int = -1
+    # Who the request is served for (docs/scheduler.md#fairness); "" is a tenant like any other.
+    tenant: str = ""
+    # Latency objectives in milliseconds (docs/scheduler.md#slo-admission); 0: none.
+    ttft_slo_ms: float = 0.0
+    tpot_slo_ms: float = 0.0
 
 
 class RowColumns(Protocol):

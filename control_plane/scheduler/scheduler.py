@@ -37,7 +37,8 @@ from control_plane.scheduler.books import SequenceBooks
 from control_plane.scheduler.chunk import ChunkInProgress
 from control_plane.scheduler.decode import Decode
 from control_plane.scheduler.exits import Exits
-from control_plane.scheduler.intake import PRIORITY_EVICTED, QUEUE_FULL, Intake
+from control_plane.scheduler.fairness import FairOrder, QueueWatchers, VirtualCounters
+from control_plane.scheduler.intake import PRIORITY_EVICTED, QUEUE_FULL, Intake, QueueWatcher
 from control_plane.scheduler.kv import KvManager
 from control_plane.scheduler.planning import PlanBuilder
 from control_plane.scheduler.policy import make_policy, queue_watcher
@@ -106,6 +107,14 @@ class Scheduler:
         )
         self.queue_clock = QueueClock()
         self.policy = make_policy(config, self.kv, self.queue_clock)
+        # Token fairness (docs/scheduler.md#fairness): None with --fairness none, SGLang's behaviour.
+        self.fairness: VirtualCounters | None = None
+        watcher: QueueWatcher | None = queue_watcher(self.policy)
+        if config.fairness != "none":
+            self.fairness = VirtualCounters(config)
+            bound = config.fairness_locality_bound if config.fairness == "vtc-locality" else 0.0
+            self.policy = FairOrder(self.policy, self.fairness, bound)
+            watcher = QueueWatchers(watcher, self.fairness)
         self.ratio = NewTokenRatioTracker.from_config(config)
         self.adder_limits = AdderLimits(
             page_size=sizes.page_size,
@@ -120,7 +129,7 @@ class Scheduler:
         self.running = RunningBatch(self.kv.columns)
         self.seq_books = SequenceBooks(limits.host_pool_capacity_tokens)
         self.registry = Registry(self.seq_books)
-        self.intake = Intake(config, sizes, self.registry, sign, self.queue_clock, queue_watcher(self.policy))
+        self.intake = Intake(config, sizes, self.registry, sign, self.queue_clock, watcher)
         self.chunk = ChunkInProgress()
         self.exits = Exits(self.kv, self.registry, self.intake, self.chunk)
         self.retraction = Retraction(
@@ -133,6 +142,7 @@ class Scheduler:
             self.running,
             self.ratio,
             sign,
+            self.fairness,
         )
         self.decode = Decode(config, self.kv, self.seq_books, self.running, self.retraction, self.ratio)
         self.admission = Admission(
@@ -189,6 +199,8 @@ class Scheduler:
             self.forward_ct += 1
             if batch.kind is not StepKind.DECODE:
                 self.queue_clock.prefilled(stats.new_tokens)
+            if self.fairness is not None:
+                self.fairness.planned(batch)
         stats.queued = len(self.intake.waiting)
         stats.new_token_ratio = self.ratio.current
         self.last_stats = stats
@@ -231,6 +243,8 @@ class Scheduler:
         batch = self._oldest_in_flight(result)
         self._in_flight.popleft()
         self.queue_clock.worked(result.forward_s)
+        if self.fairness is not None:
+            self.fairness.applied(batch)
         self.results.process_batch_result(batch, result.token_ids, result.logprobs, result.prompt_scores)
 
     def _oldest_in_flight(self, result: StepResult) -> ScheduledBatch:
