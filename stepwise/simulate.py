@@ -13,13 +13,15 @@ Trace lines are JSON objects: `rid`, `arrival` (seconds, lines sorted by it), a 
 prefix_len tokens), `max_new_tokens`, and optionally `output_len` (tokens before EOS; default:
 never EOS), `priority`, `routing_key`, `ignore_eos`, `abort_at` (seconds, at or after `arrival`: the
 request is aborted at the first turn whose clock has reached it, after that turn's arrivals, where the
-engine applies an abort from its inbox).
+engine applies an abort from its inbox), `tenant`, `ttft_slo_ms`, `tpot_slo_ms`
+(docs/scheduler.md#simulating-tenants).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import hashlib
 import json
 import math
@@ -47,6 +49,8 @@ from data_plane.sim import TOKEN_FLOOR, CostModel, SimExecutor
 from flagtypes import INT32_MAX, SEED, Int
 from protos.worker import SamplerParams, StepResult, WorkerLimits
 from stepwise import cost_fit, costs, flags
+from stepwise.tenant_file import read_tenants
+from stepwise.tenant_summary import TenantLedger
 from stepwise.wire import step_through_wire
 
 # Without an output length a request never emits EOS (it runs to max_new_tokens).
@@ -116,9 +120,19 @@ def parse_request(obj: dict[str, object], vocab_size: int) -> TraceRequest:
         priority=None if priority is None else int(priority),  # type: ignore[call-overload]
         routing_key=str(obj.get("routing_key", "")),
         sim_output_len=int(obj.get("output_len", NEVER_EOS)),  # type: ignore[call-overload]
+        tenant=str(obj.get("tenant", "")),
+        ttft_slo_ms=_slo_ms(obj, "ttft_slo_ms"),
+        tpot_slo_ms=_slo_ms(obj, "tpot_slo_ms"),
     )
     arrival = float(obj.get("arrival", 0.0))  # type: ignore[arg-type]
     return TraceRequest(rid, arrival, prompt_ids(rid, obj, vocab_size), params, abort_time(obj, arrival))
+
+
+def _slo_ms(obj: dict[str, object], name: str) -> float:
+    value = obj.get(name, 0.0)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < 1e12:
+        raise ValueError(f"{name}: want milliseconds >= 0 (0: none), got {value!r}")
+    return float(value)
 
 
 def abort_time(obj: dict[str, object], arrival: float) -> float | None:
@@ -188,6 +202,16 @@ class Simulation:
         self.depth = OVERLAP_DEPTH if setup.overlap else 1
         self.clock = 0.0
         self.steps = 0
+        config = setup.config
+        self.tenants = TenantLedger(config, {r.params.tenant for r in trace})
+        # The summary's tenant figures, when anything is about tenants or objectives.
+        self.by_tenant = bool(
+            config.fairness != "none"
+            or config.tenant_weights
+            or config.tenant_slos
+            or any(r.params.tenant or r.params.ttft_slo_ms or r.params.tpot_slo_ms for r in trace)
+        )
+        self.rid_of_uid: dict[int, str] = {}
 
     def run(self) -> dict[str, object]:
         while self._step():
@@ -206,6 +230,7 @@ class Simulation:
             if result.error:
                 raise RuntimeError(f"sim worker failed step {plan.step_id}: {result.error}")
             self.in_flight.append(result)
+            self.tenants.planned(plan, self.clock)
         elif not self.in_flight:
             return self._wait()
         if len(self.in_flight) >= self.depth or plan is None:
@@ -236,10 +261,14 @@ class Simulation:
             self.progress[req.rid] = progress
             uid = len(self.progress)
             self.by_uid[uid] = progress
+            self.rid_of_uid[uid] = req.rid
+            p = req.params
+            self.tenants.arrived(req.rid, p.tenant, p.ttft_slo_ms, p.tpot_slo_ms)
             try:
                 self.scheduler.add_request(req.rid, req.input_ids, req.params, uid)
             except (QueueFull, RequestRejected, ValueError) as exc:
                 progress.finished, progress.reason = self.clock, f"refused: {type(exc).__name__}"
+                self.tenants.answered(req.rid)
 
     def _abort_due(self) -> None:
         """The aborts whose time the clock has reached, after this turn's arrivals (so each finds its
@@ -256,9 +285,13 @@ class Simulation:
             progress = self.by_uid[uid]
             if progress.first_token is None:
                 progress.first_token = self.clock
+                self.tenants.answered(self.rid_of_uid[uid])
             progress.output_tokens += count
+            self.tenants.output(self.rid_of_uid[uid], count, self.clock)
         for finished in updates.finished:
             progress = self.progress[finished.rid]
+            if progress.first_token is None:
+                self.tenants.answered(finished.rid)
             progress.finished, progress.reason = self.clock, finished.reason.kind.value
             progress.cached_tokens = finished.cached_tokens
 
@@ -268,6 +301,7 @@ class Simulation:
         cached = sum(p.cached_tokens for p in done)
         ttft = [p.first_token - p.arrival for p in done if p.first_token is not None]
         latency = [p.finished - p.arrival for p in done if p.finished is not None]
+        tenants = self.tenants.summary(self.progress, self.clock) if self.by_tenant else {}
         return {
             "requests": len(done),
             "finish_reasons": dict(sorted(Counter(p.reason for p in done).items())),
@@ -280,6 +314,7 @@ class Simulation:
             "retractions": self.scheduler.num_retracted_total,
             **_distribution("ttft", ttft),
             **_distribution("latency", latency),
+            **tenants,
         }
 
 
@@ -330,6 +365,12 @@ def build_parser() -> argparse.ArgumentParser:
         "c, d",
     )
     cost_fit.add_arguments(parser)
+    add(
+        "--tenants",
+        type=Path,
+        help="a TOML table of [[tenant]] entries (name, weight, ttft_slo_ms, tpot_slo_ms): weights for "
+        "--fairness and default objectives (docs/scheduler.md#simulating-tenants)",
+    )
     add("--sim-seed", type=SEED, default=0, help="seed of the simulated tokens")
     add("--json", action="store_true", help="one JSON object per step, then {'summary': ...}")
     add("--summary-only", action="store_true", help="print the summary only (no timeline)")
@@ -340,6 +381,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def setup_from_args(ns: argparse.Namespace) -> SimSetup:
     config = control_config.scheduler_config_from_args(ns)
+    if ns.tenants is not None:
+        table = read_tenants(ns.tenants)
+        config = dataclasses.replace(config, tenant_weights=table.weights, tenant_slos=table.slos)
+        control_config.validate_scheduler_config(config)
     page = config.page_size or 1
     cost = costs.parse_cost(ns.cost)
     limits = WorkerLimits(

@@ -14,6 +14,7 @@ tenant is within Q of the least served (DLPM's bounded unfairness for prefix hit
 
 from __future__ import annotations
 
+import heapq
 from collections import deque
 from collections.abc import Sequence
 
@@ -111,6 +112,8 @@ def fair_merge(queue: Sequence[Request], counters: VirtualCounters, bound: float
         heads.setdefault(req.params.tenant, deque()).append((pos, req))
     if len(heads) <= 1:
         return list(queue)
+    if bound <= 0:
+        return _least_first(heads, counters)
     projected = {t: counters.counter(t) for t in heads}
     out: list[Request] = []
     while heads:
@@ -122,6 +125,23 @@ def fair_merge(queue: Sequence[Request], counters: VirtualCounters, bound: float
         projected[tenant] += counters.prompt_cost(req)
         if not heads[tenant]:
             del heads[tenant]
+    return out
+
+
+def _least_first(heads: dict[str, deque[tuple[int, Request]]], counters: VirtualCounters) -> list[Request]:
+    """fair_merge with no bound: a heap of (projected counter, head's place, tenant)."""
+    heap = [(counters.counter(t), q[0][0], t) for t, q in heads.items()]
+    heapq.heapify(heap)
+    out: list[Request] = []
+    while heap:
+        projected, _, tenant = heap[0]
+        queue = heads[tenant]
+        _, req = queue.popleft()
+        out.append(req)
+        if queue:
+            heapq.heapreplace(heap, (projected + counters.prompt_cost(req), queue[0][0], tenant))
+        else:
+            heapq.heappop(heap)
     return out
 
 
