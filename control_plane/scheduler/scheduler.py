@@ -59,6 +59,7 @@ from control_plane.scheduler.registry import Registry
 from control_plane.scheduler.results import ResultApplier
 from control_plane.scheduler.retraction import HOST_POOL_FULL, OOM_LAST_REQUEST, Emigrant, Retraction
 from control_plane.scheduler.sizing import PoolSizes, clamp_max_new_tokens, resolve_max_running_requests
+from control_plane.scheduler.slo import SloAdmission, SloUnmeetable
 from protos.worker import KvReceive, KvSend, StepKind, StepPlan, StepResult, WorkerLimits
 
 __all__ = [
@@ -71,6 +72,7 @@ __all__ = [
     "RequestFinished",
     "RequestRejected",
     "Scheduler",
+    "SloUnmeetable",
     "StepStats",
     "StepUpdates",
     "TokenBatch",
@@ -160,6 +162,10 @@ class Scheduler:
             Preemption(self.running, self.retraction, sign),
             self.decode,
         )
+        # SLO admission (docs/scheduler.md#slo-admission): None without --slo-cost.
+        self.slo: SloAdmission | None = None
+        if config.slo_cost:
+            self.slo = SloAdmission(config, self.kv, self.intake, self.running, self.chunk, self.queue_clock)
         self.planner = PlanBuilder(self.kv, self.seq_books)
         self.results = ResultApplier(self.kv, self.registry, self.seq_books, self.exits, limits.eos_token_ids)
         # The batch most recently planned (docs/scheduler.md#step-loop step 4 merges it), and every planned
@@ -201,6 +207,8 @@ class Scheduler:
                 self.queue_clock.prefilled(stats.new_tokens)
             if self.fairness is not None:
                 self.fairness.planned(batch)
+            if self.slo is not None:
+                stats.tpot_at_risk = self.slo.planned(batch, stats.new_tokens)
         stats.queued = len(self.intake.waiting)
         stats.new_token_ratio = self.ratio.current
         self.last_stats = stats
@@ -272,6 +280,8 @@ class Scheduler:
 
         `uid` is the engine's opaque unsigned 64-bit key for the request's stream: it only labels the
         request's tokens in `take_updates` (not a scheduling input; replays pass 0)."""
+        if self.slo is not None:
+            self.slo.check(rid, input_ids, params)
         return self.intake.add_request(rid, input_ids, params, uid)
 
     def abort(self, rid: str, reason: FinishReason) -> bool:
