@@ -165,7 +165,9 @@ class Scheduler:
         # SLO admission (docs/scheduler.md#slo-admission): None without --slo-cost.
         self.slo: SloAdmission | None = None
         if config.slo_cost:
-            self.slo = SloAdmission(config, self.kv, self.intake, self.running, self.chunk, self.queue_clock)
+            self.slo = SloAdmission(
+                config, self.kv, self.intake, self.running, self.chunk, self.queue_clock, self.seq_books
+            )
         self.planner = PlanBuilder(self.kv, self.seq_books)
         self.results = ResultApplier(self.kv, self.registry, self.seq_books, self.exits, limits.eos_token_ids)
         # The batch most recently planned (docs/scheduler.md#step-loop step 4 merges it), and every planned

@@ -22,6 +22,7 @@ from control_plane.cache.radix import as_token_bytes
 from control_plane.config import SchedulerConfig
 from control_plane.request import RequestParams
 from control_plane.scheduler.batch import RunningBatch, ScheduledBatch
+from control_plane.scheduler.books import SequenceBooks
 from control_plane.scheduler.chunk import ChunkInProgress
 from control_plane.scheduler.intake import Intake
 from control_plane.scheduler.kv import KvManager
@@ -49,6 +50,7 @@ class SloAdmission:
         running: RunningBatch,
         chunk: ChunkInProgress,
         clock: QueueClock,
+        books: SequenceBooks,
     ) -> None:
         self.config = config
         self.a, self.b, self.c, self.d = config.slo_cost
@@ -57,6 +59,7 @@ class SloAdmission:
         self.running = running
         self.chunk = chunk
         self.clock = clock
+        self.books = books
         self.edf = config.schedule_policy == "edf"
         budget = min(config.max_prefill_tokens, config.chunked_prefill_size or config.max_prefill_tokens)
         self.step_tokens = max(1, budget)
@@ -80,8 +83,9 @@ class SloAdmission:
         if not ttft_ms:
             self._remember(rid, own)
             return
-        tokens = self._ahead(ttft_ms) + own
-        predicted_ms = 1000.0 * self.predict_ttft_s(tokens, len(input_ids))
+        ahead, joining = self._ahead(ttft_ms)
+        tokens = ahead + own
+        predicted_ms = 1000.0 * self.predict_ttft_s(tokens, len(input_ids), joining)
         if predicted_ms > ttft_ms:
             self.ttft_refused_total += 1
             raise SloUnmeetable(
@@ -95,26 +99,43 @@ class SloAdmission:
             live = {r.rid for r in self.intake.waiting}
             self.uncached = {k: v for k, v in self.uncached.items() if k in live}
 
-    def _ahead(self, ttft_ms: float) -> int:
-        """Prompt tokens the policy would prefill before a request with this objective arriving now."""
+    def _ahead(self, ttft_ms: float) -> tuple[int, int]:
+        """Prompt tokens the policy would prefill before a request with this objective arriving now,
+        and how many requests they are."""
         chunked = self.chunk.req
         total = chunked.seqlen - chunked.extend_range[1] if chunked is not None else 0
         deadline = self.clock.busy_s + ttft_ms / 1000.0
+        count = 0
         for r in self.intake.waiting:
             if self.edf:
                 slo = self.objectives(r.params)[0]
                 if not slo or r.queue_entry_s + slo / 1000.0 > deadline:
                     continue
             total += self.uncached.get(r.rid, r.seqlen)
-        return total
+            count += 1
+        return total, count
 
-    def predict_ttft_s(self, tokens: int, prompt_len: int) -> float:
-        """The step running now, then ceil(tokens / chunk) prefill steps computing `tokens`."""
-        rows = len(self.running)
-        context = int(np.sum(self.running.seq_lens)) if rows else 0
-        now = self.a + self.b * rows + self.c * context + self.d * rows
-        steps = math.ceil(tokens / self.step_tokens)
-        return now + steps * self.a + self.b * tokens + self.c * (tokens + prompt_len)
+    def predict_ttft_s(self, tokens: int, prompt_len: int, joining: int = 0) -> float:
+        """The step running now, then ceil(tokens / chunk) prefill steps computing `tokens` (with
+        --enable-mixed-chunk each of them also decodes the running batch), then the step during which
+        overlap scheduling publishes the first token."""
+        # Every sequence the worker holds (a mixed step leaves the running batch empty until the
+        # next plan merges it back).
+        live = self.books.by_handle.values()
+        rows = len(live)
+        context = sum(r.kv_committed_len for r in live)
+        decode = (self.b + self.d) * rows + self.c * context
+        mixed = self.config.enable_mixed_chunk
+        # A mixed step's decodes take their rows out of the chunk's budget (the adder's
+        # mixed_decode_tokens).
+        # The requests ahead join the running batch as they are prefilled: by the end, `joining` more.
+        steps = math.ceil(tokens / max(1, self.step_tokens - (rows + joining if mixed else 0)))
+        per_step = self.a
+        if mixed:
+            # The running batch, and its context growing by the prompts prefilled on the way.
+            per_step += decode + (self.b + self.d) * joining / 2 + self.c * tokens / 2
+        # Under overlap the first token is published a step after its prefill's: one step more.
+        return 2 * (self.a + decode) + steps * per_step + self.b * tokens + self.c * (tokens + prompt_len)
 
     def planned(self, batch: ScheduledBatch, new_tokens: int) -> int:
         """Count each decoded request whose TPOT objective is below this step's predicted time, once

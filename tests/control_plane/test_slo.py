@@ -92,3 +92,56 @@ def test_a_running_request_that_will_miss_its_tpot_is_counted_once() -> None:
         sched.take_updates()
     assert sum(counted) == 1
     assert sched.slo is not None and sched.slo.tpot_at_risk_total == 1
+
+
+def test_mixed_chunk_steps_pay_for_the_growing_running_batch() -> None:
+    """With --enable-mixed-chunk each prefill step also decodes the running batch, whose context grows
+    by the prompts prefilled on the way: the prediction is longer than without."""
+    cost = (0.01, 0.001, 0.0001, 0.0)
+    plain = make_scheduler(slo_cost=cost, chunked_prefill_size=64)
+    mixed = make_scheduler(slo_cost=cost, chunked_prefill_size=64, enable_mixed_chunk=True)
+    assert plain.slo is not None and mixed.slo is not None
+    # 640 tokens: 10 steps; mixed adds c·640/2 a step.
+    assert mixed.slo.predict_ttft_s(640, 100) == pytest.approx(
+        plain.slo.predict_ttft_s(640, 100) + 10 * 0.032
+    )
+    # Overlap: two steps beside the prefill's (the one running, the one that publishes).
+    assert plain.slo.predict_ttft_s(640, 100) == pytest.approx(2 * 0.01 + 10 * 0.01 + 0.64 + 0.0001 * 740)
+
+
+def test_slo_refusals_replay_identically() -> None:
+    """The header carries --slo-cost and the arrivals their objectives: a replay refuses the same
+    requests and makes the same plans."""
+    from control_plane.record.recorder import RecordingScheduler, recording_header
+    from control_plane.record.replay import replay_scheduler
+    from protos.worker import WorkerLimits
+    from tests.control_plane.factories import make_config
+    from tests.record.conftest import ListSink
+
+    config = make_config(
+        slo_cost=COST, schedule_policy="edf", enable_mixed_chunk=True, chunked_prefill_size=64
+    )
+    limits = WorkerLimits("w0", kv_capacity_tokens=4096, page_size=1, max_context=2048, vocab_size=1000)
+    sink = ListSink()
+    sched = RecordingScheduler(config, limits, sink)
+    worker = FakeWorker(4096)
+    refused = 0
+    for i in range(12):
+        try:
+            sched.add_request(f"r{i}", prompt(60, i), params(8, ttft_slo_ms=150.0 + 40 * (i % 3)))
+        except SloUnmeetable:
+            refused += 1
+        if i % 4 != 3:
+            continue  # arrivals in bursts of four: the later ones of a burst wait behind the earlier
+        plan = sched.next_plan()
+        if plan is not None:
+            sched.apply_result(worker.run(plan))
+        sched.take_updates()
+    while not sched.is_idle:
+        plan = sched.next_plan()
+        if plan is not None:
+            sched.apply_result(worker.run(plan))
+        sched.take_updates()
+    assert 0 < refused < 12
+    report = replay_scheduler([recording_header(config, limits, "test"), *sink.entries])
+    assert report.identical, report.describe()
