@@ -7,7 +7,8 @@ Two formats (`--trace-format`):
 - stepwise: JSON lines with `rid`, `arrival` (seconds, lines sorted by it), a prompt as `prompt_ids` or
   `prompt_len` (+ `prefix_group`, `prefix_len`: a group's requests share their first prefix_len tokens),
   `max_new_tokens`, and optionally `output_len` (tokens before EOS; default: never EOS), `priority`,
-  `routing_key`, `ignore_eos`, `abort_at` (docs/debugging.md#simulating-a-trace).
+  `routing_key`, `ignore_eos`, `abort_at`, `tenant`, `ttft_slo_ms`, `tpot_slo_ms`
+  (docs/debugging.md#simulating-a-trace).
 - mooncake (docs/debugging.md#mooncake-traces): `{"timestamp": ms, "input_length": n, "output_length": m,
   "hash_ids": [...]}`: `hash_ids` name the prompt's blocks of `--block-size` tokens in order (the last one
   may be partial), and two requests whose lists start with the same ids share that many leading blocks.
@@ -62,6 +63,10 @@ class TraceEntry:
     routing_key: str = ""
     # When the client cancels it, in seconds (None: never).
     abort_at: float | None = None
+    # Whose request it is, and its latency objectives in milliseconds (0: none).
+    tenant: str = ""
+    ttft_slo_ms: float = 0.0
+    tpot_slo_ms: float = 0.0
 
     @property
     def output_tokens(self) -> int | None:
@@ -153,7 +158,17 @@ def parse_request(obj: dict[str, object], vocab_size: int) -> TraceEntry:
         priority=None if priority is None else int(priority),  # type: ignore[call-overload]
         routing_key=str(obj.get("routing_key", "")),
         abort_at=abort_time(obj, arrival),
+        tenant=str(obj.get("tenant", "")),
+        ttft_slo_ms=_slo_ms(obj, "ttft_slo_ms"),
+        tpot_slo_ms=_slo_ms(obj, "tpot_slo_ms"),
     )
+
+
+def _slo_ms(obj: dict[str, object], name: str) -> float:
+    value = obj.get(name, 0.0)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < 1e12:
+        raise ValueError(f"{name}: want milliseconds >= 0 (0: none), got {value!r}")
+    return float(value)
 
 
 def abort_time(obj: dict[str, object], arrival: float) -> float | None:

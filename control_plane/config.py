@@ -9,6 +9,7 @@ read here under the `STEPWISE_` prefix.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -40,7 +41,9 @@ SCHEDULE_POLICIES = (
     "hrrn",
     "shortest-prefill-first",
     "lpm-aging",
+    "edf",
 )
+FAIRNESS = ("none", "vtc", "vtc-locality")
 EVICTION_POLICIES = ("lru", "lfu", "fifo", "mru", "filo", "priority", "slru")
 RETRACTION_POLICIES = ("length", "priority")
 DEFAULT_RECORD_MAX_BYTES = 256 * 1024 * 1024
@@ -141,8 +144,31 @@ class SchedulerConfig:
     max_queue_wait_s: float = 0.0
     # lpm-aging: matched tokens a second of waiting is worth.
     lpm_aging_tokens_per_s: float = 100.0
+    # Token fairness between tenants (docs/scheduler.md#fairness): none (SGLang), vtc, vtc-locality.
+    fairness: str = "none"
+    # VTC's weights of a prompt token computed and of an output token generated.
+    fairness_prompt_weight: float = 1.0
+    fairness_output_weight: float = 2.0
+    # vtc-locality: how far (weighted tokens) past the least-served tenant a better prefix match may be.
+    fairness_locality_bound: float = 4096.0
+    # Tenant -> weight (a tenant's fair share is proportional to it); absent tenants weigh 1.
+    tenant_weights: Mapping[str, float] = field(default_factory=dict)
+    # SLO admission (docs/scheduler.md#slo-admission): the worker's step cost (a, b, c, d) in seconds,
+    # a + b·prefill tokens + c·context tokens + d·decode rows; empty: no SLO admission.
+    slo_cost: tuple[float, ...] = ()
+    # Tenant -> (ttft_slo_ms, tpot_slo_ms) for requests that name none.
+    tenant_slos: Mapping[str, tuple[float, float]] = field(default_factory=dict)
     # Check pool invariants after every step (tests), not only when idle.
     strict_invariants: bool = False
+
+    def __post_init__(self) -> None:
+        # A recording's header gives JSON lists back; keep the config's values hashable and equal.
+        object.__setattr__(self, "slo_cost", tuple(float(x) for x in self.slo_cost))
+        slos = {k: (float(v[0]), float(v[1])) for k, v in self.tenant_slos.items()}
+        object.__setattr__(self, "tenant_slos", slos)
+
+    def tenant_weight(self, tenant: str) -> float:
+        return float(self.tenant_weights.get(tenant, 1.0))
 
     @property
     def chunking_enabled(self) -> bool:
@@ -272,7 +298,8 @@ def _add_scheduler_arguments(parser: argparse.ArgumentParser) -> None:
         help="order of the waiting queue: fcfs (arrival), lpm (longest cached prefix first), dfs-weight "
         "(depth-first over the prefix tree), lof (longest output first), random, routing-key, hrrn "
         "(highest response ratio next), shortest-prefill-first (fewest uncached tokens first), "
-        "lpm-aging (cached prefix plus time waited)",
+        "lpm-aging (cached prefix plus time waited), edf (earliest TTFT deadline first among requests "
+        "with a ttft_slo_ms, the rest after them in arrival order)",
     )
     add(
         "--cache-aware-queue-limit",
@@ -293,6 +320,41 @@ def _add_scheduler_arguments(parser: argparse.ArgumentParser) -> None:
         type=Float(0.0, 1e9),
         default=100.0,
         help="lpm-aging: a second of waiting counts as this many matched prefix tokens",
+    )
+    add(
+        "--fairness",
+        choices=FAIRNESS,
+        default="none",
+        help="token fairness between tenants: none (SGLang's), vtc (the waiting queue is served from the "
+        "least-served backlogged tenant, by weighted tokens), vtc-locality (vtc, but a better prefix "
+        "match may go first while its tenant is within --fairness-locality-bound of the least served)",
+    )
+    add(
+        "--fairness-prompt-weight",
+        type=Float(0.0, 1e6),
+        default=1.0,
+        help="vtc: what a prompt token computed adds to its tenant's counter",
+    )
+    add(
+        "--fairness-output-weight",
+        type=Float(0.0, 1e6),
+        default=2.0,
+        help="vtc: what an output token generated adds to its tenant's counter",
+    )
+    add(
+        "--fairness-locality-bound",
+        type=Float(0.0, 1e12),
+        default=4096.0,
+        help="vtc-locality: weighted tokens a tenant may be ahead of the least-served backlogged tenant "
+        "and still go first for a longer cached prefix",
+    )
+    add(
+        "--slo-cost",
+        type=slo_cost,
+        default=(),
+        help="SLO admission: the worker's step time 'a,b,c,d' in seconds (a + b·prefill tokens + "
+        "c·context tokens + d·decode rows); requests whose ttft_slo_ms cannot be met are refused at "
+        "once; unset: no SLO admission",
     )
     add(
         "--chunked-prefill-size",
@@ -757,6 +819,11 @@ def scheduler_config_from_args(
         "cache_aware_queue_limit": ns.cache_aware_queue_limit,
         "max_queue_wait_s": ns.max_queue_wait_s,
         "lpm_aging_tokens_per_s": ns.lpm_aging_tokens_per_s,
+        "fairness": ns.fairness,
+        "fairness_prompt_weight": ns.fairness_prompt_weight,
+        "fairness_output_weight": ns.fairness_output_weight,
+        "fairness_locality_bound": ns.fairness_locality_bound,
+        "slo_cost": ns.slo_cost,
         "strict_invariants": ns.strict_invariants,
     }
     for name, (attr, parse) in _ENV_KNOBS.items():
@@ -770,10 +837,28 @@ def scheduler_config_from_args(
     return config
 
 
+def slo_cost(text: str) -> tuple[float, ...]:
+    """--slo-cost: four non-negative finite seconds 'a,b,c,d' ('' : none)."""
+    if not text.strip():
+        return ()
+    try:
+        values = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"want 'a,b,c,d' (seconds), got {text!r}") from None
+    if len(values) != 4 or not all(0.0 <= v < 1e6 for v in values):
+        raise argparse.ArgumentTypeError(f"want four non-negative numbers 'a,b,c,d', got {text!r}")
+    return values
+
+
 def validate_scheduler_config(config: SchedulerConfig) -> None:
     """Reject flag combinations SGLang rejects, with the flag named in the message."""
     if config.enable_priority_scheduling and config.schedule_policy not in ("fcfs", "lof"):
         raise ValueError("--enable-priority-scheduling requires --schedule-policy fcfs or lof")
+    if config.fairness not in FAIRNESS:
+        raise ValueError(f"--fairness: want one of {', '.join(FAIRNESS)}, got {config.fairness!r}")
+    for tenant, weight in config.tenant_weights.items():
+        if not 0 < weight < float("inf"):
+            raise ValueError(f"tenant {tenant!r}: weight must be a positive number, got {weight!r}")
     if config.schedule_policy == "shortest-prefill-first" and config.disable_radix_cache:
         raise ValueError("--schedule-policy shortest-prefill-first requires the radix cache")
     if config.retraction_policy == "priority" and not config.enable_priority_scheduling:
@@ -843,7 +928,7 @@ def control_config_from_args(ns: argparse.Namespace, model_dir: Path, model_name
         host=ns.host,
         port=ns.port,
         worker_port=ns.worker_port,
-        scheduler=scheduler_config_from_args(ns),
+        scheduler=_with_tenants(scheduler_config_from_args(ns), ns),
         decode_log_interval=ns.decode_log_interval,
         waiting_timeout_s=ns.waiting_timeout,
         running_timeout_s=ns.running_timeout,
@@ -872,6 +957,18 @@ def control_config_from_args(ns: argparse.Namespace, model_dir: Path, model_name
         rebalance_interval_s=ns.rebalance_interval,
         tenants_file=_tenants_file(ns),
     )
+
+
+def _with_tenants(config: SchedulerConfig, ns: argparse.Namespace) -> SchedulerConfig:
+    """The tenant file's weights and latency objectives for fairness and SLO admission (read at
+    start: a reload on SIGHUP changes quotas and tenancy, not these)."""
+    from control_plane.tenants.table import load
+
+    path: Path | None = getattr(ns, "tenants", None)
+    if path is None:
+        return config
+    table = load(path)
+    return dataclasses.replace(config, tenant_weights=table.weights(), tenant_slos=table.slo_defaults())
 
 
 def _tenants_file(ns: argparse.Namespace) -> Path | None:

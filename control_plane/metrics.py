@@ -46,6 +46,9 @@ NUM_RETRACTED_REQS = _gauge("num_retracted_reqs", "Requests retracted by the las
 RETRACTED_REQUESTS = _counter("num_retracted_requests", "Requests retracted")
 RETRACTED_INPUT_TOKENS = _counter("num_retracted_input_tokens", "Prompt tokens of retracted requests")
 RETRACTED_OUTPUT_TOKENS = _counter("num_retracted_output_tokens", "Generated tokens of retracted requests")
+SLO_TPOT_AT_RISK = _counter(
+    "slo_tpot_at_risk_requests", "Running requests whose predicted step time exceeds their TPOT objective"
+)
 PROMPT_TOKENS = _counter("prompt_tokens", "Prompt tokens computed by prefills")
 CACHED_TOKENS = _counter("cached_tokens", "Prompt tokens served from the prefix cache")
 GENERATION_TOKENS = _counter("generation_tokens", "Tokens generated")
@@ -137,6 +140,7 @@ def register_worker(worker: str) -> None:
         RETRACTED_REQUESTS,
         RETRACTED_INPUT_TOKENS,
         RETRACTED_OUTPUT_TOKENS,
+        SLO_TPOT_AT_RISK,
         PROMPT_TOKENS,
         CACHED_TOKENS,
         GENERATION_TOKENS,

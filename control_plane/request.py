@@ -84,10 +84,11 @@ class RequestParams:
     # Prompt positions from here on are scored (SGLang's logprob_start_len); -1: none
     # (docs/scheduler.md#prompt-log-probabilities).
     logprob_start_len: int = -1
-    # Whose request this is (docs/deploy.md#tenants): the core's resolution of the caller's key and
-    # the client's `tenant` field; "" without either.
+    # Whose request this is (docs/deploy.md#tenants, docs/scheduler.md#fairness): the core's
+    # resolution of the caller's key and the client's `tenant` field; "" without either, a tenant
+    # like any other to fairness.
     tenant: str = ""
-    # Latency objectives in milliseconds (0: none).
+    # Latency objectives in milliseconds (docs/scheduler.md#slo-admission); 0: none.
     ttft_slo_ms: float = 0.0
     tpot_slo_ms: float = 0.0
 

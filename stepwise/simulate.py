@@ -13,13 +13,15 @@ Trace lines are JSON objects: `rid`, `arrival` (seconds, lines sorted by it), a 
 prefix_len tokens), `max_new_tokens`, and optionally `output_len` (tokens before EOS; default:
 never EOS), `priority`, `routing_key`, `ignore_eos`, `abort_at` (seconds, at or after `arrival`: the
 request is aborted at the first turn whose clock has reached it, after that turn's arrivals, where the
-engine applies an abort from its inbox).
+engine applies an abort from its inbox), `tenant`, `ttft_slo_ms`, `tpot_slo_ms`
+(docs/scheduler.md#simulating-tenants).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import sys
 from collections import Counter, deque
@@ -46,10 +48,12 @@ from control_plane.record.recorder import (
 from control_plane.record.timeline import StepLine, TimelineSink
 from control_plane.request import AbortCode, FinishReason, RequestParams
 from control_plane.scheduler.scheduler import QueueFull, RequestRejected, Scheduler
+from control_plane.tenants import table as tenant_table
 from data_plane.sim import CostModel, SimExecutor
 from flagtypes import INT32_MAX, SEED, Int
 from protos.worker import SamplerParams, StepResult, WorkerLimits
 from stepwise import cost_fit, costs, flags
+from stepwise.tenant_summary import TenantLedger
 from stepwise.wire import step_through_wire
 
 DEFAULT_KV_TOKENS = 1 << 18
@@ -102,6 +106,9 @@ def to_request(entry: TraceEntry) -> TraceRequest:
         priority=entry.priority,
         routing_key=entry.routing_key,
         sim_output_len=entry.output_len,
+        tenant=entry.tenant,
+        ttft_slo_ms=entry.ttft_slo_ms,
+        tpot_slo_ms=entry.tpot_slo_ms,
     )
     return TraceRequest(entry.rid, entry.arrival, entry.input_ids, params, entry.abort_at)
 
@@ -159,6 +166,16 @@ class Simulation:
         self.depth = OVERLAP_DEPTH if setup.overlap else 1
         self.clock = 0.0
         self.steps = 0
+        config = setup.config
+        self.tenants = TenantLedger(config, {r.params.tenant for r in trace})
+        # The summary's tenant figures, when anything is about tenants or objectives.
+        self.by_tenant = bool(
+            config.fairness != "none"
+            or config.tenant_weights
+            or config.tenant_slos
+            or any(r.params.tenant or r.params.ttft_slo_ms or r.params.tpot_slo_ms for r in trace)
+        )
+        self.rid_of_uid: dict[int, str] = {}
 
     def run(self) -> dict[str, object]:
         while self._step():
@@ -177,6 +194,7 @@ class Simulation:
             if result.error:
                 raise RuntimeError(f"sim worker failed step {plan.step_id}: {result.error}")
             self.in_flight.append(result)
+            self.tenants.planned(plan, self.clock)
         elif not self.in_flight:
             return self._wait()
         if len(self.in_flight) >= self.depth or plan is None:
@@ -223,10 +241,14 @@ class Simulation:
             self.progress[req.rid] = progress
             uid = len(self.progress)
             self.by_uid[uid] = progress
+            self.rid_of_uid[uid] = req.rid
+            p = req.params
+            self.tenants.arrived(req.rid, p.tenant, p.ttft_slo_ms, p.tpot_slo_ms)
             try:
                 self.scheduler.add_request(req.rid, req.input_ids, req.params, uid)
             except (QueueFull, RequestRejected, ValueError) as exc:
                 progress.finished, progress.reason = self.clock, f"refused: {type(exc).__name__}"
+                self.tenants.answered(req.rid)
 
     def _abort_due(self) -> None:
         """The aborts whose time the clock has reached, after this turn's arrivals (so each finds its
@@ -243,14 +265,20 @@ class Simulation:
             progress = self.by_uid[uid]
             if progress.first_token is None:
                 progress.first_token = self.clock
+                self.tenants.answered(self.rid_of_uid[uid])
             progress.output_tokens += count
+            self.tenants.output(self.rid_of_uid[uid], count, self.clock)
         for finished in updates.finished:
             progress = self.progress[finished.rid]
+            if progress.first_token is None:
+                self.tenants.answered(finished.rid)
             progress.finished, progress.reason = self.clock, finished.reason.kind.value
             progress.cached_tokens = finished.cached_tokens
 
     def summary(self) -> dict[str, object]:
-        return summarize(self.progress.values(), self.steps, self.clock, self.scheduler.num_retracted_total)
+        retractions = self.scheduler.num_retracted_total
+        tenants = self.tenants.summary(self.progress, self.clock) if self.by_tenant else {}
+        return {**summarize(self.progress.values(), self.steps, self.clock, retractions), **tenants}
 
 
 class RequestProgress(Protocol):
@@ -343,6 +371,7 @@ def build_parser() -> argparse.ArgumentParser:
         "c, d, or recorded:DIR (each step's seconds as the recording in DIR measured them)",
     )
     cost_fit.add_arguments(parser)
+    # --tenants is the control plane's flag (control_config.add_arguments): the same file.
     add("--sim-seed", type=SEED, default=0, help="seed of the simulated tokens")
     add("--json", action="store_true", help="one JSON object per step, then {'summary': ...}")
     add("--summary-only", action="store_true", help="print the summary only (no timeline)")
@@ -354,6 +383,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def setup_from_args(ns: argparse.Namespace) -> SimSetup:
     config = control_config.scheduler_config_from_args(ns)
+    if ns.tenants is not None:
+        table = tenant_table.load(ns.tenants)
+        config = dataclasses.replace(config, tenant_weights=table.weights(), tenant_slos=table.slo_defaults())
+        control_config.validate_scheduler_config(config)
     page = config.page_size or 1
     recorded = costs.recorded_seconds(ns.cost)
     cost = costs.parse_cost(ns.cost) if recorded is None else CostModel()

@@ -103,6 +103,8 @@ class StepLog:
     def _observe_retraction(self, stats: StepStats) -> None:
         # The gauge is this step's figure: back to 0 on a step without retraction
         # (docs/scheduler.md#logs-and-metrics).
+        if stats.tpot_at_risk:
+            metrics.SLO_TPOT_AT_RISK.labels(self.worker).inc(stats.tpot_at_risk)
         if len(stats.retracted) != self._retracted_now:
             self._retracted_now = len(stats.retracted)
             self.metrics.retracted_now.set(self._retracted_now)

@@ -122,6 +122,9 @@ def _params_to_proto(p: RequestParams) -> rec_pb.RequestParams:
         generated_before=p.generated_before,
         logprobs=p.logprobs,
         logprob_start_len=p.logprob_start_len if p.logprob_start_len >= 0 else None,
+        tenant=p.tenant,
+        ttft_slo_ms=p.ttft_slo_ms,
+        tpot_slo_ms=p.tpot_slo_ms,
     )
 
 
@@ -140,6 +143,9 @@ def _params_from_proto(m: rec_pb.RequestParams) -> RequestParams:
         generated_before=m.generated_before,
         logprobs=m.logprobs,
         logprob_start_len=m.logprob_start_len if m.HasField("logprob_start_len") else -1,
+        tenant=m.tenant,
+        ttft_slo_ms=m.ttft_slo_ms,
+        tpot_slo_ms=m.tpot_slo_ms,
     )
 
 

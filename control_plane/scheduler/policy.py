@@ -255,6 +255,40 @@ class ShortestPrefillFirst:
         )
 
 
+class EarliestDeadlineFirst:
+    """edf: requests with a TTFT objective by deadline (queue entry on the queue clock plus the
+    objective, the tenant's default when the request names none), then the rest in arrival order
+    (docs/scheduler.md#slo-admission)."""
+
+    cache_aware = False
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+
+    def order(self, queue: list[Request], running: Sequence[Request]) -> None:
+        inf = float("inf")
+
+        def key(r: Request) -> tuple[float, int]:
+            slo_ms = ttft_objective_ms(self.config, r)
+            deadline = r.queue_entry_s + slo_ms / 1000.0 if slo_ms > 0 else inf
+            return (deadline, r.wait_queue_entry_time)
+
+        queue.sort(key=key)
+
+
+def ttft_objective_ms(config: SchedulerConfig, req: Request) -> float:
+    """The request's TTFT objective in ms: its own, else its tenant's default (0: none)."""
+    if req.params.ttft_slo_ms > 0:
+        return req.params.ttft_slo_ms
+    return config.tenant_slos.get(req.params.tenant, (0.0, 0.0))[0]
+
+
+def tpot_objective_ms(config: SchedulerConfig, req: Request) -> float:
+    if req.params.tpot_slo_ms > 0:
+        return req.params.tpot_slo_ms
+    return config.tenant_slos.get(req.params.tenant, (0.0, 0.0))[1]
+
+
 class StarvationBound:
     """--max-queue-wait-s: after the policy's order, requests that have waited longer than the bound
     (on the queue clock, since their latest entry) go first, in arrival order
@@ -338,6 +372,7 @@ POLICIES: dict[str, PolicyFactory] = {
     "lpm-aging": lambda config, kv, clock: AgingPrefixMatch(
         config, _matcher(config, kv, _deep(config)), clock
     ),
+    "edf": lambda config, kv, clock: EarliestDeadlineFirst(config),
 }
 
 

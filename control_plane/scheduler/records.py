@@ -109,3 +109,6 @@ class StepStats:
     # Requests aborted because even alone they did not fit (docs/scheduler.md#retraction's OOM abort of the
     # last request).
     oom_aborted: list[str] = field(default_factory=list)
+    # Running requests first predicted in this step to miss their TPOT objective
+    # (docs/scheduler.md#slo-admission).
+    tpot_at_risk: int = 0

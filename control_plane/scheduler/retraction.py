@@ -14,6 +14,7 @@ from control_plane.request import AbortCode, FinishReason, Request
 from control_plane.scheduler.batch import RunningBatch
 from control_plane.scheduler.books import SequenceBooks
 from control_plane.scheduler.exits import Exits
+from control_plane.scheduler.fairness import VirtualCounters
 from control_plane.scheduler.intake import Intake
 from control_plane.scheduler.kv import KvManager
 from control_plane.scheduler.priority import urgency
@@ -73,6 +74,7 @@ class Retraction:
         running: RunningBatch,
         ratio: NewTokenRatioTracker,
         priority_sign: int,
+        fairness: VirtualCounters | None = None,
     ) -> None:
         self.config = config
         self.kv = kv
@@ -83,6 +85,8 @@ class Retraction:
         self.running = running
         self.ratio = ratio
         self.priority_sign = priority_sign
+        # With token fairness the most-served tenant's requests give way first.
+        self.fairness = fairness
         # Requests retracted so far (GetServerInfo).
         self.num_retracted_total = 0
         # Set by Scheduler.spill_to; the requests sent there by the latest plan.
@@ -167,10 +171,12 @@ class Retraction:
         reqs = self.running.reqs
         sign = self.priority_sign
 
-        def key(i: int) -> tuple[int, ...]:
+        def key(i: int) -> tuple[float, ...]:
             r = reqs[i]
             length_key = (r.num_outputs, -len(r.origin_input_ids))
-            group_key = (1 if r.params.group else 0,)  # parallel-sample groups are kept first
+            group_key: tuple[float, ...] = (1 if r.params.group else 0,)  # sample groups are kept first
+            if self.fairness is not None:
+                group_key = (*group_key, -self.fairness.counter(r.params.tenant))
             if self.config.retraction_policy == "priority":
                 return (*group_key, -urgency(r, sign), *length_key)
             return (*group_key, *length_key)

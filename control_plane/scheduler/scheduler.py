@@ -37,7 +37,8 @@ from control_plane.scheduler.books import SequenceBooks
 from control_plane.scheduler.chunk import ChunkInProgress
 from control_plane.scheduler.decode import Decode
 from control_plane.scheduler.exits import Exits
-from control_plane.scheduler.intake import PRIORITY_EVICTED, QUEUE_FULL, Intake
+from control_plane.scheduler.fairness import FairOrder, QueueWatchers, VirtualCounters
+from control_plane.scheduler.intake import PRIORITY_EVICTED, QUEUE_FULL, Intake, QueueWatcher
 from control_plane.scheduler.kv import KvManager
 from control_plane.scheduler.planning import PlanBuilder
 from control_plane.scheduler.policy import make_policy, queue_watcher
@@ -58,6 +59,7 @@ from control_plane.scheduler.registry import Registry
 from control_plane.scheduler.results import ResultApplier
 from control_plane.scheduler.retraction import HOST_POOL_FULL, OOM_LAST_REQUEST, Emigrant, Retraction
 from control_plane.scheduler.sizing import PoolSizes, clamp_max_new_tokens, resolve_max_running_requests
+from control_plane.scheduler.slo import SloAdmission, SloUnmeetable
 from protos.worker import KvReceive, KvSend, StepKind, StepPlan, StepResult, WorkerLimits
 
 __all__ = [
@@ -70,6 +72,7 @@ __all__ = [
     "RequestFinished",
     "RequestRejected",
     "Scheduler",
+    "SloUnmeetable",
     "StepStats",
     "StepUpdates",
     "TokenBatch",
@@ -106,6 +109,14 @@ class Scheduler:
         )
         self.queue_clock = QueueClock()
         self.policy = make_policy(config, self.kv, self.queue_clock)
+        # Token fairness (docs/scheduler.md#fairness): None with --fairness none, SGLang's behaviour.
+        self.fairness: VirtualCounters | None = None
+        watcher: QueueWatcher | None = queue_watcher(self.policy)
+        if config.fairness != "none":
+            self.fairness = VirtualCounters(config)
+            bound = config.fairness_locality_bound if config.fairness == "vtc-locality" else 0.0
+            self.policy = FairOrder(self.policy, self.fairness, bound)
+            watcher = QueueWatchers(watcher, self.fairness)
         self.ratio = NewTokenRatioTracker.from_config(config)
         self.adder_limits = AdderLimits(
             page_size=sizes.page_size,
@@ -120,7 +131,7 @@ class Scheduler:
         self.running = RunningBatch(self.kv.columns)
         self.seq_books = SequenceBooks(limits.host_pool_capacity_tokens)
         self.registry = Registry(self.seq_books)
-        self.intake = Intake(config, sizes, self.registry, sign, self.queue_clock, queue_watcher(self.policy))
+        self.intake = Intake(config, sizes, self.registry, sign, self.queue_clock, watcher)
         self.chunk = ChunkInProgress()
         self.exits = Exits(self.kv, self.registry, self.intake, self.chunk)
         self.retraction = Retraction(
@@ -133,6 +144,7 @@ class Scheduler:
             self.running,
             self.ratio,
             sign,
+            self.fairness,
         )
         self.decode = Decode(config, self.kv, self.seq_books, self.running, self.retraction, self.ratio)
         self.admission = Admission(
@@ -150,6 +162,12 @@ class Scheduler:
             Preemption(self.running, self.retraction, sign),
             self.decode,
         )
+        # SLO admission (docs/scheduler.md#slo-admission): None without --slo-cost.
+        self.slo: SloAdmission | None = None
+        if config.slo_cost:
+            self.slo = SloAdmission(
+                config, self.kv, self.intake, self.running, self.chunk, self.queue_clock, self.seq_books
+            )
         self.planner = PlanBuilder(self.kv, self.seq_books)
         self.results = ResultApplier(self.kv, self.registry, self.seq_books, self.exits, limits.eos_token_ids)
         # The batch most recently planned (docs/scheduler.md#step-loop step 4 merges it), and every planned
@@ -189,6 +207,10 @@ class Scheduler:
             self.forward_ct += 1
             if batch.kind is not StepKind.DECODE:
                 self.queue_clock.prefilled(stats.new_tokens)
+            if self.fairness is not None:
+                self.fairness.planned(batch)
+            if self.slo is not None:
+                stats.tpot_at_risk = self.slo.planned(batch, stats.new_tokens)
         stats.queued = len(self.intake.waiting)
         stats.new_token_ratio = self.ratio.current
         self.last_stats = stats
@@ -231,6 +253,8 @@ class Scheduler:
         batch = self._oldest_in_flight(result)
         self._in_flight.popleft()
         self.queue_clock.worked(result.forward_s)
+        if self.fairness is not None:
+            self.fairness.applied(batch)
         self.results.process_batch_result(
             batch, result.token_ids, result.logprobs, result.prompt_scores, result.grammar_failed
         )
@@ -260,6 +284,8 @@ class Scheduler:
 
         `uid` is the engine's opaque unsigned 64-bit key for the request's stream: it only labels the
         request's tokens in `take_updates` (not a scheduling input; replays pass 0)."""
+        if self.slo is not None:
+            self.slo.check(rid, input_ids, params)
         return self.intake.add_request(rid, input_ids, params, uid)
 
     def abort(self, rid: str, reason: FinishReason) -> bool:

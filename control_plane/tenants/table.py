@@ -76,6 +76,19 @@ class TenantTable:
             return found
         return dataclasses.replace(self.default, name=name)
 
+    def weights(self) -> dict[str, float]:
+        """Each listed tenant's share of tokens, as the scheduler's fairness takes it
+        (SchedulerConfig.tenant_weights; an unlisted tenant weighs 1)."""
+        return {name: t.weight for name, t in self.tenants.items()}
+
+    def slo_defaults(self) -> dict[str, tuple[float, float]]:
+        """(ttft_slo_ms, tpot_slo_ms) of each listed tenant that sets one (SchedulerConfig.tenant_slos)."""
+        return {
+            name: (t.ttft_slo_ms, t.tpot_slo_ms)
+            for name, t in self.tenants.items()
+            if t.ttft_slo_ms or t.tpot_slo_ms
+        }
+
     def resolve(self, owner: str, authenticated: bool, requested: str) -> str:
         """The request's tenant: its key's, or the one it names where the key may name it.
 

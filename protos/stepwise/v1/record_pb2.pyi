@@ -73,7 +73,7 @@ class Outcome(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., message: _Optional[str] = ..., code: _Optional[str] = ...) -> None: ...
 
 class RequestParams(_message.Message):
-    __slots__ = ("has_max_new_tokens", "max_new_tokens", "stop", "stop_token_ids", "ignore_eos", "sampler", "has_priority", "priority", "routing_key", "group", "sim_output_len", "min_new_tokens", "generated_before", "logprobs", "logprob_start_len")
+    __slots__ = ("has_max_new_tokens", "max_new_tokens", "stop", "stop_token_ids", "ignore_eos", "sampler", "has_priority", "priority", "routing_key", "group", "sim_output_len", "min_new_tokens", "generated_before", "logprobs", "logprob_start_len", "tenant", "ttft_slo_ms", "tpot_slo_ms")
     HAS_MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
@@ -89,6 +89,9 @@ class RequestParams(_message.Message):
     GENERATED_BEFORE_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_START_LEN_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    TTFT_SLO_MS_FIELD_NUMBER: _ClassVar[int]
+    TPOT_SLO_MS_FIELD_NUMBER: _ClassVar[int]
     has_max_new_tokens: bool
     max_new_tokens: int
     stop: _containers.RepeatedScalarFieldContainer[str]
@@ -104,7 +107,10 @@ class RequestParams(_message.Message):
     generated_before: int
     logprobs: bool
     logprob_start_len: int
-    def __init__(self, has_max_new_tokens: _Optional[bool] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., sampler: _Optional[_Union[_worker_pb2.SamplerParams, _Mapping]] = ..., has_priority: _Optional[bool] = ..., priority: _Optional[int] = ..., routing_key: _Optional[str] = ..., group: _Optional[str] = ..., sim_output_len: _Optional[int] = ..., min_new_tokens: _Optional[int] = ..., generated_before: _Optional[int] = ..., logprobs: _Optional[bool] = ..., logprob_start_len: _Optional[int] = ...) -> None: ...
+    tenant: str
+    ttft_slo_ms: float
+    tpot_slo_ms: float
+    def __init__(self, has_max_new_tokens: _Optional[bool] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., sampler: _Optional[_Union[_worker_pb2.SamplerParams, _Mapping]] = ..., has_priority: _Optional[bool] = ..., priority: _Optional[int] = ..., routing_key: _Optional[str] = ..., group: _Optional[str] = ..., sim_output_len: _Optional[int] = ..., min_new_tokens: _Optional[int] = ..., generated_before: _Optional[int] = ..., logprobs: _Optional[bool] = ..., logprob_start_len: _Optional[int] = ..., tenant: _Optional[str] = ..., ttft_slo_ms: _Optional[float] = ..., tpot_slo_ms: _Optional[float] = ...) -> None: ...
 
 class AddRequestCall(_message.Message):
     __slots__ = ("step", "rid", "input_ids", "params", "error")

@@ -1,0 +1,338 @@
+"""Tenants on one simulated worker (not a test): `python bench/tenant_table.py [--trace MOONCAKE]`.
+
+Runs `stepwise simulate` in-process (the real scheduler, the sim worker, the simulated clock) and
+prints the tables of docs/scheduler.md#tenant-figures:
+
+- **skew**: 8 tenants, four offering 4x the load of the other four, all backlogged: Jain's index of
+  weighted service and throughput, FCFS against VTC;
+- **isolation**: a well-behaved tenant alone, then beside a tenant that floods at 10x its rate: its
+  p99 TTFT, FCFS against VTC;
+- **shared prefixes**: 8 tenants over 200 prefix groups, lpm within the tenant: plain VTC against
+  vtc-locality (bounds Q);
+- **slo** (with `--trace`): the Mooncake conversation trace at 1.5x and 2x, tenants by the first hash
+  id, objectives scaled to the cost model: attainment and goodput, FCFS without admission against
+  SLO admission (fcfs and edf).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import random
+import sys
+import time
+import zlib
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from control_plane.request import RequestParams  # noqa: E402
+from protos.worker import SamplerParams  # noqa: E402
+from stepwise import simulate as sim  # noqa: E402
+from stepwise import traces  # noqa: E402
+
+COST = "0.005,0.000025,0.00000002,0.0"
+WORKER = ["--kv-tokens", "1048576", "--max-context", "131072", "--cost", COST]
+VOCAB = 32000
+# The SLO runs: a pool that holds the trace's working set, and prefill chunks mixed with the decodes
+# (without it a 12k-token prompt's six prefill steps stall every running decode: TPOT 100 ms is lost).
+SLO_WORKER = ["--kv-tokens", "8388608", "--max-context", "131072", "--cost", COST, "--enable-mixed-chunk"]
+
+
+def _params(tenant: str, output: int, ttft_ms: float = 0.0, tpot_ms: float = 0.0) -> RequestParams:
+    return RequestParams(
+        max_new_tokens=output,
+        sampler=SamplerParams(temperature=0.0),
+        sim_output_len=sim.NEVER_EOS,
+        tenant=tenant,
+        ttft_slo_ms=ttft_ms,
+        tpot_slo_ms=tpot_ms,
+    )
+
+
+def _request(rid: str, arrival: float, prompt: Sequence[int], params: RequestParams) -> sim.TraceRequest:
+    return sim.TraceRequest(rid, arrival, tuple(prompt), params)
+
+
+def open_loop(
+    rates: dict[str, float], duration: float, prompt: int, output: int, seed: int
+) -> list[sim.TraceRequest]:
+    """Poisson arrivals per tenant (requests per second) for `duration` seconds, unique prompts,
+    output lengths uniform in [output/8, 15·output/8] (mean `output`: slots free at staggered times)."""
+    rng = random.Random(seed)
+    out: list[tuple[float, str, int]] = []
+    for tenant, rate in sorted(rates.items()):
+        t = rng.expovariate(rate)
+        while t < duration:
+            out.append((t, tenant, rng.randint(output // 8, 15 * output // 8)))
+            t += rng.expovariate(rate)
+    out.sort()
+    return [
+        _request(f"{tenant}/{i}", t, sim.token_run(f"{tenant}/{i}", prompt, VOCAB), _params(tenant, n))
+        for i, (t, tenant, n) in enumerate(out)
+    ]
+
+
+def grouped(
+    tenants: int, groups: int, n: int, duration: float, prefix: int, own: int, output: int, seed: int
+) -> list[sim.TraceRequest]:
+    """n requests in `duration` s, each of a random prefix group (shared `prefix` tokens, then `own`
+    of its own); the group's tenant sends it."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        t = duration * i / n
+        # Each tenant has its own groups (its system prompts): group g belongs to tenant g % tenants.
+        group = rng.randrange(groups)
+        tenant = f"t{group % tenants}"
+        ids = sim.token_run(f"group/{group}", prefix, VOCAB) + sim.token_run(f"r/{i}", own, VOCAB)
+        out.append(_request(f"r{i}", t, ids, _params(tenant, output)))
+    return out
+
+
+def run(
+    trace: list[sim.TraceRequest], flags: Sequence[str], worker: Sequence[str] = WORKER
+) -> tuple[dict[str, Any], float]:
+    ns = sim.build_parser().parse_args([*worker, *flags])
+    setup = sim.setup_from_args(ns)
+    started = time.process_time()
+    summary = sim.Simulation(setup, trace).run()
+    return summary, time.process_time() - started
+
+
+def tok_s(summary: dict[str, Any]) -> float:
+    return (summary["output_tokens"]) / summary["simulated_s"]
+
+
+def row(cells: Sequence[object]) -> str:
+    return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
+def skew_table(rate: float, duration: float) -> list[str]:
+    rates = {f"t{i}": (4.0 if i < 4 else 1.0) * rate for i in range(8)}
+    trace = open_loop(rates, duration, 512, 128, seed=1)
+    lines = [
+        f"8 tenants, t0-t3 at {4 * rate:g} req/s and t4-t7 at {rate:g} req/s for {duration:g} s "
+        f"({len(trace)} requests, 512 prompt + 128 output tokens each)",
+        "",
+        row(
+            [
+                "fairness",
+                "jain index (backlogged)",
+                "output tok/s",
+                "x FCFS",
+                "light tenants' TTFT p99 s",
+                "cpu s",
+            ]
+        ),
+        row(["---"] * 6),
+    ]
+    base = None
+    for name in ("none", "vtc", "vtc-locality"):
+        summary, cpu = run(trace, ["--fairness", name])
+        tput = tok_s(summary)
+        base = base or tput
+        tenants = summary["tenants"]
+        light = max(tenants[f"t{i}"]["ttft_p99_s"] for i in range(4, 8))
+        lines.append(
+            row(
+                [
+                    name,
+                    f"{summary['jain_index']:.4f}",
+                    f"{tput:,.1f}",
+                    f"{tput / base:.4f}",
+                    f"{light:.3f}",
+                    f"{cpu:.1f}",
+                ]
+            )
+        )
+    return lines
+
+
+def isolation_table(rate: float, duration: float, caps: Sequence[int]) -> list[str]:
+    good = open_loop({"good": rate}, duration, 512, 128, seed=2)
+    both = sorted(good + open_loop({"flood": 10 * rate}, duration, 512, 128, seed=3), key=lambda r: r.arrival)
+    lines = [
+        f"tenant `good` at {rate:g} req/s, `flood` at {10 * rate:g} req/s, {duration:g} s, 512 prompt "
+        "tokens, 16-240 output tokens",
+        "",
+        row(
+            [
+                "--max-running-requests",
+                "run",
+                "fairness",
+                "good TTFT p50 s",
+                "good TTFT p99 s",
+                "p99 x alone",
+                "flood TTFT p99 s",
+                "output tok/s",
+            ]
+        ),
+        row(["---"] * 8),
+    ]
+    for cap in caps:
+        extra = ["--max-running-requests", str(cap)] if cap else []
+        alone, _ = run(good, ["--fairness", "none", *extra])
+        g = alone["tenants"]["good"]
+        p99 = g["ttft_p99_s"]
+        label = str(cap) if cap else "(KV-bound)"
+        lines.append(
+            row([label, "good alone", "none", g["ttft_p50_s"], p99, "1.00", "-", f"{tok_s(alone):,.1f}"])
+        )
+        for name in ("none", "vtc"):
+            summary, _ = run(both, ["--fairness", name, *extra])
+            g, f = summary["tenants"]["good"], summary["tenants"]["flood"]
+            lines.append(
+                row(
+                    [
+                        label,
+                        "beside flood",
+                        name,
+                        g["ttft_p50_s"],
+                        g["ttft_p99_s"],
+                        f"{g['ttft_p99_s'] / p99:.2f}",
+                        f["ttft_p99_s"],
+                        f"{tok_s(summary):,.1f}",
+                    ]
+                )
+            )
+    return lines
+
+
+def locality_table(n: int, duration: float, bounds: Sequence[float]) -> list[str]:
+    trace = grouped(8, 200, n, duration, prefix=1024, own=256, output=32, seed=4)
+    lines = [
+        f"8 tenants with 25 prefix groups each (1,024 shared + 256 own tokens, 32 output), {n} requests in "
+        f"{duration:g} s; `--schedule-policy lpm --cache-aware-queue-limit 0` within each tenant",
+        "",
+        row(
+            [
+                "fairness",
+                "Q",
+                "hit rate",
+                "output tok/s",
+                "x vtc",
+                "jain index (backlogged)",
+                "TTFT p99 s",
+                "cpu s",
+            ]
+        ),
+        row(["---"] * 8),
+    ]
+    lpm = ["--schedule-policy", "lpm", "--cache-aware-queue-limit", "0"]
+    base = None
+    runs = [("none", 0.0), ("vtc", 0.0), *(("vtc-locality", q) for q in bounds)]
+    for name, q in runs:
+        summary, cpu = run(trace, [*lpm, "--fairness", name, "--fairness-locality-bound", str(q)])
+        tput = tok_s(summary)
+        if name == "vtc":
+            base = tput
+        ratio = f"{tput / base:.3f}" if base else "-"
+        lines.append(
+            row(
+                [
+                    name,
+                    f"{q:g}" if name == "vtc-locality" else "-",
+                    summary["hit_rate"],
+                    f"{tput:,.1f}",
+                    ratio,
+                    summary["jain_index"],
+                    summary["ttft_p99_s"],
+                    f"{cpu:.1f}",
+                ]
+            )
+        )
+    return lines
+
+
+def main(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--tables", nargs="*", default=["skew", "isolation", "locality", "slo"])
+    parser.add_argument("--trace", type=Path, help="the Mooncake conversation trace (the slo table)")
+    parser.add_argument("--limit", type=int, default=1500)
+    ns = parser.parse_args(argv)
+    out: list[str] = []
+    if "skew" in ns.tables:
+        out += ["### skew", "", *skew_table(10.0, 30.0), ""]
+    if "isolation" in ns.tables:
+        out += ["### isolation", "", *isolation_table(8.0, 30.0, [0, 256]), ""]
+    if "locality" in ns.tables:
+        out += ["### shared prefixes", "", *locality_table(4000, 20.0, [4096.0, 65536.0]), ""]
+    if "slo" in ns.tables and ns.trace is not None:
+        out += ["### slo", "", *slo_table(ns.trace, ns.limit), ""]
+    print("\n".join(out))
+    return 0
+
+
+def mooncake_tenants(
+    path: Path, limit: int, load: float, ttft_ms: float, tpot_ms: float
+) -> list[sim.TraceRequest]:
+    """The Mooncake trace's first `limit` requests at `load` times its rate, each of tenant
+    t{crc32(first hash id) % 8} (a conversation keeps its tenant), with both objectives."""
+    ns = sim.build_parser().parse_args(
+        [str(path), "--trace-format", "mooncake", "--limit", str(limit), "--load-scale", str(load)]
+    )
+    out = []
+    for r in traces.read_trace(ns, VOCAB):
+        first = r.input_ids.hashes[0] if r.input_ids.hashes else 0  # type: ignore[attr-defined]
+        tenant = f"t{zlib.crc32(str(first).encode()) % 8}"
+        params = dataclasses.replace(r.params, tenant=tenant, ttft_slo_ms=ttft_ms, tpot_slo_ms=tpot_ms)
+        out.append(dataclasses.replace(r, params=params))
+    return out
+
+
+def slo_table(path: Path, limit: int, ttft_ms: float = 2000.0, tpot_ms: float = 100.0) -> list[str]:
+    lines = [
+        f"the Mooncake conversation trace, first {limit} requests, 8 tenants by first hash id, every request "
+        f"with ttft_slo_ms {ttft_ms:g} and tpot_slo_ms {tpot_ms:g}; worker `{' '.join(SLO_WORKER)}`",
+        "",
+        row(
+            [
+                "load",
+                "admission",
+                "policy",
+                "refused",
+                "attainment (admitted)",
+                "goodput req/s",
+                "x FCFS",
+                "TTFT p99 s",
+                "cpu s",
+            ]
+        ),
+        row(["---"] * 9),
+    ]
+    for load in (1.5, 2.0):
+        trace = mooncake_tenants(path, limit, load, ttft_ms, tpot_ms)
+        base = 0.0
+        for admission, policy in (("none", "fcfs"), ("slo", "fcfs"), ("slo", "edf")):
+            flags = ["--schedule-policy", policy]
+            if admission == "slo":
+                flags += ["--slo-cost", COST]
+            summary, cpu = run(trace, flags, SLO_WORKER)
+            goodput = summary["goodput_rps"]
+            if admission == "none":
+                base = goodput
+            ratio = "-" if admission == "none" else (f"{goodput / base:.2f}" if base else "inf")
+            lines.append(
+                row(
+                    [
+                        f"{load:g}x",
+                        admission,
+                        policy,
+                        summary["slo_rejected"],
+                        summary["slo_attainment"],
+                        goodput,
+                        ratio,
+                        summary["ttft_p99_s"],
+                        f"{cpu:.1f}",
+                    ]
+                )
+            )
+    return lines
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
