@@ -369,16 +369,18 @@ SURROGATES = [
     ("chat/completions", f'{{{CHAT}, "model": {LONE}}}', "model"),
     ("chat/completions", f'{{{CHAT}, "stop": [{LONE}]}}', "stop.0"),
 ]
-# No field to name: the decoder gives up before there are fields.
+# Nesting is measured before the body is decoded, and the field that holds it is named (a body's
+# own nesting past its bound is a 400 naming its top-level field: gateway/schemas.py, grammars/nesting.py).
 DEEP = [
-    ("completions", f'{{"prompt": "x", "extra": {_nested(1000)}}}', None),
-    ("completions", f'{{"prompt": {_nested(5000)}}}', None),
-    ("completions", f'{{"prompt": "x", "extra": {_nested(100_000)}}}', None),
+    ("completions", f'{{"prompt": "x", "extra": {_nested(1000)}}}', "extra"),
+    ("completions", f'{{"prompt": {_nested(5000)}}}', "prompt"),
+    ("completions", f'{{"prompt": "x", "extra": {_nested(100_000)}}}', "extra"),
     (
         "chat/completions",
         f'{{"messages": [{{"role": "user", "content": "hi", "x": {_nested(1000)}}}]}}',
-        None,
+        "messages",
     ),
+    # No field to name: the number's digits are past what a decoder takes.
     ("completions", f'{{"prompt": "x", "max_tokens": {"9" * 5000}}}', None),
 ]
 
