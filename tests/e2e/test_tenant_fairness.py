@@ -1,0 +1,124 @@
+"""Tenant fairness and SLO admission on real processes (issue 42): with `--fairness vtc` a tenant
+arriving behind another's flood is served beside it, in tokens, where FCFS serves the whole flood
+first; with `--slo-cost` a TTFT objective that cannot be met is refused at once, naming the field."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from clients.client import StepwiseClient, bearer_metadata, collect, generate_request, sampling_params
+from tests.e2e.conftest import ControlProcess
+
+pytestmark = pytest.mark.timeout(90)
+
+FLOOD, CALM = "flood-key-for-fairness", "calm-key-for-fairness"
+FLOODED, CALLS, TOKENS = 12, 3, 20
+
+
+def key_id(key: str) -> str:
+    return "key:" + hashlib.sha256(key.encode()).hexdigest()[:12]
+
+
+def stack_files(tmp: Path, calm_weight: int = 1) -> list[str]:
+    keys = tmp / "keys"
+    keys.write_text(f"{FLOOD}\n{CALM}\n")
+    tenants = tmp / "tenants.toml"
+    tenants.write_text(
+        f'[tenants.flood]\nkeys = ["{key_id(FLOOD)}"]\nweight = 1\n\n'
+        f'[tenants.calm]\nkeys = ["{key_id(CALM)}"]\nweight = {calm_weight}\n'
+    )
+    return ["--api-key-file", str(keys), "--tenants", str(tenants)]
+
+
+async def _held(client: StepwiseClient, n: int) -> None:
+    deadline = time.monotonic() + 30
+    while (info := await client.server_info()).running + info.queued < n:
+        assert time.monotonic() < deadline, f"{n} requests were not held"
+        await asyncio.sleep(0.02)
+
+
+# (fairness, the calm tenant's weight, the most flood calls that finish after the calm calls were
+# sent and before the last of them finished). Counted from the order calls finish, not the clock;
+# the calm calls may land a step after the flood call running when they were sent ends, so each
+# bound has one call of slack.
+@pytest.mark.parametrize(
+    ("fairness", "calm_weight", "flood_between"),
+    [
+        # Equal weights, served alternately: the running flood call, then one flood call per calm one.
+        ("vtc", 1, CALLS + 1),
+        # Weight 4: a calm call costs its counter a quarter as much, so all three go next.
+        ("vtc", 4, 2),
+        # FCFS: every flood call still waiting goes first (checked exactly below).
+        ("none", 1, FLOODED),
+    ],
+)
+async def test_a_tenant_behind_a_flood_keeps_its_weighted_share_under_vtc_only(
+    start_control, tmp_path: Path, fairness: str, calm_weight: int, flood_between: int
+) -> None:
+    # One request at a time: everything after the first waits, and the waiting queue's order alone
+    # decides who is served next.
+    plane: ControlProcess = await start_control(
+        *stack_files(tmp_path, calm_weight), "--fairness", fairness, "--max-running-requests", "1"
+    )
+    plane.add_worker("w0", "--sim-cost", "0.005,0,0")
+    await plane.wait_workers(1, api_key=CALM)
+    # Each finished call as (tenant, output tokens), in the order they finished.
+    finished: list[tuple[str, int]] = []
+    async with StepwiseClient(plane.address, api_key=CALM) as client:
+
+        async def call(key: str, tenant: str, rid: str) -> None:
+            request = generate_request(
+                [5, 6, 7], sampling_params(max_new_tokens=TOKENS, ignore_eos=True), rid
+            )
+            gen = await collect(client.stream(request, api_key=key))
+            finished.append((tenant, len(gen.token_ids)))
+
+        flood = [asyncio.create_task(call(FLOOD, "flood", f"f{i}")) for i in range(FLOODED)]
+        await _held(client, FLOODED)
+        sent = len(finished)  # flood calls done before the calm ones were sent
+        calm = [asyncio.create_task(call(CALM, "calm", f"c{i}")) for i in range(CALLS)]
+        await asyncio.wait_for(asyncio.gather(*flood, *calm), 60)
+        rows = {t.name: t for t in (await client.server_info()).tenants}
+
+    assert all(tokens == TOKENS for _, tokens in finished)
+    assert (rows["flood"].output_tokens, rows["calm"].output_tokens) == (FLOODED * TOKENS, CALLS * TOKENS)
+    last_calm = max(i for i, (tenant, _) in enumerate(finished) if tenant == "calm")
+    between = sum(1 for tenant, _ in finished[sent:last_calm] if tenant == "flood")
+    waiting = FLOODED - sent
+    # The flood must still have been waiting for the order to tell anything.
+    assert waiting > CALLS + 1, finished
+    if fairness == "none":
+        assert between == waiting, finished
+    else:
+        assert between <= flood_between, finished
+
+
+async def test_an_unmeetable_ttft_objective_is_refused_at_once(start_control, tmp_path: Path) -> None:
+    # 10 ms a step plus 1 ms a prefilled token: a 200-token prompt cannot see its first token in 1 ms.
+    plane: ControlProcess = await start_control(*stack_files(tmp_path), "--slo-cost", "0.01,0.001,0,0")
+    plane.add_worker("w0")
+    await plane.wait_workers(1, api_key=CALM)
+    prompt = list(range(5, 205))
+    async with StepwiseClient(plane.address, api_key=CALM) as client:
+        sampling = sampling_params(max_new_tokens=4, ignore_eos=True)
+        call = client.stub.Generate(
+            generate_request(prompt, sampling, "tight", ttft_slo_ms=1), metadata=bearer_metadata(CALM)
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await asyncio.wait_for(call.read(), 10)
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert (refused.value.details() or "").startswith("ttft_slo_ms: "), refused.value.details()
+        # Nothing ran: no token came back, none was generated, nothing is held.
+        info = await client.server_info()
+        assert {t.name: t.output_tokens for t in info.tenants}["calm"] == 0
+        assert info.running + info.queued == 0
+
+        loose = generate_request(prompt, sampling, "loose", ttft_slo_ms=60_000)
+        gen = await asyncio.wait_for(collect(client.stream(loose)), 30)
+        assert len(gen.token_ids) == 4
