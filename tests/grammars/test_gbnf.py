@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import random
 
+import llguidance.gbnf_to_lark as llguidance
 import pytest
 
 from grammars import gbnf
 from grammars.spec import GrammarError
-
-llguidance = pytest.importorskip("llguidance.gbnf_to_lark")
 
 
 def _chain(seed: int, rules: int) -> str:

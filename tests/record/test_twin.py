@@ -222,7 +222,6 @@ def test_slo_attainment_and_goodput_follow_the_rows(
 
 
 def test_plot_draws_a_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    pytest.importorskip("matplotlib")  # in the dev extra; the plot extra for users
     png = tmp_path / "fleet.png"
     _run(tmp_path, capsys, _requests(), "--workers", "2", "--summary-only", "--plot", str(png))
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
