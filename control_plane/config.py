@@ -140,6 +140,8 @@ class SchedulerConfig:
     random_seed: int = 0
     # Past this many waiting requests lpm, hrrn and lpm-aging order FCFS (0: never; SGLang: 128).
     cache_aware_queue_limit: int = 128
+    # The in-batch dedup covers uncached parts and prefills in flight (docs/scheduler.md#full-prefix-dedup).
+    full_prefix_dedup: bool = False
     # A request waiting longer than this goes first (0: off; docs/scheduler.md#max-queue-wait).
     max_queue_wait_s: float = 0.0
     # lpm-aging: matched tokens a second of waiting is worth.
@@ -307,6 +309,14 @@ def _add_scheduler_arguments(parser: argparse.ArgumentParser) -> None:
         default=128,
         help="past this many waiting requests lpm, hrrn and lpm-aging order the queue first come first "
         "served (SGLang's 128); 0: never, cache-aware order at any depth from kept prefix matches",
+    )
+    add(
+        "--full-prefix-dedup",
+        action="store_true",
+        help="the in-batch prefix dedup of cache-aware policies covers every waiting request's "
+        "uncached part, not only requests with almost nothing cached, and counts the prefills still "
+        "in flight: a request whose next tokens another one is computing waits for them instead of "
+        "computing them again (matches every waiting request on every pass; default: SGLang's dedup)",
     )
     add(
         "--max-queue-wait-s",
@@ -817,6 +827,7 @@ def scheduler_config_from_args(
         "allow_auto_truncate": ns.allow_auto_truncate,
         "random_seed": ns.random_seed,
         "cache_aware_queue_limit": ns.cache_aware_queue_limit,
+        "full_prefix_dedup": ns.full_prefix_dedup,
         "max_queue_wait_s": ns.max_queue_wait_s,
         "lpm_aging_tokens_per_s": ns.lpm_aging_tokens_per_s,
         "fairness": ns.fairness,
