@@ -175,7 +175,7 @@ def calibrated(work: Path, traces: dict[str, Path], header: Header, cost: Path) 
         if fit_sim[rid][2] > 1
     )
     model = costs.parse_cost(str(cost))
-    model = dataclasses.replace(model, a=max(0.0, model.a + step))
+    model = dataclasses.replace(model, a=float(f"{max(0.0, model.a + step):.4g}"))
     fit_sim = per_request(traces["fit"], header, model.spec())
     path = statistics.median(fit_live[rid][0] - fit_sim[rid][0] for rid in fit_live)
     print(f"calibrated on the fit run: {step * 1000:+.3f} ms a step, {path * 1000:+.2f} ms a request", end="")
