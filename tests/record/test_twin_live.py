@@ -212,6 +212,9 @@ def test_recorded_cost_names_what_it_cannot_use(tmp_path: Path, capsys: pytest.C
     capsys.readouterr()
     assert sim.main([str(trace), "--cost", f"recorded:{rec}", "--summary-only"]) == 1
     assert "was not measured in the recording" in capsys.readouterr().err
+    # One worker's recorded steps cannot time a fleet's (it ran them on the default model instead).
+    assert sim.main([str(trace), "--workers", "2", "--cost", f"recorded:{rec}", "--summary-only"]) == 2
+    assert "--cost recorded:DIR times one worker's steps" in capsys.readouterr().err
     # Its own recording times a run exactly: the simulated clock is the recorded steps' sum.
     assert sim.main([str(trace), "--limit", "1", "--cost", f"recorded:{rec}", "--summary-only"]) == 0
     summary = json.loads(capsys.readouterr().out)["summary"]
