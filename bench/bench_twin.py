@@ -46,9 +46,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from clients import traces as client_traces  # noqa: E402
-from control_plane.record.entries import AddRequest, ApplyResult, Header, NextPlan  # noqa: E402
+from control_plane.record.entries import ApplyResult, Header, NextPlan  # noqa: E402
 from control_plane.record.files import read_entries, read_header  # noqa: E402
-from stepwise import costs  # noqa: E402
+from stepwise import costs, twin_recorded  # noqa: E402
 from stepwise import simulate as sim  # noqa: E402
 
 CLI = [sys.executable, "-m", "stepwise.cli"]
@@ -136,10 +136,12 @@ def simulate(
     model = costs.parse_cost(cost) if recorded is None else sim.CostModel()
     setup = sim.SimSetup(header.scheduler, header.limits, model, recorded_seconds=recorded)
     requests = [sim.to_request(e) for e in client_traces.load_trace(trace, header.limits.vocab_size)]
-    steps = None
-    if arrivals_of is not None:
-        steps = {e.rid: e.step for e in read_entries(arrivals_of) if isinstance(e, AddRequest)}
-    return sim.Simulation(setup, requests, arrival_steps=steps).run()
+    if arrivals_of is None:
+        return sim.Simulation(setup, requests).run()
+    recorded = twin_recorded.read_worker(arrivals_of)
+    return sim.Simulation(
+        setup, requests, arrival_steps=recorded.arrivals, after_idle=recorded.after_idle
+    ).run()
 
 
 def per_request(trace: Path, header: Header, cost: str) -> dict[str, tuple[float, float, int]]:

@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from control_plane.record.entries import AddRequest, ApplyResult, Header
+from control_plane.record.entries import AddRequest, ApplyResult, Header, OnIdle
 from control_plane.record.files import RecordingError, read_entries
 from control_plane.record.recorder import RecordingScheduler, Sink
 from control_plane.scheduler.scheduler import Scheduler
@@ -42,6 +42,8 @@ class WorkerRecording:
     arrivals: Mapping[str, int]
     # step id -> the forward seconds the worker measured.
     seconds: Mapping[int, float]
+    # The requests added after the scheduler went idle at their step (an OnIdle of that step first).
+    after_idle: frozenset[str] = frozenset()
 
 
 def read_worker(session: Path) -> WorkerRecording:
@@ -53,14 +55,20 @@ def read_worker(session: Path) -> WorkerRecording:
         raise RecordingError(f"{session}: does not start with a recording header")
     arrivals: dict[str, int] = {}
     seconds: dict[int, float] = {}
+    after_idle: set[str] = set()
+    idle_at = -1
     for entry in entries:
         if isinstance(entry, AddRequest):
             if entry.rid in arrivals:
                 raise RecordingError(f"{session}: request {entry.rid!r} was added twice (moved back)")
             arrivals[entry.rid] = entry.step
+            if entry.step == idle_at:
+                after_idle.add(entry.rid)
+        elif isinstance(entry, OnIdle):
+            idle_at = entry.step
         elif isinstance(entry, ApplyResult):
             seconds[entry.result.step_id] = entry.result.forward_s
-    return WorkerRecording(header, arrivals, seconds)
+    return WorkerRecording(header, arrivals, seconds, frozenset(after_idle))
 
 
 def read_fleet(directory: Path) -> list[WorkerRecording]:
@@ -99,6 +107,8 @@ class RecordedTwin(Twin):
         self.handed = [0] * len(recordings)
         # Requests routed to a worker and not yet handed to it, by rid.
         self.held: list[dict[str, TraceRequest]] = [{} for _ in recordings]
+        # The step at which each worker's scheduler last went idle.
+        self.idled = [-1] * len(recordings)
         # Every request is routed at once, in trace order: when it reaches its scheduler is the stamp's
         # business, not the clock's (so aborts by time have no place here either).
         super().__init__(setup, [dataclasses.replace(r, arrival=0.0, abort_at=None) for r in trace])
@@ -126,18 +136,35 @@ class RecordedTwin(Twin):
             owner.arrivals.remove(req)
             self.held[owner.index][req.rid] = req
 
-    def _drain_inbox(self, worker: SimWorker) -> None:
+    def _due(self, worker: SimWorker) -> str | None:
+        """The next request live added on `worker`, if it is due now: routed here, its stamp reached,
+        and, when it came after the scheduler went idle, the scheduler idle at that step here too."""
         i = worker.index
-        held, order, stamps = self.held[i], self.order[i], self.recordings[i].arrivals
-        while self.handed[i] < len(order):
-            rid = order[self.handed[i]]
-            if rid not in held or stamps[rid] > worker.scheduler.step_id:
-                break
+        if self.handed[i] == len(self.order[i]):
+            return None
+        rid = self.order[i][self.handed[i]]
+        step, now = self.recordings[i].arrivals[rid], worker.scheduler.step_id
+        if rid not in self.held[i] or step > now:
+            return None
+        if step == now and rid in self.recordings[i].after_idle and self.idled[i] != now:
+            return None
+        return rid
+
+    def _drain_inbox(self, worker: SimWorker) -> None:
+        while (rid := self._due(worker)) is not None:
             # Its latencies count from when it reached the scheduler on this clock.
             self.progress[rid].arrival = worker.clock
-            worker.arrivals.append(held.pop(rid))
-            self.handed[i] += 1
+            worker.arrivals.append(self.held[worker.index].pop(rid))
+            self.handed[worker.index] += 1
         super()._drain_inbox(worker)
+
+    def _turn(self, worker: SimWorker) -> None:
+        super()._turn(worker)
+        if worker.alive and not worker.scheduled and worker.scheduler.is_idle:
+            # Asleep, idle: what live added after going idle here is due now.
+            self.idled[worker.index] = worker.scheduler.step_id
+            if self._due(worker) is not None:
+                self._wake(worker, worker.clock)
 
     def run(self) -> dict[str, object]:
         summary = super().run()

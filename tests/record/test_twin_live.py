@@ -6,6 +6,7 @@ workers, the fleet twin routes each request where live did and plans each worker
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -18,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from clients import traces as client_traces
-from control_plane.record.entries import AddRequest, Entry, Header
+from control_plane.record.entries import Entry, Header
 from control_plane.record.files import read_entries
 from control_plane.record.timeline import StepLine, TimelineBuilder, TimelineSink
 from stepwise import costs, twin, twin_recorded
@@ -105,7 +106,8 @@ async def test_the_simulator_plans_what_the_live_scheduler_planned(
     live = list(read_entries(record))
     header = live[0]
     assert isinstance(header, Header)
-    arrivals = {e.rid: e.step for e in live if isinstance(e, AddRequest)}
+    recorded = twin_recorded.read_worker(record)
+    arrivals = recorded.arrivals
     assert sorted(arrivals) == sorted(r["rid"] for r in TRACE)
 
     # The simulator as the live scheduler was configured (the recording's header), on the recorded
@@ -115,7 +117,7 @@ async def test_the_simulator_plans_what_the_live_scheduler_planned(
     requests = [sim.to_request(e) for e in client_traces.load_trace(trace, header.limits.vocab_size)]
     simulated: list[StepLine] = []
     sink = TimelineSink(simulated.append)
-    summary = sim.Simulation(setup, requests, sink, arrival_steps=arrivals).run()
+    summary = sim.Simulation(setup, requests, sink, arrivals, recorded.after_idle).run()
     sink.close()  # the last step's line
 
     live_lines = timeline(live)
@@ -221,3 +223,48 @@ def test_recorded_cost_names_what_it_cannot_use(tmp_path: Path, capsys: pytest.C
     assert summary["simulated_s"] == pytest.approx(
         sum(costs.recorded_seconds(f"recorded:{rec}").values()), abs=1e-5
     )
+
+
+BURSTS = [
+    {"rid": f"b{i}", "arrival": 50.0 * (i // 4), "prompt_len": 20 + 3 * i, "max_new_tokens": 6 + i % 3}
+    for i in range(12)
+]
+
+
+@pytest.mark.parametrize("replay", ["simulation", "fleet twin"])
+def test_a_request_that_came_after_the_scheduler_went_idle_waits_for_it_to_go_idle(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], replay: str
+) -> None:
+    """Live, a request stamped with step S can come before or after the scheduler went idle at S,
+    and going idle resets the admission ratio; a replay that hands it over before its scheduler goes
+    idle there plans with a decayed ratio instead. A recording of bursts (each after the scheduler
+    went idle) replays exactly, and only, with the order the recording shows."""
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(json.dumps(r) + "\n" for r in BURSTS))
+    record = tmp_path / "rec"
+    assert sim.main([str(trace), "--summary-only", "--cost", "0.01,0,0", "--record", str(record)]) == 0
+    capsys.readouterr()
+    recorded = twin_recorded.read_worker(record)
+    assert recorded.after_idle == {f"b{i}" for i in range(4, 12)}  # the second and third bursts
+    live = planned(timeline(list(read_entries(record))))
+    header = recorded.header
+
+    def replayed(after_idle: frozenset[str]) -> list[dict[str, object]]:
+        lines: list[StepLine] = []
+        sink = TimelineSink(lines.append)
+        requests = [sim.to_request(e) for e in client_traces.load_trace(trace, header.limits.vocab_size)]
+        if replay == "simulation":
+            setup = sim.SimSetup(
+                header.scheduler, header.limits, sim.CostModel(), recorded_seconds=recorded.seconds
+            )
+            sim.Simulation(setup, requests, sink, recorded.arrivals, after_idle).run()
+        else:
+            base = sim.SimSetup(header.scheduler, header.limits, sim.CostModel())
+            setup = twin.TwinSetup(base, ("mixed",), (sim.CostModel(),))
+            fleet = [dataclasses.replace(recorded, after_idle=after_idle)]
+            twin_recorded.RecordedTwin(setup, requests, fleet, [sink]).run()
+        sink.close()
+        return planned(lines)
+
+    assert replayed(recorded.after_idle) == live
+    assert replayed(frozenset()) != live
