@@ -2,19 +2,21 @@
 (docs/performance.md#the-simulator-against-live).
 
 Two traces of the same shape (seeds differ): a fit trace and an evaluation trace. Each is sent live by
-`stepwise bench --dataset trace` to a fresh `stepwise up --model M --record DIR` (one worker). A cost
-model is fitted on the fit run's recording (`stepwise simulate --fit-cost`), and the evaluation trace
-is simulated with it (arrivals by time, the scheduler and worker limits of the evaluation run's header):
-the twin's error is the simulation's TTFT p50/p99 and end-to-end p50 against the live run's. More
-simulations of the evaluation trace split that error:
+`stepwise bench --dataset trace` to a fresh `stepwise up --model M --record DIR` (one worker). Cost
+models are fitted on the fit run's recording (`stepwise simulate --fit-cost`, by forward and with
+`--fit-interval` by step interval), and the evaluation trace is simulated with them (arrivals by
+time, the scheduler and worker limits of the evaluation run's header): the twin's error is the
+simulation's TTFT p50/p99 and end-to-end p50 against the live run's. The rows:
 
-- fitted on the evaluation run itself (the cost model's form, without the run-to-run drift);
-- fitted on the other run and calibrated on it: each request's simulated times plus what the fit
-  run's requests took beyond their simulation (medians: a fixed part of the TTFT, the client's path
-  to the worker and back, and a part per further token, each step's turn outside the forward);
-- the evaluation run's own step seconds (`--cost recorded:DIR`) with its arrival stamps: the same
-  plans as live (tests/record/test_twin_live.py), so what is left is the time outside the worker's
-  forward.
+- the forwards fitted on the other run: the simulated clock counts the worker's forwards only;
+- the intervals fitted on the other run: each step also counts the control plane's turn between
+  steps (the worker's wait for its next plan), as the recording measured it;
+- the same, calibrated on the fit run's clients (see `calibrated`): a per-step term for what the
+  worker's own measures miss, and a per-request term for the client's path to the scheduler and
+  back, which no recording times;
+- the evaluation run's own steps with its arrival stamps (the same plans as live,
+  tests/record/test_twin_live.py), timed by their forwards and by their intervals: what is left
+  is time outside the worker's steps.
 
 The last row sets the fit run's live figures against the evaluation run's: two live runs of traces of
 one shape, the machine's own run-to-run spread.
@@ -25,6 +27,7 @@ Live TTFT and latency are the client's (bench's), simulated ones the simulated c
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -43,9 +46,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from clients import traces as client_traces  # noqa: E402
-from control_plane.record.entries import AddRequest, Header  # noqa: E402
+from control_plane.record.entries import ApplyResult, Header, NextPlan  # noqa: E402
 from control_plane.record.files import read_entries, read_header  # noqa: E402
-from stepwise import costs  # noqa: E402
+from stepwise import costs, twin_recorded  # noqa: E402
 from stepwise import simulate as sim  # noqa: E402
 
 CLI = [sys.executable, "-m", "stepwise.cli"]
@@ -113,9 +116,9 @@ def live_run(model: str, trace: Path, record: Path, work: Path) -> dict[str, Any
             proc.wait()
 
 
-def fit(records: list[Path], out: Path) -> Path:
+def fit(records: list[Path], out: Path, *flags: str) -> Path:
     """`stepwise simulate --fit-cost ... --json`, written where `--cost FILE` reads it."""
-    args = [*CLI, "simulate", "--fit-cost", *map(str, records), "--json"]
+    args = [*CLI, "simulate", "--fit-cost", *map(str, records), "--json", *flags]
     out.write_text(subprocess.run(args, cwd=ROOT, capture_output=True, text=True, check=True).stdout)
     return out
 
@@ -133,10 +136,12 @@ def simulate(
     model = costs.parse_cost(cost) if recorded is None else sim.CostModel()
     setup = sim.SimSetup(header.scheduler, header.limits, model, recorded_seconds=recorded)
     requests = [sim.to_request(e) for e in client_traces.load_trace(trace, header.limits.vocab_size)]
-    steps = None
-    if arrivals_of is not None:
-        steps = {e.rid: e.step for e in read_entries(arrivals_of) if isinstance(e, AddRequest)}
-    return sim.Simulation(setup, requests, arrival_steps=steps).run()
+    if arrivals_of is None:
+        return sim.Simulation(setup, requests).run()
+    recorded = twin_recorded.read_worker(arrivals_of)
+    return sim.Simulation(
+        setup, requests, arrival_steps=recorded.arrivals, after_idle=recorded.after_idle
+    ).run()
 
 
 def per_request(trace: Path, header: Header, cost: str) -> dict[str, tuple[float, float, int]]:
@@ -157,25 +162,51 @@ def live_requests(work: Path, name: str) -> dict[str, tuple[float, float]]:
     return {r["rid"]: (r["ttft_s"], r["latency_s"]) for r in records if r["status"] == "OK"}
 
 
-def calibrated(work: Path, traces: dict[str, Path], header: Header, cost: str) -> dict[str, Any]:
-    """The evaluation trace simulated on `cost`, each request's times plus what the fit run's requests
-    took beyond their simulation (medians): a fixed part of the TTFT (the client's path to the worker
-    and back) and a part per further token (each step's turn outside the forward)."""
-    fit_sim, fit_live = per_request(traces["fit"], header, cost), live_requests(work, "fit")
-    first = statistics.median(fit_live[rid][0] - fit_sim[rid][0] for rid in fit_live)
-    rest = statistics.median(
+def calibrated(work: Path, traces: dict[str, Path], header: Header, cost: Path) -> dict[str, Any]:
+    """The evaluation trace simulated on the interval model `cost` calibrated on the fit run's live
+    requests: first each step lengthened by the median time a fit-run request took per further token
+    beyond its simulation (what the worker's measures miss: the hand-off of each forward to its
+    thread and back), then each request's TTFT and end to end lengthened by the median time a fit-run
+    request took before its first token beyond its simulation on that model (the client's path to
+    the scheduler and back)."""
+    fit_live = live_requests(work, "fit")
+    fit_sim = per_request(traces["fit"], header, str(cost))
+    step = statistics.median(
         ((fit_live[rid][1] - fit_live[rid][0]) - (fit_sim[rid][1] - fit_sim[rid][0])) / (fit_sim[rid][2] - 1)
         for rid in fit_live
         if fit_sim[rid][2] > 1
     )
-    print(f"calibration on the fit run: TTFT +{first * 1000:.2f} ms, +{rest * 1000:.3f} ms a further token")
-    runs = per_request(traces["eval"], header, cost).values()
-    ttft = [t + first for t, _, _ in runs]
-    e2e = [e + first + rest * max(n - 1, 0) for _, e, n in runs]
+    model = costs.parse_cost(str(cost))
+    model = dataclasses.replace(model, a=float(f"{max(0.0, model.a + step):.4g}"))
+    fit_sim = per_request(traces["fit"], header, model.spec())
+    path = statistics.median(fit_live[rid][0] - fit_sim[rid][0] for rid in fit_live)
+    print(f"calibrated on the fit run: {step * 1000:+.3f} ms a step, {path * 1000:+.2f} ms a request", end="")
+    print(f" (--cost {model.spec()})")
+    runs = per_request(traces["eval"], header, model.spec()).values()
+    ttft = [t + path for t, _, _ in runs]
+    e2e = [e + path for _, e, _ in runs]
     return {
         "ttft_p50_s": float(np.percentile(ttft, 50)),
         "ttft_p99_s": float(np.percentile(ttft, 99)),
         "latency_p50_s": float(np.percentile(e2e, 50)),
+    }
+
+
+def recorded_intervals(record: Path) -> dict[int, float]:
+    """step id -> its interval on the worker as --fit-interval counts it: its forward, plus the next
+    result's wait unless the control plane went idle before the next plan."""
+    results, after_idle, idle = [], set(), False
+    for entry in read_entries(record):
+        if isinstance(entry, NextPlan):
+            if entry.plan is not None and idle:
+                after_idle.add(entry.plan.step_id)
+            idle = entry.plan is None
+        elif isinstance(entry, ApplyResult):
+            results.append(entry.result)
+    waits = {r.step_id: r.wait_s for r in results}
+    return {
+        r.step_id: r.forward_s + (0.0 if r.step_id + 1 in after_idle else waits.get(r.step_id + 1, 0.0))
+        for r in results
     }
 
 
@@ -213,13 +244,18 @@ def main() -> int:
     }
     header = read_header(work / "rec-eval")
     fitted = fit([work / "rec-fit"], work / "cost-fit.json")
-    own = fit([work / "rec-eval"], work / "cost-eval.json")
+    intervals = fit([work / "rec-fit"], work / "cost-fit-interval.json", "--fit-interval")
     rows = {
-        "fitted on the other run": simulate(traces["eval"], header, str(fitted)),
-        "fitted on this run": simulate(traces["eval"], header, str(own)),
-        "fitted on the other run, calibrated on it": calibrated(work, traces, header, str(fitted)),
-        "this run's forward_s, its arrival steps": simulate(
+        "forwards fitted on the other run": simulate(traces["eval"], header, str(fitted)),
+        "intervals fitted on the other run": simulate(traces["eval"], header, str(intervals)),
+        "intervals fitted on the other run, calibrated on its clients": calibrated(
+            work, traces, header, intervals
+        ),
+        "this run's own forwards, its arrival steps": simulate(
             traces["eval"], header, f"recorded:{work / 'rec-eval'}", work / "rec-eval"
+        ),
+        "this run's own intervals, its arrival steps": simulate(
+            traces["eval"], header, "", work / "rec-eval", recorded_intervals(work / "rec-eval")
         ),
     }
     print(f"model {ns.model}, {ns.requests} requests at {ns.rate}/s, prompts {ns.prompt_len}, ", end="")
@@ -227,7 +263,8 @@ def main() -> int:
     for name, report in live.items():
         keys = ("duration_s", "ttft_median_ms", "ttft_p99_ms", "e2e_latency_median_ms")
         print(f"live {name} run: {json.dumps({k: report[k] for k in keys})}")
-    print(f"cost fitted on the other run: {json.loads(fitted.read_text())['cost']}")
+    print(f"forwards fitted on the other run: {json.loads(fitted.read_text())['cost']}")
+    print(f"intervals fitted on the other run: {json.loads(intervals.read_text())['cost']}")
     print("| simulated with | TTFT p50 live / sim | TTFT p99 live / sim | e2e p50 live / sim |")
     print("| --- | --- | --- | --- |")
     fit_live = {

@@ -170,7 +170,15 @@ def trace_workload(ns: argparse.Namespace) -> list[BenchRequest]:
                 f"{ns.trace}: request {entry.rid!r}: max_new_tokens or output_len: "
                 "a live run needs its output length"
             )
-        requests.append(BenchRequest(list(entry.input_ids), length, rid=entry.rid, arrival=entry.arrival))
+        requests.append(
+            BenchRequest(
+                list(entry.input_ids),
+                length,
+                rid=entry.rid,
+                arrival=entry.arrival,
+                routing_key=entry.routing_key,
+            )
+        )
     return requests
 
 
@@ -248,7 +256,9 @@ async def _one(client: StepwiseClient, request: BenchRequest, started: float) ->
         prompt_tokens=len(request.prompt_ids), max_new_tokens=request.max_new_tokens, rid=request.rid
     )
     params = sampling_params(max_new_tokens=request.max_new_tokens, temperature=0.0, ignore_eos=True)
-    call = generate_request(request.prompt_ids, params, request_id=request.rid)
+    call = generate_request(
+        request.prompt_ids, params, request_id=request.rid, routing_key=request.routing_key
+    )
     start = time.perf_counter()
     sample.start = start - started
     try:

@@ -19,6 +19,7 @@ class BenchRequest:
     group: int = -1  # shared-prefix group, -1 for none
     rid: str = ""  # the request id sent (a trace's; "": the server names it)
     arrival: float | None = None  # seconds after the start when it is sent (a trace's; None: as paced)
+    routing_key: str = ""  # which worker the fleet's router sends it to (a trace's; "": its own choice)
 
 
 def _ids(rng: random.Random, n: int, vocab: int) -> list[int]:

@@ -21,6 +21,15 @@ a, b = p, c, d = r - p.
 
 Steps without work (no extend, no decode), steps the worker failed, and steps whose context is not
 known (a recording read from a later part on, before the decoded sequences' prefills) are left out.
+
+`--fit-interval` fits each step's interval instead of its forward: from the start of the step to
+the start of the next one on the worker, its forward_s plus the next result's wait_s (how long the
+worker waited for the next plan: the control plane's turn between steps, applying a result,
+publishing its tokens, planning, encoding and sending, where it outlasts the worker's forward). A
+step after which the control plane had nothing to plan (a NextPlan without a plan before the next
+one) is left out, its gap being the wait for an arrival, as is the last step. A simulated clock
+that advances by such a model counts what a live worker's busy stretch takes, not only its forwards
+(docs/performance.md#the-simulator-against-live).
 """
 
 from __future__ import annotations
@@ -61,6 +70,7 @@ class StepShape:
     decode_rows: int
     context_tokens: int
     seconds: float
+    step: int = -1
 
 
 @dataclass(slots=True)
@@ -69,9 +79,11 @@ class Skipped:
     # Failed, or without a measured time (forward_s 0: a replay's results).
     failed: int = 0
     unknown_context: int = 0
+    # Fitting intervals: the next step waited for an arrival, or none came.
+    no_interval: int = 0
 
     def total(self) -> int:
-        return self.empty + self.failed + self.unknown_context
+        return self.empty + self.failed + self.unknown_context + self.no_interval
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,8 +153,11 @@ class _Lengths:
         return int(ext.lens.sum()), len(plan.decodes), int(sum(ends)) + decoded
 
 
-def step_shapes(entries: Iterable[Entry], skipped: Skipped) -> list[StepShape]:
-    """Every executed step with work, in recording order; what is left out is counted in `skipped`."""
+def step_shapes(entries: Iterable[Entry], skipped: Skipped, interval: bool = False) -> list[StepShape]:
+    """Every executed step with work, in recording order, timed by its forward (`interval`: by its
+    interval, see the module docstring); what is left out is counted in `skipped`."""
+    if interval:
+        return _intervals(entries, skipped)
     lengths = _Lengths()
     planned: dict[int, tuple[int, int, int] | None] = {}
     shapes: list[StepShape] = []
@@ -159,7 +174,34 @@ def step_shapes(entries: Iterable[Entry], skipped: Skipped) -> list[StepShape]:
             elif shape is None:
                 skipped.unknown_context += 1
             else:
-                shapes.append(StepShape(*shape, seconds=result.forward_s))
+                shapes.append(StepShape(*shape, seconds=result.forward_s, step=result.step_id))
+    return shapes
+
+
+def _intervals(entries: Iterable[Entry], skipped: Skipped) -> list[StepShape]:
+    """The steps by forward, each lengthened by the next result's wait when the next plan was made
+    without the control plane having gone idle in between."""
+    after_idle: set[int] = set()
+    waits: dict[int, float] = {}
+
+    def noting(entries: Iterable[Entry]) -> Iterable[Entry]:
+        idle = False
+        for entry in entries:
+            if isinstance(entry, NextPlan):
+                if entry.plan is not None and idle:
+                    after_idle.add(entry.plan.step_id)
+                idle = entry.plan is None
+            elif isinstance(entry, ApplyResult):
+                waits[entry.result.step_id] = entry.result.wait_s
+            yield entry
+
+    shapes = []
+    for shape in step_shapes(noting(entries), skipped):
+        following = shape.step + 1
+        if following not in waits or following in after_idle:
+            skipped.no_interval += 1
+            continue
+        shapes.append(dataclasses.replace(shape, seconds=shape.seconds + waits[following]))
     return shapes
 
 
@@ -171,8 +213,9 @@ class RecordingSteps:
     skipped: Skipped
 
 
-def read_steps(path: Path) -> RecordingSteps:
-    """The steps of one recording; RecordingError (one line) when it cannot be read."""
+def read_steps(path: Path, interval: bool = False) -> RecordingSteps:
+    """The steps of one recording (`interval`: timed by their intervals); RecordingError (one line)
+    when it cannot be read."""
     if not path.exists():
         raise RecordingError(f"{path}: no such file or directory")
     reader = RecordingReader(path)
@@ -185,7 +228,7 @@ def read_steps(path: Path) -> RecordingSteps:
         if why := unsupported_format(header):
             raise RecordingError(f"{path}: {why}")
         skipped = Skipped()
-        shapes = step_shapes(entries, skipped)
+        shapes = step_shapes(entries, skipped, interval)
     return RecordingSteps(path, header, shapes, skipped)
 
 
@@ -300,18 +343,25 @@ def fit_steps(recordings: Sequence[RecordingSteps], others: Sequence[RecordingSt
     return dataclasses.replace(fit, other=_errors(x @ np.asarray(fit.coefficients), y))
 
 
-def report(recordings: Sequence[RecordingSteps], fit: CostFit, others: Sequence[RecordingSteps] = ()) -> str:
+def report(
+    recordings: Sequence[RecordingSteps],
+    fit: CostFit,
+    others: Sequence[RecordingSteps] = (),
+    interval: bool = False,
+) -> str:
     lines = []
     for r, only in [*((r, "") for r in recordings), *((r, "; checked only") for r in others)]:
         limits, skipped = r.header.limits, r.skipped
         lines.append(
             f"{r.path}: {len(r.shapes)} steps (left out: {skipped.empty} empty, "
-            f"{skipped.failed} failed or untimed, {skipped.unknown_context} of unknown context); "
+            f"{skipped.failed} failed or untimed, {skipped.unknown_context} of unknown context"
+            f"{f', {skipped.no_interval} before an idle wait or none' if skipped.no_interval else ''}); "
             f"worker {limits.worker_id}, device {limits.device}, dtype {limits.dtype}, "
             f"model {limits.model_fingerprint[:12]}{only}"
         )
     held = f"every {HOLDOUT_EVERY}th step"
-    lines.append(f"fitted on {fit.train.steps} steps, error on {fit.test.steps} held out ({held})")
+    timed = "intervals (forward and the wait for the next plan)" if interval else "forwards"
+    lines.append(f"fitted on {fit.train.steps} steps' {timed}, error on {fit.test.steps} held out ({held})")
     for term, value in zip(TERMS, fit.coefficients, strict=True):
         pinned = "  (pinned at 0: no weight in the data)" if term in fit.pinned else ""
         lines.append(f"  per {term:<14} {value * 1e6:12.4f} µs{pinned}")
@@ -376,6 +426,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "held-out steps, and exit (no trace); with --json, a JSON object --cost FILE reads",
     )
     parser.add_argument(
+        "--fit-interval",
+        action="store_true",
+        help="with --fit-cost: fit each step's interval on the worker (its forward plus the wait for the "
+        "next plan, the control plane's turn between steps) instead of its forward alone",
+    )
+    parser.add_argument(
         "--check-cost",
         type=Path,
         nargs="+",
@@ -390,9 +446,11 @@ def run_from_args(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> in
     if ns.fit_cost is not None:
         if ns.trace is not None:
             parser.error(f"--fit-cost fits recordings and runs no trace: drop {ns.trace}")
-        return main(_paths(ns.fit_cost), _paths(ns.check_cost), ns.json)
+        return main(_paths(ns.fit_cost), _paths(ns.check_cost), ns.json, ns.fit_interval)
     if ns.check_cost is not None:
         parser.error("--check-cost measures a fit: give --fit-cost RECORDING too")
+    if ns.fit_interval:
+        parser.error("--fit-interval says what --fit-cost fits: give --fit-cost RECORDING too")
     if ns.trace is None:
         parser.error("the following arguments are required: trace")
     return None
@@ -403,18 +461,18 @@ def _paths(value: list[Path] | Path | None) -> list[Path]:
     return [] if value is None else value if isinstance(value, list) else [value]
 
 
-def main(paths: Sequence[Path], others: Sequence[Path], as_json_output: bool) -> int:
-    """Print the fit of the recordings at `paths` (and its error on `others`): 0, or one line on
-    stderr and 2."""
+def main(paths: Sequence[Path], others: Sequence[Path], as_json_output: bool, interval: bool = False) -> int:
+    """Print the fit of the recordings at `paths` (and its error on `others`), by forward or by
+    `interval`: 0, or one line on stderr and 2."""
     try:
-        recordings = [read_steps(path) for path in paths]
-        checked = [read_steps(path) for path in others]
+        recordings = [read_steps(path, interval) for path in paths]
+        checked = [read_steps(path, interval) for path in others]
         fit = fit_steps(recordings, checked)
     except (OSError, RecordingError, CostFitError) as exc:
         print(f"stepwise simulate: --fit-cost: {exc}", file=sys.stderr)
         return 2
     if as_json_output:
-        print(json.dumps(as_json(recordings, fit)))
+        print(json.dumps({**as_json(recordings, fit), "fitted_to": "interval" if interval else "forward"}))
     else:
-        print(report(recordings, fit, checked))
+        print(report(recordings, fit, checked, interval))
     return 0

@@ -25,7 +25,7 @@ import dataclasses
 import json
 import sys
 from collections import Counter, deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -136,7 +136,9 @@ class Simulation:
 
     `arrival_steps` (rid -> step), when given, makes each request arrive when the scheduler has made
     that many plans instead of when the clock reaches its arrival: a live recording's stamps, so that a
-    simulation of a live run sees each arrival between the same two plans (docs/debugging.md#twin)."""
+    simulation of a live run sees each arrival between the same two plans (docs/debugging.md#twin).
+    The requests in `after_idle` arrived live after the scheduler went idle at their step (an OnIdle
+    of that step came first): they wait for the simulation's scheduler to go idle there too."""
 
     def __init__(
         self,
@@ -144,9 +146,13 @@ class Simulation:
         trace: Sequence[TraceRequest],
         sink: Sink | None = None,
         arrival_steps: Mapping[str, int] | None = None,
+        after_idle: Collection[str] = (),
     ) -> None:
         self.setup = setup
         self.arrival_steps = arrival_steps
+        self.after_idle = after_idle
+        # The step at which the scheduler last went idle.
+        self.idled_at = -1
         if sink is None:
             self.scheduler = Scheduler(setup.config, setup.limits)
         else:
@@ -218,15 +224,22 @@ class Simulation:
     def _due(self, request: TraceRequest) -> bool:
         if self.arrival_steps is None:
             return request.arrival <= self.clock
-        return self.arrival_steps[request.rid] <= self.scheduler.step_id
+        step, now = self.arrival_steps[request.rid], self.scheduler.step_id
+        return step < now or (step == now and (request.rid not in self.after_idle or self.idled_at == now))
 
     def _wait(self) -> bool:
         """Nothing to plan: go idle, then jump the clock to the next arrival (False when done)."""
         if self.scheduler.is_idle:
             self.scheduler.on_idle()
+            self.idled_at = self.scheduler.step_id
         if self.pending:
-            if self.arrival_steps is None:  # by step, the next arrival is due now
+            if self.arrival_steps is None:
                 self.clock = max(self.clock, self.pending[0].arrival)
+            elif not self._due(self.pending[0]):  # by step, the next arrival must be due now
+                rid, step = self.pending[0].rid, self.scheduler.step_id
+                raise SimulationStuck(
+                    f"{rid} arrives at step {self.arrival_steps[rid]}; nothing planned at {step}"
+                )
             return True
         if not self.scheduler.is_idle:
             raise SimulationStuck(f"{len(self.scheduler.requests)} requests left, nothing planned")

@@ -457,10 +457,7 @@ class Twin:
             role=role,
             transfer_address=f"sim:{index}",
         )
-        if self.sink is not None and index == 0:
-            scheduler: Scheduler = RecordingScheduler(base.config, limits, self.sink)
-        else:
-            scheduler = Scheduler(base.config, limits)
+        scheduler = self._new_scheduler(index, limits)
         eos = min(limits.eos_token_ids)
         executor = SimExecutor(limits.kv_capacity_tokens, limits.vocab_size, eos, cost, base.seed)
         worker = SimWorker(index, limits, scheduler, executor)
@@ -468,6 +465,12 @@ class Twin:
         self.workers.append(worker)
         self.router.attach(worker)
         return worker
+
+    def _new_scheduler(self, index: int, limits: WorkerLimits) -> Scheduler:
+        """Worker `index`'s scheduler; the first one's calls go to the sink (a subclass may record more)."""
+        if self.sink is not None and index == 0:
+            return RecordingScheduler(self.setup.base.config, limits, self.sink)
+        return Scheduler(self.setup.base.config, limits)
 
     def _fleet_event(self, event: FleetEvent) -> None:
         if event.kind == "add":
@@ -582,15 +585,18 @@ class Twin:
         progress = _Progress(req.rid, req.arrival, len(req.input_ids), len(self.progress) + 1)
         self.progress[req.rid] = progress
         self.by_uid[progress.uid] = progress
-        worker = self.router.pick(
-            req.params.routing_key, _ids(req.input_ids) if len(self.workers) > 1 else None
-        )
+        worker = self._route(req)
         if worker is None:
             progress.finished, progress.reason = self.now, "refused: no worker"
             return
         progress.owner = worker
         worker.arrivals.append(req)
         self._wake(worker, self.now)
+
+    def _route(self, req: TraceRequest) -> SimWorker | None:
+        return self.router.pick(
+            req.params.routing_key, _ids(req.input_ids) if len(self.workers) > 1 else None
+        )
 
     def _abort(self, rid: str) -> None:
         progress = self.progress.get(rid)
@@ -675,8 +681,9 @@ class Twin:
         self._at(worker.clock, _TURN, lambda: self._turn(worker))
 
     def _apply(self, worker: SimWorker, result: StepResult) -> None:
-        worker.clock += result.forward_s
-        worker.busy_s += result.forward_s
+        seconds = self._step_seconds(worker, result)
+        worker.clock += seconds
+        worker.busy_s += seconds
         self.end = max(self.end, worker.clock)
         worker.scheduler.apply_result(result)
         worker._steps += 1
@@ -689,6 +696,12 @@ class Twin:
         queued = sum(w.load()[0] for w in self.workers if w.alive)
         running = sum(w.load()[1] for w in self.workers if w.alive)
         self.load_samples.append((worker.clock, queued, running))
+
+    def _step_seconds(self, worker: SimWorker, result: StepResult) -> float:
+        """How far the step moves the worker's clock: its cost model's forward (a subclass may time
+        it otherwise)."""
+        del worker
+        return result.forward_s
 
     def _admitted(self, worker: SimWorker) -> None:
         waiting = {r.rid for r in worker.scheduler.waiting}

@@ -99,6 +99,10 @@ def setup_from_args(
 ) -> twin.TwinSetup:
     """ValueError (exit 2) naming the flag for a bad one."""
     roles = twin.parse_roles(ns.roles, ns.workers)
+    if base.recorded_seconds is not None:
+        # The fleet's clocks are its cost models'; a live fleet's recording is replayed by
+        # stepwise/twin_recorded.py (docs/debugging.md#twin).
+        raise ValueError("--cost recorded:DIR times one worker's steps: not with the fleet's flags")
     if len(roles) > 1 and ns.record is not None:
         raise ValueError("--record records one worker's scheduler: not with more than one worker")
     each, by_role = twin.parse_worker_costs(ns.worker_cost, roles, base.cost, costs.parse_cost)

@@ -163,6 +163,22 @@ async def test_arrivals_are_paced_by_the_trace(tmp_path: Path) -> None:
     assert all(0.1 * i <= s < 0.1 * i + 0.08 for i, s in enumerate(starts)), starts
 
 
+async def test_a_traces_routing_keys_are_sent(tmp_path: Path) -> None:
+    """The fleet's router reads them: without them a live fleet routes the trace otherwise than
+    `stepwise simulate --workers N` does."""
+    from tests.cli.fake_server import serve_fake
+
+    keys = ["k1", "", "k2", "k1"]
+    trace = _write(
+        tmp_path / "t.jsonl", [{**r, "routing_key": k} for r, k in zip(STEPWISE_TRACE, keys, strict=True)]
+    )
+    async with serve_fake() as fake:
+        await bench.run(_bench_ns(trace, "--address", fake.address), io.StringIO())
+    assert sorted((r.request_id, r.routing_key) for r in fake.requests) == list(
+        zip("abcd", keys, strict=True)
+    )
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 async def test_a_trace_against_a_sim_stack_arrives_as_sent(stack_address: str, tmp_path: Path) -> None:

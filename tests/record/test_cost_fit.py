@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from control_plane.record.entries import ApplyResult, Entry, NextPlan
 from control_plane.record.files import read_entries
 from data_plane.sim import CostModel
 from stepwise import cost_fit
@@ -232,3 +233,62 @@ def test_every_named_model_runs(tmp_path: Path, capsys: pytest.CaptureFixture[st
         assert sim.main([str(_trace(tmp_path)), "--summary-only", "--cost", name]) == 0
         simulated[name] = json.loads(capsys.readouterr().out)["summary"]["simulated_s"]
     assert simulated["h200-llama3-8b"] < simulated["h100-llama3-8b"]
+
+
+def test_an_interval_is_the_forward_and_the_wait_for_the_next_plan(tmp_path: Path) -> None:
+    """`--fit-interval`: each step timed by its forward plus the next result's wait_s, except the
+    steps after which the scheduler went idle (the next wait is for an arrival) and the last one (no
+    next result)."""
+    burst = [
+        {"rid": f"r{i}", "arrival": 100.0 * (i // 3), "prompt_len": 20 + i, "max_new_tokens": 3}
+        for i in range(9)
+    ]
+    trace = write_trace(tmp_path / "bursts.jsonl", burst)
+    path = tmp_path / "rec"
+    assert sim.main([str(trace), "--summary-only", "--cost", "1,0,0,0", "--record", str(path)]) == 0
+    entries = list(read_entries(path))
+    # Step k's result says it waited k ms for its plan; the scheduler also planned nothing just
+    # before plan 2 (as when the last request of a step finished and the next had not arrived).
+    timed: list[Entry] = []
+    for e in entries:
+        if isinstance(e, ApplyResult):
+            e = dataclasses.replace(e, result=dataclasses.replace(e.result, wait_s=e.result.step_id / 1000))
+        if isinstance(e, NextPlan) and e.plan is not None and e.plan.step_id == 2:
+            timed.append(NextPlan(e.step, None))
+        timed.append(e)
+    by_forward = step_shapes(timed, Skipped())
+    skipped = Skipped()
+    by_interval = step_shapes(timed, skipped, interval=True)
+    results = {e.result.step_id for e in timed if isinstance(e, ApplyResult)}
+    idle_before = {e.plan.step_id for e in _after_none(timed)}
+    assert {2, 6, 11} <= idle_before  # the one made up and the two between the bursts
+    kept = [s for s in by_forward if s.step + 1 in results and s.step + 1 not in idle_before]
+    assert 1 in {s.step for s in by_forward} - {s.step for s in kept}
+    assert [(s.step, s.seconds + (s.step + 1) / 1000) for s in kept] == [
+        (s.step, s.seconds) for s in by_interval
+    ]
+    assert skipped.no_interval == len(by_forward) - len(kept) > 0
+
+
+def _after_none(entries: list[object]) -> list[NextPlan]:
+    """The plans made after a NextPlan that planned nothing."""
+    out, idle = [], False
+    for e in entries:
+        if isinstance(e, NextPlan):
+            if e.plan is not None and idle:
+                out.append(e)
+            idle = e.plan is None
+    return out
+
+
+def test_fit_interval_is_said_and_wants_a_fit(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = _record(tmp_path, "0.002,3e-05,1e-07,4e-05")
+    capsys.readouterr()
+    assert sim.main(["--fit-cost", str(path), "--fit-interval", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["fitted_to"] == "interval"
+    assert sim.main(["--fit-cost", str(path), "--fit-interval"]) == 0
+    assert "steps' intervals (forward and the wait for the next plan)" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_:
+        sim.main([str(_trace(tmp_path)), "--fit-interval"])
+    assert exit_.value.code == 2
+    assert "--fit-interval says what --fit-cost fits" in capsys.readouterr().err
