@@ -72,7 +72,7 @@ class SloAdmission:
 
     def objectives(self, params: RequestParams) -> tuple[float, float]:
         """(ttft_slo_ms, tpot_slo_ms): the request's own, else its tenant's defaults (0: none)."""
-        ttft, tpot = self.config.tenant_slos.get(params.tenant, (0.0, 0.0))
+        ttft, tpot = self.config.tenant_slo(params.tenant)
         return (params.ttft_slo_ms or ttft, params.tpot_slo_ms or tpot)
 
     def check(self, rid: str, input_ids: Sequence[int], params: RequestParams) -> None:

@@ -10,6 +10,7 @@ from control_plane.core.admission import _verdict
 from control_plane.core.inbox import Verdict
 from control_plane.scheduler.records import QueueFull
 from control_plane.scheduler.slo import SloUnmeetable
+from control_plane.tenants.table import parse
 from tests.control_plane.factories import make_scheduler, params, prompt
 from tests.control_plane.fake_worker import FakeWorker
 
@@ -145,3 +146,22 @@ def test_slo_refusals_replay_identically() -> None:
     assert 0 < refused < 12
     report = replay_scheduler([recording_header(config, limits, "test"), *sink.entries])
     assert report.identical, report.describe()
+
+
+def test_the_default_entry_applies_to_unlisted_tenants_and_a_listed_one_keeps_its_own() -> None:
+    """The scheduler is the one place a tenant's latency defaults are applied: the tenant file's
+    [defaults] entry (under ANY_TENANT) covers every tenant it does not list."""
+    slos = parse({"defaults": {"ttft_slo_ms": 50.0}, "tenants": {"lax": {}}}).slo_defaults()
+    sched = make_scheduler(slo_cost=COST, tenant_slos=slos)
+    with pytest.raises(SloUnmeetable):
+        sched.add_request("r", prompt(100), params(4, tenant="anyone"))
+    # A listed tenant that sets no objective has none, as its entry says.
+    sched.add_request("s", prompt(100), params(4, tenant="lax"))
+
+
+def test_a_reload_changes_the_objectives_the_scheduler_applies() -> None:
+    sched = make_scheduler(slo_cost=COST)
+    sched.add_request("before", prompt(100), params(4, tenant="t"))
+    sched.config.retenant({}, parse({"tenants": {"t": {"ttft_slo_ms": 50.0}}}).slo_defaults())
+    with pytest.raises(SloUnmeetable):
+        sched.add_request("after", prompt(100, 3), params(4, tenant="t"))
