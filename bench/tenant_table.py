@@ -29,6 +29,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from clients.traces import token_run  # noqa: E402
 from control_plane.request import RequestParams  # noqa: E402
 from protos.worker import SamplerParams  # noqa: E402
 from stepwise import simulate as sim  # noqa: E402
@@ -71,7 +72,7 @@ def open_loop(
             t += rng.expovariate(rate)
     out.sort()
     return [
-        _request(f"{tenant}/{i}", t, sim.token_run(f"{tenant}/{i}", prompt, VOCAB), _params(tenant, n))
+        _request(f"{tenant}/{i}", t, token_run(f"{tenant}/{i}", prompt, VOCAB), _params(tenant, n))
         for i, (t, tenant, n) in enumerate(out)
     ]
 
@@ -88,7 +89,7 @@ def grouped(
         # Each tenant has its own groups (its system prompts): group g belongs to tenant g % tenants.
         group = rng.randrange(groups)
         tenant = f"t{group % tenants}"
-        ids = sim.token_run(f"group/{group}", prefix, VOCAB) + sim.token_run(f"r/{i}", own, VOCAB)
+        ids = token_run(f"group/{group}", prefix, VOCAB) + token_run(f"r/{i}", own, VOCAB)
         out.append(_request(f"r{i}", t, ids, _params(tenant, output)))
     return out
 
@@ -152,7 +153,13 @@ def skew_table(rate: float, duration: float) -> list[str]:
     return lines
 
 
-def isolation_table(rate: float, duration: float, caps: Sequence[int]) -> list[str]:
+def isolation_table(
+    rate: float,
+    duration: float,
+    caps: Sequence[int],
+    preempt_bounds: Sequence[float] = (),
+    flags_all: Sequence[str] = (),
+) -> list[str]:
     good = open_loop({"good": rate}, duration, 512, 128, seed=2)
     both = sorted(good + open_loop({"flood": 10 * rate}, duration, 512, 128, seed=3), key=lambda r: r.arrival)
     lines = [
@@ -174,7 +181,7 @@ def isolation_table(rate: float, duration: float, caps: Sequence[int]) -> list[s
         row(["---"] * 8),
     ]
     for cap in caps:
-        extra = ["--max-running-requests", str(cap)] if cap else []
+        extra = [*(["--max-running-requests", str(cap)] if cap else []), *flags_all]
         alone, _ = run(good, ["--fairness", "none", *extra])
         g = alone["tenants"]["good"]
         p99 = g["ttft_p99_s"]
@@ -182,15 +189,18 @@ def isolation_table(rate: float, duration: float, caps: Sequence[int]) -> list[s
         lines.append(
             row([label, "good alone", "none", g["ttft_p50_s"], p99, "1.00", "-", f"{tok_s(alone):,.1f}"])
         )
-        for name in ("none", "vtc"):
-            summary, _ = run(both, ["--fairness", name, *extra])
+        for name, bound in (("none", 0.0), ("vtc", 0.0), *(("vtc", b) for b in preempt_bounds)):
+            flags = ["--fairness", name, *extra]
+            if bound:
+                flags += ["--fairness-preempt-bound", f"{bound:g}"]
+            summary, _ = run(both, flags)
             g, f = summary["tenants"]["good"], summary["tenants"]["flood"]
             lines.append(
                 row(
                     [
                         label,
                         "beside flood",
-                        name,
+                        f"{name} + preempt {bound:g}" if bound else name,
                         g["ttft_p50_s"],
                         g["ttft_p99_s"],
                         f"{g['ttft_p99_s'] / p99:.2f}",
@@ -253,12 +263,25 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--tables", nargs="*", default=["skew", "isolation", "locality", "slo"])
     parser.add_argument("--trace", type=Path, help="the Mooncake conversation trace (the slo table)")
     parser.add_argument("--limit", type=int, default=1500)
+    parser.add_argument("--isolation-flags", default="", help="isolation: more simulate flags, every run")
+    parser.add_argument(
+        "--preempt-bounds",
+        type=float,
+        nargs="*",
+        default=[256.0, 4096.0],
+        help="isolation: VTC rows with these",
+    )
     ns = parser.parse_args(argv)
     out: list[str] = []
     if "skew" in ns.tables:
         out += ["### skew", "", *skew_table(10.0, 30.0), ""]
     if "isolation" in ns.tables:
-        out += ["### isolation", "", *isolation_table(8.0, 30.0, [0, 256]), ""]
+        out += [
+            "### isolation",
+            "",
+            *isolation_table(8.0, 30.0, [0, 256], ns.preempt_bounds, ns.isolation_flags.split()),
+            "",
+        ]
     if "locality" in ns.tables:
         out += ["### shared prefixes", "", *locality_table(4000, 20.0, [4096.0, 65536.0]), ""]
     if "slo" in ns.tables and ns.trace is not None:

@@ -153,6 +153,9 @@ class SchedulerConfig:
     fairness_output_weight: float = 2.0
     # vtc-locality: how far (weighted tokens) past the least-served tenant a better prefix match may be.
     fairness_locality_bound: float = 4096.0
+    # vtc: running requests of a tenant more than this far (weighted tokens) ahead of a waiting request's
+    # tenant give way to it when it cannot be admitted (docs/scheduler.md#fairness-preemption); 0: never.
+    fairness_preempt_bound: float = 0.0
     # Tenant -> weight (a tenant's fair share is proportional to it); absent tenants weigh 1.
     tenant_weights: Mapping[str, float] = field(default_factory=dict)
     # SLO admission (docs/scheduler.md#slo-admission): the worker's step cost (a, b, c, d) in seconds,
@@ -366,6 +369,13 @@ def _add_scheduler_arguments(parser: argparse.ArgumentParser) -> None:
         default=4096.0,
         help="vtc-locality: weighted tokens a tenant may be ahead of the least-served backlogged tenant "
         "and still go first for a longer cached prefix",
+    )
+    add(
+        "--fairness-preempt-bound",
+        type=Float(0.0, 1e12),
+        default=0.0,
+        help="vtc: a waiting request that cannot be admitted preempts running requests of tenants more "
+        "than this many weighted tokens ahead of its own (0: never, SGLang's)",
     )
     add(
         "--slo-cost",
@@ -842,6 +852,7 @@ def scheduler_config_from_args(
         "fairness_prompt_weight": ns.fairness_prompt_weight,
         "fairness_output_weight": ns.fairness_output_weight,
         "fairness_locality_bound": ns.fairness_locality_bound,
+        "fairness_preempt_bound": ns.fairness_preempt_bound,
         "slo_cost": ns.slo_cost,
         "strict_invariants": ns.strict_invariants,
     }
@@ -875,6 +886,8 @@ def validate_scheduler_config(config: SchedulerConfig) -> None:
         raise ValueError("--enable-priority-scheduling requires --schedule-policy fcfs or lof")
     if config.fairness not in FAIRNESS:
         raise ValueError(f"--fairness: want one of {', '.join(FAIRNESS)}, got {config.fairness!r}")
+    if config.fairness_preempt_bound > 0 and config.fairness == "none":
+        raise ValueError("--fairness-preempt-bound requires --fairness vtc or vtc-locality")
     for tenant, weight in config.tenant_weights.items():
         if not 0 < weight < float("inf"):
             raise ValueError(f"tenant {tenant!r}: weight must be a positive number, got {weight!r}")
