@@ -172,7 +172,7 @@ class Scheduler:
             self.fair_preemption,
         )
         # Every planned batch whose result is not applied yet, oldest first (overlap scheduling keeps
-        # more than one, docs/scheduler.md#overlap).
+        # more than one, docs/scheduler.md#overlap); SLO admission reads it.
         self._in_flight: deque[ScheduledBatch] = deque()
         # SLO admission (docs/scheduler.md#slo-admission): None without --slo-cost.
         self.slo: SloAdmission | None = None
@@ -185,6 +185,7 @@ class Scheduler:
                 self.chunk,
                 self.queue_clock,
                 self.seq_books,
+                self._in_flight,
             )
         self.planner = PlanBuilder(self.kv, self.seq_books)
         self.results = ResultApplier(self.kv, self.registry, self.seq_books, self.exits, limits.eos_token_ids)

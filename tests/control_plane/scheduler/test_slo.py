@@ -4,6 +4,8 @@ the cached prefix, edf orders by deadline, and TPOT misses are counted."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from control_plane.core.admission import _verdict
@@ -106,8 +108,37 @@ def test_mixed_chunk_steps_pay_for_the_growing_running_batch() -> None:
     assert mixed.slo.predict_ttft_s(640, 100) == pytest.approx(
         plain.slo.predict_ttft_s(640, 100) + 10 * 0.032
     )
-    # Overlap: two steps beside the prefill's (the one running, the one that publishes).
-    assert plain.slo.predict_ttft_s(640, 100) == pytest.approx(2 * 0.01 + 10 * 0.01 + 0.64 + 0.0001 * 740)
+    # Overlap: nothing in flight, the prefill steps, then the step that publishes (no prompt tokens
+    # planned lately: a bare step).
+    assert plain.slo.predict_ttft_s(640, 100) == pytest.approx(0.01 + 10 * 0.01 + 0.64 + 0.0001 * 740)
+
+
+def test_the_publishing_step_is_reckoned_at_the_recent_prompt_tokens_per_step() -> None:
+    """The step after a request's prefill publishes its first token and prefills what arrived
+    behind it: under load, about what the recent steps prefilled."""
+    sched = make_scheduler(slo_cost=COST, chunked_prefill_size=64)
+    assert sched.slo is not None
+    idle = sched.slo.predict_ttft_s(10, 10)
+    worker = FakeWorker(4096)
+    for i in range(40):
+        sched.add_request(f"q{i}", prompt(64, i + 1), params(1))
+        plan = sched.next_plan()
+        assert plan is not None
+        sched.apply_result(worker.run(plan))
+        sched.take_updates()
+    busy = sched.slo.predict_ttft_s(10, 10)
+    assert 0.001 * 50 < busy - idle < 0.001 * 64
+
+
+def test_the_step_in_flight_counts_at_its_planned_size() -> None:
+    """Under overlap a plan may be in flight when a request arrives: its first token waits for that
+    step as planned (a 500-token prefill here: over 0.5 s), not for a decode step."""
+    sched = make_scheduler(slo_cost=COST)
+    sched.add_request("big", prompt(500), params(4))
+    assert sched.next_plan() is not None  # in flight, its result not applied
+    with pytest.raises(SloUnmeetable):
+        sched.add_request("small", prompt(10, 3), params(4, ttft_slo_ms=400.0))
+    sched.add_request("patient", prompt(10, 4), params(4, ttft_slo_ms=900.0))
 
 
 def test_slo_refusals_replay_identically() -> None:
@@ -165,3 +196,19 @@ def test_a_reload_changes_the_objectives_the_scheduler_applies() -> None:
     sched.config.retenant({}, parse({"tenants": {"t": {"ttft_slo_ms": 50.0}}}).slo_defaults())
     with pytest.raises(SloUnmeetable):
         sched.add_request("after", prompt(100, 3), params(4, tenant="t"))
+
+
+def test_the_step_a_request_may_have_arrived_in_counts() -> None:
+    """The engine takes arrivals between steps: a request may have arrived as the step last applied
+    began, so that step's seconds count in its wait."""
+    sched = make_scheduler(slo_cost=COST)
+    assert sched.slo is not None
+    fresh = sched.slo.predict_ttft_s(10, 10)
+    sched.add_request("q", prompt(20), params(1))
+    plan = sched.next_plan()
+    assert plan is not None
+    result = FakeWorker(4096).run(plan)
+    sched.apply_result(dataclasses.replace(result, forward_s=0.25))
+    sched.take_updates()
+    # (and the publishing step's share of the 20 prompt tokens just planned)
+    assert sched.slo.predict_ttft_s(10, 10) == pytest.approx(fresh + 0.25 + COST[1] * sched.slo.recent_tokens)
