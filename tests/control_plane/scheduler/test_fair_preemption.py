@@ -7,10 +7,14 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from control_plane.record.recorder import RecordingScheduler, recording_header
+from control_plane.record.replay import replay_scheduler
 from control_plane.scheduler.fair_preemption import MIN_RUN_TOKENS
 from control_plane.scheduler.scheduler import Scheduler
-from tests.control_plane.factories import make_scheduler, params, prompt, run
+from protos.worker import WorkerLimits
+from tests.control_plane.factories import make_config, make_scheduler, params, prompt, run
 from tests.control_plane.fake_worker import FakeWorker
+from tests.record.conftest import ListSink
 
 
 def _step(sched: Scheduler, worker: FakeWorker) -> list[str]:
@@ -145,3 +149,30 @@ def test_every_request_gets_the_tokens_it_gets_without_preemption(
     plain, preempting = outcomes
     assert preempting.tokens == plain.tokens
     assert all(len(preempting.tokens[f"r{i}"]) == t[3] for i, t in enumerate(traffic))
+
+
+def test_fair_preemptions_replay_identically() -> None:
+    """The header carries the bound: a replay makes the same preemptions."""
+    config = make_config(
+        fairness="vtc", fairness_preempt_bound=10.0, chunked_prefill_size=None, max_running_requests=4
+    )
+    limits = WorkerLimits("w0", kv_capacity_tokens=2000, page_size=1, max_context=2048, vocab_size=1000)
+    sink = ListSink()
+    sched = RecordingScheduler(config, limits, sink)
+    worker = FakeWorker(2000)
+    for i in range(4):
+        sched.add_request(f"f{i}", prompt(40, i), params(60, tenant="flood", ignore_eos=True))
+    for step in range(400):
+        if step == MIN_RUN_TOKENS + 2:
+            for i in range(3):
+                sched.add_request(f"g{i}", prompt(40, 10 + i), params(4, tenant="good", ignore_eos=True))
+        if sched.is_idle:
+            break
+        plan = sched.next_plan()
+        if plan is not None:
+            sched.apply_result(worker.run(plan))
+        sched.take_updates()
+    assert sched.is_idle
+    assert sched.fair_preemption is not None and sched.fair_preemption.preempted_total > 0
+    report = replay_scheduler([recording_header(config, limits, "test"), *sink.entries])
+    assert report.identical, report.describe()
