@@ -100,8 +100,32 @@ def run(
     ns = sim.build_parser().parse_args([*worker, *flags])
     setup = sim.setup_from_args(ns)
     started = time.process_time()
-    summary = sim.Simulation(setup, trace).run()
+    simulation = sim.Simulation(setup, trace)
+    gaps = _watch_gaps(simulation.scheduler)
+    summary = simulation.run()
+    if gaps:
+        summary["counter_gap_max"] = max(gaps)
     return summary, time.process_time() - started
+
+
+def _watch_gaps(scheduler: Any) -> list[float]:
+    """With fairness on: after each plan, the gap between the largest and the least counter among
+    the backlogged tenants (the unfairness a locality bound allows), appended to the list returned."""
+    counters = scheduler.fairness
+    gaps: list[float] = []
+    if counters is None:
+        return gaps
+    plan = scheduler.next_plan
+
+    def watched(always: bool = False) -> Any:
+        made = plan(always)
+        backlogged = [counters.counter(t) for t, n in counters.waiting.items() if n > 0]
+        if len(backlogged) > 1:
+            gaps.append(max(backlogged) - min(backlogged))
+        return made
+
+    scheduler.next_plan = watched
+    return gaps
 
 
 def tok_s(summary: dict[str, Any]) -> float:
@@ -212,11 +236,14 @@ def isolation_table(
     return lines
 
 
-def locality_table(n: int, duration: float, bounds: Sequence[float]) -> list[str]:
+def locality_table(n: int, duration: float, bounds: Sequence[float], kv_tokens: int = 1048576) -> list[str]:
     trace = grouped(8, 200, n, duration, prefix=1024, own=256, output=32, seed=4)
+    worker = [*WORKER]
+    worker[worker.index("--kv-tokens") + 1] = str(kv_tokens)
     lines = [
         f"8 tenants with 25 prefix groups each (1,024 shared + 256 own tokens, 32 output), {n} requests in "
-        f"{duration:g} s; `--schedule-policy lpm --cache-aware-queue-limit 0` within each tenant",
+        f"{duration:g} s; `--schedule-policy lpm --cache-aware-queue-limit 0` within each tenant; "
+        f"`--kv-tokens {kv_tokens}` (the 200 prefixes: 204,800 tokens)",
         "",
         row(
             [
@@ -226,17 +253,18 @@ def locality_table(n: int, duration: float, bounds: Sequence[float]) -> list[str
                 "output tok/s",
                 "x vtc",
                 "jain index (backlogged)",
+                "largest counter gap",
                 "TTFT p99 s",
                 "cpu s",
             ]
         ),
-        row(["---"] * 8),
+        row(["---"] * 9),
     ]
     lpm = ["--schedule-policy", "lpm", "--cache-aware-queue-limit", "0"]
     base = None
     runs = [("none", 0.0), ("vtc", 0.0), *(("vtc-locality", q) for q in bounds)]
     for name, q in runs:
-        summary, cpu = run(trace, [*lpm, "--fairness", name, "--fairness-locality-bound", str(q)])
+        summary, cpu = run(trace, [*lpm, "--fairness", name, "--fairness-locality-bound", str(q)], worker)
         tput = tok_s(summary)
         if name == "vtc":
             base = tput
@@ -250,6 +278,7 @@ def locality_table(n: int, duration: float, bounds: Sequence[float]) -> list[str
                     f"{tput:,.1f}",
                     ratio,
                     summary["jain_index"],
+                    f"{summary['counter_gap_max']:,.0f}" if "counter_gap_max" in summary else "-",
                     summary["ttft_p99_s"],
                     f"{cpu:.1f}",
                 ]
@@ -263,6 +292,10 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--tables", nargs="*", default=["skew", "isolation", "locality", "slo"])
     parser.add_argument("--trace", type=Path, help="the Mooncake conversation trace (the slo table)")
     parser.add_argument("--limit", type=int, default=1500)
+    parser.add_argument(
+        "--locality-kv-tokens", type=int, nargs="*", default=[1048576], help="locality: pools"
+    )
+    parser.add_argument("--locality-bounds", type=float, nargs="*", default=[4096.0, 65536.0])
     parser.add_argument("--isolation-flags", default="", help="isolation: more simulate flags, every run")
     parser.add_argument(
         "--preempt-bounds",
@@ -283,7 +316,8 @@ def main(argv: Sequence[str]) -> int:
             "",
         ]
     if "locality" in ns.tables:
-        out += ["### shared prefixes", "", *locality_table(4000, 20.0, [4096.0, 65536.0]), ""]
+        for kv in ns.locality_kv_tokens:
+            out += ["### shared prefixes", "", *locality_table(4000, 20.0, ns.locality_bounds, kv), ""]
     if "slo" in ns.tables and ns.trace is not None:
         out += ["### slo", "", *slo_table(ns.trace, ns.limit), ""]
     print("\n".join(out))
