@@ -29,6 +29,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from clients.traces import token_run  # noqa: E402
 from control_plane.request import RequestParams  # noqa: E402
 from protos.worker import SamplerParams  # noqa: E402
 from stepwise import simulate as sim  # noqa: E402
@@ -71,7 +72,7 @@ def open_loop(
             t += rng.expovariate(rate)
     out.sort()
     return [
-        _request(f"{tenant}/{i}", t, sim.token_run(f"{tenant}/{i}", prompt, VOCAB), _params(tenant, n))
+        _request(f"{tenant}/{i}", t, token_run(f"{tenant}/{i}", prompt, VOCAB), _params(tenant, n))
         for i, (t, tenant, n) in enumerate(out)
     ]
 
@@ -88,7 +89,7 @@ def grouped(
         # Each tenant has its own groups (its system prompts): group g belongs to tenant g % tenants.
         group = rng.randrange(groups)
         tenant = f"t{group % tenants}"
-        ids = sim.token_run(f"group/{group}", prefix, VOCAB) + sim.token_run(f"r/{i}", own, VOCAB)
+        ids = token_run(f"group/{group}", prefix, VOCAB) + token_run(f"r/{i}", own, VOCAB)
         out.append(_request(f"r{i}", t, ids, _params(tenant, output)))
     return out
 
@@ -99,8 +100,32 @@ def run(
     ns = sim.build_parser().parse_args([*worker, *flags])
     setup = sim.setup_from_args(ns)
     started = time.process_time()
-    summary = sim.Simulation(setup, trace).run()
+    simulation = sim.Simulation(setup, trace)
+    gaps = _watch_gaps(simulation.scheduler)
+    summary = simulation.run()
+    if gaps:
+        summary["counter_gap_max"] = max(gaps)
     return summary, time.process_time() - started
+
+
+def _watch_gaps(scheduler: Any) -> list[float]:
+    """With fairness on: after each plan, the gap between the largest and the least counter among
+    the backlogged tenants (the unfairness a locality bound allows), appended to the list returned."""
+    counters = scheduler.fairness
+    gaps: list[float] = []
+    if counters is None:
+        return gaps
+    plan = scheduler.next_plan
+
+    def watched(always: bool = False) -> Any:
+        made = plan(always)
+        backlogged = [counters.counter(t) for t, n in counters.waiting.items() if n > 0]
+        if len(backlogged) > 1:
+            gaps.append(max(backlogged) - min(backlogged))
+        return made
+
+    scheduler.next_plan = watched
+    return gaps
 
 
 def tok_s(summary: dict[str, Any]) -> float:
@@ -152,7 +177,13 @@ def skew_table(rate: float, duration: float) -> list[str]:
     return lines
 
 
-def isolation_table(rate: float, duration: float, caps: Sequence[int]) -> list[str]:
+def isolation_table(
+    rate: float,
+    duration: float,
+    caps: Sequence[int],
+    preempt_bounds: Sequence[float] = (),
+    flags_all: Sequence[str] = (),
+) -> list[str]:
     good = open_loop({"good": rate}, duration, 512, 128, seed=2)
     both = sorted(good + open_loop({"flood": 10 * rate}, duration, 512, 128, seed=3), key=lambda r: r.arrival)
     lines = [
@@ -174,7 +205,7 @@ def isolation_table(rate: float, duration: float, caps: Sequence[int]) -> list[s
         row(["---"] * 8),
     ]
     for cap in caps:
-        extra = ["--max-running-requests", str(cap)] if cap else []
+        extra = [*(["--max-running-requests", str(cap)] if cap else []), *flags_all]
         alone, _ = run(good, ["--fairness", "none", *extra])
         g = alone["tenants"]["good"]
         p99 = g["ttft_p99_s"]
@@ -182,15 +213,18 @@ def isolation_table(rate: float, duration: float, caps: Sequence[int]) -> list[s
         lines.append(
             row([label, "good alone", "none", g["ttft_p50_s"], p99, "1.00", "-", f"{tok_s(alone):,.1f}"])
         )
-        for name in ("none", "vtc"):
-            summary, _ = run(both, ["--fairness", name, *extra])
+        for name, bound in (("none", 0.0), ("vtc", 0.0), *(("vtc", b) for b in preempt_bounds)):
+            flags = ["--fairness", name, *extra]
+            if bound:
+                flags += ["--fairness-preempt-bound", f"{bound:g}"]
+            summary, _ = run(both, flags)
             g, f = summary["tenants"]["good"], summary["tenants"]["flood"]
             lines.append(
                 row(
                     [
                         label,
                         "beside flood",
-                        name,
+                        f"{name} + preempt {bound:g}" if bound else name,
                         g["ttft_p50_s"],
                         g["ttft_p99_s"],
                         f"{g['ttft_p99_s'] / p99:.2f}",
@@ -202,11 +236,14 @@ def isolation_table(rate: float, duration: float, caps: Sequence[int]) -> list[s
     return lines
 
 
-def locality_table(n: int, duration: float, bounds: Sequence[float]) -> list[str]:
+def locality_table(n: int, duration: float, bounds: Sequence[float], kv_tokens: int = 1048576) -> list[str]:
     trace = grouped(8, 200, n, duration, prefix=1024, own=256, output=32, seed=4)
+    worker = [*WORKER]
+    worker[worker.index("--kv-tokens") + 1] = str(kv_tokens)
     lines = [
         f"8 tenants with 25 prefix groups each (1,024 shared + 256 own tokens, 32 output), {n} requests in "
-        f"{duration:g} s; `--schedule-policy lpm --cache-aware-queue-limit 0` within each tenant",
+        f"{duration:g} s; `--schedule-policy lpm --cache-aware-queue-limit 0` within each tenant; "
+        f"`--kv-tokens {kv_tokens}` (the 200 prefixes: 204,800 tokens)",
         "",
         row(
             [
@@ -216,17 +253,18 @@ def locality_table(n: int, duration: float, bounds: Sequence[float]) -> list[str
                 "output tok/s",
                 "x vtc",
                 "jain index (backlogged)",
+                "largest counter gap",
                 "TTFT p99 s",
                 "cpu s",
             ]
         ),
-        row(["---"] * 8),
+        row(["---"] * 9),
     ]
     lpm = ["--schedule-policy", "lpm", "--cache-aware-queue-limit", "0"]
     base = None
     runs = [("none", 0.0), ("vtc", 0.0), *(("vtc-locality", q) for q in bounds)]
     for name, q in runs:
-        summary, cpu = run(trace, [*lpm, "--fairness", name, "--fairness-locality-bound", str(q)])
+        summary, cpu = run(trace, [*lpm, "--fairness", name, "--fairness-locality-bound", str(q)], worker)
         tput = tok_s(summary)
         if name == "vtc":
             base = tput
@@ -240,6 +278,7 @@ def locality_table(n: int, duration: float, bounds: Sequence[float]) -> list[str
                     f"{tput:,.1f}",
                     ratio,
                     summary["jain_index"],
+                    f"{summary['counter_gap_max']:,.0f}" if "counter_gap_max" in summary else "-",
                     summary["ttft_p99_s"],
                     f"{cpu:.1f}",
                 ]
@@ -253,14 +292,32 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--tables", nargs="*", default=["skew", "isolation", "locality", "slo"])
     parser.add_argument("--trace", type=Path, help="the Mooncake conversation trace (the slo table)")
     parser.add_argument("--limit", type=int, default=1500)
+    parser.add_argument(
+        "--locality-kv-tokens", type=int, nargs="*", default=[1048576], help="locality: pools"
+    )
+    parser.add_argument("--locality-bounds", type=float, nargs="*", default=[4096.0, 65536.0])
+    parser.add_argument("--isolation-flags", default="", help="isolation: more simulate flags, every run")
+    parser.add_argument(
+        "--preempt-bounds",
+        type=float,
+        nargs="*",
+        default=[256.0, 4096.0],
+        help="isolation: VTC rows with these",
+    )
     ns = parser.parse_args(argv)
     out: list[str] = []
     if "skew" in ns.tables:
         out += ["### skew", "", *skew_table(10.0, 30.0), ""]
     if "isolation" in ns.tables:
-        out += ["### isolation", "", *isolation_table(8.0, 30.0, [0, 256]), ""]
+        out += [
+            "### isolation",
+            "",
+            *isolation_table(8.0, 30.0, [0, 256], ns.preempt_bounds, ns.isolation_flags.split()),
+            "",
+        ]
     if "locality" in ns.tables:
-        out += ["### shared prefixes", "", *locality_table(4000, 20.0, [4096.0, 65536.0]), ""]
+        for kv in ns.locality_kv_tokens:
+            out += ["### shared prefixes", "", *locality_table(4000, 20.0, ns.locality_bounds, kv), ""]
     if "slo" in ns.tables and ns.trace is not None:
         out += ["### slo", "", *slo_table(ns.trace, ns.limit), ""]
     print("\n".join(out))

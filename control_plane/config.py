@@ -44,6 +44,8 @@ SCHEDULE_POLICIES = (
     "edf",
 )
 FAIRNESS = ("none", "vtc", "vtc-locality")
+# SchedulerConfig.tenant_slos' key for every tenant the tenant file does not list (its [defaults]).
+ANY_TENANT = "*"
 EVICTION_POLICIES = ("lru", "lfu", "fifo", "mru", "filo", "priority", "slru")
 RETRACTION_POLICIES = ("length", "priority")
 DEFAULT_RECORD_MAX_BYTES = 256 * 1024 * 1024
@@ -153,12 +155,15 @@ class SchedulerConfig:
     fairness_output_weight: float = 2.0
     # vtc-locality: how far (weighted tokens) past the least-served tenant a better prefix match may be.
     fairness_locality_bound: float = 4096.0
+    # vtc: running requests of a tenant more than this far (weighted tokens) ahead of a waiting request's
+    # tenant give way to it when it cannot be admitted (docs/scheduler.md#fairness-preemption); 0: never.
+    fairness_preempt_bound: float = 0.0
     # Tenant -> weight (a tenant's fair share is proportional to it); absent tenants weigh 1.
     tenant_weights: Mapping[str, float] = field(default_factory=dict)
     # SLO admission (docs/scheduler.md#slo-admission): the worker's step cost (a, b, c, d) in seconds,
     # a + b·prefill tokens + c·context tokens + d·decode rows; empty: no SLO admission.
     slo_cost: tuple[float, ...] = ()
-    # Tenant -> (ttft_slo_ms, tpot_slo_ms) for requests that name none.
+    # Tenant -> (ttft_slo_ms, tpot_slo_ms) for requests that name none; ANY_TENANT: the others'.
     tenant_slos: Mapping[str, tuple[float, float]] = field(default_factory=dict)
     # Check pool invariants after every step (tests), not only when idle.
     strict_invariants: bool = False
@@ -168,9 +173,26 @@ class SchedulerConfig:
         object.__setattr__(self, "slo_cost", tuple(float(x) for x in self.slo_cost))
         slos = {k: (float(v[0]), float(v[1])) for k, v in self.tenant_slos.items()}
         object.__setattr__(self, "tenant_slos", slos)
+        object.__setattr__(self, "tenant_weights", dict(self.tenant_weights))
 
     def tenant_weight(self, tenant: str) -> float:
         return float(self.tenant_weights.get(tenant, 1.0))
+
+    def tenant_slo(self, tenant: str) -> tuple[float, float]:
+        """(ttft_slo_ms, tpot_slo_ms) for the tenant's requests that name none: its own entry's, else
+        the tenant file's [defaults] (under ANY_TENANT); 0: none. The one place they are applied."""
+        found = self.tenant_slos.get(tenant)
+        return found if found is not None else self.tenant_slos.get(ANY_TENANT, (0.0, 0.0))
+
+    def retenant(self, weights: Mapping[str, float], slos: Mapping[str, tuple[float, float]]) -> None:
+        """A reloaded tenant file's weights and objectives (SIGHUP): the one part of the config that
+        changes while it runs. In place, so every scheduler holding this config sees them at once
+        (a recording's header keeps those at its start)."""
+        assert isinstance(self.tenant_weights, dict) and isinstance(self.tenant_slos, dict)
+        self.tenant_weights.clear()
+        self.tenant_weights.update(weights)
+        self.tenant_slos.clear()
+        self.tenant_slos.update({k: (float(v[0]), float(v[1])) for k, v in slos.items()})
 
     @property
     def chunking_enabled(self) -> bool:
@@ -357,6 +379,13 @@ def _add_scheduler_arguments(parser: argparse.ArgumentParser) -> None:
         default=4096.0,
         help="vtc-locality: weighted tokens a tenant may be ahead of the least-served backlogged tenant "
         "and still go first for a longer cached prefix",
+    )
+    add(
+        "--fairness-preempt-bound",
+        type=Float(0.0, 1e12),
+        default=0.0,
+        help="vtc: a waiting request that cannot be admitted preempts running requests of tenants more "
+        "than this many weighted tokens ahead of its own (0: never, SGLang's)",
     )
     add(
         "--slo-cost",
@@ -834,6 +863,7 @@ def scheduler_config_from_args(
         "fairness_prompt_weight": ns.fairness_prompt_weight,
         "fairness_output_weight": ns.fairness_output_weight,
         "fairness_locality_bound": ns.fairness_locality_bound,
+        "fairness_preempt_bound": ns.fairness_preempt_bound,
         "slo_cost": ns.slo_cost,
         "strict_invariants": ns.strict_invariants,
     }
@@ -867,6 +897,8 @@ def validate_scheduler_config(config: SchedulerConfig) -> None:
         raise ValueError("--enable-priority-scheduling requires --schedule-policy fcfs or lof")
     if config.fairness not in FAIRNESS:
         raise ValueError(f"--fairness: want one of {', '.join(FAIRNESS)}, got {config.fairness!r}")
+    if config.fairness_preempt_bound > 0 and config.fairness == "none":
+        raise ValueError("--fairness-preempt-bound requires --fairness vtc or vtc-locality")
     for tenant, weight in config.tenant_weights.items():
         if not 0 < weight < float("inf"):
             raise ValueError(f"tenant {tenant!r}: weight must be a positive number, got {weight!r}")
@@ -971,8 +1003,8 @@ def control_config_from_args(ns: argparse.Namespace, model_dir: Path, model_name
 
 
 def _with_tenants(config: SchedulerConfig, ns: argparse.Namespace) -> SchedulerConfig:
-    """The tenant file's weights and latency objectives for fairness and SLO admission (read at
-    start: a reload on SIGHUP changes quotas and tenancy, not these)."""
+    """The tenant file's weights and latency objectives for fairness and SLO admission (at start;
+    a reload on SIGHUP puts the new ones in place, SchedulerConfig.retenant)."""
     from control_plane.tenants.table import load
 
     path: Path | None = getattr(ns, "tenants", None)

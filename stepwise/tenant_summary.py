@@ -51,7 +51,7 @@ class TenantLedger:
         self.backlogged_service: dict[str, float] = dict.fromkeys(sorted(self.tenants), 0.0)
 
     def arrived(self, rid: str, tenant: str, ttft_ms: float, tpot_ms: float) -> None:
-        default = self.config.tenant_slos.get(tenant, (0.0, 0.0))
+        default = self.config.tenant_slo(tenant)
         self.requests[rid] = TenantRequest(
             tenant, (ttft_ms or default[0]) / 1000.0, (tpot_ms or default[1]) / 1000.0
         )

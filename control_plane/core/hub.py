@@ -193,8 +193,11 @@ class FrontendHub:
     # --- the Publisher the engines call ---------------------------------------------------------
 
     def verdict(self, uid: int, verdict: Verdict, message: str = "", retry_after_s: float = 0.0) -> None:
-        if verdict is not Verdict.ACCEPTED and self.tenants is not None:
-            self.tenants.refused(uid)
+        if self.tenants is not None:
+            if verdict is Verdict.ACCEPTED:
+                self.tenants.accepted(uid)
+            else:
+                self.tenants.refused(uid)
         link = self.links.get(link_of(uid))
         if link is not None:
             link.outgoing().message.verdicts.add(
@@ -430,8 +433,8 @@ class FrontendHub:
             engine.submit(arrival)
 
     def _tenancy(self, msg: fe_pb.Arrival, params: RequestParams) -> RequestParams | None:
-        """The request's tenant (and its tenant's latency defaults); None when its key may not
-        name the tenant it names (answered here)."""
+        """The request's tenant; None when its key may not name the tenant it names (answered here).
+        Its tenant's latency defaults are the scheduler's to apply (SchedulerConfig.tenant_slo)."""
         if self.tenants is None:
             tenant = msg.tenant or (msg.owner if msg.authenticated else "")
             return dataclasses.replace(params, tenant=tenant)
@@ -441,13 +444,7 @@ class FrontendHub:
         except TenantRefused as exc:
             self.verdict(msg.uids[0], Verdict.FORBIDDEN, str(exc))
             return None
-        entry = table.entry(tenant)
-        return dataclasses.replace(
-            params,
-            tenant=tenant,
-            ttft_slo_ms=params.ttft_slo_ms or entry.ttft_slo_ms,
-            tpot_slo_ms=params.tpot_slo_ms or entry.tpot_slo_ms,
-        )
+        return dataclasses.replace(params, tenant=tenant)
 
     def _within_quota(self, tenant: str, uids: tuple[int, ...], prompt_tokens: int) -> bool:
         if self.tenants is None:

@@ -261,6 +261,7 @@ class ControlPlane:
             log.error("tenant file not reloaded: the previous table stays", error=str(exc))
             return False
         book.reload(table)
+        self.config.scheduler.retenant(table.weights(), table.slo_defaults())
         log.info("tenant file reloaded", path=str(path), tenants=len(table.tenants))
         return True
 

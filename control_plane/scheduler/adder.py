@@ -294,11 +294,15 @@ class PrefillAdder:
     # --- priority preemption (docs/scheduler.md#priority-preemption)
     # ---------------------------------------------------------------
 
-    def preempt_to_schedule(self, req: Request, candidates: Sequence[Request]) -> list[Request] | None:
+    def preempt_to_schedule(
+        self, req: Request, candidates: Sequence[Request], gives_way: Callable[[Request], bool] | None = None
+    ) -> list[Request] | None:
         """Pick running requests to give way to `req`; None when the preemption is not allowed.
 
         Candidates must already be ordered least important first; those chosen earlier in this pass
-        are skipped (docs/scheduler.md#priority-preemption). Mutates the reserved budget and `preempt_list`.
+        are skipped (docs/scheduler.md#priority-preemption). `gives_way`: whether a candidate may give
+        way (fairness preemption's rule); None: priority's threshold. Mutates the reserved budget and
+        `preempt_list`.
         """
         sign = priority_sign(self.limits.low_priority_values_first)
         # SGLang's fill, not the request's current length: it is refreshed only by a match, which comes
@@ -308,8 +312,11 @@ class PrefillAdder:
         chosen: list[Request] = []
         already = {id(r) for r in self.preempt_list}
         for cand in (c for c in candidates if id(c) not in already):
+            if gives_way is not None:
+                if not gives_way(cand):
+                    break
             # Only a request more important by more than the threshold may preempt.
-            if urgency(cand, sign) - urgency(req, sign) <= self.limits.priority_threshold:
+            elif urgency(cand, sign) - urgency(req, sign) <= self.limits.priority_threshold:
                 break
             chosen.append(cand)
             need -= self.offset(cand)

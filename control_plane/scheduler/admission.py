@@ -12,6 +12,7 @@ from control_plane.scheduler.books import SequenceBooks
 from control_plane.scheduler.chunk import ChunkInProgress
 from control_plane.scheduler.decode import Decode
 from control_plane.scheduler.exits import Exits
+from control_plane.scheduler.fair_preemption import FairPreemption
 from control_plane.scheduler.intake import Intake
 from control_plane.scheduler.kv import KvManager
 from control_plane.scheduler.policy import Policy
@@ -42,6 +43,7 @@ class Admission:
         chunk: ChunkInProgress,
         preemption: Preemption,
         decode: Decode,
+        fair_preemption: FairPreemption | None = None,
     ) -> None:
         self.config = config
         self.adder_limits = adder_limits
@@ -57,6 +59,9 @@ class Admission:
         self.preemption = preemption
         self.decode = decode
         self.try_preemption = config.enable_priority_scheduling and not config.disable_priority_preemption
+        # Fairness preemption (docs/scheduler.md#fairness-preemption): None unless --fairness-preempt-bound.
+        self.fair_preemption = fair_preemption
+        self.may_preempt = self.try_preemption or fair_preemption is not None
 
     # --- the chunked request between steps (docs/scheduler.md#step-loop steps 1 and 3) ----------------
 
@@ -75,11 +80,11 @@ class Admission:
 
     def get_new_batch_prefill(self, stats: StepStats) -> ScheduledBatch | None:
         running, chunk = self.running, self.chunk
-        if self.try_preemption:
+        if self.may_preempt:
             running.clear_full()
         if (running.batch_is_full or not self.intake.waiting) and chunk.req is None:
             return None
-        if self._allocatable(len(running)) <= 0 and chunk.req is None and not self.try_preemption:
+        if self._allocatable(len(running)) <= 0 and chunk.req is None and not self.may_preempt:
             running.mark_full()
             return None
         running_reqs = running.reqs
@@ -147,18 +152,35 @@ class Admission:
         for req in self.intake.waiting:
             if len(adder.can_run_list) >= self._allocatable(running_bs):
                 running.mark_full()
-            if running.batch_is_full and not (
-                self.try_preemption and self.preemption.preempt_for(req, adder, preempted)
-            ):
+            if running.batch_is_full and not self._preempt_for(req, adder, preempted):
                 break
             self.kv.init_next_round_input(req)
             ignore_eos_path = req.params.ignore_eos and self.kv.disabled
             result = adder.add_one_req(req, ignore_eos_path)
+            if result is AddReqResult.NO_TOKEN and self._fair_room(req, adder, preempted, ignore_eos_path):
+                result = adder.add_one_req(req, ignore_eos_path)
             if result is not AddReqResult.CONTINUE:
                 if result is AddReqResult.NO_TOKEN:
                     running.mark_full()
                 break
         return preempted
+
+    def _preempt_for(self, req: Request, adder: PrefillAdder, preempted: list[Request]) -> bool:
+        """The running batch is full: priority preemption, else fairness preemption, may make room."""
+        if self.try_preemption and self.preemption.preempt_for(req, adder, preempted):
+            return True
+        fair = self.fair_preemption
+        return fair is not None and fair.preempt_for(req, adder, preempted)
+
+    def _fair_room(
+        self, req: Request, adder: PrefillAdder, preempted: list[Request], ignore_eos_path: bool
+    ) -> bool:
+        """Its tokens did not fit (refused before anything was booked for it): fairness preemption
+        may make room for it, then it is tried once more."""
+        fair = self.fair_preemption
+        if fair is None or ignore_eos_path or req in adder.can_run_list:
+            return False
+        return fair.preempt_for(req, adder, preempted)
 
     def _fill_stats(self, stats: StepStats, adder: PrefillAdder, running_bs: int) -> None:
         stats.kind = StepKind.PREFILL

@@ -292,13 +292,13 @@ def ttft_objective_ms(config: SchedulerConfig, req: Request) -> float:
     """The request's TTFT objective in ms: its own, else its tenant's default (0: none)."""
     if req.params.ttft_slo_ms > 0:
         return req.params.ttft_slo_ms
-    return config.tenant_slos.get(req.params.tenant, (0.0, 0.0))[0]
+    return config.tenant_slo(req.params.tenant)[0]
 
 
 def tpot_objective_ms(config: SchedulerConfig, req: Request) -> float:
     if req.params.tpot_slo_ms > 0:
         return req.params.tpot_slo_ms
-    return config.tenant_slos.get(req.params.tenant, (0.0, 0.0))[1]
+    return config.tenant_slo(req.params.tenant)[1]
 
 
 class StarvationBound:

@@ -33,6 +33,11 @@ class Preemption:
         victims = adder.preempt_to_schedule(req, candidates)
         if victims is None:
             return False
+        self.release(victims, preempted)
+        return True
+
+    def release(self, victims: list[Request], preempted: list[Request]) -> None:
+        """Release the chosen victims for a re-prefill; appends them to `preempted`."""
         victim_ids = {id(v) for v in victims}
         in_batch_order = [r for r in self.running.reqs if id(r) in victim_ids]
         running_bs = len(self.running)
@@ -44,4 +49,3 @@ class Preemption:
                 preempted.append(victim)
         # The running batch shrinks, which clears its batch_is_full (RunningBatch.keep).
         self.running.remove(in_batch_order)
-        return True

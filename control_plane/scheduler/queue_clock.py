@@ -8,15 +8,18 @@ from __future__ import annotations
 
 
 class QueueClock:
-    __slots__ = ("busy_s", "prefill_tokens")
+    __slots__ = ("busy_s", "last_s", "prefill_tokens")
 
     def __init__(self) -> None:
         self.busy_s = 0.0
+        # The seconds of the step whose result was applied last.
+        self.last_s = 0.0
         self.prefill_tokens = 0
 
     def worked(self, seconds: float) -> None:
         """A result was applied: the worker spent `seconds` on its step."""
         self.busy_s += seconds
+        self.last_s = seconds
 
     def prefilled(self, tokens: int) -> None:
         """A planned prefill step computes `tokens` prompt tokens."""

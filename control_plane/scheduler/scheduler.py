@@ -37,6 +37,7 @@ from control_plane.scheduler.books import SequenceBooks
 from control_plane.scheduler.chunk import ChunkInProgress
 from control_plane.scheduler.decode import Decode
 from control_plane.scheduler.exits import Exits
+from control_plane.scheduler.fair_preemption import FairPreemption
 from control_plane.scheduler.fairness import FairOrder, QueueWatchers, VirtualCounters
 from control_plane.scheduler.intake import PRIORITY_EVICTED, QUEUE_FULL, Intake, QueueWatcher
 from control_plane.scheduler.kv import KvManager
@@ -149,6 +150,13 @@ class Scheduler:
             sign,
             self.fairness,
         )
+        preemption = Preemption(self.running, self.retraction, sign)
+        # Preemption for fairness (docs/scheduler.md#fairness-preemption): None unless a bound is set.
+        self.fair_preemption: FairPreemption | None = None
+        if self.fairness is not None and config.fairness_preempt_bound > 0:
+            self.fair_preemption = FairPreemption(
+                preemption, self.running, self.fairness, self.intake, config.fairness_preempt_bound
+            )
         self.decode = Decode(config, self.kv, self.seq_books, self.running, self.retraction, self.ratio)
         self.admission = Admission(
             config,
@@ -162,22 +170,30 @@ class Scheduler:
             self.seq_books,
             self.exits,
             self.chunk,
-            Preemption(self.running, self.retraction, sign),
+            preemption,
             self.decode,
+            self.fair_preemption,
         )
+        # Every planned batch whose result is not applied yet, oldest first (overlap scheduling keeps
+        # more than one, docs/scheduler.md#overlap); SLO admission reads it.
+        self._in_flight: deque[ScheduledBatch] = deque()
         # SLO admission (docs/scheduler.md#slo-admission): None without --slo-cost.
         self.slo: SloAdmission | None = None
         if config.slo_cost:
             self.slo = SloAdmission(
-                config, self.kv, self.intake, self.running, self.chunk, self.queue_clock, self.seq_books
+                config,
+                self.kv,
+                self.intake,
+                self.running,
+                self.chunk,
+                self.queue_clock,
+                self.seq_books,
+                self._in_flight,
             )
         self.planner = PlanBuilder(self.kv, self.seq_books)
         self.results = ResultApplier(self.kv, self.registry, self.seq_books, self.exits, limits.eos_token_ids)
-        # The batch most recently planned (docs/scheduler.md#step-loop step 4 merges it), and every planned
-        # batch whose result is not applied yet, oldest first (overlap scheduling keeps more than one,
-        # docs/scheduler.md#overlap).
+        # The batch most recently planned (docs/scheduler.md#step-loop step 4 merges it).
         self.last_batch: ScheduledBatch | None = None
-        self._in_flight: deque[ScheduledBatch] = deque()
         # Batches launched (SGLang's forward_ct: TEST_RETRACT retracts every interval-th), and plans made.
         self.forward_ct = 0
         self.step_id = 0

@@ -6,15 +6,17 @@ The prediction is the worker's step cost model, `a + b·new tokens + c·context 
 rows` seconds (--slo-cost, the model `simulate --cost` runs and `--fit-cost` fits), applied to the
 prefill work ahead of the request: the uncached prompt tokens of the requests the policy would admit
 before it (all waiting requests; with `edf`, those with an earlier deadline), the rest of the chunk in
-progress, and its own uncached tokens, in prefill steps of at most the chunk size, after the step
-that is running. It assumes admission is not held back by memory or the running cap (then the wait
-is longer): it refuses only what cannot be met even so, Mooncake's early rejection.
+progress, and its own uncached tokens, in prefill steps of at most the chunk size, after the steps
+in flight (as planned) and before the step that publishes its first token (reckoned at the recent
+steps' prompt tokens).
+It assumes admission is not held back by memory or the running cap (then the wait is longer): it
+refuses what cannot be met even so, Mooncake's early rejection.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
@@ -28,11 +30,16 @@ from control_plane.scheduler.intake import Intake
 from control_plane.scheduler.kv import KvManager
 from control_plane.scheduler.queue_clock import QueueClock
 from control_plane.scheduler.records import QueueFull
+from protos.worker import StepKind
 
 SLO_TTFT_UNMEETABLE = (
     "ttft_slo_ms: the predicted time to first token ({predicted:.0f} ms: {tokens} prompt tokens to "
     "prefill ahead of and for this request) exceeds the objective ({slo:.0f} ms); refused at once"
 )
+
+
+# The weight of the latest step in the moving average of prompt tokens per step (about the last 20).
+RECENT_WEIGHT = 0.05
 
 
 class SloUnmeetable(QueueFull):
@@ -51,6 +58,7 @@ class SloAdmission:
         chunk: ChunkInProgress,
         clock: QueueClock,
         books: SequenceBooks,
+        in_flight: Iterable[ScheduledBatch] = (),
     ) -> None:
         self.config = config
         self.a, self.b, self.c, self.d = config.slo_cost
@@ -60,19 +68,23 @@ class SloAdmission:
         self.chunk = chunk
         self.clock = clock
         self.books = books
+        # The scheduler's plans whose results are not applied yet (read only).
+        self.in_flight = in_flight
         self.edf = config.schedule_policy == "edf"
         budget = min(config.max_prefill_tokens, config.chunked_prefill_size or config.max_prefill_tokens)
         self.step_tokens = max(1, budget)
         # Uncached prompt tokens of each waiting request as its arrival saw them, by rid.
         self.uncached: dict[str, int] = {}
         self.tpot_at_risk: set[str] = set()
+        # Prompt tokens per planned step, a moving average (RECENT_WEIGHT for the latest step).
+        self.recent_tokens = 0.0
         # Requests refused for their TTFT, and running requests predicted to miss their TPOT.
         self.ttft_refused_total = 0
         self.tpot_at_risk_total = 0
 
     def objectives(self, params: RequestParams) -> tuple[float, float]:
         """(ttft_slo_ms, tpot_slo_ms): the request's own, else its tenant's defaults (0: none)."""
-        ttft, tpot = self.config.tenant_slos.get(params.tenant, (0.0, 0.0))
+        ttft, tpot = self.config.tenant_slo(params.tenant)
         return (params.ttft_slo_ms or ttft, params.tpot_slo_ms or tpot)
 
     def check(self, rid: str, input_ids: Sequence[int], params: RequestParams) -> None:
@@ -134,12 +146,32 @@ class SloAdmission:
         if mixed:
             # The running batch, and its context growing by the prompts prefilled on the way.
             per_step += decode + (self.b + self.d) * joining / 2 + self.c * tokens / 2
-        # Under overlap the first token is published a step after its prefill's: one step more.
-        return 2 * (self.a + decode) + steps * per_step + self.b * tokens + self.c * (tokens + prompt_len)
+        # The engine takes arrivals between steps: this one may have come as the step applied last
+        # began (its seconds as the worker reported them). The steps in flight run first, as
+        # planned. Under overlap the first token is published a step after its prefill's, and that
+        # step prefills what arrived behind it: as many prompt tokens as the recent steps did.
+        publish = self.a + decode + self.b * self.recent_tokens
+        prefill = steps * per_step + self.b * tokens + self.c * (tokens + prompt_len)
+        return self.clock.last_s + self.in_flight_s() + publish + prefill
+
+    def in_flight_s(self) -> float:
+        """The predicted seconds of the plans in flight, each as planned (its prefill tokens, its
+        decode rows and their context)."""
+        total = 0.0
+        for batch in self.in_flight:
+            extend = sum(r.extend_range[1] - r.extend_range[0] for r in batch.extend_reqs)
+            context = sum(r.extend_range[1] for r in batch.extend_reqs)
+            rows = len(batch.decode_rows)
+            if rows:
+                context += int(np.sum(self.kv.columns.committed[batch.decode_rows]))
+            total += self.a + self.b * (extend + rows) + self.c * context + self.d * rows
+        return total
 
     def planned(self, batch: ScheduledBatch, new_tokens: int) -> int:
         """Count each decoded request whose TPOT objective is below this step's predicted time, once
-        per request; returns how many were counted now."""
+        per request; returns how many were counted now. Also averages the prompt tokens per step."""
+        prompt_tokens = new_tokens if batch.kind is not StepKind.DECODE else 0
+        self.recent_tokens += RECENT_WEIGHT * (prompt_tokens - self.recent_tokens)
         rows = len(batch.decode_rows)
         if not rows:
             return 0

@@ -54,6 +54,9 @@ class TenantBook:
     samples: dict[int, _Sample] = field(default_factory=dict)
     # First uid of a call -> every uid of it (a refusal names the first only).
     calls: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    # First uid of a call past the quotas and not yet accepted by a scheduler -> its prompt tokens:
+    # it is counted when accepted, and its tokens go back into the bucket when refused.
+    pending: dict[int, int] = field(default_factory=dict)
     served: dict[str, Served] = field(default_factory=dict)
     observer: Observer | None = None
     # The metric labels of their own (the table's first tenants by name), and what each label holds.
@@ -98,19 +101,35 @@ class TenantBook:
             if self.observer is not None:
                 self.observer.rejected(self.label(tenant), refusal.field)
             return refusal
-        served.requests += len(uids)
-        served.prompt_tokens += len(uids) * prompt_tokens
-        if self.observer is not None:
-            self.observer.admitted(self.label(tenant), len(uids), prompt_tokens)
         self._hold(tenant, len(uids), len(uids))
         for uid in uids:
             self.samples[uid] = _Sample(tenant)
         self.calls[uids[0]] = uids
+        self.pending[uids[0]] = prompt_tokens
         return None
 
+    def accepted(self, first_uid: int) -> None:
+        """A scheduler took the call: now it counts in its tenant's requests and prompt tokens."""
+        prompt_tokens = self.pending.pop(first_uid, None)
+        sample = self.samples.get(first_uid)
+        if prompt_tokens is None or sample is None:
+            return
+        samples = len(self.calls.get(first_uid, (first_uid,)))
+        served = self._served(sample.tenant)
+        served.requests += samples
+        served.prompt_tokens += samples * prompt_tokens
+        if self.observer is not None:
+            self.observer.admitted(self.label(sample.tenant), samples, prompt_tokens)
+
     def refused(self, first_uid: int) -> None:
-        """The call was refused after its arrival was booked (by the scheduler, say)."""
-        for uid in self.calls.pop(first_uid, (first_uid,)):
+        """The call was refused after its arrival was booked (by the scheduler, say): it is not
+        charged (its prompt goes back into the token bucket)."""
+        prompt_tokens = self.pending.pop(first_uid, None)
+        sample = self.samples.get(first_uid)
+        uids = self.calls.pop(first_uid, (first_uid,))
+        if prompt_tokens is not None and sample is not None:
+            self.quotas.refund(sample.tenant, len(uids), prompt_tokens)
+        for uid in uids:
             self.ended(uid)
 
     def admitted(self, uid: int) -> None:
@@ -136,6 +155,7 @@ class TenantBook:
         sample = self.samples.pop(uid, None)
         if sample is not None:
             self.calls.pop(uid, None)
+            self.pending.pop(uid, None)
             self.quotas.ended(sample.tenant, sample.queued)
             self._hold(sample.tenant, -1, -1 if sample.queued else 0)
 

@@ -80,6 +80,15 @@ class Quotas:
             bucket.level -= samples * prompt_tokens * self.table.prompt_weight
         return None
 
+    def refund(self, tenant: str, samples: int, prompt_tokens: int) -> None:
+        """A call `check` booked was refused after all: its prompt goes back into the bucket (up to
+        the burst; holdings are released by `ended`)."""
+        usage = self.usage.get(tenant)
+        bucket = usage.bucket if usage is not None else None
+        if bucket is not None:
+            charged = samples * prompt_tokens * self.table.prompt_weight
+            bucket.level = min(self.table.entry(tenant).token_burst, bucket.level + charged)
+
     def started(self, tenant: str) -> None:
         """A sample's first prefill: it no longer counts as queued."""
         usage = self.usage.get(tenant)

@@ -15,6 +15,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+# SchedulerConfig.tenant_slos' key for the tenants the file does not list (control_plane/config.py
+# imports this module only inside a function, so no cycle).
+from control_plane.config import ANY_TENANT
+
 # The table's own name for a request that names no tenant and has no key (keys are off).
 DEFAULT_TENANT = "default"
 # Quota fields: 0 means no limit.
@@ -82,12 +86,12 @@ class TenantTable:
         return {name: t.weight for name, t in self.tenants.items()}
 
     def slo_defaults(self) -> dict[str, tuple[float, float]]:
-        """(ttft_slo_ms, tpot_slo_ms) of each listed tenant that sets one (SchedulerConfig.tenant_slos)."""
-        return {
-            name: (t.ttft_slo_ms, t.tpot_slo_ms)
-            for name, t in self.tenants.items()
-            if t.ttft_slo_ms or t.tpot_slo_ms
-        }
+        """(ttft_slo_ms, tpot_slo_ms) of each listed tenant, and of every other one under ANY_TENANT
+        (the [defaults] entry); empty when none sets any (SchedulerConfig.tenant_slos)."""
+        entries = [*self.tenants.values(), dataclasses.replace(self.default, name=ANY_TENANT)]
+        if not any(t.ttft_slo_ms or t.tpot_slo_ms for t in entries):
+            return {}
+        return {t.name: (t.ttft_slo_ms, t.tpot_slo_ms) for t in entries}
 
     def resolve(self, owner: str, authenticated: bool, requested: str) -> str:
         """The request's tenant: its key's, or the one it names where the key may name it.
@@ -143,6 +147,8 @@ def parse(raw: Mapping[str, Any]) -> TenantTable:
             raise TenantFileError(f"tenants.{name}: must be a table")
         if not name or len(name) > 256:
             raise TenantFileError(f"tenants.{name}: a name of 1 to 256 characters")
+        if name == ANY_TENANT:
+            raise TenantFileError(f"tenants.{name}: a reserved name (the [defaults] entry's)")
         tenant = _entry(name, body, where)
         for key in tenant.keys:
             if key in bound:

@@ -149,3 +149,11 @@ def test_fair_decisions_replay_identically(fairness: str) -> None:
     assert sched.num_retracted_total > 0
     report = replay_scheduler([recording_header(config, limits, "test"), *sink.entries])
     assert report.identical, report.describe()
+
+
+def test_a_reload_changes_the_weights_charged() -> None:
+    counters = _counters(a=1.0)
+    counters.charge("a", 100, 0)
+    counters.config.retenant({"a": 4.0}, {})
+    counters.charge("a", 100, 0)
+    assert counters.counter("a") == 125.0

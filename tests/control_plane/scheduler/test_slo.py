@@ -4,12 +4,15 @@ the cached prefix, edf orders by deadline, and TPOT misses are counted."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from control_plane.core.admission import _verdict
 from control_plane.core.inbox import Verdict
 from control_plane.scheduler.records import QueueFull
 from control_plane.scheduler.slo import SloUnmeetable
+from control_plane.tenants.table import parse
 from tests.control_plane.factories import make_scheduler, params, prompt
 from tests.control_plane.fake_worker import FakeWorker
 
@@ -105,8 +108,37 @@ def test_mixed_chunk_steps_pay_for_the_growing_running_batch() -> None:
     assert mixed.slo.predict_ttft_s(640, 100) == pytest.approx(
         plain.slo.predict_ttft_s(640, 100) + 10 * 0.032
     )
-    # Overlap: two steps beside the prefill's (the one running, the one that publishes).
-    assert plain.slo.predict_ttft_s(640, 100) == pytest.approx(2 * 0.01 + 10 * 0.01 + 0.64 + 0.0001 * 740)
+    # Overlap: nothing in flight, the prefill steps, then the step that publishes (no prompt tokens
+    # planned lately: a bare step).
+    assert plain.slo.predict_ttft_s(640, 100) == pytest.approx(0.01 + 10 * 0.01 + 0.64 + 0.0001 * 740)
+
+
+def test_the_publishing_step_is_reckoned_at_the_recent_prompt_tokens_per_step() -> None:
+    """The step after a request's prefill publishes its first token and prefills what arrived
+    behind it: under load, about what the recent steps prefilled."""
+    sched = make_scheduler(slo_cost=COST, chunked_prefill_size=64)
+    assert sched.slo is not None
+    idle = sched.slo.predict_ttft_s(10, 10)
+    worker = FakeWorker(4096)
+    for i in range(40):
+        sched.add_request(f"q{i}", prompt(64, i + 1), params(1))
+        plan = sched.next_plan()
+        assert plan is not None
+        sched.apply_result(worker.run(plan))
+        sched.take_updates()
+    busy = sched.slo.predict_ttft_s(10, 10)
+    assert 0.001 * 50 < busy - idle < 0.001 * 64
+
+
+def test_the_step_in_flight_counts_at_its_planned_size() -> None:
+    """Under overlap a plan may be in flight when a request arrives: its first token waits for that
+    step as planned (a 500-token prefill here: over 0.5 s), not for a decode step."""
+    sched = make_scheduler(slo_cost=COST)
+    sched.add_request("big", prompt(500), params(4))
+    assert sched.next_plan() is not None  # in flight, its result not applied
+    with pytest.raises(SloUnmeetable):
+        sched.add_request("small", prompt(10, 3), params(4, ttft_slo_ms=400.0))
+    sched.add_request("patient", prompt(10, 4), params(4, ttft_slo_ms=900.0))
 
 
 def test_slo_refusals_replay_identically() -> None:
@@ -145,3 +177,38 @@ def test_slo_refusals_replay_identically() -> None:
     assert 0 < refused < 12
     report = replay_scheduler([recording_header(config, limits, "test"), *sink.entries])
     assert report.identical, report.describe()
+
+
+def test_the_default_entry_applies_to_unlisted_tenants_and_a_listed_one_keeps_its_own() -> None:
+    """The scheduler is the one place a tenant's latency defaults are applied: the tenant file's
+    [defaults] entry (under ANY_TENANT) covers every tenant it does not list."""
+    slos = parse({"defaults": {"ttft_slo_ms": 50.0}, "tenants": {"lax": {}}}).slo_defaults()
+    sched = make_scheduler(slo_cost=COST, tenant_slos=slos)
+    with pytest.raises(SloUnmeetable):
+        sched.add_request("r", prompt(100), params(4, tenant="anyone"))
+    # A listed tenant that sets no objective has none, as its entry says.
+    sched.add_request("s", prompt(100), params(4, tenant="lax"))
+
+
+def test_a_reload_changes_the_objectives_the_scheduler_applies() -> None:
+    sched = make_scheduler(slo_cost=COST)
+    sched.add_request("before", prompt(100), params(4, tenant="t"))
+    sched.config.retenant({}, parse({"tenants": {"t": {"ttft_slo_ms": 50.0}}}).slo_defaults())
+    with pytest.raises(SloUnmeetable):
+        sched.add_request("after", prompt(100, 3), params(4, tenant="t"))
+
+
+def test_the_step_a_request_may_have_arrived_in_counts() -> None:
+    """The engine takes arrivals between steps: a request may have arrived as the step last applied
+    began, so that step's seconds count in its wait."""
+    sched = make_scheduler(slo_cost=COST)
+    assert sched.slo is not None
+    fresh = sched.slo.predict_ttft_s(10, 10)
+    sched.add_request("q", prompt(20), params(1))
+    plan = sched.next_plan()
+    assert plan is not None
+    result = FakeWorker(4096).run(plan)
+    sched.apply_result(dataclasses.replace(result, forward_s=0.25))
+    sched.take_updates()
+    # (and the publishing step's share of the 20 prompt tokens just planned)
+    assert sched.slo.predict_ttft_s(10, 10) == pytest.approx(fresh + 0.25 + COST[1] * sched.slo.recent_tokens)

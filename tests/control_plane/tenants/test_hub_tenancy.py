@@ -38,12 +38,14 @@ def test_without_a_table_the_tenant_is_the_named_one_or_the_key_and_nothing_is_c
     assert all(plain._within_quota("bob", (i,), 10**6) for i in range(100))
 
 
-def test_a_tenants_latency_defaults_fill_what_the_request_leaves_unset() -> None:
+def test_the_hub_leaves_a_tenants_latency_defaults_to_the_scheduler() -> None:
+    """The scheduler applies them (SchedulerConfig.tenant_slo, kept current on a reload): the hub
+    passes the request's own objectives on unchanged."""
     h = hub({"tenants": {"a": {"keys": [KEY], "ttft_slo_ms": 2000, "tpot_slo_ms": 100}}})
     msg = fe_pb.Arrival(uids=[1], owner=KEY, authenticated=True)
     params = h._tenancy(msg, RequestParams(tpot_slo_ms=50.0))
     assert params is not None
-    assert (params.tenant, params.ttft_slo_ms, params.tpot_slo_ms) == ("a", 2000.0, 50.0)
+    assert (params.tenant, params.ttft_slo_ms, params.tpot_slo_ms) == ("a", 0.0, 50.0)
 
 
 def test_a_key_naming_a_tenant_it_may_not_is_refused() -> None:
@@ -68,3 +70,21 @@ def test_holdings_are_released_by_the_publisher_hooks() -> None:
     h.verdict(3, Verdict.QUEUE_FULL, "queue full")
     assert "t" not in book.quotas.usage
     assert book.served["t"].rejected == 2
+
+
+def test_a_call_the_scheduler_refuses_is_not_charged() -> None:
+    """Refused after the quota passed it (its SLO cannot be met, say): it counts in no tenant's
+    requests or prompt tokens, and its prompt goes back into the token bucket."""
+    h = hub({"defaults": {"token_rate": 100.0}})
+    book = h.tenants
+    assert book is not None
+    assert h._within_quota("t", (1,), 80)
+    level = book.quotas.usage["t"].bucket
+    assert level is not None and level.level == 20.0
+    h.verdict(1, Verdict.QUEUE_FULL, "ttft_slo_ms: unmeetable")
+    assert "t" not in book.served or (book.served["t"].requests, book.served["t"].prompt_tokens) == (0, 0)
+    # The bucket is full again: a call of the whole burst passes, and the next is refused.
+    assert h._within_quota("t", (2,), 200)
+    h.verdict(2, Verdict.ACCEPTED)
+    assert not h._within_quota("t", (3,), 1)  # in debt by the second's 100 tokens
+    assert (book.served["t"].requests, book.served["t"].prompt_tokens) == (1, 200)

@@ -109,6 +109,7 @@ def test_holdings_never_exceed_limits_and_return_to_zero(events: list[tuple[str,
             uids = (next_uid,)
             next_uid += 1
             if book.arrive(tenant, uids, size, now) is None:
+                book.accepted(uids[0])
                 live.extend(uids)
         elif kind == "admit" and live:
             book.admitted(live[size % len(live)])
@@ -132,6 +133,7 @@ def test_a_refused_call_frees_every_sample() -> None:
     assert book.quotas.usage["t"].concurrent == 3
     book.refused(1)  # the scheduler refused the call after the quota passed it
     assert "t" not in book.quotas.usage
+    assert (book.served["t"].requests, book.served["t"].prompt_tokens) == (0, 0)  # nor counted
     assert book.arrive("t", (4, 5, 6, 7), 10, 0.0) is None
 
 
@@ -139,7 +141,9 @@ def test_report_is_bounded() -> None:
     book = TenantBook.of(parse({"max_metric_tenants": 3, "tenants": {"named": {}}}))
     for i in range(10):
         book.arrive(f"t{i}", (100 + i,), i + 1, 0.0)
+        book.accepted(100 + i)
     book.arrive("named", (1,), 1, 0.0)
+    book.accepted(1)
     report = dict(book.report())
     # The table's tenant, then the busiest others, up to 3; the rest as "other".
     assert set(report) == {"named", "t9", "t8", OTHER}
@@ -169,20 +173,23 @@ def test_metric_labels_are_the_tables_first_tenants_and_other() -> None:
     seen = Recorder()
     book = TenantBook.of(table, seen)
     assert book.arrive("a", (1,), 3, 0.0) is None
+    book.accepted(1)
     assert book.arrive("a", (2,), 3, 0.0) is not None
     assert book.arrive("b", (3,), 4, 0.0) is None  # past the cap: "other"
+    book.accepted(3)
     assert book.arrive("key:0123456789ab", (4,), 5, 0.0) is None
+    book.accepted(4)
     book.admitted(3)
     book.tokens([1, 3, 3, 4], 0.0)
     book.ended(3)
     assert seen.events == [
-        ("admitted", "a", 1, 3),
         ("holding", "a", 1, 1),
+        ("admitted", "a", 1, 3),
         ("rejected", "a", "max_concurrent_requests"),
-        ("admitted", OTHER, 1, 4),
         ("holding", OTHER, 1, 1),
-        ("admitted", OTHER, 1, 5),
+        ("admitted", OTHER, 1, 4),
         ("holding", OTHER, 2, 2),
+        ("admitted", OTHER, 1, 5),
         ("holding", OTHER, 2, 1),
         ("served", "a", 1),
         ("served", OTHER, 2),

@@ -1,0 +1,82 @@
+"""Preemption for token fairness (docs/scheduler.md#fairness-preemption), `--fairness-preempt-bound B`.
+
+VTC orders the waiting queue but admits only into the room running requests leave: a tenant that
+floods holds the running slots and the KV pool, and a well-behaved tenant's request waits at the
+head of the queue for them. With a bound B > 0, a waiting request that cannot be admitted (the
+running batch is full, or its tokens do not fit) takes the room from running requests of tenants
+whose counter is more than B weighted tokens above its own tenant's: the most-served tenant's
+least-progressed requests first (the least work to redo), released as a retraction releases them
+(KV freed, re-queued for a re-prefill). Churn is bounded: a request gives way only after
+MIN_RUN_TOKENS tokens since it was last admitted, so it is never preempted twice within that many of
+its own steps.
+"""
+
+from __future__ import annotations
+
+from control_plane.request import Request
+from control_plane.scheduler.adder import PrefillAdder
+from control_plane.scheduler.batch import RunningBatch
+from control_plane.scheduler.fairness import VirtualCounters
+from control_plane.scheduler.intake import Intake
+from control_plane.scheduler.preemption import Preemption
+
+# Tokens a request generates after an admission before fairness may preempt it (again).
+MIN_RUN_TOKENS = 16
+
+
+class FairPreemption:
+    """Running requests of tenants far ahead giving way to a backlogged tenant's request (released
+    as priority preemption releases them)."""
+
+    def __init__(
+        self,
+        preemption: Preemption,
+        running: RunningBatch,
+        counters: VirtualCounters,
+        intake: Intake,
+        bound: float,
+    ) -> None:
+        self.preemption = preemption
+        self.running = running
+        self.counters = counters
+        self.intake = intake
+        self.bound = bound
+        # Outputs each request had when fairness last preempted it, by rid (its run since counts from there).
+        self.outputs_at: dict[str, int] = {}
+        self.preempted_total = 0
+
+    def preempt_for(self, req: Request, adder: PrefillAdder, preempted: list[Request]) -> bool:
+        counter = self.counters.counter
+        floor = counter(req.params.tenant) + self.bound
+        candidates = [
+            r
+            for r in self.running.reqs
+            if not r.finished
+            and not r.preempted
+            and not r.params.group
+            and r.num_outputs - self.outputs_at.get(r.rid, 0) >= MIN_RUN_TOKENS
+        ]
+        # The most-served tenant first, within it the least progressed, then the newest.
+        candidates.sort(
+            key=lambda r: (
+                -counter(r.params.tenant),
+                r.num_outputs - self.outputs_at.get(r.rid, 0),
+                -r.wait_queue_entry_time,
+            )
+        )
+        victims = adder.preempt_to_schedule(req, candidates, lambda r: counter(r.params.tenant) > floor)
+        if victims is None:
+            return False
+        self._forget_ended()
+        for victim in victims:
+            self.outputs_at[victim.rid] = victim.num_outputs
+        self.preempted_total += len(victims)
+        self.preemption.release(victims, preempted)
+        return True
+
+    def _forget_ended(self) -> None:
+        """Keep only live requests' marks (bounded by the requests live)."""
+        if len(self.outputs_at) <= 2 * (len(self.running) + len(self.intake.waiting)) + 64:
+            return
+        live = {r.rid for r in self.running.reqs} | {r.rid for r in self.intake.waiting}
+        self.outputs_at = {k: v for k, v in self.outputs_at.items() if k in live}
