@@ -29,6 +29,7 @@ from flagtypes import (
     seconds,
     switch,
 )
+from flagtypes.cost import linear_cost
 from grammars import backend as grammar_backends
 
 SCHEDULE_POLICIES = (
@@ -838,16 +839,8 @@ def scheduler_config_from_args(
 
 
 def slo_cost(text: str) -> tuple[float, ...]:
-    """--slo-cost: four non-negative finite seconds 'a,b,c,d' ('' : none)."""
-    if not text.strip():
-        return ()
-    try:
-        values = tuple(float(x) for x in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"want 'a,b,c,d' (seconds), got {text!r}") from None
-    if len(values) != 4 or not all(0.0 <= v < 1e6 for v in values):
-        raise argparse.ArgumentTypeError(f"want four non-negative numbers 'a,b,c,d', got {text!r}")
-    return values
+    """--slo-cost: the worker's step cost 'a,b,c,d' in seconds (flagtypes.cost); '': none."""
+    return linear_cost(text, terms=(4,)) if text.strip() else ()
 
 
 def validate_scheduler_config(config: SchedulerConfig) -> None:
