@@ -62,6 +62,7 @@ class Flag:
     choices: Sequence[object] | None = None
     metavar: str | None = None
     nargs: str | int | None = None
+    required: bool = False
     # The field's value from the flag's (`--disable-x` sets x to `not` it).
     to: Callable[[Any], object] = _same
 
@@ -105,6 +106,8 @@ class Flags:
                 for key in ("choices", "metavar", "nargs"):
                     if getattr(flag, key) is not None:
                         options[key] = getattr(flag, key)
+                if flag.required:
+                    options["required"] = True
             parser.add_argument(flag.name, **options)
 
     def values(self, ns: argparse.Namespace) -> dict[str, object]:

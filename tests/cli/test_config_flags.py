@@ -10,11 +10,13 @@ from pathlib import Path
 import pytest
 
 from control_plane import config as control
+from data_plane import config as worker
 from flagtypes.table import FIELD, SWITCH, Flag, Flags, flag_values
 
-# Resolved when the command starts, not a field's default: `--frontends auto` counts the CPUs.
-RESOLVED_AT_START = {"--frontends"}
-TABLES = {"control": control.FLAGS}
+# Resolved when the command starts, not a field's default: `--frontends auto` counts the CPUs, an
+# empty `--worker-id` is hostname-pid.
+RESOLVED_AT_START = {"--frontends", "--worker-id"}
+TABLES = {"control": control.FLAGS, "worker": (worker.FLAGS,)}
 
 
 def _sections():  # type: ignore[no-untyped-def]
@@ -77,6 +79,15 @@ def test_a_flag_reaches_its_field_through_its_conversion() -> None:
         ).chunked_prefill_size
         is None
     )
+
+
+def test_no_flags_build_the_default_worker_config() -> None:
+    parser = argparse.ArgumentParser()
+    worker.add_arguments(parser)
+    built = worker.config_from_args(parser.parse_args(["--model", "m", "--worker-id", "w"]))
+    assert built == worker.WorkerConfig(model=Path("m"), worker_id="w")
+    built = worker.config_from_args(parser.parse_args(["--model", "m", "--disable-decode-cache"]))
+    assert (built.decode_cache, built.worker_id) == (False, worker.default_worker_id())
 
 
 def test_a_section_of_flags_the_command_reads_itself() -> None:
