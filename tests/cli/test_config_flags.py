@@ -12,11 +12,12 @@ import pytest
 from control_plane import config as control
 from data_plane import config as worker
 from flagtypes.table import FIELD, SWITCH, Flag, Flags, flag_values
+from gateway import server as gateway
 
 # Resolved when the command starts, not a field's default: `--frontends auto` counts the CPUs, an
-# empty `--worker-id` is hostname-pid.
-RESOLVED_AT_START = {"--frontends", "--worker-id"}
-TABLES = {"control": control.FLAGS, "worker": (worker.FLAGS,)}
+# empty `--worker-id` is hostname-pid, `--max-connections` follows the open-file limit.
+RESOLVED_AT_START = {"--frontends", "--worker-id", "--max-connections"}
+TABLES = {"control": control.FLAGS, "worker": (worker.FLAGS,), "gateway": (gateway.LIMIT_FLAGS,)}
 
 
 def _sections():  # type: ignore[no-untyped-def]
