@@ -50,9 +50,11 @@ def _same(value: object) -> object:
 class Flag:
     """One command-line flag and the config field it sets."""
 
+    # `--long-name`, or a positional's name.
     name: str
-    # A flagtypes type (its range is the flag's), another converter, or SWITCH; None: the text itself.
-    type: Callable[[str], object] | str | None = None
+    # A flagtypes type (its range is the flag's), another converter, SWITCH or an argparse Action
+    # class (BooleanOptionalAction); None: the text itself.
+    type: Callable[[str], object] | str | type[argparse.Action] | None = None
     help: str = ""
     # The config field it sets: "" its own name's (`--page-size` sets page_size); None: none (the
     # command reads it from the parsed namespace itself).
@@ -101,6 +103,8 @@ class Flags:
             options: dict[str, Any] = {"help": flag.help}
             if flag.type == SWITCH:
                 options["action"] = SWITCH
+            elif isinstance(flag.type, type) and issubclass(flag.type, argparse.Action):
+                options.update(action=flag.type, default=self.default(flag))
             else:
                 options.update(type=flag.type, default=self.default(flag))
                 for key in ("choices", "metavar", "nargs"):
