@@ -52,8 +52,8 @@ class Flag:
 
     # `--long-name`, or a positional's name.
     name: str
-    # A flagtypes type (its range is the flag's), another converter, SWITCH or an argparse Action
-    # class (BooleanOptionalAction); None: the text itself.
+    # A flagtypes type (its range is the flag's), another converter, SWITCH, another argparse action
+    # ("append") or Action class (BooleanOptionalAction); None: the text itself.
     type: Callable[[str], object] | str | type[argparse.Action] | None = None
     help: str = ""
     # The config field it sets: "" its own name's (`--page-size` sets page_size); None: none (the
@@ -98,21 +98,34 @@ class Flags:
             return None
         return self._fields()[flag.sets].default
 
-    def add_to(self, parser: argparse.ArgumentParser) -> None:
+    def add_to(self, parser: argparse.ArgumentParser | argparse._ActionsContainer) -> None:
         for flag in self.flags:
-            options: dict[str, Any] = {"help": flag.help}
-            if flag.type == SWITCH:
-                options["action"] = SWITCH
-            elif isinstance(flag.type, type) and issubclass(flag.type, argparse.Action):
-                options.update(action=flag.type, default=self.default(flag))
-            else:
-                options.update(type=flag.type, default=self.default(flag))
-                for key in ("choices", "metavar", "nargs"):
-                    if getattr(flag, key) is not None:
-                        options[key] = getattr(flag, key)
-                if flag.required:
-                    options["required"] = True
-            parser.add_argument(flag.name, **options)
+            parser.add_argument(flag.name, **self._options(flag))
+
+    def _options(self, flag: Flag) -> dict[str, Any]:
+        """`flag` as add_argument's keywords."""
+        if flag.type == SWITCH:
+            return {"action": SWITCH, "help": flag.help}
+        action = isinstance(flag.type, str) or (
+            isinstance(flag.type, type) and issubclass(flag.type, argparse.Action)
+        )
+        options = {
+            "action" if action else "type": flag.type,
+            "default": self.default(flag),
+            "help": flag.help,
+        }
+        for key in ("choices", "metavar", "nargs"):
+            if getattr(flag, key) is not None:
+                options[key] = getattr(flag, key)
+        if flag.required:
+            options["required"] = True
+        return options
+
+    def replace(self, name: str, **changes: Any) -> Flags:
+        """These flags with `name`'s changed (a command that gives a shared flag its own default)."""
+        assert any(f.name == name for f in self.flags), name
+        flags = tuple(dataclasses.replace(f, **changes) if f.name == name else f for f in self.flags)
+        return Flags(self.config, flags)
 
     def values(self, ns: argparse.Namespace) -> dict[str, object]:
         """The config fields the parsed flags set (each through its flag's `to`)."""
