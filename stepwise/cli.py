@@ -96,11 +96,9 @@ def _worker_parser() -> argparse.ArgumentParser:
     from data_plane import config
 
     parser = _parser("stepwise worker", COMMANDS["worker"].summary)
-    config.add_arguments(parser)
+    # The command resolves --model itself (a named model, the embedded one by default).
+    config.FLAGS.replace("--model", type=str, default="embedded", required=False).add_to(parser)
     _add_log_level(parser)
-    for action in parser._actions:
-        if action.dest == "model":
-            action.required, action.default, action.type = False, "embedded", str
     flags.apply_env_defaults(parser)
     return parser
 
