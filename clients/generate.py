@@ -39,7 +39,7 @@ SAMPLING_FLAGS = Flags(
         Flag("--top-p", Float(1e-6, 1.0), help="nucleus sampling mass (default: 1.0)"),
         Flag("--top-k", count(0), help="sample among the k likeliest (default or 0: no limit)"),
         Flag("--seed", Int(0, UINT64_MAX), help="sampling seed (default: the server's)"),
-        Flag("--stop", "append", default=[], help="stop string (repeatable)"),
+        Flag("--stop", action="append", default=[], help="stop string (repeatable)"),
         Flag("--ignore-eos", SWITCH, help="keep generating past end-of-sequence"),
     ),
 )
@@ -65,7 +65,7 @@ _HELD = Flags(
         ),
         Flag("--regex", help="hold the output to a whole match of this regex"),
         Flag("--ebnf", _text_or_file, help="hold the output to this GBNF grammar (text or @FILE)"),
-        Flag("--choice", "append", help="the output is exactly one of these (repeatable)"),
+        Flag("--choice", action="append", help="the output is exactly one of these (repeatable)"),
     ),
 )
 

@@ -42,6 +42,10 @@ def env_name(option: str) -> str:
     return "STEPWISE_" + option.lstrip("-").replace("-", "_").upper()
 
 
+# argparse's own actions by class (a name inside Flag, whose `type` is a field, cannot say `type[...]`).
+ActionClass = type[argparse.Action]
+
+
 def _same(value: object) -> object:
     return value
 
@@ -52,9 +56,8 @@ class Flag:
 
     # `--long-name`, or a positional's name.
     name: str
-    # A flagtypes type (its range is the flag's), another converter, SWITCH, another argparse action
-    # ("append") or Action class (BooleanOptionalAction); None: the text itself.
-    type: Callable[[str], object] | str | type[argparse.Action] | None = None
+    # A flagtypes type (its range is the flag's), another converter, or SWITCH; None: the text itself.
+    type: Callable[[str], object] | str | None = None
     help: str = ""
     # The config field it sets: "" its own name's (`--page-size` sets page_size); None: none (the
     # command reads it from the parsed namespace itself).
@@ -65,12 +68,17 @@ class Flag:
     metavar: str | None = None
     nargs: str | int | None = None
     required: bool = False
+    # argparse's action, when not a plain value or a SWITCH ("append", BooleanOptionalAction).
+    action: str | ActionClass | None = None
+    # The namespace attribute, when not the name's (`--variant` gathers into `variants`).
+    dest: str = ""
     # The field's value from the flag's (`--disable-x` sets x to `not` it).
     to: Callable[[Any], object] = _same
 
     @property
-    def dest(self) -> str:
-        return self.name.lstrip("-").replace("-", "_")
+    def attr(self) -> str:
+        """Where the parsed value lands in the namespace."""
+        return self.dest or self.name.lstrip("-").replace("-", "_")
 
     @property
     def env(self) -> str:
@@ -78,7 +86,7 @@ class Flag:
 
     @property
     def sets(self) -> str | None:
-        return self.dest if self.field == "" else self.field
+        return self.attr if self.field == "" else self.field
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,16 +114,9 @@ class Flags:
         """`flag` as add_argument's keywords."""
         if flag.type == SWITCH:
             return {"action": SWITCH, "help": flag.help}
-        action = isinstance(flag.type, str) or (
-            isinstance(flag.type, type) and issubclass(flag.type, argparse.Action)
-        )
-        options = {
-            "action" if action else "type": flag.type,
-            "default": self.default(flag),
-            "help": flag.help,
-        }
-        for key in ("choices", "metavar", "nargs"):
-            if getattr(flag, key) is not None:
+        options = {"default": self.default(flag), "help": flag.help}
+        for key in ("type", "action", "choices", "metavar", "nargs", "dest"):
+            if getattr(flag, key) not in (None, ""):
                 options[key] = getattr(flag, key)
         if flag.required:
             options["required"] = True
@@ -129,7 +130,7 @@ class Flags:
 
     def values(self, ns: argparse.Namespace) -> dict[str, object]:
         """The config fields the parsed flags set (each through its flag's `to`)."""
-        return {flag.sets: flag.to(getattr(ns, flag.dest)) for flag in self.flags if flag.sets is not None}
+        return {flag.sets: flag.to(getattr(ns, flag.attr)) for flag in self.flags if flag.sets is not None}
 
     def _fields(self) -> dict[str, dataclasses.Field[object]]:
         assert self.config is not None

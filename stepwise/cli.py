@@ -455,7 +455,7 @@ _DEMO = Flags(
         ),
         Flag(
             "--chat",
-            argparse.BooleanOptionalAction,
+            action=argparse.BooleanOptionalAction,
             help="send the prompt as one user turn through the model's chat template (default: on for an "
             "instruct model such as smollm2, off for embedded and for directories)",
         ),
