@@ -72,6 +72,8 @@ class Flag:
     action: str | ActionClass | None = None
     # The namespace attribute, when not the name's (`--variant` gathers into `variants`).
     dest: str = ""
+    # Other names of the flag (`--requests` for `--num-prompts`); the variable is the name's.
+    aliases: tuple[str, ...] = ()
     # The field's value from the flag's (`--disable-x` sets x to `not` it).
     to: Callable[[Any], object] = _same
 
@@ -108,7 +110,7 @@ class Flags:
 
     def add_to(self, parser: argparse.ArgumentParser | argparse._ActionsContainer) -> None:
         for flag in self.flags:
-            parser.add_argument(flag.name, **self._options(flag))
+            parser.add_argument(flag.name, *flag.aliases, **self._options(flag))
 
     def _options(self, flag: Flag) -> dict[str, Any]:
         """`flag` as add_argument's keywords."""
