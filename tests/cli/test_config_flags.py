@@ -100,3 +100,22 @@ def test_a_section_of_flags_the_command_reads_itself() -> None:
     section.add_to(parser)
     assert vars(parser.parse_args([])) == {"n": 3, "on": False}
     assert flag_values([section], object, parser.parse_args([])) == {}
+
+
+# `python -m stepwise.smollm2 build` and `python -m stepwise.embedded build`: the tools that make the
+# shipped checkpoints, not commands of `stepwise`.
+CHECKPOINT_BUILDERS = {"stepwise/smollm2.py", "stepwise/embedded.py"}
+
+
+def test_commands_declare_flags_in_tables_only() -> None:
+    """A flag added with a bare add_argument would bypass the table (and this file's checks)."""
+    root = Path(__file__).resolve().parents[2]
+    bare = [
+        f"{path.relative_to(root)}:{number}"
+        for package in ("stepwise", "clients", "gateway", "control_plane", "data_plane")
+        for path in sorted((root / package).rglob("*.py"))
+        if str(path.relative_to(root)) not in CHECKPOINT_BUILDERS
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if ".add_argument(" in line
+    ]
+    assert bare == []
