@@ -119,3 +119,14 @@ def test_commands_declare_flags_in_tables_only() -> None:
         if ".add_argument(" in line
     ]
     assert bare == []
+
+
+def test_a_flags_variable_sets_its_field(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The variable a table entry names is the one the command reads (stepwise.flags)."""
+    from stepwise import cli
+
+    flag = next(f for s in control.FLAGS for f in s.flags if f.name == "--max-prefill-tokens")
+    assert flag.env == "STEPWISE_MAX_PREFILL_TOKENS"
+    monkeypatch.setenv(flag.env, "4096")
+    ns = cli.COMMANDS["control"].parser().parse_args([])
+    assert control.scheduler_config_from_args(ns, env={}).max_prefill_tokens == 4096
