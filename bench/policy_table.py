@@ -38,6 +38,10 @@ POLICIES: list[tuple[str, list[str]]] = [
     ("lpm (cutoff 128)", ["--schedule-policy", "lpm"]),
     ("lpm (no cutoff)", ["--schedule-policy", "lpm", "--cache-aware-queue-limit", "0"]),
     ("lpm (full match)", ["--schedule-policy", "lpm", "--cache-aware-queue-limit", "0"]),
+    (
+        "lpm (no cutoff, full dedup)",
+        ["--schedule-policy", "lpm", "--cache-aware-queue-limit", "0", "--full-prefix-dedup"],
+    ),
     ("dfs-weight", ["--schedule-policy", "dfs-weight"]),
     ("hrrn", ["--schedule-policy", "hrrn"]),
     ("shortest-prefill-first", ["--schedule-policy", "shortest-prefill-first"]),

@@ -143,6 +143,8 @@ class SchedulerConfig:
     random_seed: int = 0
     # Past this many waiting requests lpm, hrrn and lpm-aging order FCFS (0: never; SGLang: 128).
     cache_aware_queue_limit: int = 128
+    # The in-batch dedup covers uncached parts and prefills in flight (docs/scheduler.md#full-prefix-dedup).
+    full_prefix_dedup: bool = False
     # A request waiting longer than this goes first (0: off; docs/scheduler.md#max-queue-wait).
     max_queue_wait_s: float = 0.0
     # lpm-aging: matched tokens a second of waiting is worth.
@@ -335,6 +337,14 @@ _SCHEDULING = Flags(
             count(0),
             help="past this many waiting requests lpm, hrrn and lpm-aging order the queue first come first "
             "served (SGLang's 128); 0: never, cache-aware order at any depth from kept prefix matches",
+        ),
+        Flag(
+            "--full-prefix-dedup",
+            SWITCH,
+            help="the in-batch prefix dedup of cache-aware policies covers every waiting request's "
+            "uncached part, not only requests with almost nothing cached, and counts the prefills still "
+            "in flight: a request whose next tokens another one is computing waits for them instead of "
+            "computing them again (matches every waiting request on every pass; default: SGLang's dedup)",
         ),
         Flag(
             "--max-queue-wait-s",

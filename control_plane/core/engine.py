@@ -38,7 +38,7 @@ import contextlib
 import dataclasses
 import time
 from collections import Counter, deque
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -74,7 +74,7 @@ from control_plane.record.recorder import close_recording, make_scheduler
 from control_plane.request import AbortCode, FinishReason
 from control_plane.scheduler.records import StepStats
 from control_plane.scheduler.scheduler import Scheduler
-from protos.worker import StepPlan, StepResult, TransferOutcome, WorkerLimits
+from protos.worker import Grammar, StepPlan, StepResult, TransferOutcome, WorkerLimits
 
 log = structlog.get_logger("stepwise.engine")
 
@@ -506,12 +506,23 @@ class Engine:
     def start_move(self, move: Move) -> bool:
         """Start migrating a call (migration.py); False when it cannot start."""
         destination = self.fleet.member(move.to)
-        if destination is None:
+        if destination is None or not destination.holds_compiled(self._grammars(move.rids)):
             return False
         if not self.migration.start(self.scheduler, list(move.rids), destination, move.reason, move.precopy):
             return False
         self.fleet.started(move.to)
         return True
+
+    def holds_compiled(self, grammars: list[Grammar]) -> bool:
+        """Whether this worker holds every one of `grammars` compiled; it is asked to compile the
+        others (grammar_gate.py), so a move that waits for them finds them at a later decision."""
+        gate = self.grammar_gate
+        return gate is None or all([gate.compiled(grammar) for grammar in grammars])
+
+    def _grammars(self, rids: Iterable[str]) -> list[Grammar]:
+        reqs = [self.scheduler.running_request(rid) for rid in rids]
+        grammars = [r.params.sampler.grammar for r in reqs if r is not None]
+        return [grammar for grammar in grammars if grammar is not None]
 
     def room(self, steps: int) -> Room:
         """This worker's KV once its running requests have decoded `steps` more (fleet/balance.py)."""

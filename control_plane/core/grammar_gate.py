@@ -105,6 +105,18 @@ class GrammarGate:
         self._waiters.setdefault(key, []).append(proceed)
         self._wait_for(key, grammar)
 
+    def compiled(self, grammar: Grammar) -> bool:
+        """Whether the worker holds `grammar` compiled (or prepares no grammars); when it does not,
+        it is asked to compile it, once. A live migration toward this worker asks before it starts
+        and waits for a later decision when the answer is no: the migrated sequence is admitted as
+        soon as its KV is here, so it cannot wait at the gate (the copy's hold has a deadline), and
+        its grammar would be compiled inside that step."""
+        key = _key(grammar)
+        if not self.enabled or self._closed or key in self._ready:
+            return True
+        self._wait_for(key, grammar)
+        return False
+
     def _wait_for(self, key: Key, grammar: Grammar) -> None:
         if key not in self._asked:
             self._asked.add(key)

@@ -109,6 +109,8 @@ class PrefixMatcher:
         self.deprioritize_threshold = config.in_batch_prefix_deprioritize_threshold
         # Kept matches for passes past LPM_FALLBACK_QUEUE_LEN (docs/scheduler.md#kept-matches).
         self.kept = QueueMatches(kv.tree, self.check_threshold, self.deprioritize_threshold) if kept else None
+        # --full-prefix-dedup: the prefills planned whose KV is not in the tree yet (the scheduler's).
+        self.in_flight: Callable[[], Sequence[Request]] | None = None
 
     def deep(self, queue: Sequence[Request]) -> bool:
         """Whether this pass reads the kept matches (past 128 waiting, when they are kept)."""
@@ -132,13 +134,23 @@ class PrefixMatcher:
         """Mutates each request's prefix fields; returns the rids to deprioritize."""
         deprioritized: set[str] = set()
         sim = _simulated_tree() if self.check_threshold >= 0 else None
+        if sim is not None and self.in_flight is not None:
+            for req in self.in_flight():  # as if first in the queue: their KV is not in the tree yet
+                sim.insert(req.fill_ids)
         for req in queue:
             self.kv.match_prefix(req, req.seqlen)
             req.num_matched_prefix_tokens = min(len(req.prefix_indices), max(req.seqlen - 1, 0))
-            if sim is None or len(req.prefix_indices) > self.check_threshold:
+            if sim is None:
+                continue
+            cached = len(req.prefix_indices)
+            if cached <= self.check_threshold:
+                need = self.deprioritize_threshold
+            elif self.in_flight is not None:
+                need = cached + self.deprioritize_threshold  # its uncached part, computed by another
+            else:
                 continue
             fill = req.fill_ids
-            if len(sim.match_prefix(fill).indices) >= self.deprioritize_threshold:
+            if len(sim.match_prefix(fill).indices) >= need:
                 deprioritized.add(req.rid)
             else:
                 sim.insert(fill)
@@ -353,7 +365,9 @@ def _deep(config: SchedulerConfig) -> bool:
 
 
 def _matcher(config: SchedulerConfig, kv: KvManager, kept: bool) -> PrefixMatcher:
-    return PrefixMatcher(kv, config, kept=kept and not kv.disabled)
+    # --full-prefix-dedup reads no kept matches: its dedup depends on the prefills in flight, which
+    # change every step, so every pass matches every waiting request (docs/scheduler.md#full-prefix-dedup).
+    return PrefixMatcher(kv, config, kept=kept and not kv.disabled and not config.full_prefix_dedup)
 
 
 POLICIES: dict[str, PolicyFactory] = {
@@ -396,6 +410,12 @@ def make_policy(config: SchedulerConfig, kv: KvManager, clock: QueueClock | None
 def queue_watcher(policy: Policy) -> QueueMatches | None:
     """The kept matches the waiting queue must tell of arrivals and departures, if the policy keeps
     any."""
+    matcher = prefix_matcher(policy)
+    return matcher.kept if matcher is not None else None
+
+
+def prefix_matcher(policy: Policy) -> PrefixMatcher | None:
+    """The policy's prefix matcher, if it is cache-aware."""
     inner = policy.inner if isinstance(policy, StarvationBound) else policy
     matcher = getattr(inner, "matcher", None)
-    return matcher.kept if isinstance(matcher, PrefixMatcher) else None
+    return matcher if isinstance(matcher, PrefixMatcher) else None

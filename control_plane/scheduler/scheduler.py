@@ -41,7 +41,7 @@ from control_plane.scheduler.fairness import FairOrder, QueueWatchers, VirtualCo
 from control_plane.scheduler.intake import PRIORITY_EVICTED, QUEUE_FULL, Intake, QueueWatcher
 from control_plane.scheduler.kv import KvManager
 from control_plane.scheduler.planning import PlanBuilder
-from control_plane.scheduler.policy import make_policy, queue_watcher
+from control_plane.scheduler.policy import make_policy, prefix_matcher, queue_watcher
 from control_plane.scheduler.preemption import Preemption
 from control_plane.scheduler.priority import priority_sign
 from control_plane.scheduler.queue_clock import QueueClock
@@ -109,6 +109,9 @@ class Scheduler:
         )
         self.queue_clock = QueueClock()
         self.policy = make_policy(config, self.kv, self.queue_clock)
+        matcher = prefix_matcher(self.policy)
+        if config.full_prefix_dedup and matcher is not None:
+            matcher.in_flight = self._prefills_in_flight
         # Token fairness (docs/scheduler.md#fairness): None with --fairness none, SGLang's behaviour.
         self.fairness: VirtualCounters | None = None
         watcher: QueueWatcher | None = queue_watcher(self.policy)
@@ -217,6 +220,13 @@ class Scheduler:
         plan = self.planner.build(self.step_id, batch)
         self._in_flight.append(batch if batch is not None else ScheduledBatch(plan.kind, plan.step_id))
         return plan
+
+    def _prefills_in_flight(self) -> list[Request]:
+        """The requests of the extend batches planned whose result is not applied yet: their KV is
+        not in the tree (--full-prefix-dedup)."""
+        reqs = [r for batch in self._in_flight if batch.is_extend for r in batch.extend_reqs]
+        chunked = self.chunk.req
+        return reqs if chunked is None or chunked in reqs else [*reqs, chunked]
 
     def _merge_last_batch(self) -> None:
         """docs/scheduler.md#step-loop step 4: the last extend batch's requests join the running

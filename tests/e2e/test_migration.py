@@ -263,7 +263,11 @@ async def test_a_destination_that_refuses_every_copy_keeps_nothing_and_loses_not
 ) -> None:
     """w1 takes no transfers (`--transfer-buffer-bytes 0`: FAILED_PRECONDITION at every header):
     every pre-copy toward it fails, so each of those requests stays where it runs; the moves the
-    other way succeed. Every stream is exact, and none fell back (a failed pre-copy never left)."""
+    other way succeed. Every stream is exact, and none fell back (a failed pre-copy never left).
+
+    Half the calls go to each worker (routing keys) and each runs 64 tokens: a call must outlive
+    a copy for the move to land, which calls of 9 to 40 tokens left to chance on a loaded machine
+    (CI once saw w1 get three short calls, each ending before its copy landed)."""
     monkeypatch.setenv("STEPWISE_TEST_MIGRATE", "1")
     monkeypatch.setenv("STEPWISE_TEST_MIGRATE_INTERVAL", "2")
     port = _free_port()
@@ -272,9 +276,18 @@ async def test_a_destination_that_refuses_every_copy_keeps_nothing_and_loses_not
     plane.add_worker("w1", "--transfer-buffer-bytes", "0", sim=False)
     await plane.wait_workers(2)
     prompts, eos = _encode_all(model_dir)
-    got = await _greedy_all(plane.address, prompts, MAX_NEW)
-    for ids, n, tokens in zip(prompts, MAX_NEW, got, strict=True):
-        assert tokens == reference_greedy(model_dir, ids, n, eos)
+    new = 64
+    keys = [_key_for(w, ["w0", "w1"]) for w in ("w0", "w1")]
+    progress = [0] * len(prompts)
+    async with StepwiseClient(plane.address) as client:
+        got = await asyncio.gather(
+            *(
+                _stream_greedy(client, ids, new, progress, i, routing_key=keys[i % 2])
+                for i, ids in enumerate(prompts)
+            )
+        )
+    for ids, tokens in zip(prompts, got, strict=True):
+        assert tokens == reference_greedy(model_dir, ids, new, eos, ignore_eos=True)
     body = await _metrics(port)
     called_off = [
         line

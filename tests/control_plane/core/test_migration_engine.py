@@ -395,3 +395,37 @@ async def test_a_queue_beside_free_kv_moves_running_requests_there() -> None:
         for uid, prompt in zip(uids, prompts, strict=True):
             assert hub.stream(uid).tokens == await _alone(40, prompt)
         await until(lambda: _books_empty(a) and _books_empty(b), 20.0, "both books at zero", every_s=0.001)
+
+
+async def test_a_constrained_call_moves_only_once_its_destination_holds_the_grammar_compiled(
+    pair: Pair,
+) -> None:
+    """Issue 37 item 4: a live migration's destination compiled the moved call's grammar inside the
+    step that admitted it (its gate was passed by). The move now waits: the destination is asked to
+    compile first, and the call moves at a later decision, once the worker said it holds it."""
+    from control_plane.core.fleet.placement import Move
+    from control_plane.core.grammar_gate import GrammarGate
+    from protos.worker import Grammar, GrammarReady
+
+    grammar = Grammar("llguidance", "regex", "[a-z]+")
+    asked: list[Grammar] = []
+
+    async def prepare(g: Grammar) -> None:
+        asked.append(g)
+
+    gate = GrammarGate("b", pair.b.submit, lambda a, v, m: None, prepare, True, 30.0)
+    pair.b.grammar_gate = gate
+    params = RequestParams(
+        max_new_tokens=60, ignore_eos=True, sampler=SamplerParams(temperature=0.0, grammar=grammar)
+    )
+    [uid] = submit(pair.a, "r", PROMPT, params)
+    stream = pair.hub.stream(uid)
+    await until(lambda: len(stream.tokens) >= 3, 20.0, "three tokens on a", every_s=0.001)
+    assert not pair.a.start_move(Move(("r",), "b", "test")), "moved before b compiled the grammar"
+    await until(lambda: asked == [grammar], 5.0, "b asked to compile the grammar", every_s=0.001)
+    assert not pair.a.migration.busy and pair.a.streams.knows("r")
+    gate.ready(GrammarReady(grammar))
+    assert pair.a.start_move(Move(("r",), "b", "test"))
+    await asyncio.wait_for(stream.done.wait(), 20)
+    assert stream.finished is not None and stream.finished.kind is FinishKind.LENGTH
+    assert pair.b.migration.migrated_in == 1 and asked == [grammar]
