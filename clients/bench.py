@@ -43,6 +43,7 @@ from clients.client import (
 from clients.datasets import BenchRequest
 from clients.errors import RoutineError
 from flagtypes import INT32_MAX, SEED, Float, Int, IntPair
+from flagtypes.table import SWITCH, Flag, Flags
 from protos.stepwise.v1 import generation_pb2 as gen_pb
 
 __all__ = ["Report", "Sample", "add_arguments", "render", "run", "summarize", "workload"]
@@ -55,77 +56,95 @@ LENGTHS = IntPair(1, MAX_LEN)
 SECRET_FLAGS = ("api_key",)  # never written to --output-file
 
 
+_LOAD = Flags(
+    None,
+    (
+        Flag(
+            "--num-prompts", Int(1, MAX_REQUESTS), aliases=("--requests",), dest="requests", default=64,
+            help="generations to send (generated-shared-prefix sends groups x prompts per group)",
+        ),
+        Flag(
+            "--max-concurrency", Int(0, MAX_REQUESTS), aliases=("--concurrency",), dest="concurrency",
+            default=16, help="requests in flight at most (0: no limit)",
+        ),
+        Flag(
+            "--request-rate", Float(0.0, math.inf), aliases=("--rate",), dest="rate", default=math.inf,
+            help="Poisson arrivals per second (inf or 0: all at once)",
+        ),
+    ),
+)  # fmt: skip
+_TOKENS, _GROUPS = Int(1, MAX_LEN), Int(1, MAX_REQUESTS)
+_DATASET = Flags(
+    None,
+    (
+        Flag(
+            "--dataset", choices=DATASETS, default="uniform", help="the workload (SGLang's names, or trace)"
+        ),
+        Flag(
+            "trace",
+            Path,
+            nargs="?",
+            metavar="FILE",
+            help="trace: the requests, sent at their arrival times (ignoring --max-concurrency and "
+            "--request-rate) with their prompts and output lengths, as `stepwise simulate FILE` runs them "
+            "with the same --vocab (its --vocab-size) and trace flags",
+        ),
+        Flag("--prompt-len", LENGTHS, default=(32, 256), help="uniform: min,max prompt tokens"),
+        Flag("--output-len", LENGTHS, default=(16, 128), help="uniform: min,max new tokens"),
+        Flag(
+            "--shared-prefix",
+            Int(0, MAX_LEN),
+            default=0,
+            help="uniform: tokens shared by each group's prompts",
+        ),
+        Flag("--groups", _GROUPS, default=4, help="uniform: prefix groups (with --shared-prefix)"),
+        Flag("--random-input-len", _TOKENS, default=256, help="random: prompt tokens at most"),
+        Flag("--random-output-len", _TOKENS, default=128, help="random: new tokens at most"),
+        Flag(
+            "--random-range-ratio",
+            Float(0.0, 1.0),
+            default=1.0,
+            help="random: lengths from ratio x len to len",
+        ),
+        Flag("--gsp-num-groups", _GROUPS, default=4, help="generated-shared-prefix: groups"),
+        Flag(
+            "--gsp-prompts-per-group", _GROUPS, default=8, help="generated-shared-prefix: prompts per group"
+        ),
+        Flag(
+            "--gsp-system-prompt-len",
+            Int(0, MAX_LEN),
+            default=256,
+            help="generated-shared-prefix: prefix tokens",
+        ),
+        Flag("--gsp-question-len", _TOKENS, default=32, help="generated-shared-prefix: question tokens"),
+        Flag("--gsp-output-len", _TOKENS, default=64, help="generated-shared-prefix: new tokens"),
+        Flag("--vocab", Int(4, INT32_MAX), default=1000, help="token ids are drawn from [3, vocab)"),
+    ),
+)
+_REPORT = Flags(
+    None,
+    (
+        Flag("--seed", SEED, default=0, help="seed of the prompts and arrival times"),
+        Flag("--json", SWITCH, help="print the report as one JSON object"),
+        Flag("--quiet", SWITCH, help="no progress bar"),
+        Flag(
+            "--output-file", Path, metavar="PATH",
+            help="write the report, per-request records and the run's parameters as JSON",
+        ),
+        Flag(
+            "--plot", Path, metavar="PATH.png",
+            help="draw latency CDFs and throughput over time (needs the `plot` extra: matplotlib)",
+        ),
+    ),
+)  # fmt: skip
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_connection_arguments(parser)
-    _add_load_arguments(parser)
-    _add_dataset_arguments(parser)
-    parser.add_argument("--seed", type=SEED, default=0, help="seed of the prompts and arrival times")
-    parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
-    parser.add_argument("--quiet", action="store_true", help="no progress bar")
-    parser.add_argument(
-        "--output-file", type=Path, default=None, metavar="PATH",
-        help="write the report, per-request records and the run's parameters as JSON",
-    )  # fmt: skip
-    parser.add_argument(
-        "--plot", type=Path, default=None, metavar="PATH.png",
-        help="draw latency CDFs and throughput over time (needs the `plot` extra: matplotlib)",
-    )  # fmt: skip
-
-
-def _add_load_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--num-prompts", "--requests", dest="requests", type=Int(1, MAX_REQUESTS), default=64,
-        help="generations to send (generated-shared-prefix sends groups x prompts per group)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--max-concurrency", "--concurrency", dest="concurrency", type=Int(0, MAX_REQUESTS), default=16,
-        help="requests in flight at most (0: no limit)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--request-rate", "--rate", dest="rate", type=Float(0.0, math.inf), default=math.inf,
-        help="Poisson arrivals per second (inf or 0: all at once)",
-    )  # fmt: skip
-
-
-def _add_dataset_arguments(parser: argparse.ArgumentParser) -> None:
-    add = parser.add_argument
-    add("--dataset", choices=DATASETS, default="uniform", help="the workload (SGLang's names, or trace)")
-    add(
-        "trace", type=Path, nargs="?", metavar="FILE",
-        help="trace: the requests, sent at their arrival times (ignoring --max-concurrency and "
-        "--request-rate) with their prompts and output lengths, as `stepwise simulate FILE` runs them "
-        "with the same --vocab (its --vocab-size) and trace flags",
-    )  # fmt: skip
-    tokens, groups = Int(1, MAX_LEN), Int(1, MAX_REQUESTS)
-    add("--prompt-len", type=LENGTHS, default=(32, 256), help="uniform: min,max prompt tokens")
-    add("--output-len", type=LENGTHS, default=(16, 128), help="uniform: min,max new tokens")
-    add(
-        "--shared-prefix",
-        type=Int(0, MAX_LEN),
-        default=0,
-        help="uniform: tokens shared by each group's prompts",
-    )
-    add("--groups", type=groups, default=4, help="uniform: prefix groups (with --shared-prefix)")
-    add("--random-input-len", type=tokens, default=256, help="random: prompt tokens at most")
-    add("--random-output-len", type=tokens, default=128, help="random: new tokens at most")
-    add(
-        "--random-range-ratio",
-        type=Float(0.0, 1.0),
-        default=1.0,
-        help="random: lengths from ratio x len to len",
-    )
-    add("--gsp-num-groups", type=groups, default=4, help="generated-shared-prefix: groups")
-    add("--gsp-prompts-per-group", type=groups, default=8, help="generated-shared-prefix: prompts per group")
-    add(
-        "--gsp-system-prompt-len",
-        type=Int(0, MAX_LEN),
-        default=256,
-        help="generated-shared-prefix: prefix tokens",
-    )
-    add("--gsp-question-len", type=tokens, default=32, help="generated-shared-prefix: question tokens")
-    add("--gsp-output-len", type=tokens, default=64, help="generated-shared-prefix: new tokens")
-    add("--vocab", type=Int(4, INT32_MAX), default=1000, help="token ids are drawn from [3, vocab)")
+    _LOAD.add_to(parser)
+    _DATASET.add_to(parser)
     client_traces.add_arguments(parser)
+    _REPORT.add_to(parser)
 
 
 def _complete(ns: argparse.Namespace) -> argparse.Namespace:

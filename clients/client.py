@@ -18,6 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from clients.wakeups import read_in_bulk
 from flagtypes import seconds
+from flagtypes.table import Flag, Flags
 from protos.stepwise.v1 import generation_pb2 as gen_pb
 from protos.stepwise.v1 import generation_pb2_grpc as gen_grpc
 from protos.targets import parse_targets
@@ -388,22 +389,6 @@ async def collect(stream: AsyncIterator[gen_pb.GenerateResponse]) -> Generation:
 # --- command line (`stepwise generate`, `stepwise bench`) -------------------------------------------
 
 
-def add_connection_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add --address, --api-key, --tls-ca and --wait: how a command reaches the control plane."""
-    parser.add_argument(
-        "--address",
-        type=client_address,
-        default="127.0.0.1:50051",
-        help="control plane client address HOST:PORT; dns:///NAME:PORT or A:P,B:P spread calls over "
-        "several control planes",
-    )
-    parser.add_argument("--api-key", default=None, help="bearer token; also STEPWISE_API_KEY")
-    add_tls_ca_argument(parser)
-    parser.add_argument(
-        "--wait", type=seconds(), default=30.0, help="seconds to wait for a serving control plane"
-    )
-
-
 def client_address(text: str) -> str:
     """argparse type: an address `channel_target` accepts."""
     try:
@@ -411,17 +396,6 @@ def client_address(text: str) -> str:
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return text
-
-
-def add_tls_ca_argument(parser: argparse.ArgumentParser) -> None:
-    """--tls-ca PATH: the PEM CA that signed the control plane's certificate (checked when parsed)."""
-    parser.add_argument(
-        "--tls-ca",
-        type=pem_file,
-        default=None,
-        metavar="PATH",
-        help="CA certificate (PEM) that signed the control plane's certificate; turns on TLS",
-    )
 
 
 def pem_file(text: str) -> Path:
@@ -434,6 +408,45 @@ def pem_file(text: str) -> Path:
     if PEM_CERTIFICATE not in data:
         raise argparse.ArgumentTypeError(f"{path} holds no PEM certificate")
     return path
+
+
+# --tls-ca PATH: the PEM CA that signed the control plane's certificate (checked when parsed).
+TLS_CA_FLAGS = Flags(
+    None,
+    (
+        Flag(
+            "--tls-ca",
+            pem_file,
+            metavar="PATH",
+            help="CA certificate (PEM) that signed the control plane's certificate; turns on TLS",
+        ),
+    ),
+)
+# How a command reaches the control plane.
+CONNECTION_FLAGS = Flags(
+    None,
+    (
+        Flag(
+            "--address",
+            client_address,
+            default="127.0.0.1:50051",
+            help="control plane client address HOST:PORT; dns:///NAME:PORT or A:P,B:P spread calls over "
+            "several control planes",
+        ),
+        Flag("--api-key", help="bearer token; also STEPWISE_API_KEY"),
+        *TLS_CA_FLAGS.flags,
+        Flag("--wait", seconds(), default=30.0, help="seconds to wait for a serving control plane"),
+    ),
+)
+
+
+def add_connection_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add --address, --api-key, --tls-ca and --wait: how a command reaches the control plane."""
+    CONNECTION_FLAGS.add_to(parser)
+
+
+def add_tls_ca_argument(parser: argparse.ArgumentParser) -> None:
+    TLS_CA_FLAGS.add_to(parser)
 
 
 def client_from_args(ns: argparse.Namespace) -> StepwiseClient:

@@ -15,37 +15,8 @@ from clients.client import (
     sampling_params,
 )
 from flagtypes import UINT64_MAX, Float, Int, count
+from flagtypes.table import SWITCH, Flag, Flags
 from protos.stepwise.v1 import generation_pb2 as gen_pb
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("prompt", help="prompt text")
-    add_connection_arguments(parser)
-    add_sampling_arguments(parser)
-    parser.add_argument(
-        "--top-logprobs",
-        type=count(0),
-        default=None,
-        help="after the text, each token's log probability and this many likeliest alternatives "
-        "(0: the token's own only; at most the server's --max-top-logprobs)",
-    )
-    held = parser.add_mutually_exclusive_group()
-    held.add_argument(
-        "--json-schema",
-        type=_text_or_file,
-        default=None,
-        help="hold the output to this JSON Schema (JSON text, or @FILE to read it from a file)",
-    )
-    held.add_argument("--regex", default=None, help="hold the output to a whole match of this regex")
-    held.add_argument(
-        "--ebnf",
-        type=_text_or_file,
-        default=None,
-        help="hold the output to this GBNF grammar (text or @FILE)",
-    )
-    held.add_argument(
-        "--choice", action="append", default=None, help="the output is exactly one of these (repeatable)"
-    )
 
 
 def _text_or_file(value: str) -> str:
@@ -59,26 +30,57 @@ def _text_or_file(value: str) -> str:
         raise argparse.ArgumentTypeError(f"cannot read {value[1:]}: {exc.strerror}") from None
 
 
+# --max-new-tokens, --temperature, --top-p, --top-k and --seed, in the ranges the server takes.
+SAMPLING_FLAGS = Flags(
+    None,
+    (
+        Flag("--max-new-tokens", count(0), default=64, help="stop after this many new tokens"),
+        Flag("--temperature", Float(0.0, 100.0), default=0.0, help="0: greedy"),
+        Flag("--top-p", Float(1e-6, 1.0), help="nucleus sampling mass (default: 1.0)"),
+        Flag("--top-k", count(0), help="sample among the k likeliest (default or 0: no limit)"),
+        Flag("--seed", Int(0, UINT64_MAX), help="sampling seed (default: the server's)"),
+        Flag("--stop", action="append", default=[], help="stop string (repeatable)"),
+        Flag("--ignore-eos", SWITCH, help="keep generating past end-of-sequence"),
+    ),
+)
+_LOGPROBS = Flags(
+    None,
+    (
+        Flag(
+            "--top-logprobs",
+            count(0),
+            help="after the text, each token's log probability and this many likeliest alternatives "
+            "(0: the token's own only; at most the server's --max-top-logprobs)",
+        ),
+    ),
+)
+# One constraint at most (a mutually exclusive group).
+_HELD = Flags(
+    None,
+    (
+        Flag(
+            "--json-schema",
+            _text_or_file,
+            help="hold the output to this JSON Schema (JSON text, or @FILE to read it from a file)",
+        ),
+        Flag("--regex", help="hold the output to a whole match of this regex"),
+        Flag("--ebnf", _text_or_file, help="hold the output to this GBNF grammar (text or @FILE)"),
+        Flag("--choice", action="append", help="the output is exactly one of these (repeatable)"),
+    ),
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    Flags(None, (Flag("prompt", help="prompt text"),)).add_to(parser)
+    add_connection_arguments(parser)
+    add_sampling_arguments(parser)
+    _LOGPROBS.add_to(parser)
+    _HELD.add_to(parser.add_mutually_exclusive_group())
+
+
 def add_sampling_arguments(parser: argparse.ArgumentParser, max_new_tokens: int = 64) -> None:
-    """--max-new-tokens, --temperature, --top-p, --top-k and --seed, in the ranges the server takes."""
-    parser.add_argument(
-        "--max-new-tokens",
-        type=count(0),
-        default=max_new_tokens,
-        help="stop after this many new tokens",
-    )
-    parser.add_argument("--temperature", type=Float(0.0, 100.0), default=0.0, help="0: greedy")
-    parser.add_argument(
-        "--top-p", type=Float(1e-6, 1.0), default=None, help="nucleus sampling mass (default: 1.0)"
-    )
-    parser.add_argument(
-        "--top-k", type=count(0), default=None, help="sample among the k likeliest (default or 0: no limit)"
-    )
-    parser.add_argument(
-        "--seed", type=Int(0, UINT64_MAX), default=None, help="sampling seed (default: the server's)"
-    )
-    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    parser.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
+    """SAMPLING_FLAGS, with the command's own --max-new-tokens default."""
+    SAMPLING_FLAGS.replace("--max-new-tokens", default=max_new_tokens).add_to(parser)
 
 
 def sampling_from_args(ns: argparse.Namespace) -> gen_pb.SamplingParams:

@@ -35,6 +35,7 @@ import numpy as np
 
 from clients.datasets import FIRST_TOKEN_ID
 from flagtypes import Float, Int
+from flagtypes.table import Flag, Flags
 
 TRACE_FORMATS = ("stepwise", "mooncake")
 DEFAULT_BLOCK_SIZE = 512
@@ -78,34 +79,42 @@ class TraceEntry:
         return min(bounds) if bounds else None
 
 
+# How a trace file is read (bench and simulate).
+TRACE_FLAGS = Flags(
+    None,
+    (
+        Flag(
+            "--trace-format",
+            choices=TRACE_FORMATS,
+            default="stepwise",
+            help="stepwise (this tool's JSON lines) or mooncake (timestamp, input_length, output_length, "
+            "hash_ids of prompt blocks)",
+        ),
+        Flag(
+            "--block-size",
+            Int(1, 1 << _POSITION_BITS),
+            default=DEFAULT_BLOCK_SIZE,
+            help="mooncake: tokens per hash id (the last block of a prompt may be shorter)",
+        ),
+        Flag(
+            "--time-scale",
+            Float(1e-6, 1e6),
+            default=1.0,
+            help="multiply every arrival time by this (0.5 replays twice as fast)",
+        ),
+        Flag(
+            "--load-scale",
+            Float(1e-6, 1e6),
+            default=1.0,
+            help="divide every arrival time by this (2 is twice the load)",
+        ),
+        Flag("--limit", Int(0, 1 << 31), default=0, help="replay only the first N requests (0: all)"),
+    ),
+)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add = parser.add_argument
-    add(
-        "--trace-format",
-        choices=TRACE_FORMATS,
-        default="stepwise",
-        help="stepwise (this tool's JSON lines) or mooncake (timestamp, input_length, output_length, "
-        "hash_ids of prompt blocks)",
-    )
-    add(
-        "--block-size",
-        type=Int(1, 1 << _POSITION_BITS),
-        default=DEFAULT_BLOCK_SIZE,
-        help="mooncake: tokens per hash id (the last block of a prompt may be shorter)",
-    )
-    add(
-        "--time-scale",
-        type=Float(1e-6, 1e6),
-        default=1.0,
-        help="multiply every arrival time by this (0.5 replays twice as fast)",
-    )
-    add(
-        "--load-scale",
-        type=Float(1e-6, 1e6),
-        default=1.0,
-        help="divide every arrival time by this (2 is twice the load)",
-    )
-    add("--limit", type=Int(0, 1 << 31), default=0, help="replay only the first N requests (0: all)")
+    TRACE_FLAGS.add_to(parser)
 
 
 def read_trace(ns: argparse.Namespace, vocab_size: int) -> list[TraceEntry]:

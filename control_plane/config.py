@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import operator
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -29,6 +30,8 @@ from flagtypes import (
     seconds,
     switch,
 )
+from flagtypes.cost import linear_cost
+from flagtypes.table import SWITCH, Flag, Flags, flag_values
 from grammars import backend as grammar_backends
 
 SCHEDULE_POLICIES = (
@@ -282,267 +285,9 @@ class ControlConfig:
     tenants_file: Path | None = None
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the control plane's flags (names and meanings follow SGLang's server arguments); every
-    numeric flag states its range in its type (flagtypes)."""
-    add = parser.add_argument
-    add("--model", default="embedded", help="model directory (tokenizer and config), or 'embedded'")
-    add(
-        "--served-model-name",
-        default=None,
-        help="the model name GetServerInfo reports (default: a named model's name, a Hub id without its "
-        "revision, else the directory's name; `up --gateway-served-model-name` sets it to the gateway's)",
-    )
-    add(
-        "--host",
-        default="127.0.0.1",
-        help="address both servers bind (default: this machine only; 0.0.0.0 for every interface)",
-    )
-    add("--port", type=PORT, default=50051, help="client (Generation) port; 0 picks a free one")
-    add("--worker-port", type=PORT, default=50052, help="worker dial-in port; 0 picks a free one")
-    add("--metrics-port", type=PORT, default=0, help="serve Prometheus /metrics on this port (0: off)")
-    _add_scheduler_arguments(parser)
-    _add_priority_arguments(parser)
-    _add_cache_arguments(parser)
-    _add_timeout_arguments(parser)
-    _add_record_arguments(parser)
-    _add_process_arguments(parser)
-    _add_peer_arguments(parser)
-    _add_routing_arguments(parser)
-    _add_limit_arguments(parser)
-    _add_security_arguments(parser)
-
-
-def _add_scheduler_arguments(parser: argparse.ArgumentParser) -> None:
-    add = parser.add_argument
-    add(
-        "--schedule-policy",
-        choices=SCHEDULE_POLICIES,
-        default="fcfs",
-        help="order of the waiting queue: fcfs (arrival), lpm (longest cached prefix first), dfs-weight "
-        "(depth-first over the prefix tree), lof (longest output first), random, routing-key, hrrn "
-        "(highest response ratio next), shortest-prefill-first (fewest uncached tokens first), "
-        "lpm-aging (cached prefix plus time waited), edf (earliest TTFT deadline first among requests "
-        "with a ttft_slo_ms, the rest after them in arrival order)",
-    )
-    add(
-        "--cache-aware-queue-limit",
-        type=count(0),
-        default=128,
-        help="past this many waiting requests lpm, hrrn and lpm-aging order the queue first come first "
-        "served (SGLang's 128); 0: never, cache-aware order at any depth from kept prefix matches",
-    )
-    add(
-        "--full-prefix-dedup",
-        action="store_true",
-        help="the in-batch prefix dedup of cache-aware policies covers every waiting request's "
-        "uncached part, not only requests with almost nothing cached, and counts the prefills still "
-        "in flight: a request whose next tokens another one is computing waits for them instead of "
-        "computing them again (matches every waiting request on every pass; default: SGLang's dedup)",
-    )
-    add(
-        "--max-queue-wait-s",
-        type=seconds(),
-        default=0.0,
-        help="a request waiting longer than this (worker busy time) goes first, in arrival order, "
-        "whatever the policy; 0: off",
-    )
-    add(
-        "--lpm-aging-tokens-per-s",
-        type=Float(0.0, 1e9),
-        default=100.0,
-        help="lpm-aging: a second of waiting counts as this many matched prefix tokens",
-    )
-    add(
-        "--fairness",
-        choices=FAIRNESS,
-        default="none",
-        help="token fairness between tenants: none (SGLang's), vtc (the waiting queue is served from the "
-        "least-served backlogged tenant, by weighted tokens), vtc-locality (vtc, but a better prefix "
-        "match may go first while its tenant is within --fairness-locality-bound of the least served)",
-    )
-    add(
-        "--fairness-prompt-weight",
-        type=Float(0.0, 1e6),
-        default=1.0,
-        help="vtc: what a prompt token computed adds to its tenant's counter",
-    )
-    add(
-        "--fairness-output-weight",
-        type=Float(0.0, 1e6),
-        default=2.0,
-        help="vtc: what an output token generated adds to its tenant's counter",
-    )
-    add(
-        "--fairness-locality-bound",
-        type=Float(0.0, 1e12),
-        default=4096.0,
-        help="vtc-locality: weighted tokens a tenant may be ahead of the least-served backlogged tenant "
-        "and still go first for a longer cached prefix",
-    )
-    add(
-        "--fairness-preempt-bound",
-        type=Float(0.0, 1e12),
-        default=0.0,
-        help="vtc: a waiting request that cannot be admitted preempts running requests of tenants more "
-        "than this many weighted tokens ahead of its own (0: never, SGLang's)",
-    )
-    add(
-        "--slo-cost",
-        type=slo_cost,
-        default=(),
-        help="SLO admission: the worker's step time 'a,b,c,d' in seconds (a + b·prefill tokens + "
-        "c·context tokens + d·decode rows); requests whose ttft_slo_ms cannot be met are refused at "
-        "once; unset: no SLO admission",
-    )
-    add(
-        "--chunked-prefill-size",
-        type=Int(-1, INT32_MAX),
-        default=2048,
-        help="prompt tokens one request may prefill per step (a longer prompt goes in chunks); -1 or 0 "
-        "disables chunked prefill",
-    )
-    add(
-        "--max-prefill-tokens",
-        type=count(1),
-        default=16384,
-        help="prompt tokens one prefill step admits (the first request of a batch may exceed it)",
-    )
-    add(
-        "--schedule-conservativeness",
-        type=Float(0.0, 100.0),
-        default=1.0,
-        help="scales the decode tokens reserved per running request before admitting more (larger: "
-        "fewer retractions, smaller batches)",
-    )
-    add("--page-size", type=Int(1, 65536), default=None, help="tokens per KV page (default: the worker's)")
-    add(
-        "--max-running-requests",
-        type=count(1),
-        default=None,
-        help="requests running at once (default: from the worker's KV capacity, as SGLang)",
-    )
-    add(
-        "--max-queued-requests",
-        type=count(1),
-        default=None,
-        help="requests waiting at once; more are refused with RESOURCE_EXHAUSTED (default: no limit)",
-    )
-    add(
-        "--prefill-max-requests",
-        type=count(1),
-        default=None,
-        help="requests one prefill step admits (default: no limit)",
-    )
-    add(
-        "--enable-mixed-chunk",
-        action="store_true",
-        help="run a chunked prefill and the running decodes in one step (needs chunked prefill)",
-    )
-    add(
-        "--random-seed",
-        type=SEED,
-        default=0,
-        help="seed of the random schedule policy's shuffles",
-    )
-    add(
-        "--strict-invariants",
-        action="store_true",
-        help="check the KV pool invariants after every step (not only when idle)",
-    )
-    add(
-        "--decode-log-interval",
-        type=count(1),
-        default=40,
-        help="log one decode line per this many decode steps of a worker",
-    )
-
-
-def _add_priority_arguments(parser: argparse.ArgumentParser) -> None:
-    add = parser.add_argument
-    add(
-        "--enable-priority-scheduling",
-        action="store_true",
-        help="order the queue by each request's priority first (with fcfs or lof), and let a higher "
-        "priority preempt a running request",
-    )
-    add(
-        "--schedule-low-priority-values-first",
-        action="store_true",
-        help="with priority scheduling, a lower priority value is more urgent (default: higher)",
-    )
-    add(
-        "--priority-scheduling-preemption-threshold",
-        type=count(0),
-        default=10,
-        help="a waiting request preempts a running one only when its priority is more than this "
-        "much more urgent",
-    )
-    add(
-        "--disable-priority-preemption",
-        action="store_true",
-        help="with priority scheduling, never preempt a running request for a more urgent one",
-    )
-    add(
-        "--abort-on-priority-when-disabled",
-        action="store_true",
-        help="without priority scheduling, refuse a request that sets a priority (default: ignore it)",
-    )
-
-
-def _add_cache_arguments(parser: argparse.ArgumentParser) -> None:
-    add = parser.add_argument
-    add(
-        "--radix-eviction-policy",
-        choices=EVICTION_POLICIES,
-        default="lru",
-        help="which cached prefix the radix cache evicts first when the KV pool is full",
-    )
-    add(
-        "--disable-radix-cache",
-        action="store_true",
-        help="no prefix caching: every prompt is computed in full and freed when its request ends",
-    )
-    add(
-        "--retraction-policy",
-        choices=RETRACTION_POLICIES,
-        default="length",
-        help="which running request goes back to the queue when decode runs out of KV: length (the "
-        "one with the most tokens left, as SGLang) or priority (the least urgent; needs priority "
-        "scheduling)",
-    )
-    add(
-        "--allow-auto-truncate",
-        action="store_true",
-        help="cut a prompt longer than the model's context to fit (default: refuse the request)",
-    )
-
-
-def _add_timeout_arguments(parser: argparse.ArgumentParser) -> None:
-    add = parser.add_argument
-    add(
-        "--waiting-timeout",
-        type=seconds(-1.0),
-        default=-1.0,
-        help="seconds a request may wait in the queue, then it is aborted; <= 0: off",
-    )
-    add(
-        "--running-timeout",
-        type=seconds(-1.0),
-        default=-1.0,
-        help="seconds a request may run after its first forward, then it finishes; <= 0: off",
-    )
-
-
-def _add_record_arguments(parser: argparse.ArgumentParser) -> None:
-    add = parser.add_argument
-    add("--record", type=Path, default=None, metavar="DIR", help="record every scheduler call per worker")
-    add(
-        "--record-max-bytes",
-        type=Int(MIN_RECORD_BYTES, MAX_RECORD_BYTES),
-        default=DEFAULT_RECORD_MAX_BYTES,
-        help="a recording part is closed and the next begun past this size",
-    )
+def slo_cost(text: str) -> tuple[float, ...]:
+    """--slo-cost: the worker's step cost 'a,b,c,d' in seconds (flagtypes.cost); '': none."""
+    return linear_cost(text, terms=(4,)) if text.strip() else ()
 
 
 def frontends_from_arg(value: int | str) -> int:
@@ -550,142 +295,15 @@ def frontends_from_arg(value: int | str) -> int:
     return auto_frontends(available_cpus()) if value == "auto" else int(value)
 
 
-def _add_process_arguments(parser: argparse.ArgumentParser) -> None:
-    add, d = parser.add_argument, ControlConfig(Path("."))
-    add(
-        "--frontends",
-        type=IntOr(1, MAX_PROCESSES, "auto"),
-        default="auto",
-        help="client-facing processes sharing the client port (validation, tokenizing, streaming): "
-        f"a count, or auto (the default): one per CPU this process may use beyond the core's own, "
-        f"1 to {AUTO_FRONTENDS_CAP}, CPU affinity and cgroup quota counted",
-    )
-    add(
-        "--stream-interval",
-        type=count(1),
-        default=d.stream_interval,
-        help="output tokens per client message after the first (larger: fewer, bigger messages)",
-    )
-    add(
-        "--logprobs-mode",
-        choices=("raw", "processed"),
-        default=d.logprobs_mode,
-        help="log probabilities of the model's logits (raw) or of what sampling draws from, after "
-        "penalties, bias, temperature and top-k/top-p/min-p (processed)",
-    )
-    add(
-        "--grammar-backend",
-        choices=(*grammar_backends.NAMES, grammar_backends.NONE),
-        default=d.grammar_backend,
-        help="what compiles and matches constrained requests' grammars (json_schema, regex, ebnf, lark, "
-        "structural_tag, choice); none refuses them",
-    )
-    add(
-        "--grammar-compile-timeout",
-        type=seconds(0.001),
-        default=d.grammar_compile_timeout_s,
-        help="seconds a request's grammar may take to compile before the request is refused",
-    )
-    add(
-        "--disable-overlap-schedule",
-        action="store_true",
-        help="one plan in flight per worker instead of two (planning no longer overlaps the forward)",
-    )
-    add(
-        "--max-concurrent-streams",
-        type=count(1),
-        default=d.max_concurrent_streams,
-        help="Generate calls one frontend serves at once; more get RESOURCE_EXHAUSTED (health checks, "
-        "GetServerInfo and Abort are not counted and always answer)",
-    )
-    add(
-        "--frontend-heartbeat-interval",
-        type=seconds(0.05, 60.0),
-        default=d.frontend_heartbeat_interval_s,
-        help="seconds between two heartbeats the core sends each frontend (0.05 to 60)",
-    )
-    add(
-        "--frontend-heartbeat-timeout",
-        type=seconds(0.1, 3600.0),
-        default=d.frontend_heartbeat_timeout_s,
-        help="seconds a frontend may go without answering a heartbeat, or without its event loop "
-        "running, before the core kills and restarts it; a frontend that hears none for as long "
-        "leaves its core (at least twice the interval, at most 3600)",
-    )
+def _chunk_size(size: int | None) -> int | None:
+    """--chunked-prefill-size: -1 or 0 (SGLang's off) is no chunking."""
+    return size if size is not None and size > 0 else None
 
 
-def _add_peer_arguments(parser: argparse.ArgumentParser) -> None:
-    add, d = parser.add_argument, ControlConfig(Path("."))
-    add(
-        "--drain-timeout",
-        type=seconds(),
-        default=d.drain_timeout_s,
-        help="seconds a draining worker's running requests may take before they continue on another "
-        "worker; on SIGTERM, seconds this control plane's streams may take before they are aborted",
-    )
-    add(
-        "--disable-drain-migration",
-        action="store_true",
-        help="a draining worker's running requests finish there (or continue elsewhere by recompute "
-        "past --drain-timeout) instead of migrating at once to another worker with their KV",
-    )
-    add(
-        "--disable-kv-balance",
-        action="store_true",
-        help="a worker short of KV retracts its requests (to prefill them again later) even when "
-        "another worker has room, and a worker's queue waits while another's KV is free, instead of "
-        "migrating running requests there with their KV",
-    )
-    add(
-        "--kv-balance-steps",
-        type=count(1),
-        default=d.kv_balance_steps,
-        metavar="N",
-        help="how many decode steps ahead a worker looks for a KV shortage that would retract "
-        "(a request moves before it; default: %(default)s)",
-    )
-    add(
-        "--kv-balance-threshold",
-        type=Float(0.0, 1.0),
-        default=d.kv_balance_threshold,
-        metavar="F",
-        help="a worker with queued requests moves a running one to a worker without a queue when "
-        "its free share of KV trails that worker's by more than F (0-1; default: %(default)s)",
-    )
-    add(
-        "--peers",
-        default=d.peers,
-        metavar="TARGET",
-        help="the worker ports of all control planes, this one included (HOST:PORT, a comma list, or "
-        "dns:///NAME:PORT; a name stands for all its addresses): one holding more than one worker "
-        "above the emptiest peer asks its newest worker to move. Empty: off. With --worker-ca the "
-        "peers are asked over mutual TLS with --tls-cert/--tls-key: one CA signs every control plane's "
-        "certificate, which must allow both server and client authentication",
-    )
-    add(
-        "--rebalance-interval",
-        type=seconds(0.01),
-        default=d.rebalance_interval_s,
-        help="seconds between two looks at the peers (jittered by 20%%)",
-    )
-
-
-def _frontend_heartbeat(ns: argparse.Namespace) -> tuple[float, float]:
-    """(interval, timeout) of the frontend heartbeat: each in its flag's range, and the timeout at
-    least two intervals (a check between two flags, which their types cannot make)."""
-    interval, timeout = float(ns.frontend_heartbeat_interval), float(ns.frontend_heartbeat_timeout)
-    if timeout < 2 * interval:
-        raise ValueError(
-            f"--frontend-heartbeat-timeout {timeout:g} must be at least twice "
-            f"--frontend-heartbeat-interval {interval:g}"
-        )
-    return interval, timeout
-
-
-def _peers(ns: argparse.Namespace) -> str:
+def _peers(text: str) -> str:
     from protos.targets import parse_targets
 
-    peers = str(ns.peers).strip()
+    peers = str(text).strip()
     if peers:
         parse_targets(peers, "--peers")  # a malformed target fails at start
     return peers
@@ -694,106 +312,477 @@ def _peers(ns: argparse.Namespace) -> str:
 ROUTING_POLICIES = ("cache-aware", "least-loaded")
 
 
-def _add_routing_arguments(parser: argparse.ArgumentParser) -> None:
-    add, d = parser.add_argument, RoutingConfig()
-    add(
-        "--routing-policy",
-        choices=ROUTING_POLICIES,
-        default="cache-aware",
-        help="cache-aware: the worker caching the longest prefix of the prompt unless the load is "
-        "imbalanced, else the least loaded; least-loaded: always the least loaded",
-    )
-    add(
-        "--balance-abs-threshold",
-        type=count(0),
-        default=d.balance_abs_threshold,
-        help="cache-aware routing turns to the least loaded worker when the busiest has this many "
-        "more requests (queued + running) than the idlest ...",
-    )
-    add(
-        "--balance-rel-threshold",
-        type=Float(1.0, 1e6),
-        default=d.balance_rel_threshold,
-        help="... and more than this many times its load",
-    )
+def _cache_aware(policy: str) -> bool:
+    return policy == "cache-aware"
 
 
-def routing_from_args(ns: argparse.Namespace) -> RoutingConfig:
-    return RoutingConfig(
-        cache_aware=ns.routing_policy == "cache-aware",
-        balance_abs_threshold=ns.balance_abs_threshold,
-        balance_rel_threshold=ns.balance_rel_threshold,
-    )
+# The control plane's flags, in --help's order, each section the fields of one frozen config (names
+# and meanings follow SGLang's server arguments; every numeric flag states its range in its type).
+_SERVER = Flags(
+    ControlConfig,
+    (
+        Flag(
+            "--model",
+            default="embedded",
+            field=None,
+            help="model directory (tokenizer and config), or 'embedded'",
+        ),
+        Flag(
+            "--served-model-name",
+            field=None,
+            help="the model name GetServerInfo reports (default: a named model's name, a Hub id without its "
+            "revision, else the directory's name; `up --gateway-served-model-name` sets it to the gateway's)",
+        ),
+        Flag(
+            "--host",
+            help="address both servers bind (default: this machine only; 0.0.0.0 for every interface)",
+        ),
+        Flag("--port", PORT, help="client (Generation) port; 0 picks a free one"),
+        Flag("--worker-port", PORT, help="worker dial-in port; 0 picks a free one"),
+        Flag("--metrics-port", PORT, help="serve Prometheus /metrics on this port (0: off)"),
+    ),
+)
+_SCHEDULING = Flags(
+    SchedulerConfig,
+    (
+        Flag(
+            "--schedule-policy",
+            choices=SCHEDULE_POLICIES,
+            help="order of the waiting queue: fcfs (arrival), lpm (longest cached prefix first), dfs-weight "
+            "(depth-first over the prefix tree), lof (longest output first), random, routing-key, hrrn "
+            "(highest response ratio next), shortest-prefill-first (fewest uncached tokens first), "
+            "lpm-aging (cached prefix plus time waited), edf (earliest TTFT deadline first among requests "
+            "with a ttft_slo_ms, the rest after them in arrival order)",
+        ),
+        Flag(
+            "--cache-aware-queue-limit",
+            count(0),
+            help="past this many waiting requests lpm, hrrn and lpm-aging order the queue first come first "
+            "served (SGLang's 128); 0: never, cache-aware order at any depth from kept prefix matches",
+        ),
+        Flag(
+            "--full-prefix-dedup",
+            SWITCH,
+            help="the in-batch prefix dedup of cache-aware policies covers every waiting request's "
+            "uncached part, not only requests with almost nothing cached, and counts the prefills still "
+            "in flight: a request whose next tokens another one is computing waits for them instead of "
+            "computing them again (matches every waiting request on every pass; default: SGLang's dedup)",
+        ),
+        Flag(
+            "--max-queue-wait-s",
+            seconds(),
+            help="a request waiting longer than this (worker busy time) goes first, in arrival order, "
+            "whatever the policy; 0: off",
+        ),
+        Flag(
+            "--lpm-aging-tokens-per-s",
+            Float(0.0, 1e9),
+            help="lpm-aging: a second of waiting counts as this many matched prefix tokens",
+        ),
+        Flag(
+            "--fairness",
+            choices=FAIRNESS,
+            help="token fairness between tenants: none (SGLang's), vtc (the waiting queue is served from the "
+            "least-served backlogged tenant, by weighted tokens), vtc-locality (vtc, but a better prefix "
+            "match may go first while its tenant is within --fairness-locality-bound of the least served)",
+        ),
+        Flag(
+            "--fairness-prompt-weight",
+            Float(0.0, 1e6),
+            help="vtc: what a prompt token computed adds to its tenant's counter",
+        ),
+        Flag(
+            "--fairness-output-weight",
+            Float(0.0, 1e6),
+            help="vtc: what an output token generated adds to its tenant's counter",
+        ),
+        Flag(
+            "--fairness-locality-bound",
+            Float(0.0, 1e12),
+            help="vtc-locality: weighted tokens a tenant may be ahead of the least-served backlogged tenant "
+            "and still go first for a longer cached prefix",
+        ),
+        Flag(
+            "--fairness-preempt-bound",
+            Float(0.0, 1e12),
+            help="vtc: a waiting request that cannot be admitted preempts running requests of tenants more "
+            "than this many weighted tokens ahead of its own (0: never, SGLang's)",
+        ),
+        Flag(
+            "--slo-cost",
+            slo_cost,
+            help="SLO admission: the worker's step time 'a,b,c,d' in seconds (a + b·prefill tokens + "
+            "c·context tokens + d·decode rows); requests whose ttft_slo_ms cannot be met are refused at "
+            "once; unset: no SLO admission",
+        ),
+        Flag(
+            "--chunked-prefill-size",
+            Int(-1, INT32_MAX),
+            to=_chunk_size,
+            help="prompt tokens one request may prefill per step (a longer prompt goes in chunks); -1 or 0 "
+            "disables chunked prefill",
+        ),
+        Flag(
+            "--max-prefill-tokens",
+            count(1),
+            help="prompt tokens one prefill step admits (the first request of a batch may exceed it)",
+        ),
+        Flag(
+            "--schedule-conservativeness",
+            Float(0.0, 100.0),
+            help="scales the decode tokens reserved per running request before admitting more (larger: "
+            "fewer retractions, smaller batches)",
+        ),
+        Flag("--page-size", Int(1, 65536), help="tokens per KV page (default: the worker's)"),
+        Flag(
+            "--max-running-requests",
+            count(1),
+            help="requests running at once (default: from the worker's KV capacity, as SGLang)",
+        ),
+        Flag(
+            "--max-queued-requests",
+            count(1),
+            help="requests waiting at once; more are refused with RESOURCE_EXHAUSTED (default: no limit)",
+        ),
+        Flag("--prefill-max-requests", count(1), help="requests one prefill step admits (default: no limit)"),
+        Flag(
+            "--enable-mixed-chunk",
+            SWITCH,
+            help="run a chunked prefill and the running decodes in one step (needs chunked prefill)",
+        ),
+        Flag("--random-seed", SEED, help="seed of the random schedule policy's shuffles"),
+        Flag(
+            "--strict-invariants",
+            SWITCH,
+            help="check the KV pool invariants after every step (not only when idle)",
+        ),
+    ),
+)
+_LOGGING = Flags(
+    ControlConfig,
+    (
+        Flag(
+            "--decode-log-interval",
+            count(1),
+            help="log one decode line per this many decode steps of a worker",
+        ),
+    ),
+)
+_PRIORITY = Flags(
+    SchedulerConfig,
+    (
+        Flag(
+            "--enable-priority-scheduling",
+            SWITCH,
+            help="order the queue by each request's priority first (with fcfs or lof), and let a higher "
+            "priority preempt a running request",
+        ),
+        Flag(
+            "--schedule-low-priority-values-first",
+            SWITCH,
+            help="with priority scheduling, a lower priority value is more urgent (default: higher)",
+        ),
+        Flag(
+            "--priority-scheduling-preemption-threshold",
+            count(0),
+            help="a waiting request preempts a running one only when its priority is more than this "
+            "much more urgent",
+        ),
+        Flag(
+            "--disable-priority-preemption",
+            SWITCH,
+            help="with priority scheduling, never preempt a running request for a more urgent one",
+        ),
+        Flag(
+            "--abort-on-priority-when-disabled",
+            SWITCH,
+            help="without priority scheduling, refuse a request that sets a priority (default: ignore it)",
+        ),
+    ),
+)
+_CACHE = Flags(
+    SchedulerConfig,
+    (
+        Flag(
+            "--radix-eviction-policy",
+            choices=EVICTION_POLICIES,
+            help="which cached prefix the radix cache evicts first when the KV pool is full",
+        ),
+        Flag(
+            "--disable-radix-cache",
+            SWITCH,
+            help="no prefix caching: every prompt is computed in full and freed when its request ends",
+        ),
+        Flag(
+            "--retraction-policy",
+            choices=RETRACTION_POLICIES,
+            help="which running request goes back to the queue when decode runs out of KV: length (the "
+            "one with the most tokens left, as SGLang) or priority (the least urgent; needs priority "
+            "scheduling)",
+        ),
+        Flag(
+            "--allow-auto-truncate",
+            SWITCH,
+            help="cut a prompt longer than the model's context to fit (default: refuse the request)",
+        ),
+    ),
+)
+_TIMEOUTS = Flags(
+    ControlConfig,
+    (
+        Flag(
+            "--waiting-timeout",
+            seconds(-1.0),
+            field="waiting_timeout_s",
+            help="seconds a request may wait in the queue, then it is aborted; <= 0: off",
+        ),
+        Flag(
+            "--running-timeout",
+            seconds(-1.0),
+            field="running_timeout_s",
+            help="seconds a request may run after its first forward, then it finishes; <= 0: off",
+        ),
+    ),
+)
+_RECORDING = Flags(
+    ControlConfig,
+    (
+        Flag(
+            "--record", Path, metavar="DIR", field="record_dir", help="record every scheduler call per worker"
+        ),
+        Flag(
+            "--record-max-bytes",
+            Int(MIN_RECORD_BYTES, MAX_RECORD_BYTES),
+            help="a recording part is closed and the next begun past this size",
+        ),
+    ),
+)
+_PROCESSES = Flags(
+    ControlConfig,
+    (
+        Flag(
+            "--frontends",
+            IntOr(1, MAX_PROCESSES, "auto"),
+            default="auto",
+            to=frontends_from_arg,
+            help="client-facing processes sharing the client port (validation, tokenizing, streaming): "
+            f"a count, or auto (the default): one per CPU this process may use beyond the core's own, "
+            f"1 to {AUTO_FRONTENDS_CAP}, CPU affinity and cgroup quota counted",
+        ),
+        Flag(
+            "--stream-interval",
+            count(1),
+            help="output tokens per client message after the first (larger: fewer, bigger messages)",
+        ),
+        Flag(
+            "--logprobs-mode",
+            choices=("raw", "processed"),
+            help="log probabilities of the model's logits (raw) or of what sampling draws from, after "
+            "penalties, bias, temperature and top-k/top-p/min-p (processed)",
+        ),
+        Flag(
+            "--grammar-backend",
+            choices=(*grammar_backends.NAMES, grammar_backends.NONE),
+            help="what compiles and matches constrained requests' grammars (json_schema, regex, ebnf, lark, "
+            "structural_tag, choice); none refuses them",
+        ),
+        Flag(
+            "--grammar-compile-timeout",
+            seconds(0.001),
+            field="grammar_compile_timeout_s",
+            help="seconds a request's grammar may take to compile before the request is refused",
+        ),
+        Flag(
+            "--disable-overlap-schedule",
+            SWITCH,
+            field="overlap",
+            to=operator.not_,
+            help="one plan in flight per worker instead of two (planning no longer overlaps the forward)",
+        ),
+        Flag(
+            "--max-concurrent-streams",
+            count(1),
+            help="Generate calls one frontend serves at once; more get RESOURCE_EXHAUSTED (health checks, "
+            "GetServerInfo and Abort are not counted and always answer)",
+        ),
+        Flag(
+            "--frontend-heartbeat-interval",
+            seconds(0.05, 60.0),
+            field="frontend_heartbeat_interval_s",
+            help="seconds between two heartbeats the core sends each frontend (0.05 to 60)",
+        ),
+        Flag(
+            "--frontend-heartbeat-timeout",
+            seconds(0.1, 3600.0),
+            field="frontend_heartbeat_timeout_s",
+            help="seconds a frontend may go without answering a heartbeat, or without its event loop "
+            "running, before the core kills and restarts it; a frontend that hears none for as long "
+            "leaves its core (at least twice the interval, at most 3600)",
+        ),
+    ),
+)
+_PEERS = Flags(
+    ControlConfig,
+    (
+        Flag(
+            "--drain-timeout",
+            seconds(),
+            field="drain_timeout_s",
+            help="seconds a draining worker's running requests may take before they continue on another "
+            "worker; on SIGTERM, seconds this control plane's streams may take before they are aborted",
+        ),
+        Flag(
+            "--disable-drain-migration",
+            SWITCH,
+            field="drain_migration",
+            to=operator.not_,
+            help="a draining worker's running requests finish there (or continue elsewhere by recompute "
+            "past --drain-timeout) instead of migrating at once to another worker with their KV",
+        ),
+        Flag(
+            "--disable-kv-balance",
+            SWITCH,
+            field="kv_balance",
+            to=operator.not_,
+            help="a worker short of KV retracts its requests (to prefill them again later) even when "
+            "another worker has room, and a worker's queue waits while another's KV is free, instead of "
+            "migrating running requests there with their KV",
+        ),
+        Flag(
+            "--kv-balance-steps",
+            count(1),
+            metavar="N",
+            help="how many decode steps ahead a worker looks for a KV shortage that would retract "
+            "(a request moves before it; default: %(default)s)",
+        ),
+        Flag(
+            "--kv-balance-threshold",
+            Float(0.0, 1.0),
+            metavar="F",
+            help="a worker with queued requests moves a running one to a worker without a queue when "
+            "its free share of KV trails that worker's by more than F (0-1; default: %(default)s)",
+        ),
+        Flag(
+            "--peers",
+            metavar="TARGET",
+            to=_peers,
+            help="the worker ports of all control planes, this one included (HOST:PORT, a comma list, or "
+            "dns:///NAME:PORT; a name stands for all its addresses): one holding more than one worker "
+            "above the emptiest peer asks its newest worker to move. Empty: off. With --worker-ca the "
+            "peers are asked over mutual TLS with --tls-cert/--tls-key: one CA signs every control plane's "
+            "certificate, which must allow both server and client authentication",
+        ),
+        Flag(
+            "--rebalance-interval",
+            seconds(0.01),
+            field="rebalance_interval_s",
+            help="seconds between two looks at the peers (jittered by 20%%)",
+        ),
+    ),
+)
+_ROUTING = Flags(
+    RoutingConfig,
+    (
+        Flag(
+            "--routing-policy",
+            default="cache-aware",
+            choices=ROUTING_POLICIES,
+            field="cache_aware",
+            to=_cache_aware,
+            help="cache-aware: the worker caching the longest prefix of the prompt unless the load is "
+            "imbalanced, else the least loaded; least-loaded: always the least loaded",
+        ),
+        Flag(
+            "--balance-abs-threshold",
+            count(0),
+            help="cache-aware routing turns to the least loaded worker when the busiest has this many "
+            "more requests (queued + running) than the idlest ...",
+        ),
+        Flag("--balance-rel-threshold", Float(1.0, 1e6), help="... and more than this many times its load"),
+    ),
+)
+_LIMITS = Flags(
+    Limits,
+    (
+        Flag("--max-stop-strings", count(0), help="stop strings per request"),
+        Flag("--max-stop-chars", count(0), help="characters of all stop strings"),
+        Flag("--max-stop-token-ids", count(0), help="stop token ids per request"),
+        Flag("--max-prompt-bytes", count(0), help="UTF-8 bytes of a text prompt"),
+        Flag(
+            "--max-top-logprobs",
+            count(0),
+            help="top log probabilities per position a request may ask for "
+            "(and ids in its token_ids_logprob)",
+        ),
+        Flag(
+            "--max-grammar-bytes",
+            count(1),
+            help="UTF-8 bytes of a request's constraint (its JSON schema, regex or grammar)",
+        ),
+        Flag("--max-worker-kv-tokens", Int(1, MAX_TOKENS), help="largest KV pool a worker may claim"),
+        Flag(
+            "--worker-step-timeout",
+            seconds(0.01),
+            field="worker_step_timeout_s",
+            help="seconds a worker may take for a step (plus the per-token part) before it counts as lost",
+        ),
+        Flag(
+            "--worker-step-timeout-per-token",
+            seconds(0.0, 60.0),
+            field="worker_step_timeout_per_token_s",
+            help="seconds added to the step deadline per token in the plan",
+        ),
+    ),
+)
+_SECURITY = Flags(
+    Security,
+    (
+        Flag("--tls-cert", Path, help="PEM certificate: TLS on the client port (and worker port)"),
+        Flag("--tls-key", Path, help="PEM private key of --tls-cert"),
+        Flag(
+            "--worker-ca",
+            Path,
+            help="PEM CA: only workers with a certificate it signed may attach "
+            "(mutual TLS; needs --tls-cert)",
+        ),
+        Flag("--api-key", field=None, help="bearer token clients must send (authorization: Bearer KEY)"),
+        Flag("--api-key-file", Path, field=None, help="file of accepted bearer tokens, one per line"),
+        Flag(
+            "--tenants",
+            Path,
+            field=None,
+            help="TOML tenant table: weights, quotas, key bindings "
+            "(docs/deploy.md#tenants); reread on SIGHUP",
+        ),
+        Flag(
+            "--allow-insecure-workers",
+            SWITCH,
+            help="serve the worker port beyond loopback without --worker-ca (anyone reaching it can attach)",
+        ),
+    ),
+)
 
 
-def _add_limit_arguments(parser: argparse.ArgumentParser) -> None:
-    add, d = parser.add_argument, Limits()
-    add("--max-stop-strings", type=count(0), default=d.max_stop_strings, help="stop strings per request")
-    add("--max-stop-chars", type=count(0), default=d.max_stop_chars, help="characters of all stop strings")
-    add(
-        "--max-stop-token-ids", type=count(0), default=d.max_stop_token_ids, help="stop token ids per request"
-    )
-    add("--max-prompt-bytes", type=count(0), default=d.max_prompt_bytes, help="UTF-8 bytes of a text prompt")
-    add(
-        "--max-top-logprobs",
-        type=count(0),
-        default=d.max_top_logprobs,
-        help="top log probabilities per position a request may ask for (and ids in its token_ids_logprob)",
-    )
-    add(
-        "--max-grammar-bytes",
-        type=count(1),
-        default=d.max_grammar_bytes,
-        help="UTF-8 bytes of a request's constraint (its JSON schema, regex or grammar)",
-    )
-    add(
-        "--max-worker-kv-tokens",
-        type=Int(1, MAX_TOKENS),
-        default=d.max_worker_kv_tokens,
-        help="largest KV pool a worker may claim",
-    )
-    add(
-        "--worker-step-timeout",
-        type=seconds(0.01),
-        default=d.worker_step_timeout_s,
-        help="seconds a worker may take for a step (plus the per-token part) before it counts as lost",
-    )
-    add(
-        "--worker-step-timeout-per-token",
-        type=seconds(0.0, 60.0),
-        default=d.worker_step_timeout_per_token_s,
-        help="seconds added to the step deadline per token in the plan",
-    )
+FLAGS = (
+    _SERVER,
+    _SCHEDULING,
+    _LOGGING,
+    _PRIORITY,
+    _CACHE,
+    _TIMEOUTS,
+    _RECORDING,
+    _PROCESSES,
+    _PEERS,
+    _ROUTING,
+    _LIMITS,
+    _SECURITY,
+)
 
 
-def _add_security_arguments(parser: argparse.ArgumentParser) -> None:
-    add = parser.add_argument
-    add(
-        "--tls-cert",
-        type=Path,
-        default=None,
-        help="PEM certificate: TLS on the client port (and worker port)",
-    )
-    add("--tls-key", type=Path, default=None, help="PEM private key of --tls-cert")
-    add(
-        "--worker-ca",
-        type=Path,
-        default=None,
-        help="PEM CA: only workers with a certificate it signed may attach (mutual TLS; needs --tls-cert)",
-    )
-    add("--api-key", default=None, help="bearer token clients must send (authorization: Bearer KEY)")
-    add("--api-key-file", type=Path, default=None, help="file of accepted bearer tokens, one per line")
-    add(
-        "--tenants",
-        type=Path,
-        default=None,
-        help="TOML tenant table: weights, quotas, key bindings (docs/deploy.md#tenants); reread on SIGHUP",
-    )
-    add(
-        "--allow-insecure-workers",
-        action="store_true",
-        help="serve the worker port beyond loopback without --worker-ca (anyone reaching it can attach)",
-    )
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the control plane's flags (FLAGS) to `parser`."""
+    for section in FLAGS:
+        section.add_to(parser)
 
 
 # SGLang's environment-only knobs, read under our prefix (docs/scheduler.md#defaults), each with its
@@ -834,39 +823,7 @@ def scheduler_config_from_args(
     ns: argparse.Namespace, env: Mapping[str, str] | None = None
 ) -> SchedulerConfig:
     env = os.environ if env is None else env
-    chunk = ns.chunked_prefill_size
-    values: dict[str, object] = {
-        "schedule_policy": ns.schedule_policy,
-        "chunked_prefill_size": chunk if chunk is not None and chunk > 0 else None,
-        "max_prefill_tokens": ns.max_prefill_tokens,
-        "schedule_conservativeness": ns.schedule_conservativeness,
-        "page_size": ns.page_size,
-        "max_running_requests": ns.max_running_requests,
-        "max_queued_requests": ns.max_queued_requests,
-        "prefill_max_requests": ns.prefill_max_requests,
-        "enable_mixed_chunk": ns.enable_mixed_chunk,
-        "enable_priority_scheduling": ns.enable_priority_scheduling,
-        "schedule_low_priority_values_first": ns.schedule_low_priority_values_first,
-        "priority_scheduling_preemption_threshold": ns.priority_scheduling_preemption_threshold,
-        "disable_priority_preemption": ns.disable_priority_preemption,
-        "abort_on_priority_when_disabled": ns.abort_on_priority_when_disabled,
-        "radix_eviction_policy": ns.radix_eviction_policy,
-        "disable_radix_cache": ns.disable_radix_cache,
-        "retraction_policy": ns.retraction_policy,
-        "allow_auto_truncate": ns.allow_auto_truncate,
-        "random_seed": ns.random_seed,
-        "cache_aware_queue_limit": ns.cache_aware_queue_limit,
-        "full_prefix_dedup": ns.full_prefix_dedup,
-        "max_queue_wait_s": ns.max_queue_wait_s,
-        "lpm_aging_tokens_per_s": ns.lpm_aging_tokens_per_s,
-        "fairness": ns.fairness,
-        "fairness_prompt_weight": ns.fairness_prompt_weight,
-        "fairness_output_weight": ns.fairness_output_weight,
-        "fairness_locality_bound": ns.fairness_locality_bound,
-        "fairness_preempt_bound": ns.fairness_preempt_bound,
-        "slo_cost": ns.slo_cost,
-        "strict_invariants": ns.strict_invariants,
-    }
+    values = flag_values(FLAGS, SchedulerConfig, ns)
     for name, (attr, parse) in _ENV_KNOBS.items():
         if env.get(name):
             try:
@@ -876,19 +833,6 @@ def scheduler_config_from_args(
     config = SchedulerConfig(**values)  # type: ignore[arg-type]
     validate_scheduler_config(config)
     return config
-
-
-def slo_cost(text: str) -> tuple[float, ...]:
-    """--slo-cost: four non-negative finite seconds 'a,b,c,d' ('' : none)."""
-    if not text.strip():
-        return ()
-    try:
-        values = tuple(float(x) for x in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"want 'a,b,c,d' (seconds), got {text!r}") from None
-    if len(values) != 4 or not all(0.0 <= v < 1e6 for v in values):
-        raise argparse.ArgumentTypeError(f"want four non-negative numbers 'a,b,c,d', got {text!r}")
-    return values
 
 
 def validate_scheduler_config(config: SchedulerConfig) -> None:
@@ -913,17 +857,11 @@ def validate_scheduler_config(config: SchedulerConfig) -> None:
 
 
 def limits_from_args(ns: argparse.Namespace) -> Limits:
-    return Limits(
-        max_stop_strings=ns.max_stop_strings,
-        max_stop_chars=ns.max_stop_chars,
-        max_stop_token_ids=ns.max_stop_token_ids,
-        max_top_logprobs=ns.max_top_logprobs,
-        max_grammar_bytes=ns.max_grammar_bytes,
-        max_prompt_bytes=ns.max_prompt_bytes,
-        max_worker_kv_tokens=ns.max_worker_kv_tokens,
-        worker_step_timeout_s=ns.worker_step_timeout,
-        worker_step_timeout_per_token_s=ns.worker_step_timeout_per_token,
-    )
+    return Limits(**flag_values(FLAGS, Limits, ns))  # type: ignore[arg-type]
+
+
+def routing_from_args(ns: argparse.Namespace) -> RoutingConfig:
+    return RoutingConfig(**flag_values(FLAGS, RoutingConfig, ns))  # type: ignore[arg-type]
 
 
 def read_api_keys(path: Path) -> list[str]:
@@ -941,13 +879,7 @@ def security_from_args(ns: argparse.Namespace, host: str) -> Security:
     keys = [ns.api_key] if ns.api_key else []
     if ns.api_key_file is not None:
         keys += read_api_keys(ns.api_key_file)
-    security = Security(
-        tls_cert=ns.tls_cert,
-        tls_key=ns.tls_key,
-        worker_ca=ns.worker_ca,
-        api_keys=tuple(keys),
-        allow_insecure_workers=ns.allow_insecure_workers,
-    )
+    security = Security(**flag_values(FLAGS, Security, ns), api_keys=tuple(keys))  # type: ignore[arg-type]
     if (security.tls_cert is None) != (security.tls_key is None):
         raise ValueError("--tls-cert and --tls-key go together")
     if security.worker_ca is not None and security.tls_cert is None:
@@ -964,42 +896,30 @@ def security_from_args(ns: argparse.Namespace, host: str) -> Security:
 
 
 def control_config_from_args(ns: argparse.Namespace, model_dir: Path, model_name: str = "") -> ControlConfig:
-    heartbeat_interval, heartbeat_timeout = _frontend_heartbeat(ns)
-    return ControlConfig(
+    config = ControlConfig(
         model_dir=model_dir,
         model_name=model_name,
-        host=ns.host,
-        port=ns.port,
-        worker_port=ns.worker_port,
+        **flag_values(FLAGS, ControlConfig, ns),  # type: ignore[arg-type]
         scheduler=_with_tenants(scheduler_config_from_args(ns), ns),
-        decode_log_interval=ns.decode_log_interval,
-        waiting_timeout_s=ns.waiting_timeout,
-        running_timeout_s=ns.running_timeout,
-        record_dir=getattr(ns, "record", None),
-        metrics_port=ns.metrics_port,
-        record_max_bytes=getattr(ns, "record_max_bytes", DEFAULT_RECORD_MAX_BYTES),
         limits=limits_from_args(ns),
         security=security_from_args(ns, ns.host),
-        frontends=frontends_from_arg(ns.frontends),
-        stream_interval=ns.stream_interval,
-        logprobs_mode=ns.logprobs_mode,
-        grammar_backend=ns.grammar_backend,
-        grammar_compile_timeout_s=ns.grammar_compile_timeout,
-        overlap=not ns.disable_overlap_schedule,
-        max_concurrent_streams=ns.max_concurrent_streams,
-        frontend_heartbeat_interval_s=heartbeat_interval,
-        frontend_heartbeat_timeout_s=heartbeat_timeout,
         routing=routing_from_args(ns),
-        drain_timeout_s=ns.drain_timeout,
-        drain_migration=not ns.disable_drain_migration,
-        kv_balance=not ns.disable_kv_balance,
-        kv_balance_steps=ns.kv_balance_steps,
-        kv_balance_threshold=ns.kv_balance_threshold,
         test_migrate_interval=test_migrate_interval(os.environ),
-        peers=_peers(ns),
-        rebalance_interval_s=ns.rebalance_interval,
         tenants_file=_tenants_file(ns),
     )
+    _check_heartbeat(config)
+    return config
+
+
+def _check_heartbeat(config: ControlConfig) -> None:
+    """The frontend heartbeat's timeout is at least two intervals (a check between two flags,
+    which their types cannot make)."""
+    interval, timeout = config.frontend_heartbeat_interval_s, config.frontend_heartbeat_timeout_s
+    if timeout < 2 * interval:
+        raise ValueError(
+            f"--frontend-heartbeat-timeout {timeout:g} must be at least twice "
+            f"--frontend-heartbeat-interval {interval:g}"
+        )
 
 
 def _with_tenants(config: SchedulerConfig, ns: argparse.Namespace) -> SchedulerConfig:

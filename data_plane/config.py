@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import operator
 import os
 import pathlib
 import socket
 from dataclasses import dataclass
 
 from flagtypes import MAX_TOKENS, PORT, Float, Int, seconds
+from flagtypes.table import SWITCH, Flag, Flags
 from protos.targets import parse_targets
 from protos.worker import ROLES
 
@@ -91,145 +93,131 @@ def default_worker_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
 
+def _worker_id(given: str) -> str:
+    return given or default_worker_id()
+
+
+# The worker's flags, in --help's order: each sets the WorkerConfig field of its name (or the one named).
+FLAGS = Flags(
+    WorkerConfig,
+    (
+        Flag(
+            "--control",
+            help="control plane worker port(s): HOST:PORT, a list A:P,B:P, or dns:///NAME:PORT; every name "
+            "stands for all its addresses, and the worker attaches to the control plane with the fewest "
+            "workers",
+        ),
+        Flag("--model", pathlib.Path, required=True, field=None, help="checkpoint directory"),
+        Flag("--device", help="cpu, cuda, cuda:N or auto"),
+        Flag("--dtype", choices=DTYPES, help="auto: float32 on cpu, bfloat16 on cuda"),
+        Flag("--kv-tokens", Int(1, MAX_TOKENS), help="KV pool capacity in tokens"),
+        Flag("--kv-bytes", Int(1, 2**50), help="KV pool budget in bytes"),
+        Flag("--page-size", Int(1, 65536), help="tokens per KV page (reported to the control plane)"),
+        Flag("--worker-id", to=_worker_id, help="default: hostname-pid"),
+        Flag("--host-pool-tokens", Int(0, MAX_TOKENS), help="host offload pool in tokens (0: none)"),
+        Flag(
+            "--disable-decode-cache",
+            SWITCH,
+            field="decode_cache",
+            to=operator.not_,
+            help="decode through the general paged attention path, without the contiguous decode K/V copy "
+            "(CPU only: on CUDA the copy is always off)",
+        ),
+        Flag(
+            "--attention-backend",
+            choices=BACKENDS,
+            help="attention kernels: sdpa (torch SDPA over gathered K/V; portable), flashinfer (FlashInfer's "
+            "paged kernels; CUDA, float16/bfloat16, the 'flashinfer' extra); auto: flashinfer where it can "
+            "run and is installed, else sdpa",
+        ),
+        Flag(
+            "--connect-timeout",
+            seconds(0.01),
+            field="connect_timeout_s",
+            help="seconds to look for a first control plane before giving up (exit 3); once attached, the "
+            "worker looks again forever when it loses one",
+        ),
+        Flag(
+            "--reconnect-max-backoff",
+            seconds(0.01),
+            field="reconnect_max_backoff_s",
+            help="longest wait in seconds between searches for a control plane (the wait doubles from 0.1 s)",
+        ),
+        Flag(
+            "--drain-timeout",
+            seconds(),
+            field="drain_timeout_s",
+            help="after SIGTERM, seconds to keep running plans until the control plane sends Shutdown "
+            "(plus 10 s of grace; then the worker exits anyway)",
+        ),
+        Flag(
+            "--health-port",
+            PORT,
+            help="gRPC health service port (0: none): '' is SERVING once the model is loaded, "
+            "'stepwise.v1.WorkerLink' while attached to a control plane and not draining",
+        ),
+        Flag("--health-host", help="address the health service listens on"),
+        Flag("--backend", choices=("model", "sim"), help="sim: a simulator without a model"),
+        Flag(
+            "--sim-cost",
+            help="sim step time a,b,c[,d]: a + b·new tokens + c·context + d·decode rows (seconds)",
+        ),
+        Flag("--tls-ca", pathlib.Path, help="PEM CA of the control plane's certificate (TLS)"),
+        Flag("--tls-cert", pathlib.Path, help="PEM certificate of this worker (mutual TLS)"),
+        Flag("--tls-key", pathlib.Path, help="PEM private key of --tls-cert"),
+        Flag("--tls-server-name", help="name the control plane's certificate carries, if not the host"),
+        Flag(
+            "--role",
+            choices=ROLES,
+            help="mixed: prefills and decodes; prefill: takes new requests and hands each to a decode "
+            "worker with its KV after its first token; decode: decodes what prefill workers hand over "
+            "(prefill and decode need the KV transfer link)",
+        ),
+        Flag(
+            "--transfer-port",
+            Int(-1, 65535),
+            help="port of the worker-to-worker KV transfer service (0: a free port, -1: none); mutual TLS "
+            "with --tls-ca/--tls-cert/--tls-key when given (without --tls-cert: none)",
+        ),
+        Flag(
+            "--transfer-host",
+            help="address the KV transfer service listens on; the worker announces it in its hello "
+            "(0.0.0.0 or ::: announced as this machine's host name)",
+        ),
+        Flag(
+            "--transfer-buffer-bytes",
+            Int(0, 2**50),
+            help="received KV transfers held at most, in bytes; a transfer that does not fit is refused",
+        ),
+        Flag(
+            "--transfer-deadline-floor",
+            seconds(0.01),
+            field="transfer_deadline_floor_s",
+            help="a KV send fails (and the request stays on, or falls back to, its source) when it has not "
+            "completed within this many seconds plus its bytes and those in flight with it at "
+            "--transfer-deadline-bytes-per-s; keep it under the control plane's --worker-step-timeout",
+        ),
+        Flag(
+            "--transfer-deadline-bytes-per-s",
+            Float(1.0, 1e15),
+            help="the slowest rate, in bytes per second, a KV send's deadline allows for (see "
+            "--transfer-deadline-floor)",
+        ),
+        Flag(
+            "--transfer-hold-timeout",
+            seconds(0.01),
+            field="transfer_hold_timeout_s",
+            help="seconds a received KV transfer is held for the step that writes it; one unclaimed by then "
+            "is released (a step claims one within a step or two: keep it well above the control plane's "
+            "--worker-step-timeout)",
+        ),
+    ),
+)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the worker's flags to `parser` (the `stepwise worker` subcommand calls this)."""
-    parser.add_argument(
-        "--control",
-        default=DEFAULT_CONTROL,
-        help="control plane worker port(s): HOST:PORT, a list A:P,B:P, or dns:///NAME:PORT; every name "
-        "stands for all its addresses, and the worker attaches to the control plane with the fewest workers",
-    )
-    parser.add_argument("--model", required=True, type=pathlib.Path, help="checkpoint directory")
-    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
-    parser.add_argument(
-        "--dtype", default="auto", choices=DTYPES, help="auto: float32 on cpu, bfloat16 on cuda"
-    )
-    parser.add_argument(
-        "--kv-tokens", type=Int(1, MAX_TOKENS), default=None, help="KV pool capacity in tokens"
-    )
-    parser.add_argument("--kv-bytes", type=Int(1, 2**50), default=None, help="KV pool budget in bytes")
-    parser.add_argument(
-        "--page-size",
-        type=Int(1, 65536),
-        default=1,
-        help="tokens per KV page (reported to the control plane)",
-    )
-    parser.add_argument("--worker-id", default="", help="default: hostname-pid")
-    parser.add_argument(
-        "--host-pool-tokens", type=Int(0, MAX_TOKENS), default=0, help="host offload pool in tokens (0: none)"
-    )
-    parser.add_argument(
-        "--disable-decode-cache",
-        action="store_true",
-        help="decode through the general paged attention path, without the contiguous decode K/V copy "
-        "(CPU only: on CUDA the copy is always off)",
-    )
-    parser.add_argument(
-        "--attention-backend",
-        choices=BACKENDS,
-        default="auto",
-        help="attention kernels: sdpa (torch SDPA over gathered K/V; portable), flashinfer (FlashInfer's "
-        "paged kernels; CUDA, float16/bfloat16, the 'flashinfer' extra); auto: flashinfer where it can run "
-        "and is installed, else sdpa",
-    )
-    parser.add_argument(
-        "--connect-timeout",
-        type=seconds(0.01),
-        default=60.0,
-        help="seconds to look for a first control plane before giving up (exit 3); once attached, the "
-        "worker looks again forever when it loses one",
-    )
-    parser.add_argument(
-        "--reconnect-max-backoff",
-        type=seconds(0.01),
-        default=5.0,
-        help="longest wait in seconds between searches for a control plane (the wait doubles from 0.1 s)",
-    )
-    parser.add_argument(
-        "--drain-timeout",
-        type=seconds(),
-        default=30.0,
-        help="after SIGTERM, seconds to keep running plans until the control plane sends Shutdown "
-        "(plus 10 s of grace; then the worker exits anyway)",
-    )
-    parser.add_argument(
-        "--health-port",
-        type=PORT,
-        default=0,
-        help="gRPC health service port (0: none): '' is SERVING once the model is loaded, "
-        "'stepwise.v1.WorkerLink' while attached to a control plane and not draining",
-    )
-    parser.add_argument("--health-host", default="0.0.0.0", help="address the health service listens on")
-    parser.add_argument(
-        "--backend", choices=("model", "sim"), default="model", help="sim: a simulator without a model"
-    )
-    parser.add_argument(
-        "--sim-cost",
-        default="0.005,0.00005,0.0000005",
-        help="sim step time a,b,c[,d]: a + b·new tokens + c·context + d·decode rows (seconds)",
-    )
-    parser.add_argument(
-        "--tls-ca", type=pathlib.Path, default=None, help="PEM CA of the control plane's certificate (TLS)"
-    )
-    parser.add_argument(
-        "--tls-cert", type=pathlib.Path, default=None, help="PEM certificate of this worker (mutual TLS)"
-    )
-    parser.add_argument("--tls-key", type=pathlib.Path, default=None, help="PEM private key of --tls-cert")
-    parser.add_argument(
-        "--tls-server-name",
-        default="",
-        help="name the control plane's certificate carries, if not the host",
-    )
-    parser.add_argument(
-        "--role",
-        choices=ROLES,
-        default="mixed",
-        help="mixed: prefills and decodes; prefill: takes new requests and hands each to a decode "
-        "worker with its KV after its first token; decode: decodes what prefill workers hand over "
-        "(prefill and decode need the KV transfer link)",
-    )
-    parser.add_argument(
-        "--transfer-port",
-        type=Int(-1, 65535),
-        default=0,
-        help="port of the worker-to-worker KV transfer service (0: a free port, -1: none); mutual TLS "
-        "with --tls-ca/--tls-cert/--tls-key when given (without --tls-cert: none)",
-    )
-    parser.add_argument(
-        "--transfer-host",
-        default="127.0.0.1",
-        help="address the KV transfer service listens on; the worker announces it in its hello "
-        "(0.0.0.0 or ::: announced as this machine's host name)",
-    )
-    parser.add_argument(
-        "--transfer-buffer-bytes",
-        type=Int(0, 2**50),
-        default=DEFAULT_TRANSFER_BUFFER_BYTES,
-        help="received KV transfers held at most, in bytes; a transfer that does not fit is refused",
-    )
-    parser.add_argument(
-        "--transfer-deadline-floor",
-        type=seconds(0.01),
-        default=DEFAULT_TRANSFER_DEADLINE_FLOOR_S,
-        help="a KV send fails (and the request stays on, or falls back to, its source) when it has not "
-        "completed within this many seconds plus its bytes and those in flight with it at "
-        "--transfer-deadline-bytes-per-s; keep it under the control plane's --worker-step-timeout",
-    )
-    parser.add_argument(
-        "--transfer-deadline-bytes-per-s",
-        type=Float(1.0, 1e15),
-        default=DEFAULT_TRANSFER_DEADLINE_BYTES_PER_S,
-        help="the slowest rate, in bytes per second, a KV send's deadline allows for (see "
-        "--transfer-deadline-floor)",
-    )
-    parser.add_argument(
-        "--transfer-hold-timeout",
-        type=seconds(0.01),
-        default=DEFAULT_TRANSFER_HOLD_TIMEOUT_S,
-        help="seconds a received KV transfer is held for the step that writes it; one unclaimed by then "
-        "is released (a step claims one within a step or two: keep it well above the control plane's "
-        "--worker-step-timeout)",
-    )
+    """Add the worker's flags (FLAGS) to `parser` (the `stepwise worker` subcommand calls this)."""
+    FLAGS.add_to(parser)
 
 
 def config_from_args(ns: argparse.Namespace) -> WorkerConfig:
@@ -246,37 +234,7 @@ def config_from_args(ns: argparse.Namespace) -> WorkerConfig:
             f"--role {ns.role} moves requests with their KV: it needs the KV transfer link, which "
             "--transfer-port -1 turns off"
         )
-    return WorkerConfig(
-        control=ns.control,
-        model=pathlib.Path(ns.model),
-        device=ns.device,
-        dtype=ns.dtype,
-        kv_tokens=ns.kv_tokens,
-        kv_bytes=ns.kv_bytes,
-        page_size=ns.page_size,
-        worker_id=ns.worker_id or default_worker_id(),
-        host_pool_tokens=ns.host_pool_tokens,
-        decode_cache=not ns.disable_decode_cache,
-        attention_backend=ns.attention_backend,
-        connect_timeout_s=ns.connect_timeout,
-        reconnect_max_backoff_s=ns.reconnect_max_backoff,
-        drain_timeout_s=ns.drain_timeout,
-        health_port=ns.health_port,
-        health_host=ns.health_host,
-        backend=ns.backend,
-        sim_cost=ns.sim_cost,
-        tls_ca=ns.tls_ca,
-        tls_cert=ns.tls_cert,
-        tls_key=ns.tls_key,
-        tls_server_name=ns.tls_server_name,
-        transfer_port=ns.transfer_port,
-        role=ns.role,
-        transfer_host=ns.transfer_host,
-        transfer_buffer_bytes=ns.transfer_buffer_bytes,
-        transfer_deadline_floor_s=ns.transfer_deadline_floor,
-        transfer_deadline_bytes_per_s=ns.transfer_deadline_bytes_per_s,
-        transfer_hold_timeout_s=ns.transfer_hold_timeout,
-    )
+    return WorkerConfig(model=pathlib.Path(ns.model), **FLAGS.values(ns))  # type: ignore[arg-type]
 
 
 def _check_tls(ns: argparse.Namespace) -> None:

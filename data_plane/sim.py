@@ -31,6 +31,7 @@ token_ids_logprob.
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import math
 import time
@@ -43,6 +44,7 @@ from data_plane.kv_pool import HostCopy
 from data_plane.kv_transfer import Transfers
 from data_plane.scoring import score_rows
 from data_plane.state import PlanError
+from flagtypes.cost import linear_cost
 from protos.arrays import SortedIndex
 from protos.worker import (
     KvReport,
@@ -77,21 +79,11 @@ class CostModel:
 
     @classmethod
     def parse(cls, text: str, flag: str = "--sim-cost") -> CostModel:
-        """'a,b,c' or 'a,b,c,d' (seconds); ValueError naming the flag when malformed."""
+        """'a,b,c' or 'a,b,c,d' (seconds, flagtypes.cost); ValueError naming the flag when malformed."""
         try:
-            values = [float(x) for x in text.split(",")]
-        except ValueError:
-            values = []
-        if len(values) not in (3, 4):
-            raise ValueError(f"{flag} wants 'a,b,c' or 'a,b,c,d' in seconds, got {text!r}")
-        model = cls(*values)
-        if not all(0 <= x < math.inf for x in (model.a, model.b, model.c)):  # NaN fails too
-            raise ValueError(f"{flag} values a, b, c must be finite and >= 0, got {text!r}")
-        if not (-model.b <= model.d < math.inf):
-            raise ValueError(
-                f"{flag} value d must be finite and >= -b (a decode row costs >= 0), got {text!r}"
-            )
-        return model
+            return cls(*linear_cost(text))
+        except argparse.ArgumentTypeError as exc:
+            raise ValueError(f"{flag}: {exc}") from None
 
     def step_seconds(self, new_tokens: int, context_tokens: int, decode_rows: int = 0) -> float:
         return self.a + self.b * new_tokens + self.c * context_tokens + self.d * decode_rows

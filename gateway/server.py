@@ -23,6 +23,7 @@ import uvicorn
 
 from clients.client import add_tls_ca_argument
 from flagtypes import MAX_PROCESSES, PORT, Int, count, seconds
+from flagtypes.table import Flag, Flags
 from gateway.app import GatewayConfig, create_app
 from gateway.connections import AcceptErrorLog, protocol_class
 from gateway.limits import (
@@ -39,112 +40,136 @@ from gateway.tools import PARSER_NAMES
 GRACEFUL_S = 5
 
 
+def _max_connections(given: int | None) -> int:
+    """--max-connections, or as many as the open-file limit leaves room for; ValueError naming the
+    flag for a count the process could not hold open."""
+    open_files = open_files_limit()
+    if given is None:
+        return default_max_connections(open_files)
+    check_max_connections(given, open_files)
+    return given
+
+
+_D = HttpLimits()
+# The gateway's flags, in --help's order (its --tls-ca is the clients' own, clients/client.py).
+_SERVER = Flags(
+    None,
+    (
+        Flag(
+            "--control",
+            default="127.0.0.1:50051",
+            help="control plane client address: HOST:PORT or a gRPC target such as dns:///NAME:PORT",
+        ),
+        Flag("--host", default="127.0.0.1", help="HTTP bind address"),
+        Flag("--port", PORT, default=8000, help="HTTP port (0: any free port)"),
+        Flag(
+            "--model",
+            default="embedded",
+            help="the control plane's model: a directory, a Hub id in the local cache, or a named model "
+            "(its chat template and tokenizer)",
+        ),
+        Flag(
+            "--served-model-name",
+            nargs="+",
+            metavar="NAME",
+            help="the model ids clients may name (a request naming another is a 404 model_not_found); the "
+            "first is the one /v1/models reports first and answers default to (default: a named model's "
+            "name, a Hub id without its revision, else the directory's name; STEPWISE_SERVED_MODEL_NAME "
+            "holds one name)",
+        ),
+    ),
+)
+TEMPLATE_FLAGS = Flags(
+    None,
+    (
+        Flag(
+            "--chat-template",
+            metavar="FILE|NAME",
+            help="the chat template chat completions render with instead of the model's: a Jinja file, or "
+            f"a template shipped with Stepwise ({', '.join(NAMED)}: ChatML with Hermes tool calling); "
+            "default: the model's own, except a named model whose own renders no tools (stepwise models)",
+        ),
+        Flag(
+            "--tool-call-parser",
+            choices=tuple(PARSER_NAMES),
+            help="how chat completions with tool_choice auto read tool calls from the model's text: hermes "
+            "(<tool_call>{...}</tool_call>, Hermes, Qwen and the shipped templates) or llama3_json "
+            '(llama3-json, llama3: a bare {"name", "parameters"} object, Llama 3.1+); default: the format '
+            "the chat template teaches, else hermes",
+        ),
+    ),
+)
+_PROCESSES = Flags(
+    None,
+    (
+        Flag(
+            "--workers",
+            Int(1, MAX_PROCESSES),
+            default=1,
+            help="gateway processes serving the port (SO_REUSEPORT; each one's limits are its own); past "
+            "1, this process supervises them: it restarts one that exits, and SIGTERM drains them all. "
+            "At most one per core the gateway may use (sizing: docs/performance.md#the-gateway)",
+        ),
+        Flag(
+            "--ready-file",
+            Path,
+            help="write the bound port here as JSON once every process accepts (with --workers past 1 "
+            "also the supervisor's pid and the workers' pids)",
+        ),
+    ),
+)
+LIMIT_FLAGS = Flags(
+    HttpLimits,
+    (
+        Flag(
+            "--max-body-bytes",
+            Int(1, 2**40),
+            help="a request body past this many bytes is a 413, before it is read whole "
+            f"({_D.max_body_bytes})",
+        ),
+        Flag(
+            "--header-timeout",
+            seconds(0.001),
+            field="header_timeout_s",
+            help="seconds a connection has to send a whole request head, from its opening or its previous "
+            f"response's end; then it is closed ({_D.header_timeout_s:g})",
+        ),
+        Flag(
+            "--body-timeout",
+            seconds(0.001),
+            field="body_timeout_s",
+            help="seconds a request has to send its whole body once its head is in; then 408 "
+            f"({_D.body_timeout_s:g})",
+        ),
+        Flag(
+            "--max-connections",
+            count(1),
+            default=None,
+            to=_max_connections,
+            help="open HTTP connections at most, per process with --workers; one more is answered 503 "
+            f"(Retry-After: 1) and closed (default {DEFAULT_MAX_CONNECTIONS}, or the open-file limit less "
+            "the process's own files)",
+        ),
+    ),
+)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--control",
-        default="127.0.0.1:50051",
-        help="control plane client address: HOST:PORT or a gRPC target such as dns:///NAME:PORT",
-    )
-    parser.add_argument("--host", default="127.0.0.1", help="HTTP bind address")
-    parser.add_argument("--port", type=PORT, default=8000, help="HTTP port (0: any free port)")
-    parser.add_argument(
-        "--model",
-        default="embedded",
-        help="the control plane's model: a directory, a Hub id in the local cache, or a named model "
-        "(its chat template and tokenizer)",
-    )
-    parser.add_argument(
-        "--served-model-name",
-        nargs="+",
-        default=None,
-        metavar="NAME",
-        help="the model ids clients may name (a request naming another is a 404 model_not_found); the "
-        "first is the one /v1/models reports first and answers default to (default: a named model's "
-        "name, a Hub id without its revision, else the directory's name; STEPWISE_SERVED_MODEL_NAME "
-        "holds one name)",
-    )
+    _SERVER.add_to(parser)
     add_template_arguments(parser)
     add_tls_ca_argument(parser)
-    parser.add_argument(
-        "--workers",
-        type=Int(1, MAX_PROCESSES),
-        default=1,
-        help="gateway processes serving the port (SO_REUSEPORT; each one's limits are its own); past 1, "
-        "this process supervises them: it restarts one that exits, and SIGTERM drains them all. At "
-        "most one per core the gateway may use (sizing: docs/performance.md#the-gateway)",
-    )
-    parser.add_argument(
-        "--ready-file",
-        type=Path,
-        default=None,
-        help="write the bound port here as JSON once every process accepts (with --workers past 1 also "
-        "the supervisor's pid and the workers' pids)",
-    )
-    add_limit_arguments(parser)
+    _PROCESSES.add_to(parser)
+    LIMIT_FLAGS.add_to(parser)
 
 
 def add_template_arguments(parser: argparse.ArgumentParser) -> None:
     """--chat-template and --tool-call-parser (the gateway's, and `up`'s to pass on to it)."""
-    parser.add_argument(
-        "--chat-template",
-        default=None,
-        metavar="FILE|NAME",
-        help="the chat template chat completions render with instead of the model's: a Jinja file, or "
-        f"a template shipped with Stepwise ({', '.join(NAMED)}: ChatML with Hermes tool calling); "
-        "default: the model's own, except a named model whose own renders no tools (stepwise models)",
-    )
-    parser.add_argument(
-        "--tool-call-parser",
-        choices=tuple(PARSER_NAMES),
-        default=None,
-        help="how chat completions with tool_choice auto read tool calls from the model's text: hermes "
-        "(<tool_call>{...}</tool_call>, Hermes, Qwen and the shipped templates) or llama3_json "
-        '(llama3-json, llama3: a bare {"name", "parameters"} object, Llama 3.1+); default: the format '
-        "the chat template teaches, else hermes",
-    )
-
-
-def add_limit_arguments(parser: argparse.ArgumentParser) -> None:
-    d = HttpLimits()
-    parser.add_argument(
-        "--max-body-bytes",
-        type=Int(1, 2**40),
-        default=d.max_body_bytes,
-        help=f"a request body past this many bytes is a 413, before it is read whole ({d.max_body_bytes})",
-    )
-    parser.add_argument(
-        "--header-timeout",
-        type=seconds(0.001),
-        default=d.header_timeout_s,
-        help="seconds a connection has to send a whole request head, from its opening or its previous "
-        f"response's end; then it is closed ({d.header_timeout_s:g})",
-    )
-    parser.add_argument(
-        "--body-timeout",
-        type=seconds(0.001),
-        default=d.body_timeout_s,
-        help="seconds a request has to send its whole body once its head is in; then 408 "
-        f"({d.body_timeout_s:g})",
-    )
-    parser.add_argument(
-        "--max-connections",
-        type=count(1),
-        default=None,
-        help="open HTTP connections at most, per process with --workers; one more is answered 503 "
-        f"(Retry-After: 1) and closed (default {DEFAULT_MAX_CONNECTIONS}, or the open-file limit less "
-        "the process's own files)",
-    )
+    TEMPLATE_FLAGS.add_to(parser)
 
 
 def limits_from_args(ns: argparse.Namespace) -> HttpLimits:
     """The flags as HttpLimits; ValueError naming the flag for a value that cannot work."""
-    open_files = open_files_limit()
-    max_connections = ns.max_connections
-    if max_connections is None:
-        max_connections = default_max_connections(open_files)
-    else:
-        check_max_connections(max_connections, open_files)
-    return HttpLimits(ns.max_body_bytes, ns.header_timeout, ns.body_timeout, max_connections)
+    return HttpLimits(**LIMIT_FLAGS.values(ns))  # type: ignore[arg-type]
 
 
 def bind(host: str, port: int) -> socket.socket:

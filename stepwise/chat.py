@@ -22,15 +22,16 @@ from typing import Any, TextIO, TypeVar
 import grpc
 
 from clients.client import (
+    CONNECTION_FLAGS,
     Generation,
     StepwiseClient,
-    add_connection_arguments,
     apply_response,
     client_from_args,
     generate_request,
 )
 from clients.errors import RoutineError
 from clients.generate import add_sampling_arguments, sampling_from_args
+from flagtypes.table import Flag, Flags
 from gateway.chat import ChatTemplate
 from gateway.templates import NAMED
 from stepwise.models import chat_template
@@ -40,27 +41,40 @@ LEAVE_LINE = "Ctrl-C again leaves; /exit or Ctrl-D too"
 T = TypeVar("T")
 
 
+_MODEL = Flags(
+    None,
+    (
+        Flag(
+            "--model",
+            default="embedded",
+            help="the model whose chat template renders the conversation: a named model (stepwise models) "
+            "or a checkpoint directory; without --address, chat serves it itself",
+        ),
+    ),
+)
+# Without --address, chat starts a control plane of its own.
+_CONNECTION = CONNECTION_FLAGS.replace(
+    "--address", default=None, help="a running control plane's client address (default: start one on --model)"
+)
+_CONVERSATION = Flags(
+    None,
+    (
+        Flag("--system", help="a system message that opens the conversation"),
+        Flag(
+            "--chat-template",
+            metavar="FILE|NAME",
+            help="render the conversation with this chat template instead of the model's: a Jinja file or "
+            f"a template shipped with Stepwise ({', '.join(NAMED)})",
+        ),
+    ),
+)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--model",
-        default="embedded",
-        help="the model whose chat template renders the conversation: a named model (stepwise models) "
-        "or a checkpoint directory; without --address, chat serves it itself",
-    )
-    add_connection_arguments(parser)
-    parser.set_defaults(address=None)
-    for action in parser._actions:
-        if action.dest == "address":
-            action.help = "a running control plane's client address (default: start one on --model)"
+    _MODEL.add_to(parser)
+    _CONNECTION.add_to(parser)
     add_sampling_arguments(parser, max_new_tokens=256)
-    parser.add_argument("--system", default=None, help="a system message that opens the conversation")
-    parser.add_argument(
-        "--chat-template",
-        default=None,
-        metavar="FILE|NAME",
-        help="render the conversation with this chat template instead of the model's: a Jinja file or "
-        f"a template shipped with Stepwise ({', '.join(NAMED)})",
-    )
+    _CONVERSATION.add_to(parser)
 
 
 class Conversation:

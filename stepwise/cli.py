@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from clients.errors import RoutineError
-from flagtypes import INT32_MAX, MAX_PROCESSES, PORT, Int
+from flagtypes import INT32_MAX, Int
+from flagtypes.table import Flag, Flags
 from stepwise import flags, logs
 
 if TYPE_CHECKING:
@@ -63,13 +64,21 @@ def _log_level(text: str) -> str:
     return text.lower()
 
 
+_LOG_LEVEL = Flags(
+    None,
+    (
+        Flag(
+            "--log-level",
+            _log_level,
+            default="info",
+            help=f"the least severe lines logged: {', '.join(logs.LEVELS)} (any case)",
+        ),
+    ),
+)
+
+
 def _add_log_level(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--log-level",
-        type=_log_level,
-        default="info",
-        help=f"the least severe lines logged: {', '.join(logs.LEVELS)} (any case)",
-    )
+    _LOG_LEVEL.add_to(parser)
 
 
 def _control_parser() -> argparse.ArgumentParser:
@@ -77,7 +86,7 @@ def _control_parser() -> argparse.ArgumentParser:
 
     parser = _parser("stepwise control", COMMANDS["control"].summary)
     config.add_arguments(parser)
-    parser.add_argument("--ready-file", type=Path, default=None, help="write the bound ports here as JSON")
+    Flags(None, (Flag("--ready-file", Path, help="write the bound ports here as JSON"),)).add_to(parser)
     _add_log_level(parser)
     flags.apply_env_defaults(parser)
     return parser
@@ -87,11 +96,9 @@ def _worker_parser() -> argparse.ArgumentParser:
     from data_plane import config
 
     parser = _parser("stepwise worker", COMMANDS["worker"].summary)
-    config.add_arguments(parser)
+    # The command resolves --model itself (a named model, the embedded one by default).
+    config.FLAGS.replace("--model", type=str, default="embedded", required=False).add_to(parser)
     _add_log_level(parser)
-    for action in parser._actions:
-        if action.dest == "model":
-            action.required, action.default, action.type = False, "embedded", str
     flags.apply_env_defaults(parser)
     return parser
 
@@ -208,7 +215,7 @@ def cmd_worker(argv: Sequence[str]) -> int:
 
 
 def _up_parser() -> argparse.ArgumentParser:
-    from stepwise.up import MAX_CONTROL_PLANES, passed_on_sections
+    from stepwise.up import UP_FLAGS, passed_on_sections
 
     # No abbreviations: the flags up passes on are not its own, and `--control` (a worker's) would
     # otherwise be taken for `--control-planes`.
@@ -217,44 +224,13 @@ def _up_parser() -> argparse.ArgumentParser:
         COMMANDS["up"].summary + "; every other flag goes to the child that knows it, as listed below",
         allow_abbrev=False,
     )
-    parser.add_argument(
-        "--workers",
-        type=Int(0, MAX_PROCESSES),
-        default=1,
-        help="how many workers to start (each restarted if it exits)",
-    )
-    parser.add_argument(
-        "--control-planes",
-        type=Int(1, MAX_CONTROL_PLANES),
-        default=1,
-        help="how many control planes to start (each with its own ports; workers balance over them "
-        "and the client address lists them all)",
-    )
-    parser.add_argument(
-        "--gateway-port", type=PORT, default=None, help="also start the OpenAI gateway on this port (0: any)"
-    )
-    parser.add_argument("--gateway-host", default="127.0.0.1", help="the gateway's HTTP bind address")
-    parser.add_argument(
-        "--gateway-served-model-name",
-        nargs="+",
-        default=None,
-        metavar="NAME",
-        help="the model names the gateway accepts, the first the one it reports (its "
-        "--served-model-name; a request naming another is a 404 model_not_found; default: the model's "
-        "name, a Hub id without its revision, else the directory's name)",
-    )
-    parser.add_argument(
-        "--gateway-workers",
-        type=Int(1, MAX_PROCESSES),
-        default=1,
-        help="gateway processes serving --gateway-port (its --workers)",
-    )
+    UP_FLAGS.add_to(parser)
     from gateway.server import add_template_arguments
 
     add_template_arguments(parser)  # the gateway's, passed on to it
-    parser.add_argument(
-        "--ready-file", type=Path, default=None, help="write the client and gateway addresses here as JSON"
-    )
+    Flags(
+        None, (Flag("--ready-file", Path, help="write the client and gateway addresses here as JSON"),)
+    ).add_to(parser)
     # Built from the children's own parsers when --help asks, so the list cannot drift from them.
     parser.help_sections = lambda: passed_on_sections(
         parser, _control_parser(), _worker_parser(), _gateway_parser()
@@ -467,26 +443,29 @@ def cmd_compare(argv: Sequence[str]) -> int:
     return 0
 
 
+_DEMO = Flags(
+    None,
+    (
+        Flag("prompt", nargs="?", default=DEMO_PROMPT, help=f"prompt text (default: {DEMO_PROMPT!r})"),
+        Flag("--max-new-tokens", Int(0, INT32_MAX), default=80, help="stop after this many new tokens"),
+        Flag(
+            "--model",
+            default="embedded",
+            help="a named model (stepwise models lists them) or a checkpoint directory (default: embedded)",
+        ),
+        Flag(
+            "--chat",
+            action=argparse.BooleanOptionalAction,
+            help="send the prompt as one user turn through the model's chat template (default: on for an "
+            "instruct model such as smollm2, off for embedded and for directories)",
+        ),
+    ),
+)
+
+
 def _demo_parser() -> argparse.ArgumentParser:
     parser = _parser("stepwise demo", COMMANDS["demo"].summary)
-    parser.add_argument(
-        "prompt", nargs="?", default=DEMO_PROMPT, help=f"prompt text (default: {DEMO_PROMPT!r})"
-    )
-    parser.add_argument(
-        "--max-new-tokens", type=Int(0, INT32_MAX), default=80, help="stop after this many new tokens"
-    )
-    parser.add_argument(
-        "--model",
-        default="embedded",
-        help="a named model (stepwise models lists them) or a checkpoint directory (default: embedded)",
-    )
-    parser.add_argument(
-        "--chat",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="send the prompt as one user turn through the model's chat template (default: on for an "
-        "instruct model such as smollm2, off for embedded and for directories)",
-    )
+    _DEMO.add_to(parser)
     flags.apply_env_defaults(parser)
     return parser
 

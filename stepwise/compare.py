@@ -31,6 +31,7 @@ from typing import Any, TextIO
 
 from clients.datasets import BenchRequest, uniform_requests
 from flagtypes import SEED, Int, IntPair
+from flagtypes.table import SWITCH, Flag, Flags
 from stepwise.baselines import CONTENDER_NAMES, Contender, Measurement, make_contenders
 
 # Prompt and output lengths: at least one token, at most far past any context.
@@ -38,47 +39,6 @@ LENGTHS = IntPair(1, 1 << 20)
 # Warm-up: this many requests of the workload, each cut to this many new tokens.
 WARMUP_REQUESTS = 4
 WARMUP_NEW_TOKENS = 4
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--requests", type=Int(1, 100_000), default=64, help="generations in the workload")
-    parser.add_argument(
-        "--prompt-len", type=LENGTHS, default=(16, 128), help="min,max prompt tokens (uniform, inclusive)"
-    )
-    parser.add_argument(
-        "--output-len", type=LENGTHS, default=(8, 256), help="min,max new tokens (uniform, inclusive)"
-    )
-    parser.add_argument(
-        "--concurrency",
-        type=Int(1, 100_000),
-        default=32,
-        help="requests in flight for the continuous batchers, and the batch size of the static ones",
-    )
-    parser.add_argument(
-        "--rounds", type=Int(1, 1000), default=3, help="rounds; each runs every contender once"
-    )
-    parser.add_argument("--seed", type=SEED, default=0, help="seed of the workload's lengths and token ids")
-    parser.add_argument(
-        "--contenders",
-        type=_names,
-        default=CONTENDER_NAMES,
-        help=f"comma list of contenders, measured in this order (default: {','.join(CONTENDER_NAMES)})",
-    )
-    parser.add_argument(
-        "--variant",
-        dest="variants",
-        action=_VariantAction,
-        type=_variant,
-        default=[],
-        metavar='NAME="FLAGS"',
-        help="also measure stepwise with these control-plane flags, named NAME (repeatable)",
-    )
-    parser.add_argument(
-        "--model",
-        default="embedded",
-        help="the model every contender runs: a named model (stepwise models) or a checkpoint directory",
-    )
-    parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
 
 
 def _names(text: str) -> tuple[str, ...]:
@@ -138,6 +98,49 @@ class _VariantAction(argparse._AppendAction):
         if value[0] in (name for name, _ in getattr(ns, self.dest)):
             raise argparse.ArgumentError(self, f"variant {value[0]!r} given twice")
         setattr(ns, self.dest, variants)
+
+
+_FLAGS = Flags(
+    None,
+    (
+        Flag("--requests", Int(1, 100_000), default=64, help="generations in the workload"),
+        Flag("--prompt-len", LENGTHS, default=(16, 128), help="min,max prompt tokens (uniform, inclusive)"),
+        Flag("--output-len", LENGTHS, default=(8, 256), help="min,max new tokens (uniform, inclusive)"),
+        Flag(
+            "--concurrency",
+            Int(1, 100_000),
+            default=32,
+            help="requests in flight for the continuous batchers, and the batch size of the static ones",
+        ),
+        Flag("--rounds", Int(1, 1000), default=3, help="rounds; each runs every contender once"),
+        Flag("--seed", SEED, default=0, help="seed of the workload's lengths and token ids"),
+        Flag(
+            "--contenders",
+            _names,
+            default=CONTENDER_NAMES,
+            help=f"comma list of contenders, measured in this order (default: {','.join(CONTENDER_NAMES)})",
+        ),
+        Flag(
+            "--variant",
+            _variant,
+            action=_VariantAction,
+            dest="variants",
+            default=[],
+            metavar='NAME="FLAGS"',
+            help="also measure stepwise with these control-plane flags, named NAME (repeatable)",
+        ),
+        Flag(
+            "--model",
+            default="embedded",
+            help="the model every contender runs: a named model (stepwise models) or a checkpoint directory",
+        ),
+        Flag("--json", SWITCH, help="print the report as one JSON object"),
+    ),
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    _FLAGS.add_to(parser)
 
 
 def ideal_steps(output_lens: Sequence[int], cap: int) -> int:

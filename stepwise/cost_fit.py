@@ -50,6 +50,7 @@ from control_plane.record.codec import unsupported_format
 from control_plane.record.entries import ApplyResult, Entry, Header, NextPlan
 from control_plane.record.files import RecordingError, RecordingReader, TruncatedRecording
 from data_plane.sim import CostModel
+from flagtypes.table import SWITCH, Flag, Flags
 from protos.worker import StepPlan
 
 # Fewer steps than this cannot give a fit and a held-out error worth printing.
@@ -415,29 +416,37 @@ def _errors_json(errors: Errors) -> dict[str, float | int]:
     }
 
 
+FIT_FLAGS = Flags(
+    None,
+    (
+        Flag(
+            "--fit-cost",
+            Path,
+            nargs="+",
+            metavar="RECORDING",
+            help="fit a step cost model to recorded steps (stepwise up --record), print it and its error on "
+            "held-out steps, and exit (no trace); with --json, a JSON object --cost FILE reads",
+        ),
+        Flag(
+            "--fit-interval",
+            SWITCH,
+            help="with --fit-cost: fit each step's interval on the worker (its forward plus the wait for "
+            "the next plan, the control plane's turn between steps) instead of its forward alone",
+        ),
+        Flag(
+            "--check-cost",
+            Path,
+            nargs="+",
+            metavar="RECORDING",
+            help="with --fit-cost: also measure the fitted model on every step of these (other runs)",
+        ),
+    ),
+)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """`stepwise simulate`'s flags of the fit."""
-    parser.add_argument(
-        "--fit-cost",
-        type=Path,
-        nargs="+",
-        metavar="RECORDING",
-        help="fit a step cost model to recorded steps (stepwise up --record), print it and its error on "
-        "held-out steps, and exit (no trace); with --json, a JSON object --cost FILE reads",
-    )
-    parser.add_argument(
-        "--fit-interval",
-        action="store_true",
-        help="with --fit-cost: fit each step's interval on the worker (its forward plus the wait for the "
-        "next plan, the control plane's turn between steps) instead of its forward alone",
-    )
-    parser.add_argument(
-        "--check-cost",
-        type=Path,
-        nargs="+",
-        metavar="RECORDING",
-        help="with --fit-cost: also measure the fitted model on every step of these (other runs)",
-    )
+    FIT_FLAGS.add_to(parser)
 
 
 def run_from_args(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int | None:

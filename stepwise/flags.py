@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import flagtypes
+from flagtypes.table import env_name
 
 if TYPE_CHECKING:
     from _typeshed import SupportsWrite
@@ -83,10 +84,6 @@ class ArgumentParser(argparse.ArgumentParser):
             formatter.add_arguments(section.actions)
             formatter.end_section()
         return f"{text}\n{formatter.format_help()}"
-
-
-def env_name(option: str) -> str:
-    return "STEPWISE_" + option.lstrip("-").replace("-", "_").upper()
 
 
 def apply_env_defaults(parser: argparse.ArgumentParser, env: Mapping[str, str] | None = None) -> None:

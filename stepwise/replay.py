@@ -28,6 +28,7 @@ from control_plane.record.entries import Entry, Header
 from control_plane.record.files import DamagedRecording, RecordingError, RecordingReader, read_header
 from control_plane.record.replay import ReplayReport, replay_scheduler, replay_workers
 from control_plane.record.timeline import StepLine, TimelineBuilder
+from flagtypes.table import SWITCH, Flag, Flags
 from stepwise import flags
 from stepwise.wire import Executor, WireLink
 
@@ -152,23 +153,27 @@ RECORDING_HELP = (
 )
 
 
+_RECORDING = Flags(None, (Flag("recording", Path, help=RECORDING_HELP),))
+_WORKER = Flags(
+    None,
+    (
+        Flag("recording", Path, nargs="+", help=RECORDING_HELP + "; several: workers replayed together"),
+        Flag("--model", default="", help="model DIR or 'embedded' (not needed for a sim recording)"),
+        Flag("--device", default="cpu", help="where the fresh worker runs: cpu, cuda or cuda:N"),
+        Flag("--dtype", default="auto", help="auto: the recorded worker's dtype"),
+    ),
+)
+_SHOW = Flags(None, (*_RECORDING.flags, Flag("--json", SWITCH, help="one JSON object per step")))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = flags.ArgumentParser(prog="stepwise replay", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="what", required=True)
-    worker = sub.add_parser("worker", help="recorded plans into a fresh worker; compare results")
-    worker.add_argument(
-        "recording", type=Path, nargs="+", help=RECORDING_HELP + "; several: workers replayed together"
+    _WORKER.add_to(sub.add_parser("worker", help="recorded plans into a fresh worker; compare results"))
+    _RECORDING.add_to(
+        sub.add_parser("scheduler", help="recorded calls into a fresh scheduler; compare plans")
     )
-    worker.add_argument(
-        "--model", default="", help="model DIR or 'embedded' (not needed for a sim recording)"
-    )
-    worker.add_argument("--device", default="cpu", help="where the fresh worker runs: cpu, cuda or cuda:N")
-    worker.add_argument("--dtype", default="auto", help="auto: the recorded worker's dtype")
-    scheduler = sub.add_parser("scheduler", help="recorded calls into a fresh scheduler; compare plans")
-    scheduler.add_argument("recording", type=Path, help=RECORDING_HELP)
-    show = sub.add_parser("show", help="the recording as a timeline")
-    show.add_argument("recording", type=Path, help=RECORDING_HELP)
-    show.add_argument("--json", action="store_true", help="one JSON object per step")
+    _SHOW.add_to(sub.add_parser("show", help="the recording as a timeline"))
     flags.apply_env_defaults(parser)
     return parser
 

@@ -51,6 +51,7 @@ from control_plane.scheduler.scheduler import QueueFull, RequestRejected, Schedu
 from control_plane.tenants import table as tenant_table
 from data_plane.sim import CostModel, SimExecutor
 from flagtypes import INT32_MAX, SEED, Int
+from flagtypes.table import SWITCH, Flag, Flags
 from protos.worker import SamplerParams, StepResult, WorkerLimits
 from stepwise import cost_fit, costs, flags
 from stepwise.tenant_summary import TenantLedger
@@ -355,39 +356,56 @@ def _distribution(name: str, values: list[float]) -> dict[str, float | None]:
 # --- command line ---------------------------------------------------------------------------------
 
 
+_TRACE = Flags(
+    None, (Flag("trace", Path, nargs="?", help="JSON lines, one request each, sorted by arrival"),)
+)
+# The simulated worker and its model.
+_SIM_FLAGS = Flags(
+    None,
+    (
+        # The simulated pool is allocated in this process: its cap keeps that to a few GiB at most.
+        Flag(
+            "--kv-tokens",
+            Int(1, 1 << 27),
+            default=DEFAULT_KV_TOKENS,
+            help="the simulated worker's KV capacity",
+        ),
+        Flag("--max-context", Int(2, 1 << 24), default=32768, help="the simulated model's context in tokens"),
+        Flag("--vocab-size", Int(4, INT32_MAX), default=32000, help="the simulated model's vocabulary size"),
+        Flag(
+            "--eos-token-id", Int(0, INT32_MAX), default=2, help="the token id the simulated model ends with"
+        ),
+        Flag(
+            "--cost",
+            default=DEFAULT_COST,
+            help="step time: 'a,b,c[,d]' (a + b·new tokens + c·context + d·decode rows, in seconds), a named "
+            f"model ({costs.describe_named()}: docs/performance.md#step-cost-models), a JSON file with a, b, "
+            "c, d, or recorded:DIR (each step's seconds as the recording in DIR measured them)",
+        ),
+    ),
+)
+_OUTPUT_FLAGS = Flags(
+    None,
+    (
+        Flag("--sim-seed", SEED, default=0, help="seed of the simulated tokens"),
+        Flag("--json", SWITCH, help="one JSON object per step, then {'summary': ...}"),
+        Flag("--summary-only", SWITCH, help="print the summary only (no timeline)"),
+    ),
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from stepwise import traces, twin_cli  # they read this module's trace types
 
     parser = flags.ArgumentParser(
         prog="stepwise simulate", description="the real scheduler on a request trace with a sim worker"
     )
-    parser.add_argument("trace", type=Path, nargs="?", help="JSON lines, one request each, sorted by arrival")
+    _TRACE.add_to(parser)
     control_config.add_arguments(parser)
-    add = parser.add_argument
-    # The simulated pool is allocated in this process: its cap keeps that to a few GiB at most.
-    add(
-        "--kv-tokens",
-        type=Int(1, 1 << 27),
-        default=DEFAULT_KV_TOKENS,
-        help="the simulated worker's KV capacity",
-    )
-    add("--max-context", type=Int(2, 1 << 24), default=32768, help="the simulated model's context in tokens")
-    add("--vocab-size", type=Int(4, INT32_MAX), default=32000, help="the simulated model's vocabulary size")
-    add(
-        "--eos-token-id", type=Int(0, INT32_MAX), default=2, help="the token id the simulated model ends with"
-    )
-    add(
-        "--cost",
-        default=DEFAULT_COST,
-        help="step time: 'a,b,c[,d]' (a + b·new tokens + c·context + d·decode rows, in seconds), a named "
-        f"model ({costs.describe_named()}: docs/performance.md#step-cost-models), a JSON file with a, b, "
-        "c, d, or recorded:DIR (each step's seconds as the recording in DIR measured them)",
-    )
+    _SIM_FLAGS.add_to(parser)
     cost_fit.add_arguments(parser)
     # --tenants is the control plane's flag (control_config.add_arguments): the same file.
-    add("--sim-seed", type=SEED, default=0, help="seed of the simulated tokens")
-    add("--json", action="store_true", help="one JSON object per step, then {'summary': ...}")
-    add("--summary-only", action="store_true", help="print the summary only (no timeline)")
+    _OUTPUT_FLAGS.add_to(parser)
     traces.add_arguments(parser)
     twin_cli.add_arguments(parser)
     flags.apply_env_defaults(parser)

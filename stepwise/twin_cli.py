@@ -13,64 +13,69 @@ import numpy as np
 from control_plane import config as control_config
 from control_plane.core.fleet import Rules
 from flagtypes import Float, Int
+from flagtypes.table import Flag, Flags
 from stepwise import costs, twin
 from stepwise.simulate import SimSetup, _round
 
+TWIN_FLAGS = Flags(
+    None,
+    (
+        Flag(
+            "--workers",
+            Int(1, 4096),
+            help="simulate a fleet of N sim workers behind the real router and placement (default: one "
+            "worker, as without this flag; --workers 1 prints the same bytes)",
+        ),
+        Flag(
+            "--roles",
+            default="",
+            help="each worker's role: 'prefill,decode,decode' or counts 'p:1,d:2' (prefill, decode, mixed; "
+            "default: all mixed)",
+        ),
+        Flag(
+            "--worker-cost",
+            default="",
+            help="step cost per worker or per role: 'WHO=COST;WHO=COST', WHO a worker index or a role, COST "
+            "what --cost takes (the others get --cost)",
+        ),
+        Flag(
+            "--event",
+            action="append",
+            default=[],
+            help="a fleet event on the simulated clock, repeatable: 'kill:W@SECONDS', 'drain:W@SECONDS', "
+            "'add@SECONDS' or 'add:ROLE@SECONDS' (trace lines {'event': ..., 'worker': W, 'at': SECONDS} "
+            "too)",
+        ),
+        Flag(
+            "--link-gbps",
+            Float(1e-6, 1e6, unit="GB/s"),
+            default=twin.DEFAULT_LINK_GBPS,
+            help="the KV link's bandwidth between workers in GB/s: a move's copy takes its bytes over it",
+        ),
+        Flag(
+            "--kv-bytes-per-token",
+            Int(1, 1 << 30),
+            default=twin.DEFAULT_KV_BYTES_PER_TOKEN,
+            help="bytes of KV per token a move copies (default: Llama-3-8B's, 128 KiB)",
+        ),
+        Flag("--slo-ttft", Float(0, 1e9, unit="seconds"), help="TTFT objective (seconds)"),
+        Flag("--slo-tpot", Float(0, 1e9, unit="seconds"), help="TPOT objective (seconds)"),
+        Flag(
+            "--per-request",
+            Path,
+            help="write one JSON line per request (TTFT, TPOT, end to end, queue, cache hits, workers) there",
+        ),
+        Flag(
+            "--plot",
+            Path,
+            help="draw latency CDFs and load over time into this PNG (needs the 'plot' extra: matplotlib)",
+        ),
+    ),
+)
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add = parser.add_argument
-    add(
-        "--workers",
-        type=Int(1, 4096),
-        default=None,
-        help="simulate a fleet of N sim workers behind the real router and placement (default: one "
-        "worker, as without this flag; --workers 1 prints the same bytes)",
-    )
-    add(
-        "--roles",
-        default="",
-        help="each worker's role: 'prefill,decode,decode' or counts 'p:1,d:2' (prefill, decode, mixed; "
-        "default: all mixed)",
-    )
-    add(
-        "--worker-cost",
-        default="",
-        help="step cost per worker or per role: 'WHO=COST;WHO=COST', WHO a worker index or a role, COST "
-        "what --cost takes (the others get --cost)",
-    )
-    add(
-        "--event",
-        action="append",
-        default=[],
-        help="a fleet event on the simulated clock, repeatable: 'kill:W@SECONDS', 'drain:W@SECONDS', "
-        "'add@SECONDS' or 'add:ROLE@SECONDS' (trace lines {'event': ..., 'worker': W, 'at': SECONDS} too)",
-    )
-    add(
-        "--link-gbps",
-        type=Float(1e-6, 1e6, unit="GB/s"),
-        default=twin.DEFAULT_LINK_GBPS,
-        help="the KV link's bandwidth between workers in GB/s: a move's copy takes its bytes over it",
-    )
-    add(
-        "--kv-bytes-per-token",
-        type=Int(1, 1 << 30),
-        default=twin.DEFAULT_KV_BYTES_PER_TOKEN,
-        help="bytes of KV per token a move copies (default: Llama-3-8B's, 128 KiB)",
-    )
-    add("--slo-ttft", type=Float(0, 1e9, unit="seconds"), default=None, help="TTFT objective (seconds)")
-    add("--slo-tpot", type=Float(0, 1e9, unit="seconds"), default=None, help="TPOT objective (seconds)")
-    add(
-        "--per-request",
-        type=Path,
-        default=None,
-        help="write one JSON line per request (TTFT, TPOT, end to end, queue, cache hits, workers) there",
-    )
-    add(
-        "--plot",
-        type=Path,
-        default=None,
-        help="draw latency CDFs and load over time into this PNG (needs the 'plot' extra: matplotlib)",
-    )
+    TWIN_FLAGS.add_to(parser)
 
 
 def wanted(ns: argparse.Namespace, events: Sequence[twin.FleetEvent]) -> bool:

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from clients.client import StepwiseClient
+from flagtypes import MAX_PROCESSES, PORT, Int
+from flagtypes.table import Flag, Flags
 from stepwise.flags import HelpSection, help_text
 from stepwise.parent import PARENT_ENV
 
@@ -37,6 +39,43 @@ MAX_CONTROL_PLANES = 16
 SET_BY_UP = ("--control", "--worker-id")
 # The control plane's flags `up --gateway-port` gives the gateway too (gateway_args).
 GATEWAY_FLAGS = ("--model", "--log-level")
+
+
+# `up`'s own flags (the gateway's templates and --ready-file follow them in its --help).
+UP_FLAGS = Flags(
+    None,
+    (
+        Flag(
+            "--workers",
+            Int(0, MAX_PROCESSES),
+            default=1,
+            help="how many workers to start (each restarted if it exits)",
+        ),
+        Flag(
+            "--control-planes",
+            Int(1, MAX_CONTROL_PLANES),
+            default=1,
+            help="how many control planes to start (each with its own ports; workers balance over "
+            "them and the client address lists them all)",
+        ),
+        Flag("--gateway-port", PORT, help="also start the OpenAI gateway on this port (0: any)"),
+        Flag("--gateway-host", default="127.0.0.1", help="the gateway's HTTP bind address"),
+        Flag(
+            "--gateway-served-model-name",
+            nargs="+",
+            metavar="NAME",
+            help="the model names the gateway accepts, the first the one it reports (its "
+            "--served-model-name; a request naming another is a 404 model_not_found; default: the "
+            "model's name, a Hub id without its revision, else the directory's name)",
+        ),
+        Flag(
+            "--gateway-workers",
+            Int(1, MAX_PROCESSES),
+            default=1,
+            help="gateway processes serving --gateway-port (its --workers)",
+        ),
+    ),
+)
 
 
 def split_flags(
