@@ -1,6 +1,6 @@
 """A call's checked parameters on the frontend link (frontend.proto: Arrival, CheckedParams).
 
-The frontend writes the RequestParams it checked from the client's request (client_codec.py), its
+The frontend writes the RequestParams it checked from the client's request (frontend/client_codec.py), its
 grammar compiled and stamped with the backend that compiled it; the core reads them back as they
 are. The core trusts its frontends (its own processes, behind its socket), so nothing here checks:
 what a client may send is the frontend's to refuse, with the field named.

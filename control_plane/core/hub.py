@@ -42,7 +42,7 @@ from control_plane.scheduler.records import PromptScoring
 from control_plane.tenants.book import TenantBook
 from control_plane.tenants.table import TenantRefused
 from protos.stepwise.v1 import frontend_pb2 as fe_pb
-from protos.stepwise.v1 import generation_pb2 as gen_pb
+from protos.stepwise.v1 import reports_pb2 as reports_pb
 from protos.worker import TokenLogprobs
 
 if TYPE_CHECKING:
@@ -99,7 +99,7 @@ class _Outbox:
         return message
 
 
-def _fill_score(msg: gen_pb.TokenLogprob, lp: TokenLogprobs) -> None:
+def _fill_score(msg: reports_pb.TokenLogprob, lp: TokenLogprobs) -> None:
     msg.logprob = lp.logprob
     msg.top_ids.extend(lp.top_ids)
     msg.top_logprobs.extend(lp.top_logprobs)
@@ -151,7 +151,7 @@ class FrontendHub:
         self,
         config: ControlConfig,
         router: Router[Engine],
-        server_info: Callable[[], gen_pb.ServerInfo],
+        server_info: Callable[[], reports_pb.ServerInfo],
         on_stalled: Callable[[int, int], None] | None = None,
     ) -> None:
         self.config = config

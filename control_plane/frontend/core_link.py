@@ -21,8 +21,9 @@ import grpc
 import numpy as np
 import structlog
 
-from control_plane import client_codec, link_params, metrics
+from control_plane import link_params, metrics
 from control_plane.config import ControlConfig
+from control_plane.frontend import client_codec
 from control_plane.frontend.detokenize import TextStream
 from control_plane.frontend.heartbeat import Heartbeat
 from control_plane.frontend.samples import Call, Chunk, Event, Lost, Prompt, Sample

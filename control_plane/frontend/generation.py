@@ -14,7 +14,7 @@ from typing import Any
 
 import grpc
 
-from control_plane import client_codec
+from control_plane.frontend import client_codec
 from control_plane.frontend.core_link import CORE_GONE, CoreState, Frontend
 from control_plane.frontend.grammars import GrammarBusy, GrammarCompiler
 from control_plane.frontend.pacer import Pacer

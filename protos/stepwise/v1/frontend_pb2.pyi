@@ -1,4 +1,4 @@
-from protos.stepwise.v1 import generation_pb2 as _generation_pb2
+from protos.stepwise.v1 import reports_pb2 as _reports_pb2
 from protos.stepwise.v1 import worker_pb2 as _worker_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
@@ -123,8 +123,8 @@ class Query(_message.Message):
     QUERY_ID_FIELD_NUMBER: _ClassVar[int]
     SERVER_INFO_FIELD_NUMBER: _ClassVar[int]
     query_id: int
-    server_info: _generation_pb2.GetServerInfoRequest
-    def __init__(self, query_id: _Optional[int] = ..., server_info: _Optional[_Union[_generation_pb2.GetServerInfoRequest, _Mapping]] = ...) -> None: ...
+    server_info: _reports_pb2.GetServerInfoRequest
+    def __init__(self, query_id: _Optional[int] = ..., server_info: _Optional[_Union[_reports_pb2.GetServerInfoRequest, _Mapping]] = ...) -> None: ...
 
 class CoreMessage(_message.Message):
     __slots__ = ("welcome", "verdicts", "admissions", "token_uids", "token_ids", "finished", "replies", "state", "ping", "scored_tokens", "scores", "prompt_scores")
@@ -150,9 +150,9 @@ class CoreMessage(_message.Message):
     state: CoreState
     ping: Ping
     scored_tokens: bytes
-    scores: _containers.RepeatedCompositeFieldContainer[_generation_pb2.TokenLogprob]
+    scores: _containers.RepeatedCompositeFieldContainer[_reports_pb2.TokenLogprob]
     prompt_scores: _containers.RepeatedCompositeFieldContainer[LinkPromptScores]
-    def __init__(self, welcome: _Optional[_Union[CoreWelcome, _Mapping]] = ..., verdicts: _Optional[_Iterable[_Union[Verdict, _Mapping]]] = ..., admissions: _Optional[_Iterable[_Union[Admission, _Mapping]]] = ..., token_uids: _Optional[bytes] = ..., token_ids: _Optional[bytes] = ..., finished: _Optional[_Iterable[_Union[LinkFinished, _Mapping]]] = ..., replies: _Optional[_Iterable[_Union[Reply, _Mapping]]] = ..., state: _Optional[_Union[CoreState, _Mapping]] = ..., ping: _Optional[_Union[Ping, _Mapping]] = ..., scored_tokens: _Optional[bytes] = ..., scores: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ..., prompt_scores: _Optional[_Iterable[_Union[LinkPromptScores, _Mapping]]] = ...) -> None: ...
+    def __init__(self, welcome: _Optional[_Union[CoreWelcome, _Mapping]] = ..., verdicts: _Optional[_Iterable[_Union[Verdict, _Mapping]]] = ..., admissions: _Optional[_Iterable[_Union[Admission, _Mapping]]] = ..., token_uids: _Optional[bytes] = ..., token_ids: _Optional[bytes] = ..., finished: _Optional[_Iterable[_Union[LinkFinished, _Mapping]]] = ..., replies: _Optional[_Iterable[_Union[Reply, _Mapping]]] = ..., state: _Optional[_Union[CoreState, _Mapping]] = ..., ping: _Optional[_Union[Ping, _Mapping]] = ..., scored_tokens: _Optional[bytes] = ..., scores: _Optional[_Iterable[_Union[_reports_pb2.TokenLogprob, _Mapping]]] = ..., prompt_scores: _Optional[_Iterable[_Union[LinkPromptScores, _Mapping]]] = ...) -> None: ...
 
 class LinkPromptScores(_message.Message):
     __slots__ = ("uid", "start", "positions")
@@ -161,8 +161,8 @@ class LinkPromptScores(_message.Message):
     POSITIONS_FIELD_NUMBER: _ClassVar[int]
     uid: int
     start: int
-    positions: _containers.RepeatedCompositeFieldContainer[_generation_pb2.TokenLogprob]
-    def __init__(self, uid: _Optional[int] = ..., start: _Optional[int] = ..., positions: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
+    positions: _containers.RepeatedCompositeFieldContainer[_reports_pb2.TokenLogprob]
+    def __init__(self, uid: _Optional[int] = ..., start: _Optional[int] = ..., positions: _Optional[_Iterable[_Union[_reports_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class Ping(_message.Message):
     __slots__ = ("seq",)
@@ -220,9 +220,9 @@ class Reply(_message.Message):
     SERVER_INFO_FIELD_NUMBER: _ClassVar[int]
     ABORT_FIELD_NUMBER: _ClassVar[int]
     query_id: int
-    server_info: _generation_pb2.ServerInfo
-    abort: _generation_pb2.AbortResponse
-    def __init__(self, query_id: _Optional[int] = ..., server_info: _Optional[_Union[_generation_pb2.ServerInfo, _Mapping]] = ..., abort: _Optional[_Union[_generation_pb2.AbortResponse, _Mapping]] = ...) -> None: ...
+    server_info: _reports_pb2.ServerInfo
+    abort: _reports_pb2.AbortResponse
+    def __init__(self, query_id: _Optional[int] = ..., server_info: _Optional[_Union[_reports_pb2.ServerInfo, _Mapping]] = ..., abort: _Optional[_Union[_reports_pb2.AbortResponse, _Mapping]] = ...) -> None: ...
 
 class CoreState(_message.Message):
     __slots__ = ("workers", "max_context", "vocab_size", "draining")

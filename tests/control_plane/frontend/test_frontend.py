@@ -15,8 +15,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from control_plane import client_codec, link_params
+from control_plane import link_params
 from control_plane.config import ControlConfig, Limits
+from control_plane.frontend import client_codec
 from control_plane.frontend.core_link import Frontend
 from control_plane.frontend.detokenize import IncrementalDetokenizer
 from control_plane.frontend.generation import as_run

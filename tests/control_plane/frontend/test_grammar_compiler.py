@@ -9,8 +9,8 @@ import threading
 
 import pytest
 
-from control_plane import client_codec
 from control_plane.config import Limits
+from control_plane.frontend import client_codec
 from control_plane.frontend import grammars as compiler_module
 from control_plane.frontend.grammars import GrammarCompiler
 from grammars.spec import GrammarError, GrammarSpec
