@@ -163,10 +163,10 @@ def constraint_field(msg: gen_pb.SamplingParams) -> str | None:
 
 
 def _grammar(msg: gen_pb.SamplingParams, limits: Limits) -> Grammar | None:
-    """The request's constraint, checked for what needs no backend: its size, JSON that must be
-    JSON, a well-formed choice list, and the sampling fields it cannot be combined with. The
-    backend is named later (the core's --grammar-backend); compiling is a frontend's
-    (control_plane/frontend/grammars.py)."""
+    """The request's constraint, checked for what needs no backend and no parse: its size, a
+    well-formed choice list, and the sampling fields it cannot be combined with. Its text is read
+    by its compile (control_plane/frontend/grammars.py: JSON that is no JSON object is refused
+    there, with the same message), which names the backend; a text sent again is not read again."""
     which = msg.WhichOneof("constraint")
     if which is None:
         return None
@@ -176,8 +176,6 @@ def _grammar(msg: gen_pb.SamplingParams, limits: Limits) -> Grammar | None:
             spec = grammar_spec.from_choices(list(msg.choice.choices))
         else:
             spec = grammar_spec.GrammarSpec(which, getattr(msg, which))
-            if which in ("json_schema", "structural_tag"):
-                grammar_spec.check_json(which, spec.text)
     except grammar_spec.GrammarError as exc:
         raise InvalidArgument(f"{name}: {exc}") from None
     _check(
