@@ -67,7 +67,8 @@ class RequestParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
-    # Greedy unless set: the client protocol's defaults (temperature 1.0) are control_plane/client_codec.py's.
+    # Greedy unless set: the client protocol's defaults (temperature 1.0) are
+    # control_plane/frontend/client_codec.py's.
     sampler: SamplerParams = SamplerParams()
     priority: int | None = None
     routing_key: str = ""

@@ -49,7 +49,7 @@ class SamplerParams:
     """How the worker samples for one sequence (fixed for its life); every default means "off".
 
     A client that sends no temperature still samples at 1.0: that default is the client protocol's,
-    applied where client input is read (control_plane/client_codec.py), not here."""
+    applied where client input is read (control_plane/frontend/client_codec.py), not here."""
 
     temperature: float = 0.0  # 0: greedy
     top_p: float = 1.0

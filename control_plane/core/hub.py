@@ -24,7 +24,7 @@ import grpc
 import numpy as np
 import structlog
 
-from control_plane import client_codec
+from control_plane import link_params
 from control_plane.config import ControlConfig
 from control_plane.core.heartbeat import Silence
 from control_plane.core.inbox import Arrival, LiveSample, Verdict
@@ -42,7 +42,7 @@ from control_plane.scheduler.records import PromptScoring
 from control_plane.tenants.book import TenantBook
 from control_plane.tenants.table import TenantRefused
 from protos.stepwise.v1 import frontend_pb2 as fe_pb
-from protos.stepwise.v1 import generation_pb2 as gen_pb
+from protos.stepwise.v1 import reports_pb2 as reports_pb
 from protos.worker import TokenLogprobs
 
 if TYPE_CHECKING:
@@ -99,7 +99,7 @@ class _Outbox:
         return message
 
 
-def _fill_score(msg: gen_pb.TokenLogprob, lp: TokenLogprobs) -> None:
+def _fill_score(msg: reports_pb.TokenLogprob, lp: TokenLogprobs) -> None:
     msg.logprob = lp.logprob
     msg.top_ids.extend(lp.top_ids)
     msg.top_logprobs.extend(lp.top_logprobs)
@@ -151,7 +151,7 @@ class FrontendHub:
         self,
         config: ControlConfig,
         router: Router[Engine],
-        server_info: Callable[[], gen_pb.ServerInfo],
+        server_info: Callable[[], reports_pb.ServerInfo],
         on_stalled: Callable[[int, int], None] | None = None,
     ) -> None:
         self.config = config
@@ -403,20 +403,13 @@ class FrontendHub:
         if error and not self.config.scheduler.allow_auto_truncate:
             self.verdict(uids[0], Verdict.INVALID, f"{msg.prompt_field or 'prompt'}: {error}")
             return
-        try:
-            params = _params(msg, self.config)
-        except client_codec.InvalidArgument as exc:
-            self.verdict(uids[0], Verdict.INVALID, str(exc))
+        params = self._tenancy(msg, link_params.from_arrival(msg))
+        if params is None:
             return
-        tenanted = self._tenancy(msg, params)
-        if tenanted is None:
-            return
-        params = tenanted
         grammar = params.sampler.grammar
         if grammar is not None and grammar.backend not in engine.limits.grammar_backends:
-            field_name = client_codec.constraint_field(msg.sampling)
             message = f"worker {engine.worker} cannot run the {grammar.backend} grammar backend"
-            self.verdict(uids[0], Verdict.INVALID, f"{field_name}: {message}")
+            self.verdict(uids[0], Verdict.INVALID, f"{msg.constraint_field}: {message}")
             return
         rids = [msg.request_id] if len(uids) == 1 else [f"{msg.request_id}/{i}" for i in range(len(uids))]
         samples = tuple(
@@ -482,20 +475,3 @@ class FrontendHub:
         for engine in self.router.engines.values():
             if engine.stop_sample(msg.uid, reason):
                 return
-
-
-def _params(msg: fe_pb.Arrival, config: ControlConfig) -> RequestParams:
-    """The arrival's parameters (the frontend checked them; the core converts them again)."""
-    priority = msg.priority if msg.has_priority else None
-    params = client_codec.request_params_from_proto(msg.sampling, priority, msg.routing_key, config.limits)
-    params = client_codec.with_tenancy(params, msg.tenant, msg.ttft_slo_ms, msg.tpot_slo_ms)
-    if params.sampler.logprobs and config.logprobs_mode == "processed":
-        params = dataclasses.replace(
-            params, sampler=dataclasses.replace(params.sampler, processed_logprobs=True)
-        )
-    grammar = params.sampler.grammar
-    if grammar is not None:
-        # The frontend compiled it with this backend (control_plane/frontend/grammars.py).
-        grammar = dataclasses.replace(grammar, backend=config.grammar_backend)
-        params = dataclasses.replace(params, sampler=dataclasses.replace(params.sampler, grammar=grammar))
-    return params

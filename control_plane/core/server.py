@@ -15,7 +15,8 @@ no new work, running streams finish within `--drain-timeout`, every worker is to
 
 Trust: clients may be asked for a bearer token (`--api-key`) and served over TLS (frontend/generation.py);
 workers may be required to present a certificate from `--worker-ca` (mutual TLS). Nothing a peer
-sends is believed before it is checked: requests in client_codec.py, hellos and results in worker_checks.py.
+sends is believed before it is checked: requests by the frontends (frontend/client_codec.py; the core
+reads the checked value they send, control_plane/link_params.py), hellos and results in worker_checks.py.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ from control_plane.tenants.book import TenantBook
 from control_plane.tenants.metrics import TenantMetrics
 from control_plane.tokenizer import Tokenizer
 from protos import worker_codec
-from protos.stepwise.v1 import generation_pb2 as gen_pb
+from protos.stepwise.v1 import reports_pb2 as reports_pb
 from protos.stepwise.v1 import worker_pb2 as wk_pb
 from protos.stepwise.v1 import worker_pb2_grpc as wk_grpc
 from protos.worker import PROTOCOL_VERSION, Census, Welcome
@@ -65,7 +66,6 @@ log = structlog.get_logger("stepwise.server")
 
 VERSION = "0.1.0"
 WORKER_SERVICE = wk_pb.DESCRIPTOR.services_by_name["WorkerLink"].full_name
-GENERATION_SERVICE = gen_pb.DESCRIPTOR.services_by_name["Generation"].full_name
 # The worker port's health name for liveness and startup probes: SERVING while the process runs.
 LIVENESS = "liveness"
 DRAINING_REFUSAL = "the control plane is draining; attach to another control plane"
@@ -243,7 +243,7 @@ class ControlPlane:
         self.rebalancer: Rebalancer | None = None
         self._rebalancing: asyncio.Task[None] | None = None
 
-    def server_info(self) -> gen_pb.ServerInfo:
+    def server_info(self) -> reports_pb.ServerInfo:
         info = server_info(self.router, self.tokenizer, VERSION, model_path=str(self.config.model_dir))
         if self.hub.tenants is not None:
             info.tenants.extend(tenant_infos(self.hub.tenants))

@@ -10,16 +10,16 @@ from control_plane.core.engine import Engine
 from control_plane.core.fleet import Router
 from control_plane.tenants.book import TenantBook
 from control_plane.tokenizer import Tokenizer
-from protos.stepwise.v1 import generation_pb2 as gen_pb
+from protos.stepwise.v1 import reports_pb2 as reports_pb
 
 
 def server_info(
     router: Router[Engine], tokenizer: Tokenizer, version: str, *, model_path: str
-) -> gen_pb.ServerInfo:
+) -> reports_pb.ServerInfo:
     engines = sorted(router.engines.values(), key=lambda e: e.limits.worker_id)
     workers = [_worker_info(e) for e in engines]
     limits = [e.limits for e in engines]
-    return gen_pb.ServerInfo(
+    return reports_pb.ServerInfo(
         model=router.model_name,
         model_path=model_path,
         model_fingerprint=router.model_fingerprint,
@@ -33,11 +33,11 @@ def server_info(
     )
 
 
-def _worker_info(engine: Engine) -> gen_pb.WorkerInfo:
+def _worker_info(engine: Engine) -> reports_pb.WorkerInfo:
     queued, running = engine.load()
     sched = engine.scheduler
     books = sched.books()
-    return gen_pb.WorkerInfo(
+    return reports_pb.WorkerInfo(
         worker_id=engine.limits.worker_id,
         device=engine.limits.device,
         dtype=engine.limits.dtype,
@@ -73,13 +73,13 @@ def _percentile(values: Iterable[float], q: float) -> float:
     return float(np.percentile(window, q)) if window else 0.0
 
 
-def tenant_infos(book: TenantBook) -> list[gen_pb.TenantInfo]:
+def tenant_infos(book: TenantBook) -> list[reports_pb.TenantInfo]:
     """Per-tenant totals, bounded (TenantBook.report), with what each holds now."""
     infos = []
     for name, served in book.report():
         usage = book.quotas.usage.get(name)
         infos.append(
-            gen_pb.TenantInfo(
+            reports_pb.TenantInfo(
                 name=name,
                 requests=served.requests,
                 rejected=served.rejected,

@@ -21,8 +21,9 @@ import grpc
 import numpy as np
 import structlog
 
-from control_plane import client_codec, metrics
+from control_plane import link_params, metrics
 from control_plane.config import ControlConfig
+from control_plane.frontend import client_codec
 from control_plane.frontend.detokenize import TextStream
 from control_plane.frontend.heartbeat import Heartbeat
 from control_plane.frontend.samples import Call, Chunk, Event, Lost, Prompt, Sample
@@ -148,14 +149,15 @@ class Frontend:
     def open_call(
         self,
         inp: client_codec.GenerateInput,
-        sampling: gen_pb.SamplingParams,
         rid: str,
         ids: list[int],
         owner: str,
         authenticated: bool = False,
+        constraint_field: str = "",
     ) -> Call:
         """Register a call's samples and send its arrival; `call.verdict` resolves with the core's
-        answer. `sampling` is the client's message, which `inp` was checked from."""
+        answer. `inp` is checked whole (its grammar compiled, with the backend named): the core
+        takes it as it is. `constraint_field` names the client's constraint field, if any."""
         call = Call(rid=rid, owner=owner, arrived=time.monotonic(), authenticated=authenticated)
         call.verdict = asyncio.get_running_loop().create_future()
         params = inp.params
@@ -168,7 +170,7 @@ class Frontend:
             call.samples.append(sample)
             self.samples[uid] = sample
         self._awaiting[call.samples[0].uid] = call
-        self._outgoing().arrivals.append(_arrival(inp, sampling, call, ids))
+        self._outgoing().arrivals.append(_arrival(inp, call, ids, constraint_field))
         return call
 
     def cancel(self, call: Call, message: str) -> None:
@@ -355,14 +357,15 @@ def _observe_message(sample: Sample, chunk: Chunk, last: float, first: float | N
 
 
 def _arrival(
-    inp: client_codec.GenerateInput, sampling: gen_pb.SamplingParams, call: Call, ids: list[int]
+    inp: client_codec.GenerateInput, call: Call, ids: list[int], constraint_field: str
 ) -> fe_pb.Arrival:
     params = inp.params
     return fe_pb.Arrival(
         request_id=call.rid,
         uids=[s.uid for s in call.samples],
         input_ids=np.asarray(ids, dtype="<i4").tobytes(),
-        sampling=sampling,
+        params=link_params.to_proto(params),
+        constraint_field=constraint_field,
         routing_key=params.routing_key,
         has_priority=params.priority is not None,
         priority=params.priority or 0,

@@ -14,14 +14,16 @@ from typing import Any
 
 import grpc
 
-from control_plane import client_codec
+from control_plane.frontend import client_codec
 from control_plane.frontend.core_link import CORE_GONE, CoreState, Frontend
 from control_plane.frontend.grammars import GrammarBusy, GrammarCompiler
 from control_plane.frontend.pacer import Pacer
 from control_plane.frontend.samples import Call, Chunk, Done, Lost, Prompt
 from control_plane.link import DRAINING, LinkClosed
+from control_plane.request import RequestParams
 from protos.stepwise.v1 import generation_pb2 as gen_pb
 from protos.stepwise.v1 import generation_pb2_grpc as gen_grpc
+from protos.worker import Grammar
 
 GENERATION_SERVICE = gen_pb.DESCRIPTOR.services_by_name["Generation"].full_name
 # Text prompts up to this size are tokenized on the event loop (tens of microseconds); longer ones
@@ -185,18 +187,19 @@ class GenerationService(gen_grpc.GenerationServicer):
         state = self.frontend.state
         if state.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, DRAINING)
+        constraint = client_codec.constraint_field(request.sampling) or ""
         try:
             ids = await self._prompt_ids(inp, state)
             grammar = inp.params.sampler.grammar
             if grammar is not None:
-                field = client_codec.constraint_field(request.sampling) or "sampling"
-                await self.grammars.check(grammar, field, caller.owner)
+                grammar = await self.grammars.check(grammar, constraint, caller.owner)
         except client_codec.InvalidArgument as exc:
             await context.abort(invalid, str(exc))
         except GrammarBusy as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         rid = inp.request_id or uuid.uuid4().hex
-        call = self.frontend.open_call(inp, request.sampling, rid, ids, caller.owner, caller.authenticated)
+        inp = dataclasses.replace(inp, params=as_run(inp.params, grammar, self.config.logprobs_mode))
+        call = self.frontend.open_call(inp, rid, ids, caller.owner, caller.authenticated, constraint)
         assert call.verdict is not None
         try:
             code, message = await call.verdict
@@ -266,6 +269,14 @@ class GenerationService(gen_grpc.GenerationServicer):
             for worker in info.workers:
                 worker.transfer_address = ""
         return info
+
+
+def as_run(params: RequestParams, grammar: Grammar | None, logprobs_mode: str) -> RequestParams:
+    """The checked parameters as the core runs them: the grammar as this frontend compiled it (its
+    backend named), and the logprobs this server's --logprobs-mode makes."""
+    processed = bool(params.sampler.logprobs) and logprobs_mode == "processed"
+    sampler = dataclasses.replace(params.sampler, grammar=grammar, processed_logprobs=processed)
+    return dataclasses.replace(params, sampler=sampler)
 
 
 def generation_handlers(service: GenerationService) -> dict[str, grpc.RpcMethodHandler]:

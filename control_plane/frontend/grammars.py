@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from control_plane import metrics
-from control_plane.client_codec import InvalidArgument
+from control_plane.frontend.client_codec import InvalidArgument
 from grammars import backend as grammar_backend
 from grammars.spec import GrammarError, GrammarSpec
 from protos.worker import Grammar

@@ -1,4 +1,4 @@
-"""Client-input validation naming the field (control_plane/client_codec.py), a recording in an older
+"""Client-input validation naming the field (control_plane/frontend/client_codec.py), a recording in an older
 format, and the control plane's end of a worker link (control_plane/core/worker_link.py) over a
 stand-in stream. The worker protocol's codec is tests/protos/test_worker_codec.py's."""
 
@@ -10,11 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from control_plane import client_codec
 from control_plane.config import SchedulerConfig
 from control_plane.core.handover import WorkerGone
 from control_plane.core.worker_checks import WorkerFault
 from control_plane.core.worker_link import StreamChannel
+from control_plane.frontend import client_codec
 from control_plane.record import codec as record_codec
 from control_plane.record.entries import Header
 from control_plane.record.files import varint

@@ -168,7 +168,7 @@ def test_any_generate_request_gets_a_stream_or_a_clean_status(plane: ControlProc
 def test_any_bytes_get_a_clean_status(plane: ControlProcess, data: bytes) -> None:
     from google.protobuf.message import DecodeError
 
-    from control_plane.client_codec import describe_unparsable
+    from control_plane.frontend.client_codec import describe_unparsable
 
     async def outcome() -> tuple[grpc.StatusCode, str, bool]:
         """(status, its details, whether a finished event came) of one Generate call carrying `data`."""

@@ -22,10 +22,11 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
-from protos.stepwise.v1 import generation_pb2 as protos_dot_stepwise_dot_v1_dot_generation__pb2
+from protos.stepwise.v1 import reports_pb2 as protos_dot_stepwise_dot_v1_dot_reports__pb2
+from protos.stepwise.v1 import worker_pb2 as protos_dot_stepwise_dot_v1_dot_worker__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!protos/stepwise/v1/frontend.proto\x12\x0bstepwise.v1\x1a#protos/stepwise/v1/generation.proto\"\xf8\x01\n\x0f\x46rontendMessage\x12)\n\x05hello\x18\x01 \x01(\x0b\x32\x1a.stepwise.v1.FrontendHello\x12&\n\x08\x61rrivals\x18\x02 \x03(\x0b\x32\x14.stepwise.v1.Arrival\x12&\n\x06\x61\x62orts\x18\x03 \x03(\x0b\x32\x16.stepwise.v1.LinkAbort\x12$\n\x05stops\x18\x04 \x03(\x0b\x32\x15.stepwise.v1.LinkStop\x12#\n\x07queries\x18\x05 \x03(\x0b\x32\x12.stepwise.v1.Query\x12\x1f\n\x04pong\x18\x06 \x01(\x0b\x32\x11.stepwise.v1.Pong\"A\n\rFrontendHello\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0b\n\x03pid\x18\x02 \x01(\x05\x12\x14\n\x0cheartbeat_of\x18\x03 \x01(\r\"*\n\x04Pong\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x15\n\rloop_silent_s\x18\x02 \x01(\x01\"\xb5\x02\n\x07\x41rrival\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x04uids\x18\x02 \x03(\x04\x42\x02\x10\x01\x12\x11\n\tinput_ids\x18\x03 \x01(\x0c\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.stepwise.v1.SamplingParams\x12\x13\n\x0brouting_key\x18\x05 \x01(\t\x12\x14\n\x0chas_priority\x18\x06 \x01(\x08\x12\x10\n\x08priority\x18\x07 \x01(\x03\x12\r\n\x05owner\x18\x08 \x01(\t\x12\x0f\n\x07\x61rrived\x18\t \x01(\x01\x12\x14\n\x0cprompt_field\x18\n \x01(\t\x12\x0e\n\x06tenant\x18\x0b \x01(\t\x12\x13\n\x0bttft_slo_ms\x18\x0c \x01(\x02\x12\x13\n\x0btpot_slo_ms\x18\r \x01(\x02\x12\x15\n\rauthenticated\x18\x0e \x01(\x08\"d\n\tLinkAbort\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05owner\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x11\n\tcancelled\x18\x04 \x01(\x08\x12\x10\n\x08query_id\x18\x05 \x01(\x04\"%\n\x08LinkStop\x12\x0b\n\x03uid\x18\x01 \x01(\x04\x12\x0c\n\x04stop\x18\x02 \x01(\t\"[\n\x05Query\x12\x10\n\x08query_id\x18\x01 \x01(\x04\x12\x38\n\x0bserver_info\x18\x02 \x01(\x0b\x32!.stepwise.v1.GetServerInfoRequestH\x00\x42\x06\n\x04kind\"\xc5\x03\n\x0b\x43oreMessage\x12)\n\x07welcome\x18\x01 \x01(\x0b\x32\x18.stepwise.v1.CoreWelcome\x12&\n\x08verdicts\x18\x02 \x03(\x0b\x32\x14.stepwise.v1.Verdict\x12*\n\nadmissions\x18\x03 \x03(\x0b\x32\x16.stepwise.v1.Admission\x12\x12\n\ntoken_uids\x18\x04 \x01(\x0c\x12\x11\n\ttoken_ids\x18\x05 \x01(\x0c\x12+\n\x08\x66inished\x18\x06 \x03(\x0b\x32\x19.stepwise.v1.LinkFinished\x12#\n\x07replies\x18\x07 \x03(\x0b\x32\x12.stepwise.v1.Reply\x12%\n\x05state\x18\x08 \x01(\x0b\x32\x16.stepwise.v1.CoreState\x12\x1f\n\x04ping\x18\t \x01(\x0b\x32\x11.stepwise.v1.Ping\x12\x15\n\rscored_tokens\x18\n \x01(\x0c\x12)\n\x06scores\x18\x0b \x03(\x0b\x32\x19.stepwise.v1.TokenLogprob\x12\x34\n\rprompt_scores\x18\x0c \x03(\x0b\x32\x1d.stepwise.v1.LinkPromptScores\"\\\n\x10LinkPromptScores\x12\x0b\n\x03uid\x18\x01 \x01(\x04\x12\r\n\x05start\x18\x02 \x01(\x05\x12,\n\tpositions\x18\x03 \x03(\x0b\x32\x19.stepwise.v1.TokenLogprob\"\x13\n\x04Ping\x12\x0b\n\x03seq\x18\x01 \x01(\x04\"\x1e\n\x0b\x43oreWelcome\x12\x0f\n\x07link_id\x18\x01 \x01(\r\"L\n\x07Verdict\x12\x0b\n\x03uid\x18\x01 \x01(\x04\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x15\n\rretry_after_s\x18\x04 \x01(\x01\"Q\n\tAdmission\x12\x0b\n\x03uid\x18\x01 \x01(\x04\x12\x15\n\rcached_tokens\x18\x02 \x01(\x03\x12\x10\n\x08\x61\x64mitted\x18\x03 \x01(\x01\x12\x0e\n\x06worker\x18\x04 \x01(\t\"_\n\x0cLinkFinished\x12\x0b\n\x03uid\x18\x01 \x01(\x04\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x0c\n\x04\x63ode\x18\x04 \x01(\t\x12\x15\n\rcached_tokens\x18\x05 \x01(\x03\"~\n\x05Reply\x12\x10\n\x08query_id\x18\x01 \x01(\x04\x12.\n\x0bserver_info\x18\x02 \x01(\x0b\x32\x17.stepwise.v1.ServerInfoH\x00\x12+\n\x05\x61\x62ort\x18\x03 \x01(\x0b\x32\x1a.stepwise.v1.AbortResponseH\x00\x42\x06\n\x04kind\"W\n\tCoreState\x12\x0f\n\x07workers\x18\x01 \x01(\x05\x12\x13\n\x0bmax_context\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x10\n\x08\x64raining\x18\x04 \x01(\x08\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!protos/stepwise/v1/frontend.proto\x12\x0bstepwise.v1\x1a protos/stepwise/v1/reports.proto\x1a\x1fprotos/stepwise/v1/worker.proto\"\xf8\x01\n\x0f\x46rontendMessage\x12)\n\x05hello\x18\x01 \x01(\x0b\x32\x1a.stepwise.v1.FrontendHello\x12&\n\x08\x61rrivals\x18\x02 \x03(\x0b\x32\x14.stepwise.v1.Arrival\x12&\n\x06\x61\x62orts\x18\x03 \x03(\x0b\x32\x16.stepwise.v1.LinkAbort\x12$\n\x05stops\x18\x04 \x03(\x0b\x32\x15.stepwise.v1.LinkStop\x12#\n\x07queries\x18\x05 \x03(\x0b\x32\x12.stepwise.v1.Query\x12\x1f\n\x04pong\x18\x06 \x01(\x0b\x32\x11.stepwise.v1.Pong\"A\n\rFrontendHello\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0b\n\x03pid\x18\x02 \x01(\x05\x12\x14\n\x0cheartbeat_of\x18\x03 \x01(\r\"*\n\x04Pong\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x15\n\rloop_silent_s\x18\x02 \x01(\x01\"\xdc\x02\n\x07\x41rrival\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x04uids\x18\x02 \x03(\x04\x42\x02\x10\x01\x12\x11\n\tinput_ids\x18\x03 \x01(\x0c\x12\x13\n\x0brouting_key\x18\x05 \x01(\t\x12\x14\n\x0chas_priority\x18\x06 \x01(\x08\x12\x10\n\x08priority\x18\x07 \x01(\x03\x12\r\n\x05owner\x18\x08 \x01(\t\x12\x0f\n\x07\x61rrived\x18\t \x01(\x01\x12\x14\n\x0cprompt_field\x18\n \x01(\t\x12\x0e\n\x06tenant\x18\x0b \x01(\t\x12\x13\n\x0bttft_slo_ms\x18\x0c \x01(\x02\x12\x13\n\x0btpot_slo_ms\x18\r \x01(\x02\x12\x15\n\rauthenticated\x18\x0e \x01(\x08\x12*\n\x06params\x18\x0f \x01(\x0b\x32\x1a.stepwise.v1.CheckedParams\x12\x18\n\x10\x63onstraint_field\x18\x10 \x01(\tJ\x04\x08\x04\x10\x05R\x08sampling\"\x8a\x02\n\rCheckedParams\x12\x1b\n\x0emax_new_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x16\n\x0emin_new_tokens\x18\x02 \x01(\x05\x12\x0c\n\x04stop\x18\x03 \x03(\t\x12\x1a\n\x0estop_token_ids\x18\x04 \x03(\x05\x42\x02\x10\x01\x12\x12\n\nignore_eos\x18\x05 \x01(\x08\x12+\n\x07sampler\x18\x06 \x01(\x0b\x32\x1a.stepwise.v1.SamplerParams\x12\x10\n\x08logprobs\x18\x07 \x01(\x08\x12\x1e\n\x11logprob_start_len\x18\x08 \x01(\x05H\x01\x88\x01\x01\x42\x11\n\x0f_max_new_tokensB\x14\n\x12_logprob_start_len\"d\n\tLinkAbort\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05owner\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x11\n\tcancelled\x18\x04 \x01(\x08\x12\x10\n\x08query_id\x18\x05 \x01(\x04\"%\n\x08LinkStop\x12\x0b\n\x03uid\x18\x01 \x01(\x04\x12\x0c\n\x04stop\x18\x02 \x01(\t\"[\n\x05Query\x12\x10\n\x08query_id\x18\x01 \x01(\x04\x12\x38\n\x0bserver_info\x18\x02 \x01(\x0b\x32!.stepwise.v1.GetServerInfoRequestH\x00\x42\x06\n\x04kind\"\xc5\x03\n\x0b\x43oreMessage\x12)\n\x07welcome\x18\x01 \x01(\x0b\x32\x18.stepwise.v1.CoreWelcome\x12&\n\x08verdicts\x18\x02 \x03(\x0b\x32\x14.stepwise.v1.Verdict\x12*\n\nadmissions\x18\x03 \x03(\x0b\x32\x16.stepwise.v1.Admission\x12\x12\n\ntoken_uids\x18\x04 \x01(\x0c\x12\x11\n\ttoken_ids\x18\x05 \x01(\x0c\x12+\n\x08\x66inished\x18\x06 \x03(\x0b\x32\x19.stepwise.v1.LinkFinished\x12#\n\x07replies\x18\x07 \x03(\x0b\x32\x12.stepwise.v1.Reply\x12%\n\x05state\x18\x08 \x01(\x0b\x32\x16.stepwise.v1.CoreState\x12\x1f\n\x04ping\x18\t \x01(\x0b\x32\x11.stepwise.v1.Ping\x12\x15\n\rscored_tokens\x18\n \x01(\x0c\x12)\n\x06scores\x18\x0b \x03(\x0b\x32\x19.stepwise.v1.TokenLogprob\x12\x34\n\rprompt_scores\x18\x0c \x03(\x0b\x32\x1d.stepwise.v1.LinkPromptScores\"\\\n\x10LinkPromptScores\x12\x0b\n\x03uid\x18\x01 \x01(\x04\x12\r\n\x05start\x18\x02 \x01(\x05\x12,\n\tpositions\x18\x03 \x03(\x0b\x32\x19.stepwise.v1.TokenLogprob\"\x13\n\x04Ping\x12\x0b\n\x03seq\x18\x01 \x01(\x04\"\x1e\n\x0b\x43oreWelcome\x12\x0f\n\x07link_id\x18\x01 \x01(\r\"L\n\x07Verdict\x12\x0b\n\x03uid\x18\x01 \x01(\x04\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x15\n\rretry_after_s\x18\x04 \x01(\x01\"Q\n\tAdmission\x12\x0b\n\x03uid\x18\x01 \x01(\x04\x12\x15\n\rcached_tokens\x18\x02 \x01(\x03\x12\x10\n\x08\x61\x64mitted\x18\x03 \x01(\x01\x12\x0e\n\x06worker\x18\x04 \x01(\t\"_\n\x0cLinkFinished\x12\x0b\n\x03uid\x18\x01 \x01(\x04\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x0c\n\x04\x63ode\x18\x04 \x01(\t\x12\x15\n\rcached_tokens\x18\x05 \x01(\x03\"~\n\x05Reply\x12\x10\n\x08query_id\x18\x01 \x01(\x04\x12.\n\x0bserver_info\x18\x02 \x01(\x0b\x32\x17.stepwise.v1.ServerInfoH\x00\x12+\n\x05\x61\x62ort\x18\x03 \x01(\x0b\x32\x1a.stepwise.v1.AbortResponseH\x00\x42\x06\n\x04kind\"W\n\tCoreState\x12\x0f\n\x07workers\x18\x01 \x01(\x05\x12\x13\n\x0bmax_context\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x10\n\x08\x64raining\x18\x04 \x01(\x08\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,36 +35,40 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_ARRIVAL'].fields_by_name['uids']._loaded_options = None
   _globals['_ARRIVAL'].fields_by_name['uids']._serialized_options = b'\020\001'
-  _globals['_FRONTENDMESSAGE']._serialized_start=88
-  _globals['_FRONTENDMESSAGE']._serialized_end=336
-  _globals['_FRONTENDHELLO']._serialized_start=338
-  _globals['_FRONTENDHELLO']._serialized_end=403
-  _globals['_PONG']._serialized_start=405
-  _globals['_PONG']._serialized_end=447
-  _globals['_ARRIVAL']._serialized_start=450
-  _globals['_ARRIVAL']._serialized_end=759
-  _globals['_LINKABORT']._serialized_start=761
-  _globals['_LINKABORT']._serialized_end=861
-  _globals['_LINKSTOP']._serialized_start=863
-  _globals['_LINKSTOP']._serialized_end=900
-  _globals['_QUERY']._serialized_start=902
-  _globals['_QUERY']._serialized_end=993
-  _globals['_COREMESSAGE']._serialized_start=996
-  _globals['_COREMESSAGE']._serialized_end=1449
-  _globals['_LINKPROMPTSCORES']._serialized_start=1451
-  _globals['_LINKPROMPTSCORES']._serialized_end=1543
-  _globals['_PING']._serialized_start=1545
-  _globals['_PING']._serialized_end=1564
-  _globals['_COREWELCOME']._serialized_start=1566
-  _globals['_COREWELCOME']._serialized_end=1596
-  _globals['_VERDICT']._serialized_start=1598
-  _globals['_VERDICT']._serialized_end=1674
-  _globals['_ADMISSION']._serialized_start=1676
-  _globals['_ADMISSION']._serialized_end=1757
-  _globals['_LINKFINISHED']._serialized_start=1759
-  _globals['_LINKFINISHED']._serialized_end=1854
-  _globals['_REPLY']._serialized_start=1856
-  _globals['_REPLY']._serialized_end=1982
-  _globals['_CORESTATE']._serialized_start=1984
-  _globals['_CORESTATE']._serialized_end=2071
+  _globals['_CHECKEDPARAMS'].fields_by_name['stop_token_ids']._loaded_options = None
+  _globals['_CHECKEDPARAMS'].fields_by_name['stop_token_ids']._serialized_options = b'\020\001'
+  _globals['_FRONTENDMESSAGE']._serialized_start=118
+  _globals['_FRONTENDMESSAGE']._serialized_end=366
+  _globals['_FRONTENDHELLO']._serialized_start=368
+  _globals['_FRONTENDHELLO']._serialized_end=433
+  _globals['_PONG']._serialized_start=435
+  _globals['_PONG']._serialized_end=477
+  _globals['_ARRIVAL']._serialized_start=480
+  _globals['_ARRIVAL']._serialized_end=828
+  _globals['_CHECKEDPARAMS']._serialized_start=831
+  _globals['_CHECKEDPARAMS']._serialized_end=1097
+  _globals['_LINKABORT']._serialized_start=1099
+  _globals['_LINKABORT']._serialized_end=1199
+  _globals['_LINKSTOP']._serialized_start=1201
+  _globals['_LINKSTOP']._serialized_end=1238
+  _globals['_QUERY']._serialized_start=1240
+  _globals['_QUERY']._serialized_end=1331
+  _globals['_COREMESSAGE']._serialized_start=1334
+  _globals['_COREMESSAGE']._serialized_end=1787
+  _globals['_LINKPROMPTSCORES']._serialized_start=1789
+  _globals['_LINKPROMPTSCORES']._serialized_end=1881
+  _globals['_PING']._serialized_start=1883
+  _globals['_PING']._serialized_end=1902
+  _globals['_COREWELCOME']._serialized_start=1904
+  _globals['_COREWELCOME']._serialized_end=1934
+  _globals['_VERDICT']._serialized_start=1936
+  _globals['_VERDICT']._serialized_end=2012
+  _globals['_ADMISSION']._serialized_start=2014
+  _globals['_ADMISSION']._serialized_end=2095
+  _globals['_LINKFINISHED']._serialized_start=2097
+  _globals['_LINKFINISHED']._serialized_end=2192
+  _globals['_REPLY']._serialized_start=2194
+  _globals['_REPLY']._serialized_end=2320
+  _globals['_CORESTATE']._serialized_start=2322
+  _globals['_CORESTATE']._serialized_end=2409
 # @@protoc_insertion_point(module_scope)

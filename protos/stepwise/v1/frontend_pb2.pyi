@@ -1,4 +1,5 @@
-from protos.stepwise.v1 import generation_pb2 as _generation_pb2
+from protos.stepwise.v1 import reports_pb2 as _reports_pb2
+from protos.stepwise.v1 import worker_pb2 as _worker_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -42,11 +43,10 @@ class Pong(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., loop_silent_s: _Optional[float] = ...) -> None: ...
 
 class Arrival(_message.Message):
-    __slots__ = ("request_id", "uids", "input_ids", "sampling", "routing_key", "has_priority", "priority", "owner", "arrived", "prompt_field", "tenant", "ttft_slo_ms", "tpot_slo_ms", "authenticated")
+    __slots__ = ("request_id", "uids", "input_ids", "routing_key", "has_priority", "priority", "owner", "arrived", "prompt_field", "tenant", "ttft_slo_ms", "tpot_slo_ms", "authenticated", "params", "constraint_field")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     UIDS_FIELD_NUMBER: _ClassVar[int]
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
-    SAMPLING_FIELD_NUMBER: _ClassVar[int]
     ROUTING_KEY_FIELD_NUMBER: _ClassVar[int]
     HAS_PRIORITY_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
@@ -57,10 +57,11 @@ class Arrival(_message.Message):
     TTFT_SLO_MS_FIELD_NUMBER: _ClassVar[int]
     TPOT_SLO_MS_FIELD_NUMBER: _ClassVar[int]
     AUTHENTICATED_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    CONSTRAINT_FIELD_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     uids: _containers.RepeatedScalarFieldContainer[int]
     input_ids: bytes
-    sampling: _generation_pb2.SamplingParams
     routing_key: str
     has_priority: bool
     priority: int
@@ -71,7 +72,29 @@ class Arrival(_message.Message):
     ttft_slo_ms: float
     tpot_slo_ms: float
     authenticated: bool
-    def __init__(self, request_id: _Optional[str] = ..., uids: _Optional[_Iterable[int]] = ..., input_ids: _Optional[bytes] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., routing_key: _Optional[str] = ..., has_priority: _Optional[bool] = ..., priority: _Optional[int] = ..., owner: _Optional[str] = ..., arrived: _Optional[float] = ..., prompt_field: _Optional[str] = ..., tenant: _Optional[str] = ..., ttft_slo_ms: _Optional[float] = ..., tpot_slo_ms: _Optional[float] = ..., authenticated: _Optional[bool] = ...) -> None: ...
+    params: CheckedParams
+    constraint_field: str
+    def __init__(self, request_id: _Optional[str] = ..., uids: _Optional[_Iterable[int]] = ..., input_ids: _Optional[bytes] = ..., routing_key: _Optional[str] = ..., has_priority: _Optional[bool] = ..., priority: _Optional[int] = ..., owner: _Optional[str] = ..., arrived: _Optional[float] = ..., prompt_field: _Optional[str] = ..., tenant: _Optional[str] = ..., ttft_slo_ms: _Optional[float] = ..., tpot_slo_ms: _Optional[float] = ..., authenticated: _Optional[bool] = ..., params: _Optional[_Union[CheckedParams, _Mapping]] = ..., constraint_field: _Optional[str] = ...) -> None: ...
+
+class CheckedParams(_message.Message):
+    __slots__ = ("max_new_tokens", "min_new_tokens", "stop", "stop_token_ids", "ignore_eos", "sampler", "logprobs", "logprob_start_len")
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MIN_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLER_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_START_LEN_FIELD_NUMBER: _ClassVar[int]
+    max_new_tokens: int
+    min_new_tokens: int
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    ignore_eos: bool
+    sampler: _worker_pb2.SamplerParams
+    logprobs: bool
+    logprob_start_len: int
+    def __init__(self, max_new_tokens: _Optional[int] = ..., min_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., sampler: _Optional[_Union[_worker_pb2.SamplerParams, _Mapping]] = ..., logprobs: _Optional[bool] = ..., logprob_start_len: _Optional[int] = ...) -> None: ...
 
 class LinkAbort(_message.Message):
     __slots__ = ("request_id", "owner", "message", "cancelled", "query_id")
@@ -100,8 +123,8 @@ class Query(_message.Message):
     QUERY_ID_FIELD_NUMBER: _ClassVar[int]
     SERVER_INFO_FIELD_NUMBER: _ClassVar[int]
     query_id: int
-    server_info: _generation_pb2.GetServerInfoRequest
-    def __init__(self, query_id: _Optional[int] = ..., server_info: _Optional[_Union[_generation_pb2.GetServerInfoRequest, _Mapping]] = ...) -> None: ...
+    server_info: _reports_pb2.GetServerInfoRequest
+    def __init__(self, query_id: _Optional[int] = ..., server_info: _Optional[_Union[_reports_pb2.GetServerInfoRequest, _Mapping]] = ...) -> None: ...
 
 class CoreMessage(_message.Message):
     __slots__ = ("welcome", "verdicts", "admissions", "token_uids", "token_ids", "finished", "replies", "state", "ping", "scored_tokens", "scores", "prompt_scores")
@@ -127,9 +150,9 @@ class CoreMessage(_message.Message):
     state: CoreState
     ping: Ping
     scored_tokens: bytes
-    scores: _containers.RepeatedCompositeFieldContainer[_generation_pb2.TokenLogprob]
+    scores: _containers.RepeatedCompositeFieldContainer[_reports_pb2.TokenLogprob]
     prompt_scores: _containers.RepeatedCompositeFieldContainer[LinkPromptScores]
-    def __init__(self, welcome: _Optional[_Union[CoreWelcome, _Mapping]] = ..., verdicts: _Optional[_Iterable[_Union[Verdict, _Mapping]]] = ..., admissions: _Optional[_Iterable[_Union[Admission, _Mapping]]] = ..., token_uids: _Optional[bytes] = ..., token_ids: _Optional[bytes] = ..., finished: _Optional[_Iterable[_Union[LinkFinished, _Mapping]]] = ..., replies: _Optional[_Iterable[_Union[Reply, _Mapping]]] = ..., state: _Optional[_Union[CoreState, _Mapping]] = ..., ping: _Optional[_Union[Ping, _Mapping]] = ..., scored_tokens: _Optional[bytes] = ..., scores: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ..., prompt_scores: _Optional[_Iterable[_Union[LinkPromptScores, _Mapping]]] = ...) -> None: ...
+    def __init__(self, welcome: _Optional[_Union[CoreWelcome, _Mapping]] = ..., verdicts: _Optional[_Iterable[_Union[Verdict, _Mapping]]] = ..., admissions: _Optional[_Iterable[_Union[Admission, _Mapping]]] = ..., token_uids: _Optional[bytes] = ..., token_ids: _Optional[bytes] = ..., finished: _Optional[_Iterable[_Union[LinkFinished, _Mapping]]] = ..., replies: _Optional[_Iterable[_Union[Reply, _Mapping]]] = ..., state: _Optional[_Union[CoreState, _Mapping]] = ..., ping: _Optional[_Union[Ping, _Mapping]] = ..., scored_tokens: _Optional[bytes] = ..., scores: _Optional[_Iterable[_Union[_reports_pb2.TokenLogprob, _Mapping]]] = ..., prompt_scores: _Optional[_Iterable[_Union[LinkPromptScores, _Mapping]]] = ...) -> None: ...
 
 class LinkPromptScores(_message.Message):
     __slots__ = ("uid", "start", "positions")
@@ -138,8 +161,8 @@ class LinkPromptScores(_message.Message):
     POSITIONS_FIELD_NUMBER: _ClassVar[int]
     uid: int
     start: int
-    positions: _containers.RepeatedCompositeFieldContainer[_generation_pb2.TokenLogprob]
-    def __init__(self, uid: _Optional[int] = ..., start: _Optional[int] = ..., positions: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
+    positions: _containers.RepeatedCompositeFieldContainer[_reports_pb2.TokenLogprob]
+    def __init__(self, uid: _Optional[int] = ..., start: _Optional[int] = ..., positions: _Optional[_Iterable[_Union[_reports_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class Ping(_message.Message):
     __slots__ = ("seq",)
@@ -197,9 +220,9 @@ class Reply(_message.Message):
     SERVER_INFO_FIELD_NUMBER: _ClassVar[int]
     ABORT_FIELD_NUMBER: _ClassVar[int]
     query_id: int
-    server_info: _generation_pb2.ServerInfo
-    abort: _generation_pb2.AbortResponse
-    def __init__(self, query_id: _Optional[int] = ..., server_info: _Optional[_Union[_generation_pb2.ServerInfo, _Mapping]] = ..., abort: _Optional[_Union[_generation_pb2.AbortResponse, _Mapping]] = ...) -> None: ...
+    server_info: _reports_pb2.ServerInfo
+    abort: _reports_pb2.AbortResponse
+    def __init__(self, query_id: _Optional[int] = ..., server_info: _Optional[_Union[_reports_pb2.ServerInfo, _Mapping]] = ..., abort: _Optional[_Union[_reports_pb2.AbortResponse, _Mapping]] = ...) -> None: ...
 
 class CoreState(_message.Message):
     __slots__ = ("workers", "max_context", "vocab_size", "draining")

@@ -4,6 +4,7 @@ import grpc
 import warnings
 
 from protos.stepwise.v1 import generation_pb2 as protos_dot_stepwise_dot_v1_dot_generation__pb2
+from protos.stepwise.v1 import reports_pb2 as protos_dot_stepwise_dot_v1_dot_reports__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -42,12 +43,12 @@ class GenerationStub:
         self.Abort = channel.unary_unary(
                 '/stepwise.v1.Generation/Abort',
                 request_serializer=protos_dot_stepwise_dot_v1_dot_generation__pb2.AbortRequest.SerializeToString,
-                response_deserializer=protos_dot_stepwise_dot_v1_dot_generation__pb2.AbortResponse.FromString,
+                response_deserializer=protos_dot_stepwise_dot_v1_dot_reports__pb2.AbortResponse.FromString,
                 _registered_method=True)
         self.GetServerInfo = channel.unary_unary(
                 '/stepwise.v1.Generation/GetServerInfo',
-                request_serializer=protos_dot_stepwise_dot_v1_dot_generation__pb2.GetServerInfoRequest.SerializeToString,
-                response_deserializer=protos_dot_stepwise_dot_v1_dot_generation__pb2.ServerInfo.FromString,
+                request_serializer=protos_dot_stepwise_dot_v1_dot_reports__pb2.GetServerInfoRequest.SerializeToString,
+                response_deserializer=protos_dot_stepwise_dot_v1_dot_reports__pb2.ServerInfo.FromString,
                 _registered_method=True)
 
 
@@ -88,12 +89,12 @@ def add_GenerationServicer_to_server(servicer, server):
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
                     request_deserializer=protos_dot_stepwise_dot_v1_dot_generation__pb2.AbortRequest.FromString,
-                    response_serializer=protos_dot_stepwise_dot_v1_dot_generation__pb2.AbortResponse.SerializeToString,
+                    response_serializer=protos_dot_stepwise_dot_v1_dot_reports__pb2.AbortResponse.SerializeToString,
             ),
             'GetServerInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetServerInfo,
-                    request_deserializer=protos_dot_stepwise_dot_v1_dot_generation__pb2.GetServerInfoRequest.FromString,
-                    response_serializer=protos_dot_stepwise_dot_v1_dot_generation__pb2.ServerInfo.SerializeToString,
+                    request_deserializer=protos_dot_stepwise_dot_v1_dot_reports__pb2.GetServerInfoRequest.FromString,
+                    response_serializer=protos_dot_stepwise_dot_v1_dot_reports__pb2.ServerInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -149,7 +150,7 @@ class Generation:
             target,
             '/stepwise.v1.Generation/Abort',
             protos_dot_stepwise_dot_v1_dot_generation__pb2.AbortRequest.SerializeToString,
-            protos_dot_stepwise_dot_v1_dot_generation__pb2.AbortResponse.FromString,
+            protos_dot_stepwise_dot_v1_dot_reports__pb2.AbortResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -175,8 +176,8 @@ class Generation:
             request,
             target,
             '/stepwise.v1.Generation/GetServerInfo',
-            protos_dot_stepwise_dot_v1_dot_generation__pb2.GetServerInfoRequest.SerializeToString,
-            protos_dot_stepwise_dot_v1_dot_generation__pb2.ServerInfo.FromString,
+            protos_dot_stepwise_dot_v1_dot_reports__pb2.GetServerInfoRequest.SerializeToString,
+            protos_dot_stepwise_dot_v1_dot_reports__pb2.ServerInfo.FromString,
             options,
             channel_credentials,
             insecure,

@@ -5,6 +5,7 @@ The core's messages are built by hand here; the real link is exercised end to en
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -14,16 +15,19 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from control_plane import client_codec
+from control_plane import link_params
 from control_plane.config import ControlConfig, Limits
+from control_plane.frontend import client_codec
 from control_plane.frontend.core_link import Frontend
 from control_plane.frontend.detokenize import IncrementalDetokenizer
+from control_plane.frontend.generation import as_run
 from control_plane.frontend.samples import Call, Chunk, Done, Lost
 from control_plane.frontend.server import GRPC_DEFAULT_MESSAGE_BYTES, max_request_bytes
 from control_plane.link import UID_LINK_SHIFT
 from control_plane.tokenizer import Tokenizer
 from protos.stepwise.v1 import frontend_pb2 as fe_pb
 from protos.stepwise.v1 import generation_pb2 as gen_pb
+from protos.worker import Grammar
 from stepwise.models import resolve_model
 
 pytestmark = pytest.mark.timeout(30)
@@ -44,7 +48,7 @@ def _frontend(tokenizer: Tokenizer, interval: int = 1) -> Frontend:
 def _open(frontend: Frontend, tokenizer: Tokenizer, **sampling: object) -> Call:
     request = gen_pb.GenerateRequest(text="Once upon a time", sampling=gen_pb.SamplingParams(**sampling))
     inp = client_codec.generate_input_from_proto(request)
-    call = frontend.open_call(inp, request.sampling, "r1", tokenizer.encode(inp.text or ""), "owner")
+    call = frontend.open_call(inp, "r1", tokenizer.encode(inp.text or ""), "owner")
     frontend.apply(fe_pb.CoreMessage(verdicts=[fe_pb.Verdict(uid=call.samples[0].uid, code=0)]))
     return call
 
@@ -73,7 +77,9 @@ async def test_uids_carry_the_link_id_and_the_arrival_names_every_sample(tokeniz
     assert len({s.uid for s in call.samples}) == 3
     (arrival,) = frontend._outbox.arrivals
     assert list(arrival.uids) == [s.uid for s in call.samples]
-    assert arrival.sampling.n == 3
+    # The checked parameters travel, not the client's message: the core reads them back as they are.
+    request = gen_pb.GenerateRequest(text="Once upon a time", sampling=gen_pb.SamplingParams(n=3))
+    assert link_params.from_arrival(arrival) == client_codec.generate_input_from_proto(request).params
     assert np.frombuffer(arrival.input_ids, dtype="<i4").tolist() == tokenizer.encode("Once upon a time")
     assert arrival.prompt_field == "text"
 
@@ -164,7 +170,7 @@ async def test_a_refused_call_gets_the_status_and_leaves_nothing_behind(tokenize
     frontend = _frontend(tokenizer)
     request = gen_pb.GenerateRequest(text="hi", sampling=gen_pb.SamplingParams(n=2))
     inp = client_codec.generate_input_from_proto(request)
-    call = frontend.open_call(inp, request.sampling, "r2", tokenizer.encode("hi"), "owner")
+    call = frontend.open_call(inp, "r2", tokenizer.encode("hi"), "owner")
     code = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
     message = fe_pb.CoreMessage(verdicts=[fe_pb.Verdict(uid=call.samples[0].uid, code=code, message="full")])
     frontend.apply(message)
@@ -177,7 +183,7 @@ async def test_losing_the_core_ends_every_call_with_unavailable(tokenizer: Token
     running = _open(frontend, tokenizer)
     request = gen_pb.GenerateRequest(text="hi")
     waiting = frontend.open_call(
-        client_codec.generate_input_from_proto(request), request.sampling, "r3", tokenizer.encode("hi"), "o"
+        client_codec.generate_input_from_proto(request), "r3", tokenizer.encode("hi"), "o"
     )
     frontend._end_everything("the control plane's core went away; retry")
     assert waiting.verdict is not None and waiting.verdict.result()[0] == grpc.StatusCode.UNAVAILABLE.value[0]
@@ -230,3 +236,21 @@ def test_a_hand_encoded_chunk_is_the_bytes_protobuf_writes(
     want = client_codec.chunk_response(rid, index, ids, text).SerializeToString()
     assert got == want
     assert gen_pb.GenerateResponse.FromString(got) == client_codec.chunk_response(rid, index, ids, text)
+
+
+@pytest.mark.parametrize(
+    ("mode", "top", "processed"), [("raw", 2, False), ("processed", 2, True), ("processed", None, False)]
+)
+def test_what_the_core_runs_carries_the_compiled_grammar_and_the_logprobs_mode(
+    mode: str, top: int | None, processed: bool
+) -> None:
+    """The frontend stamps what the core used to: the backend that compiled the grammar here, and
+    processed logprobs under --logprobs-mode processed for a request that asks for logprobs."""
+    sampling = gen_pb.SamplingParams(regex="a+", top_logprobs=top)
+    params = client_codec.sampling_from_proto(sampling)
+    assert params.sampler.grammar is not None and params.sampler.grammar.backend == ""
+    compiled = Grammar("xgrammar", "regex", "a+")
+    run = as_run(params, compiled, mode)
+    assert run.sampler.grammar is compiled
+    assert run.sampler.processed_logprobs is processed
+    assert dataclasses.replace(run, sampler=params.sampler) == params

@@ -9,11 +9,12 @@ import threading
 
 import pytest
 
-from control_plane import client_codec
 from control_plane.config import Limits
+from control_plane.frontend import client_codec
 from control_plane.frontend import grammars as compiler_module
 from control_plane.frontend.grammars import GrammarCompiler
 from grammars.spec import GrammarError, GrammarSpec
+from protos.stepwise.v1 import frontend_pb2 as fe_pb
 from protos.stepwise.v1 import generation_pb2 as gen_pb
 from protos.worker import Grammar
 from stepwise.models import resolve_model
@@ -199,9 +200,6 @@ def _sampling(**fields: object) -> gen_pb.SamplingParams:
 @pytest.mark.parametrize(
     ("fields", "message"),
     [
-        ({"json_schema": "{"}, "sampling.json_schema: is not valid JSON"),
-        ({"json_schema": "[1]"}, "sampling.json_schema: must be a JSON object"),
-        ({"structural_tag": "3"}, "sampling.structural_tag: must be a JSON object"),
         ({"choice": []}, "sampling.choice: must list at least one choice"),
         ({"choice": ["a", ""]}, "sampling.choice: choice 1 is empty"),
         ({"choice": ["a", "a"]}, "sampling.choice: lists a choice twice"),
@@ -216,6 +214,27 @@ def _sampling(**fields: object) -> gen_pb.SamplingParams:
 def test_constraint_fields_are_checked_before_any_compile(fields: dict[str, object], message: str) -> None:
     with pytest.raises(client_codec.InvalidArgument) as info:
         client_codec.sampling_from_proto(_sampling(**fields), Limits(max_grammar_bytes=100))
+    assert str(info.value).startswith(message)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"json_schema": "{"}, "sampling.json_schema: is not valid JSON"),
+        ({"json_schema": "[1]"}, "sampling.json_schema: must be a JSON object"),
+        ({"structural_tag": "3"}, "sampling.structural_tag: must be a JSON object"),
+    ],
+)
+async def test_json_that_is_no_json_object_is_refused_by_its_compile(
+    fields: dict[str, object], message: str
+) -> None:
+    """The frontend reads a schema's JSON once, in its compile (a text sent again is not read
+    again): the refusal is the one the request's check gave before, naming the field."""
+    params = client_codec.sampling_from_proto(_sampling(**fields))
+    assert params.sampler.grammar is not None
+    field = next(iter(fields))
+    with pytest.raises(client_codec.InvalidArgument) as info:
+        await _compiler().check(params.sampler.grammar, f"sampling.{field}")
     assert str(info.value).startswith(message)
 
 
@@ -291,3 +310,42 @@ async def test_a_grammar_that_can_never_be_satisfied_is_refused(kind: str, text:
 )
 async def test_a_recursive_grammar_that_can_finish_compiles(kind: str, text: str) -> None:
     await _compiler().check(Grammar("", kind, text), f"sampling.{kind}")
+
+
+# --- a schema is parsed once per process ----------------------------------------------------------
+
+
+async def test_a_schema_sent_again_and_again_is_parsed_once_compiled_once_and_the_core_parses_none(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The frontend's path for each call (check the request, compile its grammar, send the checked
+    value) and the core's reading of it: the schema's JSON is read once, by its one compile, and the
+    core reads none of it (it had been read per call by the frontend and again by the core)."""
+    from control_plane import link_params, metrics
+    from control_plane.frontend.generation import as_run
+    from grammars import nesting
+
+    reads: list[int] = []
+    real_loads = nesting.loads
+
+    def counting_loads(text: str, *args: object) -> object:
+        reads.append(len(text))
+        return real_loads(text, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(nesting, "loads", counting_loads)
+    compiles = metrics.REGISTRY.get_sample_value("stepwise:grammar_compiles_total", {"outcome": "ok"}) or 0.0
+    schema = '{"type": "object", "properties": {"name": {"type": "string"}}}'
+    compiler = _compiler()
+    for _ in range(3):
+        request = gen_pb.GenerateRequest(text="hi", sampling=gen_pb.SamplingParams(json_schema=schema))
+        inp = client_codec.generate_input_from_proto(request)
+        assert inp.params.sampler.grammar is not None
+        grammar = await compiler.check(inp.params.sampler.grammar, "sampling.json_schema")
+        sent = link_params.to_proto(as_run(inp.params, grammar, "raw"))
+        got = link_params.from_arrival(fe_pb.Arrival(params=sent))
+        assert got.sampler.grammar == Grammar("llguidance", "json_schema", schema)
+    assert reads == [len(schema)]
+    assert (
+        metrics.REGISTRY.get_sample_value("stepwise:grammar_compiles_total", {"outcome": "ok"})
+        == compiles + 1
+    )

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from control_plane import client_codec
+from control_plane.frontend import client_codec
 from control_plane.frontend.detokenize import TextStream
 from control_plane.request import FinishKind
 from protos.stepwise.v1 import generation_pb2 as gen_pb

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from clients.client import generate_request
-from control_plane import client_codec
+from control_plane.frontend import client_codec
 from gateway.schemas import CompletionRequest
 from protos.stepwise.v1 import generation_pb2 as gen_pb
 

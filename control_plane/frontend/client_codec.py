@@ -1,8 +1,8 @@
 """The client protocol (generation.proto) at the control plane's edge: a Generate call validated
 into typed values, with messages that name the offending field, and the response messages.
 
-Both processes of a control plane use it: a frontend validates what a client sent; the core reads
-the same SamplingParams again from the frontend link (frontend.proto embeds them).
+A frontend's alone: it checks what a client sent once, and sends the checked value to the core
+(control_plane/link_params.py), which reads nothing of the client's protocol.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+from google.protobuf.descriptor import FileDescriptor
 from google.protobuf.message import DecodeError, Message
 
 from control_plane.config import Limits
@@ -162,10 +163,10 @@ def constraint_field(msg: gen_pb.SamplingParams) -> str | None:
 
 
 def _grammar(msg: gen_pb.SamplingParams, limits: Limits) -> Grammar | None:
-    """The request's constraint, checked for what needs no backend: its size, JSON that must be
-    JSON, a well-formed choice list, and the sampling fields it cannot be combined with. The
-    backend is named later (the core's --grammar-backend); compiling is a frontend's
-    (control_plane/frontend/grammars.py)."""
+    """The request's constraint, checked for what needs no backend and no parse: its size, a
+    well-formed choice list, and the sampling fields it cannot be combined with. Its text is read
+    by its compile (control_plane/frontend/grammars.py: JSON that is no JSON object is refused
+    there, with the same message), which names the backend; a text sent again is not read again."""
     which = msg.WhichOneof("constraint")
     if which is None:
         return None
@@ -175,8 +176,6 @@ def _grammar(msg: gen_pb.SamplingParams, limits: Limits) -> Grammar | None:
             spec = grammar_spec.from_choices(list(msg.choice.choices))
         else:
             spec = grammar_spec.GrammarSpec(which, getattr(msg, which))
-            if which in ("json_schema", "structural_tag"):
-                grammar_spec.check_json(which, spec.text)
     except grammar_spec.GrammarError as exc:
         raise InvalidArgument(f"{name}: {exc}") from None
     _check(
@@ -303,21 +302,24 @@ def check_token_ids(ids: tuple[int, ...] | list[int], vocab_size: int) -> None:
 # --- requests that do not parse --------------------------------------------------------------------
 
 
-def _bytes_twin(file: object) -> descriptor_pool.DescriptorPool:
-    """A copy of a .proto file's messages with every string field as bytes, in a pool of its own.
+def _bytes_twin(file: FileDescriptor) -> descriptor_pool.DescriptorPool:
+    """A copy of a .proto file's messages (and of the files it imports) with every string field as
+    bytes, in a pool of its own.
 
     A field declared `string` must hold UTF-8, and protobuf refuses the whole message otherwise
     without saying which field; the twin parses the same bytes and lets us find it.
     """
-    proto = descriptor_pb2.FileDescriptorProto()
-    file.CopyToProto(proto)  # type: ignore[attr-defined]
-    proto.name = "bytes_twin/" + proto.name
-    for message in proto.message_type:
-        for fld in message.field:
-            if fld.type == descriptor_pb2.FieldDescriptorProto.TYPE_STRING:
-                fld.type = descriptor_pb2.FieldDescriptorProto.TYPE_BYTES
     pool = descriptor_pool.DescriptorPool()
-    pool.Add(proto)
+    for each in (*file.dependencies, file):
+        proto = descriptor_pb2.FileDescriptorProto()
+        each.CopyToProto(proto)
+        proto.name = "bytes_twin/" + proto.name
+        proto.dependency[:] = ["bytes_twin/" + name for name in proto.dependency]
+        for message in proto.message_type:
+            for fld in message.field:
+                if fld.type == descriptor_pb2.FieldDescriptorProto.TYPE_STRING:
+                    fld.type = descriptor_pb2.FieldDescriptorProto.TYPE_BYTES
+        pool.Add(proto)
     return pool
 
 
@@ -358,7 +360,7 @@ def describe_unparsable(data: bytes, message_name: str = "stepwise.v1.GenerateRe
 
 
 def _first_bad_utf8(msg: Message, prefix: str) -> str | None:
-    original = gen_pb.DESCRIPTOR.message_types_by_name[msg.DESCRIPTOR.name]
+    original = descriptor_pool.Default().FindMessageTypeByName(msg.DESCRIPTOR.full_name)
     strings = {f.name for f in original.fields if f.type == f.TYPE_STRING}
     for fld, value in msg.ListFields():
         items = list(enumerate(value)) if fld.is_repeated else [(None, value)]
