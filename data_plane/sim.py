@@ -60,6 +60,8 @@ TOKEN_FLOOR = 3  # never emit the low ids that tokenizers reserve for special to
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _MIX1, _MIX2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 _INITIAL_ROWS = 64
+# Up to this many handles a step finds their rows by dict, beyond by a sorted index.
+_FEW_ROWS = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,6 +184,9 @@ class _SimTable:
 
     def rows(self, handles: np.ndarray) -> np.ndarray:
         """Rows of `handles`; KeyError naming the first that is not live."""
+        if len(handles) <= _FEW_ROWS:  # a dict beats building and searching an index
+            row_of = self.row_of
+            return np.array([row_of[h] for h in handles.tolist()], dtype=np.int64)
         if self._index is None:
             live = np.flatnonzero(self.live)
             self._index = (SortedIndex(self.handle[live]), live)
@@ -194,7 +199,7 @@ class _SimTable:
     def advance(self, rows: np.ndarray, counts: np.ndarray | int) -> None:
         """The sequences in `rows` (distinct) hold `counts` more tokens each."""
         self.length[rows] += counts
-        self.seq_slots += int(np.sum(counts)) if np.ndim(counts) else int(counts) * len(rows)
+        self.seq_slots += int(counts.sum()) if isinstance(counts, np.ndarray) else counts * len(rows)
 
     def _grow(self, extra: int) -> None:
         old = len(self.length)
@@ -241,12 +246,22 @@ class SimExecutor:
         started = time.perf_counter()
         self._apply_deltas(plan)
         ext, dec = plan.extends, plan.decodes
-        ext_rows = self._extend_rows(plan)
-        dec_rows = self.table.rows(dec.handles)
-        scoring = score_rows(ext)
-        self.table.advance(ext_rows, ext.lens)
-        self.table.advance(dec_rows, 1)
-        sampled_rows = np.concatenate((ext_rows[ext.sample.astype(bool)], dec_rows))
+        table = self.table
+        if len(ext.handles) or len(ext.score_lens) or len(ext.score_starts) or len(ext.next_ids):
+            ext_rows = self._extend_rows(plan)
+            dec_rows = table.rows(dec.handles)
+            scoring = score_rows(ext)
+            table.advance(ext_rows, ext.lens)
+            table.advance(dec_rows, 1)
+            sampled_rows = np.concatenate((ext_rows[ext.sample.astype(bool)], dec_rows))
+            new_tokens = int(ext.lens.sum()) + len(dec_rows)
+            context = int(table.length[ext_rows].sum() + table.length[dec_rows].sum())
+        else:  # a decode step (most steps): no extend columns to read
+            dec_rows = sampled_rows = table.rows(dec.handles)
+            scoring = None
+            table.advance(dec_rows, 1)
+            new_tokens = len(dec_rows)
+            context = int(table.length[dec_rows].sum())
         tokens = self._tokens(sampled_rows)
         logprobs: tuple[TokenLogprobs, ...] = ()
         if self.table.asking and int(self.table.logprobs[sampled_rows].max(initial=0)) > 0:
@@ -260,8 +275,7 @@ class SimExecutor:
                 )
                 for entry, count in zip(scoring.entries.tolist(), scoring.counts.tolist(), strict=True)
             )
-        context = int(self.table.length[ext_rows].sum() + self.table.length[dec_rows].sum())
-        seconds = self.cost.step_seconds(int(ext.lens.sum()) + len(dec_rows), context, len(dec_rows))
+        seconds = self.cost.step_seconds(new_tokens, context, len(dec_rows))
         if self.sleep:
             time.sleep(max(seconds - (time.perf_counter() - started), 0.0))
         return StepResult(
