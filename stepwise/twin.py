@@ -28,7 +28,7 @@ import math
 import re
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
@@ -681,9 +681,7 @@ class Twin:
     def _execute(self, worker: SimWorker, plan: StepPlan) -> StepResult:
         if self.setup.wire:
             return step_through_wire(worker.executor, plan)
-        result = worker.executor.execute(plan)
-        # The wire carries tokens as int32: the scheduler gets what a decoded result holds.
-        return replace(result, token_ids=result.token_ids.astype(np.int32))
+        return worker.executor.execute(plan)
 
     def _apply(self, worker: SimWorker, result: StepResult) -> None:
         worker.clock += result.forward_s
