@@ -61,7 +61,11 @@ RULE_MIN_OUTPUT, RULE_SPAN = 16, 256
 TOKEN_FLOOR = 3  # never emit the low ids that tokenizers reserve for special tokens
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _MIX1, _MIX2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+_MASK = (1 << 64) - 1
+_GOLDEN_INT, _MIX1_INT, _MIX2_INT = int(_GOLDEN), int(_MIX1), int(_MIX2)
 _INITIAL_ROWS = 64
+# Up to this many handles a step finds their rows by dict, beyond by a sorted index.
+_FEW_ROWS = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +104,15 @@ def _mix(x: np.ndarray) -> np.ndarray:
     x = x ^ (x >> np.uint64(27))
     x = x * _MIX2
     return x ^ (x >> np.uint64(31))
+
+
+def _mix_int(x: int) -> int:
+    """`_mix` of one uint64 held in a Python int."""
+    x ^= x >> 30
+    x = (x * _MIX1_INT) & _MASK
+    x ^= x >> 27
+    x = (x * _MIX2_INT) & _MASK
+    return x ^ (x >> 31)
 
 
 def _digest(text: str) -> int:
@@ -174,6 +187,9 @@ class _SimTable:
 
     def rows(self, handles: np.ndarray) -> np.ndarray:
         """Rows of `handles`; KeyError naming the first that is not live."""
+        if len(handles) <= _FEW_ROWS:  # a dict beats building and searching an index
+            row_of = self.row_of
+            return np.array([row_of[h] for h in handles.tolist()], dtype=np.int64)
         if self._index is None:
             live = np.flatnonzero(self.live)
             self._index = (SortedIndex(self.handle[live]), live)
@@ -186,7 +202,7 @@ class _SimTable:
     def advance(self, rows: np.ndarray, counts: np.ndarray | int) -> None:
         """The sequences in `rows` (distinct) hold `counts` more tokens each."""
         self.length[rows] += counts
-        self.seq_slots += int(np.sum(counts)) if np.ndim(counts) else int(counts) * len(rows)
+        self.seq_slots += int(counts.sum()) if isinstance(counts, np.ndarray) else counts * len(rows)
 
     def _grow(self, extra: int) -> None:
         old = len(self.length)
@@ -223,7 +239,7 @@ class SimExecutor:
         except (KeyError, ValueError, PlanError) as exc:
             return StepResult(
                 plan.step_id,
-                np.zeros(0, np.int64),
+                np.zeros(0, np.int32),
                 kv=self.kv_report(),
                 error=f"sim: {exc!r}",
                 transfers=self._outcomes(),
@@ -233,12 +249,22 @@ class SimExecutor:
         started = time.perf_counter()
         self._apply_deltas(plan)
         ext, dec = plan.extends, plan.decodes
-        ext_rows = self._extend_rows(plan)
-        dec_rows = self.table.rows(dec.handles)
-        scoring = score_rows(ext)
-        self.table.advance(ext_rows, ext.lens)
-        self.table.advance(dec_rows, 1)
-        sampled_rows = np.concatenate((ext_rows[ext.sample.astype(bool)], dec_rows))
+        table = self.table
+        if len(ext.handles) or len(ext.score_lens) or len(ext.score_starts) or len(ext.next_ids):
+            ext_rows = self._extend_rows(plan)
+            dec_rows = table.rows(dec.handles)
+            scoring = score_rows(ext)
+            table.advance(ext_rows, ext.lens)
+            table.advance(dec_rows, 1)
+            sampled_rows = np.concatenate((ext_rows[ext.sample.astype(bool)], dec_rows))
+            new_tokens = int(ext.lens.sum()) + len(dec_rows)
+            context = int(table.length[ext_rows].sum() + table.length[dec_rows].sum())
+        else:  # a decode step (most steps): no extend columns to read
+            dec_rows = sampled_rows = table.rows(dec.handles)
+            scoring = None
+            table.advance(dec_rows, 1)
+            new_tokens = len(dec_rows)
+            context = int(table.length[dec_rows].sum())
         tokens = self._tokens(sampled_rows)
         logprobs: tuple[TokenLogprobs, ...] = ()
         if self.table.asking and int(self.table.logprobs[sampled_rows].max(initial=0)) > 0:
@@ -252,8 +278,7 @@ class SimExecutor:
                 )
                 for entry, count in zip(scoring.entries.tolist(), scoring.counts.tolist(), strict=True)
             )
-        context = int(self.table.length[ext_rows].sum() + self.table.length[dec_rows].sum())
-        seconds = self.cost.step_seconds(int(ext.lens.sum()) + len(dec_rows), context, len(dec_rows))
+        seconds = self.cost.step_seconds(new_tokens, context, len(dec_rows))
         if self.sleep:
             time.sleep(max(seconds - (time.perf_counter() - started), 0.0))
         return StepResult(
@@ -338,14 +363,33 @@ class SimExecutor:
 
     def _tokens(self, rows: np.ndarray) -> np.ndarray:
         """The token at each row's next position: hashed, or EOS at its output length."""
+        if len(rows) <= _FEW_ROWS:
+            return self._few_tokens(rows)
+        return self._many_tokens(rows)
+
+    def _many_tokens(self, rows: np.ndarray) -> np.ndarray:
         table = self.table
         position = table.length[rows]
         hashed = _mix(table.key[rows] + position.astype(np.uint64) * _GOLDEN)
         span = np.uint64(self.vocab_size - TOKEN_FLOOR)
-        tokens = (hashed % span).astype(np.int64) + TOKEN_FLOOR
+        tokens = (hashed % span).astype(np.int32) + TOKEN_FLOOR
         tokens[tokens == self.eos_token_id] = TOKEN_FLOOR
         tokens[position - table.prompt_len[rows] == table.output_len[rows]] = self.eos_token_id
         return tokens
+
+    def _few_tokens(self, rows: np.ndarray) -> np.ndarray:
+        """`_tokens` in plain ints (the same tokens): a dozen numpy calls cost more on a few rows."""
+        table, eos, span = self.table, self.eos_token_id, self.vocab_size - TOKEN_FLOOR
+        keys, positions = table.key[rows].tolist(), table.length[rows].tolist()
+        ends = (table.prompt_len[rows] + table.output_len[rows]).tolist()
+        out = []
+        for key, position, end in zip(keys, positions, ends, strict=True):
+            if position == end:
+                out.append(eos)
+                continue
+            token = _mix_int((key + position * _GOLDEN_INT) & _MASK) % span + TOKEN_FLOOR
+            out.append(TOKEN_FLOOR if token == eos else token)
+        return np.array(out, dtype=np.int32)
 
     def _rule(self, request_id: str) -> int:
         return RULE_MIN_OUTPUT + _digest(f"{self.seed}/len/{request_id}") % RULE_SPAN

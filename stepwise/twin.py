@@ -44,7 +44,7 @@ from control_plane.record.recorder import RecordingScheduler, Sink
 from control_plane.request import Request, RequestParams
 from control_plane.scheduler.scheduler import QueueFull, RequestRejected, Scheduler
 from data_plane.sim import CostModel, SimExecutor
-from protos.worker import StepResult, WorkerLimits
+from protos.worker import StepPlan, StepResult, WorkerLimits
 from stepwise.simulate import (
     OVERLAP_DEPTH,
     TRACE_ABORT,
@@ -93,6 +93,10 @@ class TwinSetup:
     role_costs: dict[str, CostModel] = field(default_factory=dict)
     slo_ttft_s: float | None = None
     slo_tpot_s: float | None = None
+    # Plans and results through the worker codec (encoded, serialised, parsed, decoded) as between
+    # processes; False hands them to the in-process executor as they are (a third of a step's CPU),
+    # which tests/record/test_twin.py proves prints the same bytes.
+    wire: bool = False
 
 
 # --- parsing the fleet's flags ----------------------------------------------------------------------
@@ -666,7 +670,7 @@ class Twin:
         self._collect(worker)
         if plan is not None:
             worker.prefill_tokens += int(plan.extends.lens.sum())
-            result = step_through_wire(worker.executor, plan)
+            result = self._execute(worker, plan)
             if result.error:
                 raise RuntimeError(f"sim worker {worker.worker} failed step {plan.step_id}: {result.error}")
             worker.in_flight.append(result)
@@ -679,6 +683,11 @@ class Twin:
             self._apply(worker, worker.in_flight.popleft())
         worker.scheduled = True
         self._at(worker.clock, _TURN, lambda: self._turn(worker))
+
+    def _execute(self, worker: SimWorker, plan: StepPlan) -> StepResult:
+        if self.setup.wire:
+            return step_through_wire(worker.executor, plan)
+        return worker.executor.execute(plan)
 
     def _apply(self, worker: SimWorker, result: StepResult) -> None:
         seconds = self._step_seconds(worker, result)
@@ -713,15 +722,14 @@ class Twin:
 
     def _collect(self, worker: SimWorker) -> None:
         updates = worker.scheduler.take_updates()
-        if len(updates.tokens.uids):
-            uids, counts = np.unique(updates.tokens.uids, return_counts=True)
-            for uid, count in zip(uids.tolist(), counts.tolist(), strict=True):
-                progress = self.by_uid[uid]
-                if progress.owner is not worker:
-                    continue
-                if progress.first_token is None:
-                    progress.first_token = worker.clock
-                progress.output_tokens += count
+        by_uid = self.by_uid
+        for uid in updates.tokens.uids.tolist():  # a few per step: plain ints beat np.unique
+            progress = by_uid[uid]
+            if progress.owner is not worker:
+                continue
+            if progress.first_token is None:
+                progress.first_token = worker.clock
+            progress.output_tokens += 1
         for finished in updates.finished:
             progress = self.progress[finished.rid]
             if progress.owner is not worker:

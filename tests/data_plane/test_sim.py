@@ -228,3 +228,21 @@ def test_prompt_scores_one_row_per_scored_position() -> None:
     assert all(row.logprob == 0.0 for row in scores.rows)
     assert scores.rows[0].ids_logprobs == (0.0, float("-inf"))
     assert result.logprobs == ()  # the sampled row (entry 0) did not ask
+
+
+def test_a_few_rows_get_the_tokens_the_vectorised_rule_gives() -> None:
+    """A step of a few rows hashes in plain ints (_few_tokens): the same tokens as the numpy rule,
+    EOS at each output length and the EOS id itself never drawn included."""
+    rng = np.random.default_rng(5)
+    for vocab in (7, 50, 32000):
+        executor = SimExecutor(100_000, vocab, eos_token_id=4, seed=3)
+        seqs = [(h, f"r{h}", int(rng.integers(1, 40)), int(rng.integers(1, 9))) for h in range(1, 30)]
+        executor.execute(_prefill(1, seqs))
+        table, seen = executor.table, set()
+        for _ in range(12):
+            rows = table.rows(np.asarray([s[0] for s in seqs], dtype=np.int64))
+            few, many = executor._few_tokens(rows), executor._many_tokens(rows)
+            assert few.dtype == many.dtype and few.tolist() == many.tolist()
+            seen.update(many.tolist())
+            table.advance(rows, 1)
+        assert 4 in seen  # each sequence reached its output length

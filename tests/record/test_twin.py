@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from pathlib import Path
@@ -237,3 +238,33 @@ def test_a_copy_from_a_killed_source_recomputes_and_none_is_lost(
     fleet, rows = _fleet(tmp_path, capsys, requests, *flags)
     assert fleet["migration_fallbacks"] > 0
     assert _finished_ok(rows) == set(rows)
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ("--roles", "p:1,d:1,m:2", "--event", "kill:2@1", "--event", "add@1.5", "--event", "drain:3@2"),
+        ("--workers", "3", "--kv-tokens", "1500", "--enable-priority-scheduling"),
+        ("--roles", "p:2,d:2", "--link-gbps", "0.001", "--event", "kill:0@1"),
+    ],
+)
+def test_the_in_process_link_prints_what_the_codec_prints(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    flags: tuple[str, ...],
+) -> None:
+    """The twin hands plans and results to its sim workers as they are (TwinSetup.wire False): the
+    same bytes as through the worker codec, request rows included."""
+    from stepwise import twin_cli
+
+    def rows(wire: bool) -> tuple[str, str]:
+        made = twin_cli.setup_from_args
+        monkeypatch.setattr(twin_cli, "setup_from_args", lambda *a: dataclasses.replace(made(*a), wire=wire))
+        out = _run(tmp_path, capsys, _requests(), "--per-request", str(tmp_path / "rows.jsonl"), *flags)
+        monkeypatch.setattr(twin_cli, "setup_from_args", made)
+        return out, (tmp_path / "rows.jsonl").read_text()
+
+    direct, wired = rows(False), rows(True)
+    assert direct == wired
+    assert '"fleet"' in direct[0]
