@@ -1,9 +1,9 @@
 """One step loop per worker: plan, send, receive, apply, publish.
 
 The engine owns a Scheduler (pure) and a WorkerChannel (the wire). With overlap (the default,
-docs/scheduler.md#overlap) two plans are in flight: the plan for step N+1 is on its way while the worker runs
-step N, so the worker starts N+1 the moment N ends. Every turn sends the next plan before it
-publishes the previous step's tokens, so publishing never delays the accelerator.
+docs/scheduler.md#overlap) two plans are in flight (pipeline.py): the plan for step N+1 is on its
+way while the worker runs step N, so the worker starts N+1 the moment N ends. Every turn sends the
+next plan before it publishes the previous step's tokens, so publishing never delays the accelerator.
 
 Arrivals, aborts and stop-string finishes wait in an inbox (inbox.py) applied at the top of each
 turn (admission.py), so the scheduler sees them at a well-defined step (what the recorder stamps).
@@ -36,11 +36,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Protocol
 
 import structlog
@@ -67,6 +65,7 @@ from control_plane.core.inbox import (
 )
 from control_plane.core.migration import Destination, Migrations
 from control_plane.core.mover import Mover
+from control_plane.core.pipeline import Pipeline
 from control_plane.core.publisher import Publisher, Streams
 from control_plane.core.step_log import StepLog
 from control_plane.core.timeouts import Timeouts
@@ -74,7 +73,6 @@ from control_plane.core.worker_checks import WorkerFault, check_result
 from control_plane.link import link_of
 from control_plane.record.recorder import close_recording, make_scheduler
 from control_plane.request import AbortCode, FinishReason
-from control_plane.scheduler.records import StepStats
 from control_plane.scheduler.scheduler import Scheduler
 from protos.worker import Grammar, StepPlan, StepResult, TransferOutcome, WorkerLimits
 
@@ -93,18 +91,6 @@ class WorkerChannel(Protocol):
     async def move(self, reason: str) -> None: ...
 
     async def drop(self, reason: str) -> None: ...
-
-
-@dataclass(frozen=True, slots=True)
-class InFlight:
-    """A plan sent and not yet answered, with what its result will be checked against."""
-
-    plan: StepPlan
-    stats: StepStats
-    # (live sequences, slots in their tables) the worker must report after this plan.
-    books: tuple[int, int]
-    # Planned by a scheduler since replaced (after a fault of ours): its result is read and dropped.
-    stale: bool = False
 
 
 class Engine:
@@ -143,8 +129,7 @@ class Engine:
         self.timeouts = Timeouts(config.waiting_timeout_s, config.running_timeout_s, self.streams.admitted_at)
         # A RecordingScheduler under --record DIR: every call below is also written down.
         self.scheduler: Scheduler = make_scheduler(config, limits)
-        self.depth = 2 if config.overlap else 1
-        self._inflight: deque[InFlight] = deque()
+        self.pipeline = Pipeline(channel, 2 if config.overlap else 1, config.limits.step_deadline_s)
         self.inbox = Inbox()
         self.mover = Mover(config, self.fleet, self.migration, self.streams, self.inbox.wake)
         self._stopping = False
@@ -156,8 +141,6 @@ class Engine:
         self.departed = False
         # Why the worker was dropped for breaking the protocol (or hanging); None while it behaves.
         self.fault: str | None = None
-        # The next plan tells the worker to forget everything (after _recover).
-        self._reset_worker = False
         self.books = Books(
             self.worker, limits.kv_capacity_tokens, config.scheduler.strict_invariants, self.log
         )
@@ -383,39 +366,34 @@ class Engine:
             self.timeouts.check(self.scheduler, time.monotonic())
         await self._fill_pipeline()
         self._publish()  # after the next plan went out: publishing never delays the worker
-        if self._inflight:
+        if self.pipeline:
             await self._receive()
         else:
             await self._idle()
 
     async def _fill_pipeline(self) -> None:
-        """Plan and send until `depth` plans are in flight or there is nothing to do."""
-        while len(self._inflight) < self.depth:
+        """Plan and send until the pipeline is full or there is nothing to do."""
+        while not self.pipeline.full:
             plan = self.scheduler.next_plan()
             if self.scheduler.emigrants:
                 self.mover.emigrate(self.scheduler)  # before the publish: their finish here is no finish
             if self.timeouts.enabled:
                 self.timeouts.note_waiting(self.scheduler, time.monotonic())
             if plan is None:
-                if not self.migration.wants_plan(idle=not self._inflight):
+                if not self.migration.wants_plan(idle=not self.pipeline):
                     return
                 plan = self.scheduler.next_plan(always=True)  # to ask the worker about a copy
                 assert plan is not None
             stats = self.scheduler.last_stats
             assert stats is not None
             self.streams.note_admissions(plan, self.scheduler.requests)
-            if self._reset_worker:
-                plan, self._reset_worker = dataclasses.replace(plan, reset=True), False
-            self._inflight.append(InFlight(plan, stats, self.scheduler.books()))
-            await self.channel.send(plan)
+            await self.pipeline.send(plan, stats, self.scheduler.books())
 
     def _publish(self) -> None:
         self.streams.publish(self.scheduler.take_updates())
 
     async def _receive(self) -> None:
-        flight = self._inflight[0]
-        result = await self._await_result()
-        self._inflight.popleft()
+        flight, result = await self.pipeline.receive()
         plan = flight.plan
         if result.error:
             raise WorkerGone(f"worker failed step {plan.step_id}: {result.error}")
@@ -435,20 +413,6 @@ class Engine:
             self.books.check_pool(self.scheduler)
         self.step_log.record(plan, flight.stats, self.scheduler)
         self.mover.place(self)  # the fleet decides which calls move, the mover starts them
-
-    async def _await_result(self) -> StepResult:
-        """The oldest plan's result, no later than the in-flight plans' deadline (a hung worker)."""
-        tokens = sum(len(f.plan.extends.token_ids) + len(f.plan.decodes) for f in self._inflight)
-        deadline = self.config.limits.step_deadline_s(tokens)
-        step = self._inflight[0].plan.step_id
-        try:
-            async with asyncio.timeout(deadline):  # no task per step, unlike wait_for
-                return await self.channel.receive()
-        except TimeoutError:
-            raise WorkerFault(f"no result for step {step} within {deadline:.1f} s") from None
-
-    def _forget_in_flight(self) -> None:
-        self._inflight = deque(dataclasses.replace(f, stale=True) for f in self._inflight)
 
     async def _idle(self) -> None:
         if self.scheduler.is_idle:
@@ -506,7 +470,7 @@ class Engine:
         if self.config.drain_migration and self.streams:
             leaving.migrated += self.mover.drain(self)
         self.drain.check_deadline(self.scheduler)
-        return not self.streams and not self._inflight and not self.migration.busy
+        return not self.streams and not self.pipeline and not self.migration.busy
 
     async def _depart(self) -> None:
         self.departed = True
@@ -527,9 +491,10 @@ class Engine:
             close_recording(self.scheduler)
         self.scheduler = make_scheduler(self.config, self.limits)
         self.mover.recovered()
-        self._forget_in_flight()
+        self.pipeline.forget()
+        self.pipeline.reset_worker()
         self.migration.recovered()
-        self._reset_worker, self.books.pool_dirty = True, True
+        self.books.pool_dirty = True
         self.inbox.items.extend(orphans)
 
     # --- the inbox -----------------------------------------------------------------------------------
