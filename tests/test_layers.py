@@ -16,8 +16,8 @@ A file's folder says which process runs it and what it may import:
 - `flagtypes/` (the flag table's range-checked types, which every command line uses) imports
   nothing of the project.
 - the rooms that decide in plain values, `control_plane/core/fleet/` and `control_plane/scheduler/`,
-  import no grpc, asyncio or torch (directly or through each other), and the engine reaches the
-  fleet only through its public entry (`control_plane.core.fleet`), never a module inside it.
+  import no grpc, asyncio or torch (directly or through each other), and the engine and its mover
+  reach the fleet only through its public entry (`control_plane.core.fleet`), never a module inside it.
 
 Imports inside functions and under TYPE_CHECKING count like any other.
 """
@@ -178,9 +178,10 @@ def test_allowed_imports_pass() -> None:
 # they use are not followed (control_plane.config reaches asyncio through protos.targets).
 PURE_ROOMS = ("control_plane.core.fleet", "control_plane.scheduler")
 EDGE_LIBRARIES = ("grpc", "asyncio", "torch")
-# The engine drives one worker; what spans workers it reaches through the fleet's public entry only.
+# The engine drives one worker, and its mover starts the moves the fleet decides; what spans
+# workers they reach through the fleet's public entry only.
 FLEET = "control_plane.core.fleet"
-FLEET_USERS = ("control_plane.core.engine",)
+FLEET_USERS = ("control_plane.core.engine", "control_plane.core.mover")
 
 
 def _pure(module: str) -> bool:

@@ -1,9 +1,9 @@
 """One step loop per worker: plan, send, receive, apply, publish.
 
 The engine owns a Scheduler (pure) and a WorkerChannel (the wire). With overlap (the default,
-docs/scheduler.md#overlap) two plans are in flight: the plan for step N+1 is on its way while the worker runs
-step N, so the worker starts N+1 the moment N ends. Every turn sends the next plan before it
-publishes the previous step's tokens, so publishing never delays the accelerator.
+docs/scheduler.md#overlap) two plans are in flight (pipeline.py): the plan for step N+1 is on its
+way while the worker runs step N, so the worker starts N+1 the moment N ends. Every turn sends the
+next plan before it publishes the previous step's tokens, so publishing never delays the accelerator.
 
 Arrivals, aborts and stop-string finishes wait in an inbox (inbox.py) applied at the top of each
 turn (admission.py), so the scheduler sees them at a well-defined step (what the recorder stamps).
@@ -14,7 +14,8 @@ restarts the scheduler), Drain (drain.py: a worker that drains or is asked to mo
 (migration.py: running requests that move to another worker with their KV, or come here so),
 Timeouts (timeouts.py), StepLog (step_log.py: log lines and metrics), Books (books.py: the worker's
 report against the books, the pool's invariants); worker_checks.py checks every result. What spans
-workers (who inherits, which calls move where) the Fleet decides (core/fleet/).
+workers (who inherits, which calls move where) the Fleet decides (core/fleet/), and the Mover
+(mover.py) starts the moves it decides and settles the word of their copies.
 
 Every request ends with its tokens or an explicit finish reason, whichever way `run` ends. A lost
 worker (WorkerGone: its stream broke or it failed a step; WorkerFault: it broke the protocol or
@@ -35,11 +36,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import time
-from collections import Counter, deque
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from collections import Counter
+from collections.abc import Iterator
 from typing import Protocol
 
 import structlog
@@ -50,9 +49,9 @@ from control_plane.config import ControlConfig
 from control_plane.core.admission import admit, admit_orphan
 from control_plane.core.books import Books
 from control_plane.core.drain import Departure, Drain, Leaving
-from control_plane.core.fleet import BALANCE_REASONS, Call, Fleet, Move, Room, Rules, Spill
+from control_plane.core.fleet import BALANCE_REASONS, Call, Fleet, Move, Room
 from control_plane.core.grammar_gate import GrammarGate
-from control_plane.core.handover import HandOver, WorkerGone, orphan_of
+from control_plane.core.handover import HandOver, WorkerGone
 from control_plane.core.inbox import (
     AbortItem,
     Arrival,
@@ -64,7 +63,9 @@ from control_plane.core.inbox import (
     StopItem,
     Verdict,
 )
-from control_plane.core.migration import Destination, Migrations, transfer_source
+from control_plane.core.migration import Destination, Migrations
+from control_plane.core.mover import Mover
+from control_plane.core.pipeline import Pipeline
 from control_plane.core.publisher import Publisher, Streams
 from control_plane.core.step_log import StepLog
 from control_plane.core.timeouts import Timeouts
@@ -72,7 +73,6 @@ from control_plane.core.worker_checks import WorkerFault, check_result
 from control_plane.link import link_of
 from control_plane.record.recorder import close_recording, make_scheduler
 from control_plane.request import AbortCode, FinishReason
-from control_plane.scheduler.records import StepStats
 from control_plane.scheduler.scheduler import Scheduler
 from protos.worker import Grammar, StepPlan, StepResult, TransferOutcome, WorkerLimits
 
@@ -91,18 +91,6 @@ class WorkerChannel(Protocol):
     async def move(self, reason: str) -> None: ...
 
     async def drop(self, reason: str) -> None: ...
-
-
-@dataclass(frozen=True, slots=True)
-class InFlight:
-    """A plan sent and not yet answered, with what its result will be checked against."""
-
-    plan: StepPlan
-    stats: StepStats
-    # (live sequences, slots in their tables) the worker must report after this plan.
-    books: tuple[int, int]
-    # Planned by a scheduler since replaced (after a fault of ours): its result is read and dropped.
-    stale: bool = False
 
 
 class Engine:
@@ -132,14 +120,6 @@ class Engine:
         self.log = log.bind(worker=limits.worker_id)
         self.step_log = StepLog(self.worker, config.decode_log_interval, self.log)
         self.fleet: Fleet[Engine] = fleet if fleet is not None else Fleet()
-        self.rules = Rules(
-            config.kv_balance_steps,
-            config.kv_balance_threshold,
-            config.kv_balance,
-            config.test_migrate_interval,
-        )
-        # The worker the scheduler's retractions go to instead (Scheduler.spill_to), if any.
-        self._spill_to: Engine | None = None
         self.streams = Streams(publisher, self.worker, self.step_log.metrics)
         self.handover = HandOver(self.streams, self.worker, self.log, self._heir)
         self.drain = Drain(config.drain_timeout_s, self.streams, self.handover, self.worker, self.log)
@@ -149,9 +129,9 @@ class Engine:
         self.timeouts = Timeouts(config.waiting_timeout_s, config.running_timeout_s, self.streams.admitted_at)
         # A RecordingScheduler under --record DIR: every call below is also written down.
         self.scheduler: Scheduler = make_scheduler(config, limits)
-        self.depth = 2 if config.overlap else 1
-        self._inflight: deque[InFlight] = deque()
+        self.pipeline = Pipeline(channel, 2 if config.overlap else 1, config.limits.step_deadline_s)
         self.inbox = Inbox()
+        self.mover = Mover(config, self.fleet, self.migration, self.streams, self.inbox.wake)
         self._stopping = False
         # The loop has ended (or will never run): nothing may wait here any more.
         self._closed = False
@@ -161,8 +141,6 @@ class Engine:
         self.departed = False
         # Why the worker was dropped for breaking the protocol (or hanging); None while it behaves.
         self.fault: str | None = None
-        # The next plan tells the worker to forget everything (after _recover).
-        self._reset_worker = False
         self.books = Books(
             self.worker, limits.kv_capacity_tokens, config.scheduler.strict_invariants, self.log
         )
@@ -276,17 +254,8 @@ class Engine:
 
     def worker_received(self, outcome: TransferOutcome) -> None:
         """This worker holds a transfer in full (its own report, which its channel passes on as it
-        comes): the word goes to the engine whose worker sent it."""
-        source = self.fleet.member(transfer_source(outcome.transfer_id))
-        if source is not None:
-            source.copy_arrived(outcome, self.worker)
-
-    def copy_arrived(self, outcome: TransferOutcome, receiver: str) -> None:
-        """A copy this worker sent is at its destination, `receiver` says (usually sooner than this
-        worker's own word): a tail's request continues there now, a pre-copied call switches at
-        this loop's next turn."""
-        self.migration.received(outcome, receiver)
-        self.inbox.wake.set()
+        comes): the word goes to the engine whose worker sent it (mover.py)."""
+        self.mover.worker_received(outcome, self.worker)
 
     def knows(self, rid: str) -> bool:
         """A live call or sample here, or one migrating from here whose tail is on its way."""
@@ -388,7 +357,7 @@ class Engine:
     async def _iteration(self) -> None:
         self._drain_inbox()
         if self.migration.busy:
-            self._fail_overdue_copies()
+            self.mover.fail_overdue_copies()
         self.migration.switch_ready(self.scheduler)
         if self._leave_turn():
             await self._depart()
@@ -397,39 +366,34 @@ class Engine:
             self.timeouts.check(self.scheduler, time.monotonic())
         await self._fill_pipeline()
         self._publish()  # after the next plan went out: publishing never delays the worker
-        if self._inflight:
+        if self.pipeline:
             await self._receive()
         else:
             await self._idle()
 
     async def _fill_pipeline(self) -> None:
-        """Plan and send until `depth` plans are in flight or there is nothing to do."""
-        while len(self._inflight) < self.depth:
+        """Plan and send until the pipeline is full or there is nothing to do."""
+        while not self.pipeline.full:
             plan = self.scheduler.next_plan()
             if self.scheduler.emigrants:
-                self._emigrate()  # before the publish: their finish here is no finish
+                self.mover.emigrate(self.scheduler)  # before the publish: their finish here is no finish
             if self.timeouts.enabled:
                 self.timeouts.note_waiting(self.scheduler, time.monotonic())
             if plan is None:
-                if not self.migration.wants_plan(idle=not self._inflight):
+                if not self.migration.wants_plan(idle=not self.pipeline):
                     return
                 plan = self.scheduler.next_plan(always=True)  # to ask the worker about a copy
                 assert plan is not None
             stats = self.scheduler.last_stats
             assert stats is not None
             self.streams.note_admissions(plan, self.scheduler.requests)
-            if self._reset_worker:
-                plan, self._reset_worker = dataclasses.replace(plan, reset=True), False
-            self._inflight.append(InFlight(plan, stats, self.scheduler.books()))
-            await self.channel.send(plan)
+            await self.pipeline.send(plan, stats, self.scheduler.books())
 
     def _publish(self) -> None:
         self.streams.publish(self.scheduler.take_updates())
 
     async def _receive(self) -> None:
-        flight = self._inflight[0]
-        result = await self._await_result()
-        self._inflight.popleft()
+        flight, result = await self.pipeline.receive()
         plan = flight.plan
         if result.error:
             raise WorkerGone(f"worker failed step {plan.step_id}: {result.error}")
@@ -448,21 +412,7 @@ class Engine:
         if self.config.scheduler.strict_invariants:
             self.books.check_pool(self.scheduler)
         self.step_log.record(plan, flight.stats, self.scheduler)
-        self._place()
-
-    async def _await_result(self) -> StepResult:
-        """The oldest plan's result, no later than the in-flight plans' deadline (a hung worker)."""
-        tokens = sum(len(f.plan.extends.token_ids) + len(f.plan.decodes) for f in self._inflight)
-        deadline = self.config.limits.step_deadline_s(tokens)
-        step = self._inflight[0].plan.step_id
-        try:
-            async with asyncio.timeout(deadline):  # no task per step, unlike wait_for
-                return await self.channel.receive()
-        except TimeoutError:
-            raise WorkerFault(f"no result for step {step} within {deadline:.1f} s") from None
-
-    def _forget_in_flight(self) -> None:
-        self._inflight = deque(dataclasses.replace(f, stale=True) for f in self._inflight)
+        self.mover.place(self)  # the fleet decides which calls move, the mover starts them
 
     async def _idle(self) -> None:
         if self.scheduler.is_idle:
@@ -478,6 +428,35 @@ class Engine:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.inbox.wake.wait(), timeout)
 
+    # --- what the fleet reads and tells (fleet/member.py); the mover moves (mover.py) ---------------
+
+    def start_move(self, move: Move) -> bool:
+        """Start migrating a call (migration.py); False when it cannot start."""
+        return self.mover.start(self.scheduler, move)
+
+    def holds_compiled(self, grammars: list[Grammar]) -> bool:
+        """Whether this worker holds every one of `grammars` compiled; it is asked to compile the
+        others (grammar_gate.py), so a move that waits for them finds them at a later decision."""
+        gate = self.grammar_gate
+        return gate is None or all([gate.compiled(grammar) for grammar in grammars])
+
+    def room(self, steps: int) -> Room:
+        """This worker's KV once its running requests have decoded `steps` more (fleet/balance.py)."""
+        sched = self.scheduler  # waiting: what the latest plan did not admit
+        return Room(sched.decode_headroom(steps), sched.capacity, len(sched.waiting))
+
+    def calls(self, steps: int, by_retraction: bool) -> Iterator[Call]:
+        return self.mover.calls(self.scheduler, steps, by_retraction)
+
+    def balancing(self) -> bool:
+        return self.migration.underway(BALANCE_REASONS)
+
+    def heading(self) -> Counter[str]:
+        return self.migration.heading()
+
+    def destination_gone(self, worker: str, why: str) -> None:
+        self.mover.destination_gone(worker, why)
+
     # --- leaving, losing the worker, faults of our own -------------------------------------------
 
     def _leave_turn(self) -> bool:
@@ -489,105 +468,9 @@ class Engine:
         if not leaving.begun:
             self.drain.begin(self.scheduler, self.load())
         if self.config.drain_migration and self.streams:
-            leaving.migrated += sum(len(m.rids) for m in self.fleet.drain(self).moves if self.start_move(m))
+            leaving.migrated += self.mover.drain(self)
         self.drain.check_deadline(self.scheduler)
-        return not self.streams and not self._inflight and not self.migration.busy
-
-    # --- placement: the fleet decides, the engine moves -----------------------------------------
-
-    def _place(self) -> None:
-        """After a step: the moves the fleet decides for this worker's calls (core/fleet/)."""
-        plan = self.fleet.place(self, self.rules)
-        if plan.spill is not None:
-            self._spill(plan.spill)
-        for move in plan.moves:
-            self.start_move(move)
-
-    def start_move(self, move: Move) -> bool:
-        """Start migrating a call (migration.py); False when it cannot start."""
-        destination = self.fleet.member(move.to)
-        if destination is None or not destination.holds_compiled(self._grammars(move.rids)):
-            return False
-        if not self.migration.start(self.scheduler, list(move.rids), destination, move.reason, move.precopy):
-            return False
-        self.fleet.started(move.to)
-        return True
-
-    def holds_compiled(self, grammars: list[Grammar]) -> bool:
-        """Whether this worker holds every one of `grammars` compiled; it is asked to compile the
-        others (grammar_gate.py), so a move that waits for them finds them at a later decision."""
-        gate = self.grammar_gate
-        return gate is None or all([gate.compiled(grammar) for grammar in grammars])
-
-    def _grammars(self, rids: Iterable[str]) -> list[Grammar]:
-        reqs = [self.scheduler.running_request(rid) for rid in rids]
-        grammars = [r.params.sampler.grammar for r in reqs if r is not None]
-        return [grammar for grammar in grammars if grammar is not None]
-
-    def room(self, steps: int) -> Room:
-        """This worker's KV once its running requests have decoded `steps` more (fleet/balance.py)."""
-        sched = self.scheduler  # waiting: what the latest plan did not admit
-        return Room(sched.decode_headroom(steps), sched.capacity, len(sched.waiting))
-
-    def calls(self, steps: int, by_retraction: bool) -> Iterator[Call]:
-        """The live calls as placement sees them: as they came, or (`by_retraction`) in the order a
-        retraction would release them (then only those running)."""
-        live = list(self.streams.live_calls())
-        if by_retraction:
-            of = {rid: tuple(call) for call in live for rid in call}
-            order = dict.fromkeys(of[rid] for rid in self.scheduler.retraction_order() if rid in of)
-            live = [list(call) for call in order]
-        for rids in live:
-            reqs = [self.scheduler.running_request(rid) for rid in rids]
-            running = [r for r in reqs if r is not None]
-            yield Call(
-                tuple(rids),
-                tokens=sum(r.kv_allocated_len for r in running),
-                movable=len(running) == len(rids) and not any(map(self.migration.moving, rids)),
-                started=all(r.num_outputs > 0 for r in running),
-                ends_soon=any(r.max_new_tokens - r.num_outputs <= steps for r in running),
-            )
-
-    def balancing(self) -> bool:
-        return self.migration.underway(BALANCE_REASONS)
-
-    def heading(self) -> Counter[str]:
-        return self.migration.heading()
-
-    def destination_gone(self, worker: str, why: str) -> None:
-        """`worker` left or was lost: each copy on its way there from here fails now, so its call
-        goes on here (or recomputes on an heir) instead of waiting on an outcome that may never
-        come (a hung destination's)."""
-        for transfer_id in self.migration.bound_for(worker):
-            self.copy_arrived(TransferOutcome(transfer_id, error=why), worker)
-
-    def _fail_overdue_copies(self) -> None:
-        """A copy with no word past the step deadline for its size fails (a hung destination, or
-        a send that never ends): its call goes on as after any failed copy, and the destination
-        sits out a back-off."""
-        deadline_s = self.config.limits.step_deadline_s
-        for transfer_id, worker, limit in self.migration.overdue(time.monotonic(), deadline_s):
-            self.copy_arrived(
-                TransferOutcome(transfer_id, error=f"no word on the copy within {limit:.1f} s"), worker
-            )
-
-    def _spill(self, spill: Spill) -> None:
-        """Where the scheduler's retractions go instead (None: nowhere, they retract)."""
-        if spill.to is None and self._spill_to is None:
-            return
-        self._spill_to = self.fleet.member(spill.to) if spill.to is not None and spill.tokens > 0 else None
-        address = self._spill_to.limits.transfer_address if self._spill_to is not None else ""
-        self.scheduler.spill_to(address, spill.tokens)
-
-    def _emigrate(self) -> None:
-        """The latest plan sent requests to the spill worker instead of retracting them: each
-        leaves the streams and continues there once its copy is reported (migration.py)."""
-        destination = self._spill_to
-        for emigrant in self.scheduler.emigrants:
-            sample = self.streams.get(emigrant.req.rid)
-            assert sample is not None and destination is not None  # running here; spill_to was set
-            orphan = orphan_of(emigrant.req, sample)
-            self.migration.spilled(orphan, emigrant.transfer_id, emigrant.tokens, destination)
+        return not self.streams and not self.pipeline and not self.migration.busy
 
     async def _depart(self) -> None:
         self.departed = True
@@ -607,10 +490,11 @@ class Engine:
         with contextlib.suppress(Exception):
             close_recording(self.scheduler)
         self.scheduler = make_scheduler(self.config, self.limits)
-        self._spill_to = None  # the fresh scheduler has none
-        self._forget_in_flight()
+        self.mover.recovered()
+        self.pipeline.forget()
+        self.pipeline.reset_worker()
         self.migration.recovered()
-        self._reset_worker, self.books.pool_dirty = True, True
+        self.books.pool_dirty = True
         self.inbox.items.extend(orphans)
 
     # --- the inbox -----------------------------------------------------------------------------------

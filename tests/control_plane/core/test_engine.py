@@ -230,7 +230,7 @@ async def test_a_request_that_keeps_faulting_ends_with_an_abort(tokenizer: Token
         assert "internal error" in doomed.finished.message
         broken["on"] = False
         engine.scheduler = make(engine.config, engine.limits)
-        engine._forget_in_flight()
+        engine.pipeline.forget()
         (fine,) = await finished(hub, submit(engine, "fine", [5, 6, 7], _params(3)))
         assert len(fine.tokens) == 3
         engine.stop()

@@ -283,7 +283,7 @@ async def test_only_the_copy_s_destination_can_say_it_arrived(pair: Pair) -> Non
     [tail] = pair.a.migration.exports
     await until(lambda: tail in pair.network, 20.0, "the tail at b", every_s=0.001)  # its result held back
     with structlog.testing.capture_logs() as logs:
-        pair.a.copy_arrived(TransferOutcome(tail, "", 64), receiver="c")
+        pair.a.mover.copy_arrived(TransferOutcome(tail, "", 64), receiver="c")
     assert [e["event"] for e in logs] == ["transfer reported by another worker"]
     assert tail in pair.a.migration.exports and pair.b.migration.migrated_in == 0
     pair.b.worker_received(TransferOutcome(tail, "", 64))

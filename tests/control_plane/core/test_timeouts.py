@@ -53,7 +53,7 @@ async def test_the_waiting_timeout_counts_from_the_latest_reentry(
     100 ms waiting timeout), so it times out though it was admitted before. Before, the waiting
     timeout applied only to requests never admitted, and both ran to their length."""
     engine, hub = _engine(tokenizer, step_s=0.15, waiting_timeout_s=0.1, test_retract=True)
-    engine.depth = 2 if overlap else 1
+    engine.pipeline.depth = 2 if overlap else 1
     task = asyncio.create_task(engine.run())
     uids = [submit(engine, f"r{i}", [5 + i, 6, 7, 8, 9], _params(12))[0] for i in range(2)]
     streams = await finished(hub, uids, timeout=30)
