@@ -179,7 +179,9 @@ class SchedulerConfig:
         object.__setattr__(self, "tenant_weights", dict(self.tenant_weights))
 
     def tenant_weight(self, tenant: str) -> float:
-        return float(self.tenant_weights.get(tenant, 1.0))
+        """The tenant's own weight, else the tenant file's [defaults] (under ANY_TENANT), else 1."""
+        found = self.tenant_weights.get(tenant)
+        return float(found if found is not None else self.tenant_weights.get(ANY_TENANT, 1.0))
 
     def tenant_slo(self, tenant: str) -> tuple[float, float]:
         """(ttft_slo_ms, tpot_slo_ms) for the tenant's requests that name none: its own entry's, else

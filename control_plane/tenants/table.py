@@ -82,8 +82,12 @@ class TenantTable:
 
     def weights(self) -> dict[str, float]:
         """Each listed tenant's share of tokens, as the scheduler's fairness takes it
-        (SchedulerConfig.tenant_weights; an unlisted tenant weighs 1)."""
-        return {name: t.weight for name, t in self.tenants.items()}
+        (SchedulerConfig.tenant_weights), and every other one's under ANY_TENANT when the [defaults]
+        entry sets one (else an unlisted tenant weighs 1)."""
+        weights = {name: t.weight for name, t in self.tenants.items()}
+        if self.default.weight != 1.0:
+            weights[ANY_TENANT] = self.default.weight
+        return weights
 
     def slo_defaults(self) -> dict[str, tuple[float, float]]:
         """(ttft_slo_ms, tpot_slo_ms) of each listed tenant, and of every other one under ANY_TENANT

@@ -157,3 +157,21 @@ def test_a_reload_changes_the_weights_charged() -> None:
     counters.config.retenant({"a": 4.0}, {})
     counters.charge("a", 100, 0)
     assert counters.counter("a") == 125.0
+
+
+def test_the_default_entry_s_weight_is_every_unlisted_tenant_s() -> None:
+    """A tenant file's [defaults] takes a weight like any entry; it was accepted and then ignored
+    (an unlisted tenant weighed 1)."""
+    from control_plane.tenants.table import parse
+
+    table = parse({"defaults": {"weight": 4.0}, "tenants": {"gold": {"weight": 2.0}}})
+    counters = VirtualCounters(
+        make_config(fairness="vtc", tenant_weights=table.weights(), tenant_slos=table.slo_defaults())
+    )
+    counters.charge("gold", 100, 0)
+    counters.charge("anyone", 100, 0)
+    assert counters.counter("gold") == 50.0
+    assert counters.counter("anyone") == 25.0
+    # With no weight in [defaults], an unlisted tenant weighs 1, as before.
+    plain = parse({"tenants": {"gold": {"weight": 2.0}}})
+    assert make_config(fairness="vtc", tenant_weights=plain.weights()).tenant_weight("anyone") == 1.0
