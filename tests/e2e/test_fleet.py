@@ -24,7 +24,7 @@ import pytest
 from clients.client import Generation, StepwiseClient, apply_response, generate_request, sampling_params
 from stepwise.up import free_ports, stop_processes
 from tests.polling import until
-from tests.processes import ready_file
+from tests.processes import DidNotStart, ready_file
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -60,8 +60,11 @@ class Fleet:
         args = ["control", "--host", "127.0.0.1", "--port", "0", "--worker-port", str(self.worker_ports[i])]
         args += ["--peers", self.peers, "--rebalance-interval", "0.5", "--drain-timeout", "10"]
         args += ["--log-level", "info", *flags, "--ready-file", str(ready)]
-        proc = self.controls[i] = self._spawn(args, self.tmp / f"control-{i}.log")
-        self.addresses[i] = f"127.0.0.1:{(await ready_file(ready, proc, 60, f'control plane {i}'))['port']}"
+        log = self.tmp / f"control-{i}.log"
+        proc = self.controls[i] = self._spawn(args, log)
+        self.addresses[i] = (
+            f"127.0.0.1:{(await ready_file(ready, proc, 60, f'control plane {i}', log=log))['port']}"
+        )
         return self.addresses[i]
 
     def worker(self, name: str, *flags: str) -> None:
@@ -146,10 +149,27 @@ def _load(addresses: list[str], per_plane: int, max_new: int, progress: dict[str
     ]
 
 
+async def _planes(fleet: Callable[[int], Fleet], planes: int, *flags: tuple[str, ...]) -> Fleet:
+    """A fleet of `planes` peers whose first len(flags) control planes run (with those flags). Its
+    worker ports are picked free beforehand, and all of them go into every plane's --peers, so a
+    plane whose port was taken meanwhile (free_ports holds none: any client's ephemeral port may
+    land on it, as CI once saw) cannot just move: the fleet starts again on fresh ports."""
+    for attempt in range(3):
+        f = fleet(planes)
+        try:
+            for i, own in enumerate(flags):
+                await f.control(i, *own)
+            return f
+        except DidNotStart as exc:
+            taken = any(f"127.0.0.1:{port}" in str(exc) for port in f.worker_ports)
+            if attempt == 2 or not taken:
+                raise
+            f.stop()
+    raise AssertionError("unreachable")
+
+
 async def _two_planes_four_workers(fleet: Callable[[int], Fleet], planes: int = 2) -> Fleet:
-    f = fleet(planes)
-    await f.control(0)
-    await f.control(1)
+    f = await _planes(fleet, planes, (), ())
     for k in range(4):
         f.worker(f"w{k}")
     await f.wait_spread(lambda c: c == [2, 2], 30, "four workers over two control planes")
@@ -224,8 +244,7 @@ async def test_a_sigkilled_control_plane_fails_its_clients_fast_and_its_workers_
 
 
 async def test_a_worker_drained_under_load_finishes_its_streams_without_recomputing_them(fleet) -> None:
-    f = fleet(1)
-    await f.control(0, "--max-running-requests", "4")
+    f = await _planes(fleet, 1, ("--max-running-requests", "4"))
     f.worker("w0")
     await f.wait_spread(lambda c: c == [1], 30, "w0 attached")
     f.worker("w1")
@@ -257,9 +276,7 @@ async def test_a_control_plane_that_refuses_every_worker_neither_ends_them_nor_g
     """B refuses every worker for good (its --page-size 16, the workers' 1) and so always looks
     emptiest. Every worker still ends up on A and stays there, and A never hands one to B: once,
     every worker exited 2 within 8 s and A moved its workers to B one by one."""
-    f = fleet(2)
-    await f.control(0)
-    await f.control(1, "--page-size", "16")
+    f = await _planes(fleet, 2, (), ("--page-size", "16"))
     for k in range(4):
         f.worker(f"w{k}")
     await f.wait_spread(lambda c: c == [0, 4], 30, "every worker on the control plane that takes it")
