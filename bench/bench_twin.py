@@ -36,7 +36,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +49,8 @@ from control_plane.record.entries import ApplyResult, Header, NextPlan  # noqa: 
 from control_plane.record.files import read_entries, read_header  # noqa: E402
 from stepwise import costs, twin_recorded  # noqa: E402
 from stepwise import simulate as sim  # noqa: E402
+from stepwise.up import stop_processes  # noqa: E402
+from tests.processes import ready_file_sync  # noqa: E402
 
 CLI = [sys.executable, "-m", "stepwise.cli"]
 METRICS = (("ttft p50", "ttft_median_ms", "ttft_p50_s"), ("ttft p99", "ttft_p99_ms", "ttft_p99_s"))
@@ -82,12 +83,7 @@ def live_run(model: str, trace: Path, record: Path, work: Path) -> dict[str, Any
     up += ["--log-level", "warning", "--record", str(record), "--ready-file", str(ready)]
     proc = subprocess.Popen(up, cwd=ROOT, env=env)
     try:
-        deadline = time.monotonic() + 300
-        while not ready.exists():
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("stepwise up did not come up")
-            time.sleep(0.2)
-        address = json.loads(ready.read_text())["address"]
+        address = ready_file_sync(ready, proc, 300, "stepwise up")["address"]
         vocab = str(read_header(record).limits.vocab_size)
         bench = [
             *CLI,
@@ -108,12 +104,7 @@ def live_run(model: str, trace: Path, record: Path, work: Path) -> dict[str, Any
         )
         return json.loads(out.stdout)  # type: ignore[no-any-return]
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_processes([proc], timeout=30, sig=signal.SIGTERM)
 
 
 def fit(records: list[Path], out: Path, *flags: str) -> Path:

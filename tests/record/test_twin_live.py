@@ -12,7 +12,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -24,7 +23,9 @@ from control_plane.record.files import read_entries
 from control_plane.record.timeline import StepLine, TimelineBuilder, TimelineSink
 from stepwise import costs, twin, twin_recorded
 from stepwise import simulate as sim
+from stepwise.up import stop_processes
 from tests.cli.runner import ROOT, run_cli_async
+from tests.processes import ready_file_sync
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -51,21 +52,10 @@ def recorded_stack(
     proc = subprocess.Popen([sys.executable, "-m", "stepwise.cli", *args], cwd=ROOT, env=env)
 
     def stop() -> None:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_processes([proc], timeout=20, sig=signal.SIGTERM)
 
     try:
-        deadline = time.monotonic() + 90
-        while not ready.exists():
-            assert proc.poll() is None, "stepwise up exited"
-            assert time.monotonic() < deadline, "stepwise up did not come up"
-            time.sleep(0.1)
-        yield json.loads(ready.read_text())["address"], record, stop
+        yield ready_file_sync(ready, proc, 90, "stepwise up")["address"], record, stop
     finally:
         stop()
 
