@@ -30,6 +30,8 @@ EOS = FinishReason.stop("eos")
 GRAMMAR_UNSATISFIABLE = FinishReason(
     FinishKind.GRAMMAR_UNSATISFIABLE, "the grammar could not be satisfied: no token could follow the output"
 )
+# No sample's grammar failed (shared: never written to).
+NO_FAILURES = np.zeros(0, dtype=np.int64)
 SCORES_LOST = FinishReason.abort("internal error: prompt log probabilities were lost", AbortCode.INTERNAL)
 
 
@@ -47,7 +49,7 @@ class ResultApplier:
         # The logprobs of the result being applied (empty: none asked).
         self._logprobs: tuple[TokenLogprobs, ...] = ()
         # Indices into the result being applied of samples whose grammar failed (empty: none).
-        self._grammar_failed = np.zeros(0, dtype=np.int64)
+        self._grammar_failed = NO_FAILURES
 
     def process_batch_result(
         self,
@@ -75,7 +77,7 @@ class ResultApplier:
         if len(batch.decode_rows):
             self._apply_decodes(batch, tokens[sampled:], sampled)
         self._logprobs = ()
-        self._grammar_failed = np.zeros(0, dtype=np.int64)
+        self._grammar_failed = NO_FAILURES
 
     def _keep_scores(self, batch: ScheduledBatch, prompt_scores: tuple[PromptScores, ...]) -> None:
         """Rows for requests that still hold the tenancy they were planned for, in position order."""
