@@ -131,9 +131,10 @@ def test_a_refused_call_frees_every_sample() -> None:
     book = TenantBook.of(parse({"defaults": {"max_concurrent_requests": 4}}))
     assert book.arrive("t", (1, 2, 3), 10, 0.0) is None
     assert book.quotas.usage["t"].concurrent == 3
-    book.refused(1)  # the scheduler refused the call after the quota passed it
+    book.refused(1, "queue_full")  # the scheduler refused the call after the quota passed it
     assert "t" not in book.quotas.usage
-    assert (book.served["t"].requests, book.served["t"].prompt_tokens) == (0, 0)  # nor counted
+    served = book.served["t"]
+    assert (served.requests, served.prompt_tokens, served.rejected) == (0, 0, 1)  # counted as refused
     assert book.arrive("t", (4, 5, 6, 7), 10, 0.0) is None
 
 
