@@ -1,11 +1,14 @@
 """Tenant fairness and SLO admission on real processes (issue 42): with `--fairness vtc` a tenant
 arriving behind another's flood is served beside it, in tokens, where FCFS serves the whole flood
-first; with `--slo-cost` a TTFT objective that cannot be met is refused at once, naming the field."""
+first; with `--slo-cost` a TTFT objective that cannot be met is refused at once, naming the field,
+and one the tenant file gives after a reload (SIGHUP) is the scheduler's next calls' default."""
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import itertools
+import signal
 import time
 from pathlib import Path
 
@@ -122,3 +125,50 @@ async def test_an_unmeetable_ttft_objective_is_refused_at_once(start_control, tm
         loose = generate_request(prompt, sampling, "loose", ttft_slo_ms=60_000)
         gen = await asyncio.wait_for(collect(client.stream(loose)), 30)
         assert len(gen.token_ids) == 4
+
+
+async def test_a_reloaded_tenant_file_changes_the_objectives_the_scheduler_applies(
+    start_control, tmp_path: Path
+) -> None:
+    """SIGHUP reaches the scheduler, not only the quotas: a TTFT default the file gives the calm
+    tenant after the start refuses its next calls that name no objective (counted in its
+    `rejected`), and taking it out again lets them run."""
+    flags = stack_files(tmp_path)
+    tenants = Path(flags[flags.index("--tenants") + 1])  # calm is its last table: a line added is calm's
+    listed = tenants.read_text()
+    plane: ControlProcess = await start_control(*flags, "--slo-cost", "0.01,0.001,0,0")
+    plane.add_worker("w0")
+    await plane.wait_workers(1, api_key=CALM)
+    prompt = list(range(5, 205))
+    sampling = sampling_params(max_new_tokens=2, ignore_eos=True)
+    async with StepwiseClient(plane.address, api_key=CALM) as client:
+        names = (f"r{i}" for i in itertools.count())
+
+        async def refused() -> grpc.aio.AioRpcError | None:
+            """One call naming no objective: the error that refused it, or None when it ran."""
+            try:
+                gen = await asyncio.wait_for(
+                    collect(client.stream(generate_request(prompt, sampling, next(names)))), 30
+                )
+            except grpc.aio.AioRpcError as exc:
+                return exc
+            assert len(gen.token_ids) == 2
+            return None
+
+        async def reload(text: str, refusing: bool) -> grpc.aio.AioRpcError | None:
+            tenants.write_text(text)
+            plane.control.send_signal(signal.SIGHUP)
+            deadline = time.monotonic() + 10
+            while ((exc := await refused()) is not None) != refusing:
+                assert time.monotonic() < deadline, "the reloaded tenant file did not reach the scheduler"
+                await asyncio.sleep(0.05)
+            return exc
+
+        assert await refused() is None
+        exc = await reload(listed + "ttft_slo_ms = 1\n", refusing=True)
+        assert exc is not None and exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert (exc.details() or "").startswith("ttft_slo_ms: "), exc.details()
+        # The reload loop stops at the first refusal: counted once.
+        assert [(t.name, t.rejected) for t in (await client.server_info()).tenants] == [("calm", 1)]
+        await reload(listed, refusing=False)
+        assert plane.control.poll() is None
