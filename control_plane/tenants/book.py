@@ -7,7 +7,7 @@ only with `--tenants`: without a table nothing is resolved, checked or counted.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -192,6 +192,16 @@ class TenantBook:
         if len(shown) < len(self.served):
             report.append((OTHER, other))
         return report
+
+    def held_now(self, shown: Collection[str]) -> dict[str, tuple[int, int]]:
+        """(concurrent, queued) of each tenant in `shown` (a report's rows), and of every other one
+        summed under OTHER, as the report sums their totals."""
+        held: dict[str, tuple[int, int]] = {}
+        for tenant, usage in self.quotas.usage.items():
+            row = tenant if tenant in shown and tenant != OTHER else OTHER
+            concurrent, queued = held.get(row, (0, 0))
+            held[row] = (concurrent + usage.concurrent, queued + usage.queued)
+        return held
 
     def _weight(self, tenant: str) -> tuple[int, str]:
         served = self.served[tenant]

@@ -117,3 +117,16 @@ def test_every_refusal_counts_once_in_its_tenants_rejected() -> None:
         ("rejected", "a", "max_concurrent_requests"),
         ("rejected", OTHER, "queue_full"),
     ]
+
+
+def test_server_info_s_other_row_holds_what_the_tenants_summed_in_it_hold() -> None:
+    """GetServerInfo shows the table's tenants and the busiest others up to max_metric_tenants, the
+    rest as "other": that row's `concurrent` and `queued` are theirs, as its totals are."""
+    h = hub(None)
+    h.tenants = TenantBook.of(parse({"max_metric_tenants": 1, "tenants": {"a": {}}}))
+    for uid, tenant in enumerate(["a", "a", "b", "c", "c"], start=1):
+        assert h._within_quota(tenant, (uid,), 5)
+        h.verdict(uid, Verdict.ACCEPTED)
+    h.admitted(4, 0, 0.0, "w0")
+    rows = {info.name: (info.requests, info.concurrent, info.queued) for info in tenant_infos(h.tenants)}
+    assert rows == {"a": (2, 2, 2), OTHER: (3, 3, 2)}
