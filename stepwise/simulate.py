@@ -450,6 +450,7 @@ def setup_from_args(ns: argparse.Namespace) -> SimSetup:
     table = None
     if ns.tenants is not None:
         table = tenant_table.load(ns.tenants)
+        tenant_table.check_objectives(table, config.slo_cost)
         config = dataclasses.replace(config, tenant_weights=table.weights(), tenant_slos=table.slo_defaults())
         control_config.validate_scheduler_config(config)
     page = config.page_size or 1

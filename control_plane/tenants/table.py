@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -113,6 +113,24 @@ class TenantTable:
         if "*" in allowed or requested in allowed:
             return requested
         raise TenantRefused(f"tenant: this API key may not name tenant {requested!r} (it is {base!r})")
+
+
+def check_objectives(table: TenantTable, slo_cost: Sequence[float]) -> None:
+    """Under a step cost model (--slo-cost a,b,c,d) every step takes at least `a`, and a first token
+    or a token after it takes a step: an objective below that no request can meet, and would refuse
+    every request of its tenant, so the file is refused (TenantFileError naming the field)."""
+    if not slo_cost or not slo_cost[0]:
+        return
+    floor_ms = 1000.0 * slo_cost[0]
+    entries = [("defaults", table.default), *((f"tenants.{n}", t) for n, t in table.tenants.items())]
+    for where, entry in entries:
+        for name in ("ttft_slo_ms", "tpot_slo_ms"):
+            value = getattr(entry, name)
+            if value and value < floor_ms:
+                raise TenantFileError(
+                    f"{where}.{name}: {value:g} ms is infeasible: every step takes at least "
+                    f"{floor_ms:g} ms under --slo-cost (its a), so no request could meet it"
+                )
 
 
 class TenantRefused(Exception):

@@ -139,17 +139,17 @@ async def test_a_reloaded_tenant_file_changes_the_objectives_the_scheduler_appli
     plane: ControlProcess = await start_control(*flags, "--slo-cost", "0.01,0.001,0,0")
     plane.add_worker("w0")
     await plane.wait_workers(1, api_key=CALM)
-    prompt = list(range(5, 205))
     sampling = sampling_params(max_new_tokens=2, ignore_eos=True)
     async with StepwiseClient(plane.address, api_key=CALM) as client:
-        names = (f"r{i}" for i in itertools.count())
+        calls = itertools.count()
 
         async def refused() -> grpc.aio.AioRpcError | None:
-            """One call naming no objective: the error that refused it, or None when it ran."""
+            """One call naming no objective: the error that refused it, or None when it ran. Each
+            call's first token is its own, so no prompt finds another's in the prefix cache."""
+            i = next(calls)
+            request = generate_request([300 + i % 1000, *range(5, 204)], sampling, f"r{i}")
             try:
-                gen = await asyncio.wait_for(
-                    collect(client.stream(generate_request(prompt, sampling, next(names)))), 30
-                )
+                gen = await asyncio.wait_for(collect(client.stream(request)), 30)
             except grpc.aio.AioRpcError as exc:
                 return exc
             assert len(gen.token_ids) == 2
@@ -165,7 +165,13 @@ async def test_a_reloaded_tenant_file_changes_the_objectives_the_scheduler_appli
             return exc
 
         assert await refused() is None
-        exc = await reload(listed + "ttft_slo_ms = 1\n", refusing=True)
+        # An objective no step can meet (a step takes 10 ms): the file is refused, the table stays.
+        tenants.write_text(listed + "ttft_slo_ms = 1\n")
+        plane.control.send_signal(signal.SIGHUP)
+        await asyncio.sleep(0.5)
+        assert await refused() is None
+        # One the cost model can tell this prompt misses (200 prefill tokens at 1 ms each).
+        exc = await reload(listed + "ttft_slo_ms = 50\n", refusing=True)
         assert exc is not None and exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert (exc.details() or "").startswith("ttft_slo_ms: "), exc.details()
         # The reload loop stops at the first refusal: counted once.

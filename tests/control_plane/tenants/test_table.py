@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import tomllib
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from control_plane.tenants.table import (
     TenantFileError,
     TenantRefused,
     TenantTable,
+    check_objectives,
     load,
     parse,
 )
@@ -121,3 +123,33 @@ def test_an_unbound_key_is_a_tenant_of_its_own() -> None:
 
 def load_text(text: str) -> TenantTable:
     return parse(tomllib.loads(text))
+
+
+@pytest.mark.parametrize(
+    ("text", "field"),
+    [
+        ("[tenants.a]\nttft_slo_ms = 5\n", "tenants.a.ttft_slo_ms"),
+        ("[defaults]\ntpot_slo_ms = 9.5\n", "defaults.tpot_slo_ms"),
+    ],
+)
+def test_an_objective_no_step_can_meet_is_infeasible_under_the_cost_model(text: str, field: str) -> None:
+    """With --slo-cost every step costs at least its `a` (10 ms here): an objective under it would
+    refuse every request of the tenant, so the file is refused, naming the field."""
+    table = parse(tomllib.loads(text))
+    with pytest.raises(TenantFileError, match=rf"^{field}: .*infeasible.*10 ms"):
+        check_objectives(table, (0.01, 0.001, 0.0, 0.0))
+    check_objectives(table, ())  # without a cost model nothing is predicted: any objective stands
+    feasible = parse({"defaults": {"tpot_slo_ms": 10}, "tenants": {"a": {"ttft_slo_ms": 10}}})
+    check_objectives(feasible, (0.01, 0.001, 0.0, 0.0))
+
+
+def test_the_start_refuses_an_infeasible_objective_with_one_error(tmp_path: Path) -> None:
+    from control_plane import config as control_config
+
+    path = tmp_path / "tenants.toml"
+    path.write_text("[tenants.a]\nttft_slo_ms = 1\n")
+    parser = argparse.ArgumentParser()
+    control_config.add_arguments(parser)
+    ns = parser.parse_args(["--tenants", str(path), "--slo-cost", "0.01,0.001,0,0"])
+    with pytest.raises(TenantFileError, match=r"^tenants\.a\.ttft_slo_ms: "):
+        control_config.control_config_from_args(ns, tmp_path)
