@@ -753,7 +753,7 @@ _SECURITY = Flags(
             "--tenants",
             Path,
             field=None,
-            help="TOML tenant table: weights, quotas, key bindings "
+            help="tenant table, TOML (YAML when named *.yaml or *.yml): weights, quotas, key bindings "
             "(docs/deploy.md#tenants); reread on SIGHUP",
         ),
         Flag(

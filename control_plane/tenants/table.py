@@ -27,6 +27,8 @@ _ENTRY_FIELDS = frozenset(("weight", *_LIMITS, "ttft_slo_ms", "tpot_slo_ms", "ke
 _TOP_FIELDS = frozenset(("defaults", "tenants", "prompt_weight", "output_weight", "max_metric_tenants"))
 # A key's id as the frontend knows it: "key:" and the first 12 hex digits of its SHA-256.
 _KEY_ID_HEX = 12
+# A tenant file with one of these suffixes is YAML; any other is TOML.
+YAML_SUFFIXES = frozenset((".yaml", ".yml"))
 # Tenants reported one by one in GetServerInfo and /metrics; the rest are summed as "other".
 DEFAULT_METRIC_TENANTS = 32
 
@@ -138,14 +140,39 @@ class TenantRefused(Exception):
 
 
 def load(path: Path) -> TenantTable:
-    """Read and check a tenant file; TenantFileError naming the field (or the file) otherwise."""
+    """Read and check a tenant file, TOML (YAML when named *.yaml or *.yml); TenantFileError naming
+    the field (or the file) otherwise."""
+    path = Path(path)
     try:
-        raw = tomllib.loads(Path(path).read_text())
+        text = path.read_text()
     except OSError as exc:
         raise TenantFileError(f"--tenants: cannot read {path}: {exc.strerror}") from None
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+    except UnicodeDecodeError as exc:
+        raise TenantFileError(f"--tenants: {path} is not text: {exc}") from None
+    if path.suffix in YAML_SUFFIXES:
+        return parse(_yaml(path, text))
+    try:
+        return parse(tomllib.loads(text))
+    except tomllib.TOMLDecodeError as exc:
         raise TenantFileError(f"--tenants: {path} is not TOML: {exc}") from None
-    return parse(raw)
+
+
+def _yaml(path: Path, text: str) -> Mapping[str, Any]:
+    """The YAML file's mapping (safe_load: plain values only); an empty file is an empty table."""
+    import yaml  # transformers' dependency too; imported only for a YAML file
+
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        # PyYAML's messages span lines (the context and a caret): one line, as every refusal here.
+        raise TenantFileError(f"--tenants: {path} is not YAML: {' '.join(str(exc).split())}") from None
+    if raw is None:
+        return {}
+    if not isinstance(raw, Mapping) or not all(isinstance(k, str) for k in raw):
+        raise TenantFileError(
+            f"--tenants: {path}: want a mapping of fields at the top, got {type(raw).__name__}"
+        )
+    return raw
 
 
 def parse(raw: Mapping[str, Any]) -> TenantTable:
