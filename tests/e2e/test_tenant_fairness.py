@@ -173,7 +173,8 @@ async def test_a_reloaded_tenant_file_changes_the_objectives_the_scheduler_appli
         # One the cost model can tell this prompt misses (200 prefill tokens at 1 ms each).
         exc = await reload(listed + "ttft_slo_ms = 50\n", refusing=True)
         assert exc is not None and exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert (exc.details() or "").startswith("ttft_slo_ms: "), exc.details()
+        details = exc.details() or ""
+        assert details.startswith("ttft_slo_ms: ") and "objective (50 ms)" in details, details
         # The reload loop stops at the first refusal: counted once.
         assert [(t.name, t.rejected) for t in (await client.server_info()).tenants] == [("calm", 1)]
         await reload(listed, refusing=False)
