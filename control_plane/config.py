@@ -753,7 +753,7 @@ _SECURITY = Flags(
             "--tenants",
             Path,
             field=None,
-            help="TOML tenant table: weights, quotas, key bindings "
+            help="tenant table, TOML (YAML when named *.yaml or *.yml): weights, quotas, key bindings "
             "(docs/deploy.md#tenants); reread on SIGHUP",
         ),
         Flag(
@@ -927,12 +927,13 @@ def _check_heartbeat(config: ControlConfig) -> None:
 def _with_tenants(config: SchedulerConfig, ns: argparse.Namespace) -> SchedulerConfig:
     """The tenant file's weights and latency objectives for fairness and SLO admission (at start;
     a reload on SIGHUP puts the new ones in place, SchedulerConfig.retenant)."""
-    from control_plane.tenants.table import load
+    from control_plane.tenants.table import check_objectives, load
 
     path: Path | None = getattr(ns, "tenants", None)
     if path is None:
         return config
     table = load(path)
+    check_objectives(table, config.slo_cost)
     return dataclasses.replace(config, tenant_weights=table.weights(), tenant_slos=table.slo_defaults())
 
 

@@ -14,7 +14,7 @@ prefix_len tokens), `max_new_tokens`, and optionally `output_len` (tokens before
 never EOS), `priority`, `routing_key`, `ignore_eos`, `abort_at` (seconds, at or after `arrival`: the
 request is aborted at the first turn whose clock has reached it, after that turn's arrivals, where the
 engine applies an abort from its inbox), `tenant`, `ttft_slo_ms`, `tpot_slo_ms`
-(docs/scheduler.md#simulating-tenants).
+(docs/scheduler.md#simulating-tenants: `--tenants FILE` gives their weights, objectives and quotas).
 """
 
 from __future__ import annotations
@@ -49,6 +49,8 @@ from control_plane.record.timeline import StepLine, TimelineSink
 from control_plane.request import AbortCode, FinishReason, RequestParams
 from control_plane.scheduler.scheduler import QueueFull, RequestRejected, Scheduler
 from control_plane.tenants import table as tenant_table
+from control_plane.tenants.book import TenantBook
+from control_plane.tenants.table import TenantTable
 from data_plane.sim import CostModel, SimExecutor
 from flagtypes import INT32_MAX, SEED, Int
 from flagtypes.table import SWITCH, Flag, Flags
@@ -93,6 +95,9 @@ class SimSetup:
     # `--cost recorded:DIR`: each step's seconds as a live run measured them (step id -> forward_s),
     # the clock's instead of the cost model's.
     recorded_seconds: Mapping[int, float] | None = None
+    # `--tenants FILE`: its quotas are checked at each arrival as a live control plane's core checks
+    # them (its weights and objectives are in `config`).
+    tenants: TenantTable | None = None
 
 
 # --- the trace ------------------------------------------------------------------------------------
@@ -175,14 +180,18 @@ class Simulation:
         self.steps = 0
         config = setup.config
         self.tenants = TenantLedger(config, {r.params.tenant for r in trace})
+        # The tenant file's quotas, the core's book over them (control_plane/tenants/book.py).
+        self.quotas = TenantBook.of(setup.tenants) if setup.tenants is not None else None
         # The summary's tenant figures, when anything is about tenants or objectives.
         self.by_tenant = bool(
-            config.fairness != "none"
+            setup.tenants is not None
+            or config.fairness != "none"
             or config.tenant_weights
             or config.tenant_slos
             or any(r.params.tenant or r.params.ttft_slo_ms or r.params.tpot_slo_ms for r in trace)
         )
         self.rid_of_uid: dict[int, str] = {}
+        self.uid_of_rid: dict[str, int] = {}
 
     def run(self) -> dict[str, object]:
         while self._step():
@@ -202,6 +211,9 @@ class Simulation:
                 raise RuntimeError(f"sim worker failed step {plan.step_id}: {result.error}")
             self.in_flight.append(result)
             self.tenants.planned(plan, self.clock)
+            if self.quotas is not None:
+                for seq in plan.new_seqs:  # a sample's first prefill: no longer queued
+                    self.quotas.admitted(self.uid_of_rid[seq.request_id])
         elif not self.in_flight:
             return self._wait()
         if len(self.in_flight) >= self.depth or plan is None:
@@ -256,13 +268,30 @@ class Simulation:
             uid = len(self.progress)
             self.by_uid[uid] = progress
             self.rid_of_uid[uid] = req.rid
+            self.uid_of_rid[req.rid] = uid
             p = req.params
             self.tenants.arrived(req.rid, p.tenant, p.ttft_slo_ms, p.tpot_slo_ms)
-            try:
-                self.scheduler.add_request(req.rid, req.input_ids, req.params, uid)
-            except (QueueFull, RequestRejected, ValueError) as exc:
-                progress.finished, progress.reason = self.clock, f"refused: {type(exc).__name__}"
+            refused = self._over_quota(req, uid)
+            if refused is None:
+                try:
+                    self.scheduler.add_request(req.rid, req.input_ids, req.params, uid)
+                except (QueueFull, RequestRejected, ValueError) as exc:
+                    refused = type(exc).__name__
+                    if self.quotas is not None:
+                        self.quotas.refused(uid, refused)
+                else:
+                    if self.quotas is not None:
+                        self.quotas.accepted(uid)
+            if refused is not None:
+                progress.finished, progress.reason = self.clock, f"refused: {refused}"
                 self.tenants.answered(req.rid)
+
+    def _over_quota(self, req: TraceRequest, uid: int) -> str | None:
+        """The quota the request is over (the tenant file's, checked when it reaches the core)."""
+        if self.quotas is None:
+            return None
+        refusal = self.quotas.arrive(req.params.tenant, (uid,), len(req.input_ids), self.clock)
+        return None if refusal is None else refusal.field
 
     def _abort_due(self) -> None:
         """The aborts whose time the clock has reached, after this turn's arrivals (so each finds its
@@ -282,12 +311,16 @@ class Simulation:
                 self.tenants.answered(self.rid_of_uid[uid])
             progress.output_tokens += count
             self.tenants.output(self.rid_of_uid[uid], count, self.clock)
+        if self.quotas is not None:
+            self.quotas.tokens(updates.tokens.uids.tolist(), self.clock)
         for finished in updates.finished:
             progress = self.progress[finished.rid]
             if progress.first_token is None:
                 self.tenants.answered(finished.rid)
             progress.finished, progress.reason = self.clock, finished.reason.kind.value
             progress.cached_tokens = finished.cached_tokens
+            if self.quotas is not None:
+                self.quotas.ended(self.uid_of_rid[finished.rid])
 
     def summary(self) -> dict[str, object]:
         retractions = self.scheduler.num_retracted_total
@@ -414,8 +447,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def setup_from_args(ns: argparse.Namespace) -> SimSetup:
     config = control_config.scheduler_config_from_args(ns)
+    table = None
     if ns.tenants is not None:
         table = tenant_table.load(ns.tenants)
+        tenant_table.check_objectives(table, config.slo_cost)
         config = dataclasses.replace(config, tenant_weights=table.weights(), tenant_slos=table.slo_defaults())
         control_config.validate_scheduler_config(config)
     page = config.page_size or 1
@@ -432,7 +467,21 @@ def setup_from_args(ns: argparse.Namespace) -> SimSetup:
         dtype="sim",
         device="sim",
     )
-    return SimSetup(config, limits, cost, ns.sim_seed, not ns.disable_overlap_schedule, recorded)
+    overlap = not ns.disable_overlap_schedule
+    return SimSetup(config, limits, cost, ns.sim_seed, overlap, recorded, table)
+
+
+def _no_quotas(table: TenantTable) -> None:
+    """The fleet simulation (stepwise/twin.py) has no core to check quotas at: a file that sets any
+    is refused rather than run as if it set none."""
+    entries = [("defaults", table.default), *((f"tenants.{n}", t) for n, t in table.tenants.items())]
+    for where, entry in entries:
+        for name in ("max_concurrent_requests", "max_queued_requests", "token_rate"):
+            if getattr(entry, name):
+                raise ValueError(
+                    f"--tenants: {where}.{name}: quotas are simulated on one worker only (the fleet "
+                    "flags run the fleet simulation, which does not check them)"
+                )
 
 
 def _sink(ns: argparse.Namespace, setup: SimSetup, emit: Callable[[StepLine], None]) -> Sink | None:
@@ -459,6 +508,8 @@ def main(argv: Sequence[str]) -> int:
         trace = traces.read_trace(ns, setup.limits.vocab_size)
         events = twin_cli.trace_events(ns)
         fleet = twin_cli.setup_from_args(ns, setup, events) if twin_cli.wanted(ns, events) else None
+        if fleet is not None and setup.tenants is not None:
+            _no_quotas(setup.tenants)
     except (OSError, ValueError) as exc:
         print(f"stepwise simulate: {exc}", file=sys.stderr)
         return 2

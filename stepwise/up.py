@@ -318,6 +318,13 @@ class Stack:
         host = _flag_value(self.gateway_args or [], "--host") or "127.0.0.1"
         self.gateway_address = f"{host}:{port}"
 
+    def reload(self) -> None:
+        """SIGHUP to `up`: each control plane rereads its tenant file (docs/deploy.md#tenants), as a
+        control plane run alone does on its own SIGHUP."""
+        for child in self.children:
+            if child.critical and child.proc.poll() is None:
+                child.proc.send_signal(signal.SIGHUP)
+
     def api_key(self) -> str | None:
         """The key `up` itself uses to ask the control plane about its workers (--api-key or the
         first key of --api-key-file, as given to the control plane; else STEPWISE_API_KEY)."""
@@ -493,6 +500,8 @@ async def run_up(stack: Stack, ready_file: Path | None = None) -> int:
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    # Passed on, not the default (which ends `up` and leaves its children running).
+    loop.add_signal_handler(signal.SIGHUP, stack.reload)
     try:
         try:
             address = await stack.start()

@@ -11,7 +11,7 @@ import structlog
 from control_plane.core.inbox import Arrival, Orphan, Verdict
 from control_plane.core.publisher import Streams
 from control_plane.request import FinishReason, RequestParams
-from control_plane.scheduler.scheduler import QueueFull, RequestRejected, Scheduler
+from control_plane.scheduler.scheduler import QueueFull, RequestRejected, Scheduler, SloUnmeetable
 
 SEED_SPACE = 1 << 64
 
@@ -48,6 +48,8 @@ def admit_orphan(scheduler: Scheduler, streams: Streams, orphan: Orphan, worker:
 
 
 def _verdict(exc: Exception) -> Verdict:
+    if isinstance(exc, SloUnmeetable):
+        return Verdict.SLO_UNMEETABLE
     if isinstance(exc, QueueFull):
         return Verdict.QUEUE_FULL
     if isinstance(exc, RequestRejected):

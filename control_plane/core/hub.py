@@ -60,6 +60,7 @@ FLUSH_INTERVAL_S = 0.002
 _STATUS = {
     Verdict.ACCEPTED: grpc.StatusCode.OK,
     Verdict.QUEUE_FULL: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Verdict.SLO_UNMEETABLE: grpc.StatusCode.RESOURCE_EXHAUSTED,
     Verdict.REJECTED: grpc.StatusCode.UNAVAILABLE,
     Verdict.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
     Verdict.DUPLICATE: grpc.StatusCode.ALREADY_EXISTS,
@@ -68,6 +69,10 @@ _STATUS = {
     Verdict.OVER_QUOTA: grpc.StatusCode.RESOURCE_EXHAUSTED,
     Verdict.FORBIDDEN: grpc.StatusCode.PERMISSION_DENIED,
 }
+
+# The `quota` label of a call refused after the quotas passed it: the field a refusal names where
+# it names one (as a quota refusal names its quota), else the verdict.
+_REFUSED_BY = {Verdict.SLO_UNMEETABLE: "ttft_slo_ms"}
 
 
 @dataclass(slots=True)
@@ -197,7 +202,7 @@ class FrontendHub:
             if verdict is Verdict.ACCEPTED:
                 self.tenants.accepted(uid)
             else:
-                self.tenants.refused(uid)
+                self.tenants.refused(uid, _REFUSED_BY.get(verdict, verdict.value))
         link = self.links.get(link_of(uid))
         if link is not None:
             link.outgoing().message.verdicts.add(

@@ -19,6 +19,7 @@ class Verdict(enum.Enum):
 
     ACCEPTED = "accepted"
     QUEUE_FULL = "queue_full"  # RESOURCE_EXHAUSTED
+    SLO_UNMEETABLE = "slo_unmeetable"  # RESOURCE_EXHAUSTED: its TTFT objective cannot be met (--slo-cost)
     REJECTED = "rejected"  # UNAVAILABLE: the server refuses (SGLang's 503), the input is fine
     UNAVAILABLE = "unavailable"  # no worker could take it
     DUPLICATE = "duplicate"  # ALREADY_EXISTS: the request id is live

@@ -257,6 +257,7 @@ class ControlPlane:
             return False
         try:
             table = tenant_table.load(path)
+            tenant_table.check_objectives(table, self.config.scheduler.slo_cost)
         except tenant_table.TenantFileError as exc:
             log.error("tenant file not reloaded: the previous table stays", error=str(exc))
             return False

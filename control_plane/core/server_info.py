@@ -76,8 +76,10 @@ def _percentile(values: Iterable[float], q: float) -> float:
 def tenant_infos(book: TenantBook) -> list[reports_pb.TenantInfo]:
     """Per-tenant totals, bounded (TenantBook.report), with what each holds now."""
     infos = []
-    for name, served in book.report():
-        usage = book.quotas.usage.get(name)
+    report = book.report()
+    held = book.held_now({name for name, _ in report})
+    for name, served in report:
+        concurrent, queued = held.get(name, (0, 0))
         infos.append(
             reports_pb.TenantInfo(
                 name=name,
@@ -85,8 +87,8 @@ def tenant_infos(book: TenantBook) -> list[reports_pb.TenantInfo]:
                 rejected=served.rejected,
                 prompt_tokens=served.prompt_tokens,
                 output_tokens=served.output_tokens,
-                concurrent=usage.concurrent if usage is not None else 0,
-                queued=usage.queued if usage is not None else 0,
+                concurrent=concurrent,
+                queued=queued,
             )
         )
     return infos

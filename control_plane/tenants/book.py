@@ -7,7 +7,7 @@ only with `--tenants`: without a table nothing is resolved, checked or counted.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -94,12 +94,9 @@ class TenantBook:
 
     def arrive(self, tenant: str, uids: tuple[int, ...], prompt_tokens: int, now: float) -> Refusal | None:
         """A call arrives: refused over quota, or booked (its samples then end through here)."""
-        served = self._served(tenant)
         refusal = self.quotas.check(tenant, len(uids), prompt_tokens, now)
         if refusal is not None:
-            served.rejected += 1
-            if self.observer is not None:
-                self.observer.rejected(self.label(tenant), refusal.field)
+            self._rejected(tenant, refusal.field)
             return refusal
         self._hold(tenant, len(uids), len(uids))
         for uid in uids:
@@ -121,14 +118,17 @@ class TenantBook:
         if self.observer is not None:
             self.observer.admitted(self.label(sample.tenant), samples, prompt_tokens)
 
-    def refused(self, first_uid: int) -> None:
-        """The call was refused after its arrival was booked (by the scheduler, say): it is not
-        charged (its prompt goes back into the token bucket)."""
+    def refused(self, first_uid: int, reason: str) -> None:
+        """The call was refused after its arrival was booked (by the scheduler, say): it counts as
+        rejected (`reason`, as a quota refusal counts under its quota) and is not charged (its
+        prompt goes back into the token bucket). A call refused before it was booked (over a quota,
+        counted by `arrive`; or before its tenant was known) is not this book's to count."""
         prompt_tokens = self.pending.pop(first_uid, None)
         sample = self.samples.get(first_uid)
         uids = self.calls.pop(first_uid, (first_uid,))
         if prompt_tokens is not None and sample is not None:
             self.quotas.refund(sample.tenant, len(uids), prompt_tokens)
+            self._rejected(sample.tenant, reason)
         for uid in uids:
             self.ended(uid)
 
@@ -159,6 +159,11 @@ class TenantBook:
             self.quotas.ended(sample.tenant, sample.queued)
             self._hold(sample.tenant, -1, -1 if sample.queued else 0)
 
+    def _rejected(self, tenant: str, reason: str) -> None:
+        self._served(tenant).rejected += 1
+        if self.observer is not None:
+            self.observer.rejected(self.label(tenant), reason)
+
     def _hold(self, tenant: str, concurrent: int, queued: int) -> None:
         label = self.label(tenant)
         held = self.held.setdefault(label, [0, 0])
@@ -187,6 +192,16 @@ class TenantBook:
         if len(shown) < len(self.served):
             report.append((OTHER, other))
         return report
+
+    def held_now(self, shown: Collection[str]) -> dict[str, tuple[int, int]]:
+        """(concurrent, queued) of each tenant in `shown` (a report's rows), and of every other one
+        summed under OTHER, as the report sums their totals."""
+        held: dict[str, tuple[int, int]] = {}
+        for tenant, usage in self.quotas.usage.items():
+            row = tenant if tenant in shown and tenant != OTHER else OTHER
+            concurrent, queued = held.get(row, (0, 0))
+            held[row] = (concurrent + usage.concurrent, queued + usage.queued)
+        return held
 
     def _weight(self, tenant: str) -> tuple[int, str]:
         served = self.served[tenant]

@@ -19,7 +19,8 @@ REQUESTS = Counter(
 )
 REJECTED = Counter(
     "stepwise:tenant_rejected",
-    "Calls refused over a quota (RESOURCE_EXHAUSTED, or 429 through the gateway), by tenant and quota",
+    "Calls refused over a quota (RESOURCE_EXHAUSTED, 429 through the gateway) or by the scheduler after "
+    "the quotas passed them (quota: ttft_slo_ms, or the verdict), each once, by tenant and quota",
     ("tenant", "quota"),
     registry=REGISTRY,
 )

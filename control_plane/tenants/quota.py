@@ -48,6 +48,9 @@ class Usage:
 
 # A retry sooner than this would only be refused again (the refill is continuous).
 MIN_RETRY_S = 1.0
+# Holdings kept before the first sweep forgets the tenants that hold nothing and whose buckets have
+# refilled; later sweeps wait for twice what the last one kept (amortized, whatever names arrive).
+SWEEP_FLOOR = 1024
 
 
 @dataclass(slots=True)
@@ -56,9 +59,12 @@ class Quotas:
 
     table: TenantTable
     usage: dict[str, Usage] = field(default_factory=dict)
+    sweep_at: int = SWEEP_FLOOR
 
     def check(self, tenant: str, samples: int, prompt_tokens: int, now: float) -> Refusal | None:
         """Whether a call of `samples` samples may start; on None it is booked as started."""
+        if len(self.usage) >= self.sweep_at:
+            self._sweep(now)
         entry = self.table.entry(tenant)
         usage = self.usage.setdefault(tenant, Usage())
         limit = entry.max_concurrent_requests
@@ -117,6 +123,19 @@ class Quotas:
         idle_bucket = bucket is None or bucket.level >= self.table.entry(tenant).token_burst
         if not usage.concurrent and not usage.queued and idle_bucket:
             del self.usage[tenant]
+
+    def _sweep(self, now: float) -> None:
+        """Forget the tenants holding nothing whose buckets are full again by now: `ended` keeps one
+        whose bucket is still refilling (its debt stands), so without keys, where callers may name
+        any tenant, these would otherwise pile up one per name."""
+        for tenant, usage in list(self.usage.items()):
+            if usage.concurrent or usage.queued:
+                continue
+            entry = self.table.entry(tenant)
+            bucket = self._bucket(entry, usage, now)
+            if bucket is None or bucket.level >= entry.token_burst:
+                del self.usage[tenant]
+        self.sweep_at = max(SWEEP_FLOOR, 2 * len(self.usage))
 
     def _bucket(self, entry: Tenant, usage: Usage, now: float) -> Bucket | None:
         if not entry.token_rate:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,6 +27,8 @@ _ENTRY_FIELDS = frozenset(("weight", *_LIMITS, "ttft_slo_ms", "tpot_slo_ms", "ke
 _TOP_FIELDS = frozenset(("defaults", "tenants", "prompt_weight", "output_weight", "max_metric_tenants"))
 # A key's id as the frontend knows it: "key:" and the first 12 hex digits of its SHA-256.
 _KEY_ID_HEX = 12
+# A tenant file with one of these suffixes is YAML; any other is TOML.
+YAML_SUFFIXES = frozenset((".yaml", ".yml"))
 # Tenants reported one by one in GetServerInfo and /metrics; the rest are summed as "other".
 DEFAULT_METRIC_TENANTS = 32
 
@@ -115,19 +117,62 @@ class TenantTable:
         raise TenantRefused(f"tenant: this API key may not name tenant {requested!r} (it is {base!r})")
 
 
+def check_objectives(table: TenantTable, slo_cost: Sequence[float]) -> None:
+    """Under a step cost model (--slo-cost a,b,c,d) every step takes at least `a`, and a first token
+    or a token after it takes a step: an objective below that no request can meet, and would refuse
+    every request of its tenant, so the file is refused (TenantFileError naming the field)."""
+    if not slo_cost or not slo_cost[0]:
+        return
+    floor_ms = 1000.0 * slo_cost[0]
+    entries = [("defaults", table.default), *((f"tenants.{n}", t) for n, t in table.tenants.items())]
+    for where, entry in entries:
+        for name in ("ttft_slo_ms", "tpot_slo_ms"):
+            value = getattr(entry, name)
+            if value and value < floor_ms:
+                raise TenantFileError(
+                    f"{where}.{name}: {value:g} ms is infeasible: every step takes at least "
+                    f"{floor_ms:g} ms under --slo-cost (its a), so no request could meet it"
+                )
+
+
 class TenantRefused(Exception):
     """A request naming a tenant its key may not name (PERMISSION_DENIED)."""
 
 
 def load(path: Path) -> TenantTable:
-    """Read and check a tenant file; TenantFileError naming the field (or the file) otherwise."""
+    """Read and check a tenant file, TOML (YAML when named *.yaml or *.yml); TenantFileError naming
+    the field (or the file) otherwise."""
+    path = Path(path)
     try:
-        raw = tomllib.loads(Path(path).read_text())
+        text = path.read_text()
     except OSError as exc:
         raise TenantFileError(f"--tenants: cannot read {path}: {exc.strerror}") from None
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+    except UnicodeDecodeError as exc:
+        raise TenantFileError(f"--tenants: {path} is not text: {exc}") from None
+    if path.suffix in YAML_SUFFIXES:
+        return parse(_yaml(path, text))
+    try:
+        return parse(tomllib.loads(text))
+    except tomllib.TOMLDecodeError as exc:
         raise TenantFileError(f"--tenants: {path} is not TOML: {exc}") from None
-    return parse(raw)
+
+
+def _yaml(path: Path, text: str) -> Mapping[str, Any]:
+    """The YAML file's mapping (safe_load: plain values only); an empty file is an empty table."""
+    import yaml  # transformers' dependency too; imported only for a YAML file
+
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        # PyYAML's messages span lines (the context and a caret): one line, as every refusal here.
+        raise TenantFileError(f"--tenants: {path} is not YAML: {' '.join(str(exc).split())}") from None
+    if raw is None:
+        return {}
+    if not isinstance(raw, Mapping) or not all(isinstance(k, str) for k in raw):
+        raise TenantFileError(
+            f"--tenants: {path}: want a mapping of fields at the top, got {type(raw).__name__}"
+        )
+    return raw
 
 
 def parse(raw: Mapping[str, Any]) -> TenantTable:

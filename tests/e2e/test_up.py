@@ -12,9 +12,10 @@ import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
+import grpc
 import pytest
 
-from clients.client import Generation, StepwiseClient
+from clients.client import Generation, StepwiseClient, collect, generate_request, sampling_params
 from stepwise.up import stop_processes
 from tests.e2e.test_faults import _stream
 from tests.e2e.test_generate import _encode_all
@@ -125,3 +126,35 @@ async def test_up_with_two_control_planes_spreads_workers_and_calls(start_up) ->
     async with StepwiseClient(up.address) as client:  # round robin over both
         gens = await asyncio.gather(*(client.generate(f"hello {i}", max_new_tokens=8) for i in range(16)))
     assert all(g.finish_reason in ("stop", "length") and g.token_ids for g in gens)
+
+
+async def test_sighup_to_up_rereads_its_control_planes_tenant_file(start_up, tmp_path: Path) -> None:
+    """deploy.md's `kill -HUP` for a stack `up` started: `up` passes the signal on to its control
+    planes (by default a SIGHUP would end `up` and leave its children running) and keeps running."""
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text("[defaults]\n")
+    up = await start_up("--backend", "sim", "--tenants", str(tenants))
+    async with StepwiseClient(up.address) as client:
+
+        async def call(i: int) -> grpc.aio.AioRpcError | None:
+            request = generate_request([5, 6, 7], sampling_params(max_new_tokens=1), f"r{i}", tenant="t")
+            try:
+                await asyncio.wait_for(collect(client.stream(request)), 30)
+            except grpc.aio.AioRpcError as exc:
+                return exc
+            return None
+
+        assert [await call(i) for i in range(3)] == [None, None, None]
+        # A bucket that one call empties for the next 3,000 seconds.
+        tenants.write_text("[defaults]\ntoken_rate = 0.001\n")
+        up.proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 10
+        i = 3
+        while (refused := await call(i)) is None:
+            assert up.proc.poll() is None, "SIGHUP ended up"
+            assert time.monotonic() < deadline, "the control plane did not reread its tenant file"
+            i += 1
+            await asyncio.sleep(0.05)
+        assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert (refused.details() or "").startswith("token_rate: "), refused.details()
+    assert up.proc.poll() is None

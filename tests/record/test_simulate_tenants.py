@@ -91,3 +91,47 @@ def test_trace_objectives_must_be_milliseconds() -> None:
         traces.parse_request({"rid": "r", "prompt_len": 4, "tenant": "x", "tpot_slo_ms": 50}, 1000)
     )
     assert (req.params.tenant, req.params.ttft_slo_ms, req.params.tpot_slo_ms) == ("x", 0.0, 50.0)
+
+
+def test_the_tenant_files_quotas_refuse_what_a_live_control_plane_would(
+    simulate: Simulate, tmp_path: Path
+) -> None:
+    """The quotas are the control plane's (control_plane/tenants/quota.py) on the simulated clock:
+    a's calls past its two concurrent ones are refused and counted in its `rejected` (each once,
+    as the scheduler's refusals are), b's all run, and what a refused is never served."""
+    table = tmp_path / "tenants.toml"
+    table.write_text("[tenants.a]\nmax_concurrent_requests = 2\n")
+    _, summary = simulate(_flood(6, 2), *FLAT_COST, "--tenants", str(table))
+    a, b = summary["tenants"]["a"], summary["tenants"]["b"]
+    assert (a["requests"], a["rejected"], b["rejected"]) == (6, 4, 0)
+    assert a["served_tokens"] == 2 * (64 + 2 * 8)
+    assert summary["finish_reasons"] == {"length": 4, "refused: max_concurrent_requests": 4}
+
+
+def test_a_token_rate_refills_on_the_simulated_clock(simulate: Simulate, tmp_path: Path) -> None:
+    """A bucket of 100 weighted tokens refilling at 1000 a second: the first two 64-token prompts
+    pass (a call needs only a positive balance), the third, a millisecond later, finds it in debt,
+    and one a second later finds it full again."""
+    table = tmp_path / "tenants.toml"
+    table.write_text("[defaults]\ntoken_rate = 1000\ntoken_burst = 100\n")
+    lines = [
+        {"rid": f"a{i}", "arrival": at, "prompt_len": 64, "max_new_tokens": 8, "tenant": "a"}
+        for i, at in enumerate((0.0, 0.001, 0.002, 1.0))
+    ]
+    _, summary = simulate(lines, *FLAT_COST, "--tenants", str(table))
+    assert summary["tenants"]["a"]["rejected"] == 1
+    assert summary["finish_reasons"] == {"length": 3, "refused: token_rate": 1}
+
+
+def test_quotas_on_a_simulated_fleet_are_refused_not_ignored(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The fleet simulation (--workers) has no core to check quotas at: a file with any is one line
+    naming --tenants, not a run that silently admits everything."""
+    table = tmp_path / "tenants.toml"
+    table.write_text("[tenants.a]\nweight = 2\nmax_queued_requests = 1\n")
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"rid": "a", "arrival": 0, "prompt_len": 4, "max_new_tokens": 2, "tenant": "a"}\n')
+    assert sim.main([str(trace), "--tenants", str(table), "--workers", "2", "--summary-only"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--tenants" in err[0] and "max_queued_requests" in err[0], err

@@ -264,6 +264,16 @@ async def test_an_arrival_whose_client_left_is_withdrawn(tokenizer: Tokenizer) -
     await task
 
 
+async def test_an_unmeetable_objective_is_refused_as_such(tokenizer: Tokenizer) -> None:
+    """Its own verdict (RESOURCE_EXHAUSTED on the wire, like a full queue), so the tenant book counts
+    the refusal under `ttft_slo_ms`."""
+    engine, _, hub = _engine(tokenizer, slo_cost=(0.01, 0.001, 0.0, 0.0))
+    (uid,) = submit(engine, "hasty", [5, 6, 7], _params(5, ttft_slo_ms=1.0))
+    engine._drain_inbox()
+    verdict, message = hub.verdicts[uid]
+    assert verdict is Verdict.SLO_UNMEETABLE and message.startswith("ttft_slo_ms:")
+
+
 async def test_a_refused_arrival_gets_its_verdict_and_nothing_else(tokenizer: Tokenizer) -> None:
     engine, _, hub = _engine(tokenizer, max_queued_requests=1)
     first = submit(engine, "one", [5, 6, 7], _params(50))

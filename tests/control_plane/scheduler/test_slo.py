@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import dataclasses
 
+import grpc
 import pytest
 
 from control_plane.core.admission import _verdict
+from control_plane.core.hub import _STATUS
 from control_plane.core.inbox import Verdict
 from control_plane.scheduler.records import QueueFull
 from control_plane.scheduler.slo import SloUnmeetable
@@ -25,7 +27,9 @@ def test_an_infeasible_ttft_is_refused_at_once_naming_the_objective() -> None:
     with pytest.raises(SloUnmeetable, match="ttft_slo_ms") as refused:
         sched.add_request("r", prompt(100), params(4, ttft_slo_ms=50.0))
     assert isinstance(refused.value, QueueFull)
-    assert _verdict(refused.value) is Verdict.QUEUE_FULL  # the core answers RESOURCE_EXHAUSTED
+    # Its own verdict (the tenant book counts it under ttft_slo_ms), RESOURCE_EXHAUSTED on the wire.
+    assert _verdict(refused.value) is Verdict.SLO_UNMEETABLE
+    assert _STATUS[Verdict.SLO_UNMEETABLE] == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "r" not in sched.requests and not sched.waiting
     sched.add_request("s", prompt(100), params(4, ttft_slo_ms=200.0))
     assert [r.rid for r in sched.waiting] == ["s"]

@@ -72,6 +72,27 @@ def test_token_bucket_charges_weighted_tokens_and_says_when_to_retry() -> None:
     assert bucket is not None and bucket.level <= 200.0
 
 
+def test_what_is_kept_is_bounded_by_the_tenants_refilling_not_every_name_ever_seen() -> None:
+    """Without API keys a caller names any tenant: 20,000 made-up names, one call each, a tenth of a
+    second apart, each leaving its bucket half spent (0.5 s to refill). The holdings kept are the
+    few still refilling (a debt still stands), not all 20,000."""
+    q = Quotas(parse({"defaults": {"token_rate": 100.0}}))
+    for i in range(20_000):
+        now = i * 0.1
+        assert q.check(f"made-up-{i}", 1, 50, now) is None
+        q.ended(f"made-up-{i}", queued=True)
+        assert len(q.usage) <= 2 * 1024
+    # A tenant still in debt is not forgotten: its next call waits for the refill.
+    assert q.check("spender", 1, 100, 2000.0) is None
+    q.served("spender", 100, 2000.0)
+    q.ended("spender", queued=True)
+    for i in range(5000):
+        q.check(f"other-{i}", 1, 1, 2000.0)
+        q.ended(f"other-{i}", queued=True)
+    refusal = q.check("spender", 1, 1, 2000.0)
+    assert refusal is not None and refusal.field == "token_rate"
+
+
 def test_a_reload_keeps_holdings_and_applies_new_limits() -> None:
     q = quotas(max_concurrent_requests=10)
     for _ in range(3):
@@ -131,9 +152,10 @@ def test_a_refused_call_frees_every_sample() -> None:
     book = TenantBook.of(parse({"defaults": {"max_concurrent_requests": 4}}))
     assert book.arrive("t", (1, 2, 3), 10, 0.0) is None
     assert book.quotas.usage["t"].concurrent == 3
-    book.refused(1)  # the scheduler refused the call after the quota passed it
+    book.refused(1, "queue_full")  # the scheduler refused the call after the quota passed it
     assert "t" not in book.quotas.usage
-    assert (book.served["t"].requests, book.served["t"].prompt_tokens) == (0, 0)  # nor counted
+    served = book.served["t"]
+    assert (served.requests, served.prompt_tokens, served.rejected) == (0, 0, 1)  # counted as refused
     assert book.arrive("t", (4, 5, 6, 7), 10, 0.0) is None
 
 

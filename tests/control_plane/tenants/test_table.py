@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import tomllib
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from control_plane.tenants.table import (
     TenantFileError,
     TenantRefused,
     TenantTable,
+    check_objectives,
     load,
     parse,
 )
@@ -121,3 +123,90 @@ def test_an_unbound_key_is_a_tenant_of_its_own() -> None:
 
 def load_text(text: str) -> TenantTable:
     return parse(tomllib.loads(text))
+
+
+@pytest.mark.parametrize(
+    ("text", "field"),
+    [
+        ("[tenants.a]\nttft_slo_ms = 5\n", "tenants.a.ttft_slo_ms"),
+        ("[defaults]\ntpot_slo_ms = 9.5\n", "defaults.tpot_slo_ms"),
+    ],
+)
+def test_an_objective_no_step_can_meet_is_infeasible_under_the_cost_model(text: str, field: str) -> None:
+    """With --slo-cost every step costs at least its `a` (10 ms here): an objective under it would
+    refuse every request of the tenant, so the file is refused, naming the field."""
+    table = parse(tomllib.loads(text))
+    with pytest.raises(TenantFileError, match=rf"^{field}: .*infeasible.*10 ms"):
+        check_objectives(table, (0.01, 0.001, 0.0, 0.0))
+    check_objectives(table, ())  # without a cost model nothing is predicted: any objective stands
+    feasible = parse({"defaults": {"tpot_slo_ms": 10}, "tenants": {"a": {"ttft_slo_ms": 10}}})
+    check_objectives(feasible, (0.01, 0.001, 0.0, 0.0))
+
+
+def test_the_start_refuses_an_infeasible_objective_with_one_error(tmp_path: Path) -> None:
+    from control_plane import config as control_config
+
+    path = tmp_path / "tenants.toml"
+    path.write_text("[tenants.a]\nttft_slo_ms = 1\n")
+    parser = argparse.ArgumentParser()
+    control_config.add_arguments(parser)
+    ns = parser.parse_args(["--tenants", str(path), "--slo-cost", "0.01,0.001,0,0"])
+    with pytest.raises(TenantFileError, match=r"^tenants\.a\.ttft_slo_ms: "):
+        control_config.control_config_from_args(ns, tmp_path)
+
+
+GOOD_YAML = f"""
+prompt_weight: 1
+output_weight: 2
+defaults:
+  max_concurrent_requests: 4
+  token_rate: 100.0
+tenants:
+  alice:
+    weight: 2
+    keys: ["{KEY_A}"]
+    may_name: [alice-batch]
+    max_queued_requests: 8
+    token_rate: 1000.0
+    token_burst: 5000.0
+    ttft_slo_ms: 2000
+  gateway:
+    keys: ["{KEY_B}"]
+    may_name: ["*"]
+"""
+
+
+@pytest.mark.parametrize("suffix", [".yaml", ".yml"])
+def test_a_yaml_file_is_the_same_table(tmp_path: Path, suffix: str) -> None:
+    """The issue's "YAML or TOML": a file named *.yaml or *.yml is read as YAML, into the same
+    table, checked by the same rules."""
+    toml, yaml = tmp_path / "t.toml", tmp_path / f"t{suffix}"
+    toml.write_text(GOOD)
+    yaml.write_text(GOOD_YAML)
+    assert load(yaml) == load(toml)
+
+
+@pytest.mark.parametrize(
+    ("text", "field"),
+    [
+        ("tenants:\n  a:\n    wieght: 2\n", "tenants.a.wieght: unknown field"),
+        ("tenants:\n  a:\n    weight: 0\n", "tenants.a.weight: must be > 0"),
+        ("tenants:\n  a:\n    token_rate:\n", "tenants.a.token_rate: must be a finite number, got None"),
+        ("tenants:\n  a:\n    max_queued_requests: yes\n", "tenants.a.max_queued_requests: must be"),
+        ("- a\n- b\n", "--tenants: "),
+        ("tenants: [a\n", "--tenants: "),
+    ],
+)
+def test_a_bad_yaml_file_is_one_line_naming_the_field(tmp_path: Path, text: str, field: str) -> None:
+    path = tmp_path / "tenants.yaml"
+    path.write_text(text)
+    with pytest.raises(TenantFileError) as caught:
+        load(path)
+    assert str(caught.value).startswith(field), str(caught.value)
+    assert "\n" not in str(caught.value)
+
+
+def test_an_empty_yaml_file_is_an_empty_table(tmp_path: Path) -> None:
+    path = tmp_path / "tenants.yml"
+    path.write_text("# no tenants yet\n")
+    assert load(path) == parse({})
