@@ -54,6 +54,7 @@ from flagtypes import INT32_MAX, SEED, Int
 from flagtypes.table import SWITCH, Flag, Flags
 from protos.worker import SamplerParams, StepResult, WorkerLimits
 from stepwise import cost_fit, costs, flags
+from stepwise.costs import ClientPath
 from stepwise.tenant_summary import TenantLedger
 from stepwise.wire import step_through_wire
 
@@ -93,6 +94,9 @@ class SimSetup:
     # `--cost recorded:DIR`: each step's seconds as a live run measured them (step id -> forward_s),
     # the clock's instead of the cost model's.
     recorded_seconds: Mapping[int, float] | None = None
+    # A fitted model's client path (arrivals by time only): each request reaches the scheduler
+    # `arrive_s` after its arrival, and each token and finish is published `publish_s` after its step.
+    client: ClientPath = dataclasses.field(default_factory=ClientPath)
 
 
 # --- the trace ------------------------------------------------------------------------------------
@@ -222,9 +226,12 @@ class Simulation:
             raise RecordingTooShort(f"step {result.step_id} was not measured in the recording")
         return recorded[result.step_id]
 
+    def _reaches_scheduler(self, request: TraceRequest) -> float:
+        return request.arrival + self.setup.client.arrive_s
+
     def _due(self, request: TraceRequest) -> bool:
         if self.arrival_steps is None:
-            return request.arrival <= self.clock
+            return self._reaches_scheduler(request) <= self.clock
         step, now = self.arrival_steps[request.rid], self.scheduler.step_id
         return step < now or (step == now and (request.rid not in self.after_idle or self.idled_at == now))
 
@@ -235,7 +242,7 @@ class Simulation:
             self.idled_at = self.scheduler.step_id
         if self.pending:
             if self.arrival_steps is None:
-                self.clock = max(self.clock, self.pending[0].arrival)
+                self.clock = max(self.clock, self._reaches_scheduler(self.pending[0]))
             elif not self._due(self.pending[0]):  # by step, the next arrival must be due now
                 rid, step = self.pending[0].rid, self.scheduler.step_id
                 raise SimulationStuck(
@@ -275,10 +282,11 @@ class Simulation:
     def _collect(self) -> None:
         updates = self.scheduler.take_updates()
         uids, counts = np.unique(updates.tokens.uids, return_counts=True)
+        published = self.clock + self.setup.client.publish_s
         for uid, count in zip(uids.tolist(), counts.tolist(), strict=True):
             progress = self.by_uid[uid]
             if progress.first_token is None:
-                progress.first_token = self.clock
+                progress.first_token = published
                 self.tenants.answered(self.rid_of_uid[uid])
             progress.output_tokens += count
             self.tenants.output(self.rid_of_uid[uid], count, self.clock)
@@ -286,7 +294,7 @@ class Simulation:
             progress = self.progress[finished.rid]
             if progress.first_token is None:
                 self.tenants.answered(finished.rid)
-            progress.finished, progress.reason = self.clock, finished.reason.kind.value
+            progress.finished, progress.reason = published, finished.reason.kind.value
             progress.cached_tokens = finished.cached_tokens
 
     def summary(self) -> dict[str, object]:
@@ -432,7 +440,8 @@ def setup_from_args(ns: argparse.Namespace) -> SimSetup:
         dtype="sim",
         device="sim",
     )
-    return SimSetup(config, limits, cost, ns.sim_seed, not ns.disable_overlap_schedule, recorded)
+    client = costs.client_path(ns.cost) if recorded is None else ClientPath()
+    return SimSetup(config, limits, cost, ns.sim_seed, not ns.disable_overlap_schedule, recorded, client)
 
 
 def _sink(ns: argparse.Namespace, setup: SimSetup, emit: Callable[[StepLine], None]) -> Sink | None:
