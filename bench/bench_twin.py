@@ -15,6 +15,8 @@ simulation's TTFT p50/p99 and end-to-end p50 against the live run's. The rows:
 - the same with the client path fitted on the other run's recording (`arrive_s`, `publish_s`:
   docs/debugging.md#step-cost-models): the twin as `stepwise simulate --cost FIT.json` runs it,
   everything taken from the fit run's recording;
+- the same with `--cost-jitter`: each step adds a draw from the fit's residuals (its steps'
+  measured less modelled spans), so the stalls of the fit run reach the simulated tail;
 - the same plus the client's legs measured on the fit run (`client_legs`: its client's end to end
   less its control plane's, request by request, from the recording's stamps), which no recording
   can hold;
@@ -135,13 +137,18 @@ def simulate(
     arrivals_of: Path | None = None,
     seconds: dict[int, float] | None = None,
     client: bool = False,
+    jitter: bool = False,
 ) -> dict[str, Any]:
     """The trace simulated on `cost` (or these step seconds), with the cost file's client path if
-    `client`; arriving by time, or at the steps `arrivals_of` stamped."""
+    `client` and its residuals drawn per step if `jitter` (--cost-jitter); arriving by time, or at the
+    steps `arrivals_of` stamped."""
     recorded = costs.recorded_seconds(cost) if seconds is None else seconds
     model = costs.parse_cost(cost) if recorded is None else sim.CostModel()
     path = costs.client_path(cost) if client else ClientPath()
-    setup = sim.SimSetup(header.scheduler, header.limits, model, recorded_seconds=recorded, client=path)
+    drawn = costs.residual_quantiles(cost) if jitter else ()
+    setup = sim.SimSetup(
+        header.scheduler, header.limits, model, recorded_seconds=recorded, client=path, jitter=drawn
+    )
     requests = [sim.to_request(e) for e in client_traces.load_trace(trace, header.limits.vocab_size)]
     if arrivals_of is None:
         return sim.Simulation(setup, requests).run()
@@ -272,11 +279,13 @@ def main() -> int:
     spans = fit([work / "rec-fit"], work / "cost-fit-span.json", "--fit-interval")
     legs = client_legs(work, "fit")
     twin = simulate(traces["eval"], header, str(spans), client=True)
+    jittered = simulate(traces["eval"], header, str(spans), client=True, jitter=True)
     rows = {
         "forwards fitted on the other run": simulate(traces["eval"], header, str(fitted)),
         "spans fitted on the other run": simulate(traces["eval"], header, str(spans)),
         "spans and client path fitted on the other run's recording": twin,
-        "the same, plus the client's legs measured on the other run": shifted(twin, legs),
+        "the same, its residuals drawn per step (--cost-jitter)": jittered,
+        "the same, plus the client's legs measured on the other run": shifted(jittered, legs),
         "spans fitted on the other run, calibrated on its clients": calibrated(work, traces, header, spans),
         "this run's own forwards, its arrival steps": simulate(
             traces["eval"], header, f"recorded:{work / 'rec-eval'}", work / "rec-eval"

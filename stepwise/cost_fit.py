@@ -65,6 +65,8 @@ from stepwise.stamps import Stamps
 # Fewer steps than this cannot give a fit and a held-out error worth printing.
 MIN_STEPS = 20
 HOLDOUT_EVERY = 5
+# Residual quantiles a fit's JSON carries (0, 1/1000, ..., 1): the tail to a thousandth.
+JITTER_QUANTILES = 1001
 TERMS = ("step", "prefill token", "decode row", "context token")
 
 
@@ -119,6 +121,9 @@ class CostFit:
     pinned: tuple[str, ...] = ()
     # The error on every step of other runs (--check-cost), when given.
     other: Errors | None = None
+    # Quantiles (at 0, 1/1000, ..., 1) of the fitted steps' residuals, measured less modelled seconds:
+    # what `simulate --cost-jitter` draws from.
+    residual_quantiles: tuple[float, ...] = ()
 
     @property
     def model(self) -> CostModel:
@@ -291,7 +296,10 @@ def fit_cost(shapes: Sequence[StepShape], holdout_every: int = HOLDOUT_EVERY) ->
     held = np.arange(len(shapes)) % holdout_every == holdout_every - 1
     _check_separable(x[~held])
     coef, pinned = _nonnegative_lstsq(x[~held], y[~held])
+    residuals = y[~held] - x[~held] @ coef
+    quantiles = np.quantile(residuals, np.linspace(0.0, 1.0, JITTER_QUANTILES))
     return CostFit(
+        residual_quantiles=tuple(float(f"{q:.4g}") for q in quantiles),
         coefficients=(float(coef[0]), float(coef[1]), float(coef[2]), float(coef[3])),
         train=_errors(x[~held] @ coef, y[~held]),
         test=_errors(x[held] @ coef, y[held]),
@@ -451,6 +459,7 @@ def as_json(recordings: Sequence[RecordingSteps], fit: CostFit) -> dict[str, obj
     """The model (keys a, b, c, d: what --cost FILE reads) with its fit and error."""
     model, client = fit.model, client_terms(recordings)
     return {
+        "residual_quantiles_s": list(fit.residual_quantiles),
         "arrive_s": client.arrive_s,
         "publish_s": client.publish_s,
         "a": model.a,

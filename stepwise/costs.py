@@ -18,6 +18,7 @@ spec names a model wherever a worker kind needs one, so a fleet's kinds can each
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from dataclasses import dataclass
@@ -107,6 +108,30 @@ def client_path(text: str, flag: str = "--cost") -> ClientPath:
             raise ValueError(f"{flag} {path}: {key} must be a finite number of seconds >= 0, got {value!r}")
         terms[key] = float(value)
     return ClientPath(**terms)
+
+
+def residual_quantiles(text: str, flag: str = "--cost") -> tuple[float, ...]:
+    """A fitted JSON file's `residual_quantiles_s` (stepwise simulate --fit-cost --json), for
+    `--cost-jitter`; ValueError naming `flag` when `text` names no such file or the list is not
+    finite non-decreasing numbers."""
+    path = Path(text)
+    obj = None
+    if text not in NAMED and "," not in text and not text.startswith(RECORDED) and path.is_file():
+        try:
+            obj = json.loads(path.read_text())
+        except (OSError, ValueError):
+            obj = None
+    values = obj.get("residual_quantiles_s") if isinstance(obj, dict) else None
+    if not isinstance(values, list) or len(values) < 2:
+        raise ValueError(
+            f"--cost-jitter wants {flag} FILE from `stepwise simulate --fit-cost ... --json` "
+            f"(its residual_quantiles_s), got {text!r}"
+        )
+    if not all(isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) for v in values):
+        raise ValueError(f"{flag} {path}: residual_quantiles_s must be finite numbers")
+    if any(b < a for a, b in itertools.pairwise(values)):
+        raise ValueError(f"{flag} {path}: residual_quantiles_s must not decrease")
+    return tuple(float(v) for v in values)
 
 
 def recorded_seconds(text: str, flag: str = "--cost") -> dict[int, float] | None:

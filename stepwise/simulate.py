@@ -97,6 +97,9 @@ class SimSetup:
     # A fitted model's client path (arrivals by time only): each request reaches the scheduler
     # `arrive_s` after its arrival, and each token and finish is published `publish_s` after its step.
     client: ClientPath = dataclasses.field(default_factory=ClientPath)
+    # `--cost-jitter`: quantiles (evenly spaced levels 0..1) of a fit's residuals; each step adds
+    # one draw (seeded by `seed`), its seconds kept >= 0.
+    jitter: tuple[float, ...] = ()
 
 
 # --- the trace ------------------------------------------------------------------------------------
@@ -177,6 +180,8 @@ class Simulation:
         self.depth = OVERLAP_DEPTH if setup.overlap else 1
         self.clock = 0.0
         self.steps = 0
+        self.jitter_rng = np.random.default_rng(setup.seed)
+        self.jitter_levels = np.linspace(0.0, 1.0, len(setup.jitter))
         config = setup.config
         self.tenants = TenantLedger(config, {r.params.tenant for r in trace})
         # The summary's tenant figures, when anything is about tenants or objectives.
@@ -213,7 +218,7 @@ class Simulation:
         return True
 
     def _apply(self, result: StepResult) -> None:
-        self.clock += self._seconds(result)
+        self.clock += self._jittered(self._seconds(result))
         self.scheduler.apply_result(result)
         self.steps += 1
         self._collect()
@@ -225,6 +230,13 @@ class Simulation:
         if result.step_id not in recorded:
             raise RecordingTooShort(f"step {result.step_id} was not measured in the recording")
         return recorded[result.step_id]
+
+    def _jittered(self, seconds: float) -> float:
+        """The step's seconds plus a draw from the fit's residuals (--cost-jitter), at least 0."""
+        if not self.setup.jitter:
+            return seconds
+        draw = float(np.interp(self.jitter_rng.random(), self.jitter_levels, self.setup.jitter))
+        return max(0.0, seconds + draw)
 
     def _reaches_scheduler(self, request: TraceRequest) -> float:
         return request.arrival + self.setup.client.arrive_s
@@ -395,7 +407,15 @@ _SIM_FLAGS = Flags(
 _OUTPUT_FLAGS = Flags(
     None,
     (
-        Flag("--sim-seed", SEED, default=0, help="seed of the simulated tokens"),
+        Flag(
+            "--sim-seed", SEED, default=0, help="seed of the simulated tokens (and of --cost-jitter's draws)"
+        ),
+        Flag(
+            "--cost-jitter",
+            SWITCH,
+            help="with --cost FILE from --fit-cost --json: add to each step a draw from the fit's residuals "
+            "(measured less modelled seconds), so the simulated tail carries the recorded run's stalls",
+        ),
         Flag("--json", SWITCH, help="one JSON object per step, then {'summary': ...}"),
         Flag("--summary-only", SWITCH, help="print the summary only (no timeline)"),
     ),
@@ -441,7 +461,9 @@ def setup_from_args(ns: argparse.Namespace) -> SimSetup:
         device="sim",
     )
     client = costs.client_path(ns.cost) if recorded is None else ClientPath()
-    return SimSetup(config, limits, cost, ns.sim_seed, not ns.disable_overlap_schedule, recorded, client)
+    jitter = costs.residual_quantiles(ns.cost) if ns.cost_jitter else ()
+    overlap = not ns.disable_overlap_schedule
+    return SimSetup(config, limits, cost, ns.sim_seed, overlap, recorded, client, jitter)
 
 
 def _sink(ns: argparse.Namespace, setup: SimSetup, emit: Callable[[StepLine], None]) -> Sink | None:
@@ -468,6 +490,10 @@ def main(argv: Sequence[str]) -> int:
         trace = traces.read_trace(ns, setup.limits.vocab_size)
         events = twin_cli.trace_events(ns)
         fleet = twin_cli.setup_from_args(ns, setup, events) if twin_cli.wanted(ns, events) else None
+        if fleet is not None and (setup.jitter or setup.client != ClientPath()):
+            raise ValueError(
+                "--cost-jitter and a fitted client path time one worker: not with the fleet's flags"
+            )
     except (OSError, ValueError) as exc:
         print(f"stepwise simulate: {exc}", file=sys.stderr)
         return 2

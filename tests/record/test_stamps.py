@@ -206,3 +206,51 @@ def test_a_cost_file_puts_the_client_path_on_the_simulated_clock(
     assert sim.main([str(trace), "--summary-only", "--cost", str(bad)]) == 2
     err = capsys.readouterr().err
     assert "publish_s" in err and err.count("\n") == 1
+
+
+def test_cost_jitter_draws_the_fits_residuals_per_step(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The fit's JSON carries its residuals' quantiles; --cost-jitter adds one draw to each step:
+    with every quantile at +10 ms, a lone request's one-step TTFT is 10 ms longer. Draws are
+    seeded: two runs print the same bytes."""
+    path = _record(tmp_path, "stamped", stamp=True)
+    capsys.readouterr()
+    assert sim.main(["--fit-cost", str(path), "--fit-interval", "--json"]) == 0
+    fitted = json.loads(capsys.readouterr().out)
+    quantiles = fitted["residual_quantiles_s"]
+    assert len(quantiles) == cost_fit.JITTER_QUANTILES and quantiles == sorted(quantiles)
+    assert max(map(abs, quantiles)) < 1e-9  # the synthetic spans are the model's exactly
+
+    trace = write_trace(
+        tmp_path / "one.jsonl", [{"rid": "a", "arrival": 1.0, "prompt_len": 50, "max_new_tokens": 1}]
+    )
+    runs = {}
+    for name, shift in (("plain", None), ("jitter", 0.01)):
+        model = tmp_path / f"{name}.json"
+        model.write_text(
+            json.dumps({"a": MODEL.a, "b": MODEL.b, "c": MODEL.c, "residual_quantiles_s": [shift or 0.0] * 3})
+        )
+        jitter = [] if shift is None else ["--cost-jitter"]
+        capsys.readouterr()
+        assert sim.main([str(trace), "--summary-only", "--cost", str(model), *jitter]) == 0
+        runs[name] = json.loads(capsys.readouterr().out)["summary"]
+    assert runs["jitter"]["ttft_p50_s"] - runs["plain"]["ttft_p50_s"] == pytest.approx(0.01, abs=1e-9)
+
+    spread = tmp_path / "spread.json"
+    spread.write_text(json.dumps({**fitted, "residual_quantiles_s": [-0.001, 0.0, 0.02]}))
+    outputs = []
+    for _ in range(2):
+        capsys.readouterr()
+        assert (
+            sim.main([str(_trace(tmp_path)), "--summary-only", "--cost", str(spread), "--cost-jitter"]) == 0
+        )
+        outputs.append(capsys.readouterr().out)
+    assert outputs[0] == outputs[1]
+
+    bare = tmp_path / "bare.json"
+    bare.write_text(json.dumps({"a": MODEL.a, "b": MODEL.b, "c": MODEL.c}))
+    for cost in ("0.001,0,0", str(bare)):
+        assert sim.main([str(trace), "--summary-only", "--cost", cost, "--cost-jitter"]) == 2
+        err = capsys.readouterr().err
+        assert "--cost-jitter wants --cost FILE" in err and err.count("\n") == 1
