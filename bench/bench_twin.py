@@ -68,9 +68,16 @@ METRICS += (("e2e p50", "e2e_latency_median_ms", "latency_p50_s"),)
 
 
 def make_trace(
-    path: Path, n: int, rate: float, prompt: tuple[int, int], output: tuple[int, int], seed: int
+    path: Path,
+    n: int,
+    rate: float,
+    prompt: tuple[int, int],
+    output: tuple[int, int],
+    seed: int,
+    burst: int = 1,
 ) -> Path:
-    """n requests, Poisson arrivals at `rate`/s, prompt and output lengths uniform in the ranges; a
+    """n requests, Poisson arrivals at `rate`/s in bursts of `burst` (a burst's requests arrive at
+    once, bursts at rate/burst per second), prompt and output lengths uniform in the ranges; a
     quarter share a 64-token system prompt (so the prefix cache plays its part)."""
     rng = random.Random(seed)
     clock, lines = 0.0, []
@@ -80,7 +87,8 @@ def make_trace(
         if i % 4 == 0:
             line |= {"prefix_group": "sys", "prefix_len": 64}
         lines.append(json.dumps(line))
-        clock += rng.expovariate(rate)
+        if (i + 1) % burst == 0:
+            clock += rng.expovariate(rate / burst)
     path.write_text("\n".join(lines) + "\n")
     return path
 
@@ -257,6 +265,9 @@ def main() -> int:
     parser.add_argument("--model", default="embedded", help="the model `stepwise up --model` serves")
     parser.add_argument("--requests", type=int, default=120)
     parser.add_argument("--rate", type=float, default=12.0, help="arrivals per second")
+    parser.add_argument(
+        "--burst", type=int, default=1, help="requests arriving at once (bursts at rate/burst)"
+    )
     parser.add_argument("--prompt-len", default="16,256")
     parser.add_argument("--output-len", default="8,64")
     parser.add_argument("--work", type=Path, default=None, help="keep traces and recordings here")
@@ -266,7 +277,7 @@ def main() -> int:
     output = tuple(map(int, ns.output_len.split(",")))
     work = ns.work or Path(tempfile.mkdtemp(prefix="twin-"))
     work.mkdir(parents=True, exist_ok=True)
-    traces = {name: make_trace(work / f"{name}.jsonl", ns.requests, ns.rate, prompt, output, seed)  # type: ignore[arg-type]
+    traces = {name: make_trace(work / f"{name}.jsonl", ns.requests, ns.rate, prompt, output, seed, ns.burst)  # type: ignore[arg-type]
               for name, seed in (("fit", 1), ("eval", 2))}  # fmt: skip
     live = {
         name: live_run(ns.model, trace, work / f"rec-{name}", work)
@@ -294,7 +305,8 @@ def main() -> int:
             traces["eval"], header, "", work / "rec-eval", recorded_spans(work / "rec-eval")
         ),
     }
-    print(f"model {ns.model}, {ns.requests} requests at {ns.rate}/s, prompts {ns.prompt_len}, ", end="")
+    print(f"model {ns.model}, {ns.requests} requests at {ns.rate}/s in bursts of {ns.burst}, ", end="")
+    print(f"prompts {ns.prompt_len}, ", end="")
     print(f"outputs {ns.output_len}; work in {work}")
     for name, report in live.items():
         keys = ("duration_s", "ttft_median_ms", "ttft_p99_ms", "e2e_latency_median_ms")
