@@ -45,6 +45,7 @@ import argparse
 import dataclasses
 import itertools
 import json
+import statistics
 import sys
 import warnings
 from collections.abc import Iterable, Sequence
@@ -440,6 +441,12 @@ def report(
             f"scheduler), publish {client.publish_s * 1e3:.4f} ms (median of {publishes} finishes); "
             "with --json, --cost FILE applies them"
         )
+        hand_offs = [h for r in recordings for h in r.stamps.hand_offs]
+        if hand_offs:
+            lines.append(
+                f"hand-off: {statistics.median(hand_offs) * 1e3:.4f} ms a busy step's span beyond its "
+                f"forward and wait (median of {len(hand_offs)}; in the spans, no term of its own)"
+            )
     else:
         lines.append("client path: not stamped (a recording made before the stamps): no terms")
     lines.append(f"--cost {fit.model.spec()}")

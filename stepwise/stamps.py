@@ -13,6 +13,10 @@ clock): each step's span, and the two client path terms `stepwise simulate --fit
   the wait for the step in flight is the simulation's to reproduce, not a term's).
 - `publish_s`: from a step's result being applied to the finishes it made being published (the
   engine first plans and sends the next step), median over the finishes.
+- the hand-off (printed, not a term: the span holds it): what a busy step's span holds beyond the
+  worker's forward and its wait for the plan (`forward_s`, `wait_s`): the plan's hand-off to the
+  forward and the result's way back to the control plane, median over the steps whose plan was
+  made before the previous result was applied.
 
 Recordings made before the stamps have none (every `at_s` 0): no spans, no terms.
 """
@@ -36,6 +40,8 @@ class Stamps:
     arrivals: list[float] = field(default_factory=list)
     # Result-to-publication seconds of every stamped finish.
     publishes: list[float] = field(default_factory=list)
+    # Busy steps' span less their forward and wait.
+    hand_offs: list[float] = field(default_factory=list)
     # Whether any plan or result carried a stamp.
     stamped: bool = False
     _planned: dict[int, float] = field(default_factory=dict)
@@ -73,7 +79,9 @@ class Stamps:
         self.stamped = True
         planned = self._planned.pop(entry.result.step_id, 0.0)
         if planned > 0 and self._applied > 0:
-            self.spans[entry.result.step_id] = entry.at_s - max(self._applied, planned)
+            span = self.spans[entry.result.step_id] = entry.at_s - max(self._applied, planned)
+            if planned <= self._applied:
+                self.hand_offs.append(span - entry.result.forward_s - entry.result.wait_s)
         elif planned > 0:  # the session's first result: its round trip from the plan
             self.spans[entry.result.step_id] = entry.at_s - planned
         self._applied = entry.at_s
@@ -81,6 +89,10 @@ class Stamps:
     @property
     def arrive_s(self) -> float:
         return statistics.median(self.arrivals) if self.arrivals else 0.0
+
+    @property
+    def hand_off_s(self) -> float:
+        return statistics.median(self.hand_offs) if self.hand_offs else 0.0
 
     @property
     def publish_s(self) -> float:

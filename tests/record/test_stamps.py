@@ -167,6 +167,7 @@ def test_fit_interval_recovers_spans_and_client_terms_from_a_stamped_recording(
     assert sim.main(["--fit-cost", str(path), "--fit-interval"]) == 0
     text = capsys.readouterr().out
     assert "steps' spans on the control plane's clock" in text and "client path: arrive 3.1000 ms" in text
+    assert "hand-off: 0.7000 ms a busy step's span" in text  # the sim's results wait 0 for their plans
     # Forwards stay forwards: the stamps change only what --fit-interval times.
     by_forward = cost_fit.fit_steps([cost_fit.read_steps(path)])
     assert by_forward.coefficients[0] == pytest.approx(MODEL.a, rel=1e-6)
