@@ -30,6 +30,13 @@ step after which the control plane had nothing to plan (a NextPlan without a pla
 one) is left out, its gap being the wait for an arrival, as is the last step. A simulated clock
 that advances by such a model counts what a live worker's busy stretch takes, not only its forwards
 (docs/performance.md#the-simulator-against-live).
+
+A recording a live control plane stamped (stamps.py) times each step by its span on the control
+plane's clock instead, under `--fit-interval`: the interval as the control plane lived it, the
+worker's hand-off of each plan to its thread and of its result back, and the way between them,
+included, and the steps after an idle wait too (their span is the plan's round trip). A stamped
+recording also gives the client path's two terms (`arrive_s`, `publish_s`, stamps.py), which
+the fit prints and its JSON carries for `--cost FILE` (stepwise.costs.ClientPath).
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ import argparse
 import dataclasses
 import itertools
 import json
+import statistics
 import sys
 import warnings
 from collections.abc import Iterable, Sequence
@@ -52,10 +60,14 @@ from control_plane.record.files import RecordingError, RecordingReader, Truncate
 from data_plane.sim import CostModel
 from flagtypes.table import SWITCH, Flag, Flags
 from protos.worker import StepPlan
+from stepwise.costs import ClientPath
+from stepwise.stamps import Stamps
 
 # Fewer steps than this cannot give a fit and a held-out error worth printing.
 MIN_STEPS = 20
 HOLDOUT_EVERY = 5
+# Residual quantiles a fit's JSON carries (0, 1/1000, ..., 1): the tail to a thousandth.
+JITTER_QUANTILES = 1001
 TERMS = ("step", "prefill token", "decode row", "context token")
 
 
@@ -80,8 +92,10 @@ class Skipped:
     # Failed, or without a measured time (forward_s 0: a replay's results).
     failed: int = 0
     unknown_context: int = 0
-    # Fitting intervals: the next step waited for an arrival, or none came.
+    # Fitting intervals: the next step waited for an arrival, or none came (by span: no span).
     no_interval: int = 0
+    # Fitting intervals of a stamped recording: timed by spans (stamps.py).
+    by_span: bool = False
 
     def total(self) -> int:
         return self.empty + self.failed + self.unknown_context + self.no_interval
@@ -108,6 +122,9 @@ class CostFit:
     pinned: tuple[str, ...] = ()
     # The error on every step of other runs (--check-cost), when given.
     other: Errors | None = None
+    # Quantiles (at 0, 1/1000, ..., 1) of the fitted steps' residuals, measured less modelled seconds:
+    # what `simulate --cost-jitter` draws from.
+    residual_quantiles: tuple[float, ...] = ()
 
     @property
     def model(self) -> CostModel:
@@ -206,17 +223,30 @@ def _intervals(entries: Iterable[Entry], skipped: Skipped) -> list[StepShape]:
     return shapes
 
 
+def _spans(shapes: list[StepShape], stamps: Stamps, skipped: Skipped) -> list[StepShape]:
+    """The steps timed by their spans on the control plane's clock (stamps.py)."""
+    timed = []
+    for shape in shapes:
+        span = stamps.spans.get(shape.step)
+        if span is None or span <= 0:
+            skipped.no_interval += 1
+            continue
+        timed.append(dataclasses.replace(shape, seconds=span))
+    return timed
+
+
 @dataclass(frozen=True, slots=True)
 class RecordingSteps:
     path: Path
     header: Header
     shapes: list[StepShape]
     skipped: Skipped
+    stamps: Stamps = field(default_factory=Stamps)
 
 
 def read_steps(path: Path, interval: bool = False) -> RecordingSteps:
-    """The steps of one recording (`interval`: timed by their intervals); RecordingError (one line)
-    when it cannot be read."""
+    """The steps of one recording (`interval`: timed by their spans when the recording is
+    stamped, else by their intervals); RecordingError (one line) when it cannot be read."""
     if not path.exists():
         raise RecordingError(f"{path}: no such file or directory")
     reader = RecordingReader(path)
@@ -229,8 +259,23 @@ def read_steps(path: Path, interval: bool = False) -> RecordingSteps:
         if why := unsupported_format(header):
             raise RecordingError(f"{path}: {why}")
         skipped = Skipped()
-        shapes = step_shapes(entries, skipped, interval)
-    return RecordingSteps(path, header, shapes, skipped)
+        stamps = Stamps()
+        listed = list(stamps.noting(entries))
+        if interval and stamps.stamped:
+            skipped.by_span = True
+            shapes = _spans(step_shapes(listed, skipped), stamps, skipped)
+        else:
+            shapes = step_shapes(listed, skipped, interval)
+    return RecordingSteps(path, header, shapes, skipped, stamps)
+
+
+def client_terms(recordings: Sequence[RecordingSteps]) -> ClientPath:
+    """The client path's terms of the stamped recordings, pooled (zeros where none is stamped)."""
+    pooled = Stamps()
+    for r in recordings:
+        pooled.arrivals += r.stamps.arrivals
+        pooled.publishes += r.stamps.publishes
+    return ClientPath(float(f"{pooled.arrive_s:.4g}"), float(f"{pooled.publish_s:.4g}"))
 
 
 # --- the fit --------------------------------------------------------------------------------------
@@ -252,7 +297,10 @@ def fit_cost(shapes: Sequence[StepShape], holdout_every: int = HOLDOUT_EVERY) ->
     held = np.arange(len(shapes)) % holdout_every == holdout_every - 1
     _check_separable(x[~held])
     coef, pinned = _nonnegative_lstsq(x[~held], y[~held])
+    residuals = y[~held] - x[~held] @ coef
+    quantiles = np.quantile(residuals, np.linspace(0.0, 1.0, JITTER_QUANTILES))
     return CostFit(
+        residual_quantiles=tuple(float(f"{q:.4g}") for q in quantiles),
         coefficients=(float(coef[0]), float(coef[1]), float(coef[2]), float(coef[3])),
         train=_errors(x[~held] @ coef, y[~held]),
         test=_errors(x[held] @ coef, y[held]),
@@ -356,12 +404,21 @@ def report(
         lines.append(
             f"{r.path}: {len(r.shapes)} steps (left out: {skipped.empty} empty, "
             f"{skipped.failed} failed or untimed, {skipped.unknown_context} of unknown context"
-            f"{f', {skipped.no_interval} before an idle wait or none' if skipped.no_interval else ''}); "
+            f"{f', {skipped.no_interval} {_untimed(skipped)}' if skipped.no_interval else ''}); "
             f"worker {limits.worker_id}, device {limits.device}, dtype {limits.dtype}, "
             f"model {limits.model_fingerprint[:12]}{only}"
         )
     held = f"every {HOLDOUT_EVERY}th step"
-    timed = "intervals (forward and the wait for the next plan)" if interval else "forwards"
+    timed = "forwards"
+    if interval:
+        spans = sum(r.skipped.by_span for r in recordings)
+        timed = (
+            "intervals (forward and the wait for the next plan)"
+            if not spans
+            else (
+                "spans on the control plane's clock (result to result, or plan to result after an idle wait)"
+            )
+        )
     lines.append(f"fitted on {fit.train.steps} steps' {timed}, error on {fit.test.steps} held out ({held})")
     for term, value in zip(TERMS, fit.coefficients, strict=True):
         pinned = "  (pinned at 0: no weight in the data)" if term in fit.pinned else ""
@@ -375,8 +432,29 @@ def report(
             f"relative error mean {errors.mean_rel:.1%}, p90 {errors.p90_rel:.1%}, "
             f"total {_signed(errors.total_rel)}"
         )
+    client = client_terms(recordings)
+    if any(r.stamps.stamped for r in recordings):
+        arrivals = sum(len(r.stamps.arrivals) for r in recordings)
+        publishes = sum(len(r.stamps.publishes) for r in recordings)
+        lines.append(
+            f"client path: arrive {client.arrive_s * 1e3:.4f} ms (median of {arrivals} arrivals at an idle "
+            f"scheduler), publish {client.publish_s * 1e3:.4f} ms (median of {publishes} finishes); "
+            "with --json, --cost FILE applies them"
+        )
+        hand_offs = [h for r in recordings for h in r.stamps.hand_offs]
+        if hand_offs:
+            lines.append(
+                f"hand-off: {statistics.median(hand_offs) * 1e3:.4f} ms a busy step's span beyond its "
+                f"forward and wait (median of {len(hand_offs)}; in the spans, no term of its own)"
+            )
+    else:
+        lines.append("client path: not stamped (a recording made before the stamps): no terms")
     lines.append(f"--cost {fit.model.spec()}")
     return "\n".join(lines)
+
+
+def _untimed(skipped: Skipped) -> str:
+    return "without a span" if skipped.by_span else "before an idle wait or none"
 
 
 def _signed(fraction: float) -> str:
@@ -386,8 +464,11 @@ def _signed(fraction: float) -> str:
 
 def as_json(recordings: Sequence[RecordingSteps], fit: CostFit) -> dict[str, object]:
     """The model (keys a, b, c, d: what --cost FILE reads) with its fit and error."""
-    model = fit.model
+    model, client = fit.model, client_terms(recordings)
     return {
+        "residual_quantiles_s": list(fit.residual_quantiles),
+        "arrive_s": client.arrive_s,
+        "publish_s": client.publish_s,
         "a": model.a,
         "b": model.b,
         "c": model.c,
@@ -430,7 +511,8 @@ FIT_FLAGS = Flags(
         Flag(
             "--fit-interval",
             SWITCH,
-            help="with --fit-cost: fit each step's interval on the worker (its forward plus the wait for "
+            help="with --fit-cost: fit each step's interval (a stamped recording's: its span on the control "
+            "plane's clock, result to result; an older one's: its forward plus the worker's wait for "
             "the next plan, the control plane's turn between steps) instead of its forward alone",
         ),
         Flag(
@@ -481,7 +563,10 @@ def main(paths: Sequence[Path], others: Sequence[Path], as_json_output: bool, in
         print(f"stepwise simulate: --fit-cost: {exc}", file=sys.stderr)
         return 2
     if as_json_output:
-        print(json.dumps({**as_json(recordings, fit), "fitted_to": "interval" if interval else "forward"}))
+        timed = (
+            "span" if any(r.skipped.by_span for r in recordings) else "interval" if interval else "forward"
+        )
+        print(json.dumps({**as_json(recordings, fit), "fitted_to": timed}))
     else:
         print(report(recordings, fit, checked, interval))
     return 0

@@ -8,7 +8,9 @@ spec names a model wherever a worker kind needs one, so a fleet's kinds can each
 - a name from NAMED (`stepwise simulate --help` lists them; docs/performance.md says where each
   comes from);
 - a path to a JSON object with keys `a`, `b`, `c` and optionally `d` (what `stepwise simulate
-  --fit-cost ... --json` prints; other keys are ignored);
+  --fit-cost ... --json` prints; other keys are ignored by the step model); its optional keys
+  `arrive_s` and `publish_s` are the client path's terms (ClientPath), which a fit of a stamped
+  recording gives;
 - `recorded:DIR` (`stepwise simulate` only): no model, each step's seconds as a live recording
   measured them (its results' forward_s, by step), for a simulation of that very run
   (docs/debugging.md#twin).
@@ -16,7 +18,9 @@ spec names a model wherever a worker kind needs one, so a fleet's kinds can each
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -73,6 +77,61 @@ def _from_file(path: Path, flag: str) -> CostModel:
             f"{flag} {path}: not a cost model (a JSON object with a, b, c[, d]): {exc!s}"
         ) from None
     return CostModel.parse(",".join(repr(float(v)) for v in values), f"{flag} {path}")
+
+
+@dataclass(frozen=True, slots=True)
+class ClientPath:
+    """What a request spends outside the worker's steps, on the simulated clock
+    (docs/debugging.md#step-cost-models): `arrive_s` from its call reaching the control plane to the
+    scheduler taking it, `publish_s` from the step that made a token or finish being applied to its
+    publication. Zero for every model but a fitted file that gives them."""
+
+    arrive_s: float = 0.0
+    publish_s: float = 0.0
+
+
+def client_path(text: str, flag: str = "--cost") -> ClientPath:
+    """The client path's terms of the cost spec `text`: a JSON file's `arrive_s` and `publish_s`
+    (each 0 when absent); zeros for every other spec. ValueError naming `flag` for a term that is
+    not a finite number >= 0."""
+    path = Path(text)
+    if text in NAMED or "," in text or text.startswith(RECORDED) or not path.is_file():
+        return ClientPath()
+    try:
+        obj = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return ClientPath()  # parse_cost says what is wrong with the file
+    terms = {}
+    for key in ("arrive_s", "publish_s"):
+        value = obj.get(key, 0.0) if isinstance(obj, dict) else 0.0
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < math.inf:
+            raise ValueError(f"{flag} {path}: {key} must be a finite number of seconds >= 0, got {value!r}")
+        terms[key] = float(value)
+    return ClientPath(**terms)
+
+
+def residual_quantiles(text: str, flag: str = "--cost") -> tuple[float, ...]:
+    """A fitted JSON file's `residual_quantiles_s` (stepwise simulate --fit-cost --json), for
+    `--cost-jitter`; ValueError naming `flag` when `text` names no such file or the list is not
+    finite non-decreasing numbers."""
+    path = Path(text)
+    obj = None
+    if text not in NAMED and "," not in text and not text.startswith(RECORDED) and path.is_file():
+        try:
+            obj = json.loads(path.read_text())
+        except (OSError, ValueError):
+            obj = None
+    values = obj.get("residual_quantiles_s") if isinstance(obj, dict) else None
+    if not isinstance(values, list) or len(values) < 2:
+        raise ValueError(
+            f"--cost-jitter wants {flag} FILE from `stepwise simulate --fit-cost ... --json` "
+            f"(its residual_quantiles_s), got {text!r}"
+        )
+    if not all(isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) for v in values):
+        raise ValueError(f"{flag} {path}: residual_quantiles_s must be finite numbers")
+    if any(b < a for a, b in itertools.pairwise(values)):
+        raise ValueError(f"{flag} {path}: residual_quantiles_s must not decrease")
+    return tuple(float(v) for v in values)
 
 
 def recorded_seconds(text: str, flag: str = "--cost") -> dict[int, float] | None:

@@ -56,6 +56,7 @@ from flagtypes import INT32_MAX, SEED, Int
 from flagtypes.table import SWITCH, Flag, Flags
 from protos.worker import SamplerParams, StepResult, WorkerLimits
 from stepwise import cost_fit, costs, flags
+from stepwise.costs import ClientPath
 from stepwise.tenant_summary import TenantLedger
 from stepwise.wire import step_through_wire
 
@@ -98,6 +99,12 @@ class SimSetup:
     # `--tenants FILE`: its quotas are checked at each arrival as a live control plane's core checks
     # them (its weights and objectives are in `config`).
     tenants: TenantTable | None = None
+    # A fitted model's client path (arrivals by time only): each request reaches the scheduler
+    # `arrive_s` after its arrival, and each token and finish is published `publish_s` after its step.
+    client: ClientPath = dataclasses.field(default_factory=ClientPath)
+    # `--cost-jitter`: quantiles (evenly spaced levels 0..1) of a fit's residuals; each step adds
+    # one draw (seeded by `seed`), its seconds kept >= 0.
+    jitter: tuple[float, ...] = ()
 
 
 # --- the trace ------------------------------------------------------------------------------------
@@ -178,6 +185,8 @@ class Simulation:
         self.depth = OVERLAP_DEPTH if setup.overlap else 1
         self.clock = 0.0
         self.steps = 0
+        self.jitter_rng = np.random.default_rng(setup.seed)
+        self.jitter_levels = np.linspace(0.0, 1.0, len(setup.jitter))
         config = setup.config
         self.tenants = TenantLedger(config, {r.params.tenant for r in trace})
         # The tenant file's quotas, the core's book over them (control_plane/tenants/book.py).
@@ -221,7 +230,7 @@ class Simulation:
         return True
 
     def _apply(self, result: StepResult) -> None:
-        self.clock += self._seconds(result)
+        self.clock += self._jittered(self._seconds(result))
         self.scheduler.apply_result(result)
         self.steps += 1
         self._collect()
@@ -234,9 +243,19 @@ class Simulation:
             raise RecordingTooShort(f"step {result.step_id} was not measured in the recording")
         return recorded[result.step_id]
 
+    def _jittered(self, seconds: float) -> float:
+        """The step's seconds plus a draw from the fit's residuals (--cost-jitter), at least 0."""
+        if not self.setup.jitter:
+            return seconds
+        draw = float(np.interp(self.jitter_rng.random(), self.jitter_levels, self.setup.jitter))
+        return max(0.0, seconds + draw)
+
+    def _reaches_scheduler(self, request: TraceRequest) -> float:
+        return request.arrival + self.setup.client.arrive_s
+
     def _due(self, request: TraceRequest) -> bool:
         if self.arrival_steps is None:
-            return request.arrival <= self.clock
+            return self._reaches_scheduler(request) <= self.clock
         step, now = self.arrival_steps[request.rid], self.scheduler.step_id
         return step < now or (step == now and (request.rid not in self.after_idle or self.idled_at == now))
 
@@ -247,7 +266,7 @@ class Simulation:
             self.idled_at = self.scheduler.step_id
         if self.pending:
             if self.arrival_steps is None:
-                self.clock = max(self.clock, self.pending[0].arrival)
+                self.clock = max(self.clock, self._reaches_scheduler(self.pending[0]))
             elif not self._due(self.pending[0]):  # by step, the next arrival must be due now
                 rid, step = self.pending[0].rid, self.scheduler.step_id
                 raise SimulationStuck(
@@ -304,10 +323,11 @@ class Simulation:
     def _collect(self) -> None:
         updates = self.scheduler.take_updates()
         uids, counts = np.unique(updates.tokens.uids, return_counts=True)
+        published = self.clock + self.setup.client.publish_s
         for uid, count in zip(uids.tolist(), counts.tolist(), strict=True):
             progress = self.by_uid[uid]
             if progress.first_token is None:
-                progress.first_token = self.clock
+                progress.first_token = published
                 self.tenants.answered(self.rid_of_uid[uid])
             progress.output_tokens += count
             self.tenants.output(self.rid_of_uid[uid], count, self.clock)
@@ -317,7 +337,7 @@ class Simulation:
             progress = self.progress[finished.rid]
             if progress.first_token is None:
                 self.tenants.answered(finished.rid)
-            progress.finished, progress.reason = self.clock, finished.reason.kind.value
+            progress.finished, progress.reason = published, finished.reason.kind.value
             progress.cached_tokens = finished.cached_tokens
             if self.quotas is not None:
                 self.quotas.ended(self.uid_of_rid[finished.rid])
@@ -420,7 +440,15 @@ _SIM_FLAGS = Flags(
 _OUTPUT_FLAGS = Flags(
     None,
     (
-        Flag("--sim-seed", SEED, default=0, help="seed of the simulated tokens"),
+        Flag(
+            "--sim-seed", SEED, default=0, help="seed of the simulated tokens (and of --cost-jitter's draws)"
+        ),
+        Flag(
+            "--cost-jitter",
+            SWITCH,
+            help="with --cost FILE from --fit-cost --json: add to each step a draw from the fit's residuals "
+            "(measured less modelled seconds), so the simulated tail carries the recorded run's stalls",
+        ),
         Flag("--json", SWITCH, help="one JSON object per step, then {'summary': ...}"),
         Flag("--summary-only", SWITCH, help="print the summary only (no timeline)"),
     ),
@@ -467,8 +495,10 @@ def setup_from_args(ns: argparse.Namespace) -> SimSetup:
         dtype="sim",
         device="sim",
     )
+    client = costs.client_path(ns.cost) if recorded is None else ClientPath()
+    jitter = costs.residual_quantiles(ns.cost) if ns.cost_jitter else ()
     overlap = not ns.disable_overlap_schedule
-    return SimSetup(config, limits, cost, ns.sim_seed, overlap, recorded, table)
+    return SimSetup(config, limits, cost, ns.sim_seed, overlap, recorded, table, client, jitter)
 
 
 def _no_quotas(table: TenantTable) -> None:
@@ -510,6 +540,10 @@ def main(argv: Sequence[str]) -> int:
         fleet = twin_cli.setup_from_args(ns, setup, events) if twin_cli.wanted(ns, events) else None
         if fleet is not None and setup.tenants is not None:
             _no_quotas(setup.tenants)
+        if fleet is not None and (setup.jitter or setup.client != ClientPath()):
+            raise ValueError(
+                "--cost-jitter and a fitted client path time one worker: not with the fleet's flags"
+            )
     except (OSError, ValueError) as exc:
         print(f"stepwise simulate: {exc}", file=sys.stderr)
         return 2

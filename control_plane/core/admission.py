@@ -10,6 +10,7 @@ import structlog
 
 from control_plane.core.inbox import Arrival, Orphan, Verdict
 from control_plane.core.publisher import Streams
+from control_plane.record.recorder import note_received
 from control_plane.request import FinishReason, RequestParams
 from control_plane.scheduler.scheduler import QueueFull, RequestRejected, Scheduler, SloUnmeetable
 
@@ -25,6 +26,7 @@ def admit(
     try:
         for i, sample in enumerate(arrival.samples):
             params = sample_params(arrival.params, i, n, sample.call)
+            note_received(scheduler, sample.rid, sample.arrived)
             scheduler.add_request(sample.rid, arrival.input_ids, params, uid=sample.uid)
             added.append(sample.rid)
     except Exception as exc:

@@ -216,6 +216,7 @@ def _next_plan_record(e: NextPlan) -> rec_pb.Record:
     call = record.next_plan
     call.step = e.step
     call.always = e.always
+    call.at_s = e.at_s
     if e.plan is not None:
         call.plan.CopyFrom(link.plan_to_proto(e.plan).plan)
         call.has_plan, call.kind = True, e.plan.kind.value
@@ -225,16 +226,17 @@ def _next_plan_record(e: NextPlan) -> rec_pb.Record:
 def _apply_result_record(e: ApplyResult) -> rec_pb.Record:
     record = rec_pb.Record()
     record.apply_result.result.CopyFrom(link.result_to_proto(e.result).result)
+    record.apply_result.at_s = e.at_s
     return record
 
 
 def _next_plan_from_proto(m: rec_pb.NextPlanCall) -> NextPlan:
     if not m.has_plan:
-        return NextPlan(m.step, None, m.always)
+        return NextPlan(m.step, None, m.always, m.at_s)
     plan = link.plan_from_proto(m.plan)
     if m.kind and plan.kind.value != m.kind:
         plan = dataclasses.replace(plan, kind=StepKind(m.kind))
-    return NextPlan(m.step, plan, m.always)
+    return NextPlan(m.step, plan, m.always, m.at_s)
 
 
 def _slots_bytes(slots: tuple[int, ...]) -> bytes:
@@ -327,13 +329,23 @@ def entry_to_proto(e: Entry) -> rec_pb.Record:
 
 def _add_request_to_proto(e: AddRequest) -> rec_pb.AddRequestCall:
     return rec_pb.AddRequestCall(
-        step=e.step, rid=e.rid, input_ids=e.input_ids, params=_params_to_proto(e.params), error=e.error
+        step=e.step,
+        rid=e.rid,
+        input_ids=e.input_ids,
+        params=_params_to_proto(e.params),
+        error=e.error,
+        at_s=e.at_s,
+        received_s=e.received_s,
     )
 
 
 def _finished_to_proto(e: Finished) -> rec_pb.FinishedEvent:
     return rec_pb.FinishedEvent(
-        step=e.step, rid=e.rid, reason=_reason_to_proto(e.reason), cached_tokens=e.cached_tokens
+        step=e.step,
+        rid=e.rid,
+        reason=_reason_to_proto(e.reason),
+        cached_tokens=e.cached_tokens,
+        at_s=e.at_s,
     )
 
 
@@ -345,7 +357,8 @@ def entry_from_proto(m: rec_pb.Record) -> Entry:
             return _header_from_proto(m.header)
         case "add_request":
             a = m.add_request
-            return AddRequest(a.step, a.rid, tuple(a.input_ids), _params_from_proto(a.params), a.error)
+            params = _params_from_proto(a.params)
+            return AddRequest(a.step, a.rid, tuple(a.input_ids), params, a.error, a.at_s, a.received_s)
         case "abort":
             return Abort(m.abort.step, m.abort.rid, _reason_from_proto(m.abort.reason), m.abort.applied)
         case "finish":
@@ -354,7 +367,7 @@ def entry_from_proto(m: rec_pb.Record) -> Entry:
         case "next_plan":
             return _next_plan_from_proto(m.next_plan)
         case "apply_result":
-            return ApplyResult(link.result_from_proto(m.apply_result.result))
+            return ApplyResult(link.result_from_proto(m.apply_result.result), m.apply_result.at_s)
         case "on_idle":
             return OnIdle(m.on_idle.step)
         case "export":
@@ -370,7 +383,7 @@ def entry_from_proto(m: rec_pb.Record) -> Entry:
             return _figures_from_proto(m.stats)
         case "finished":
             d = m.finished
-            return Finished(d.step, d.rid, _reason_from_proto(d.reason), d.cached_tokens)
+            return Finished(d.step, d.rid, _reason_from_proto(d.reason), d.cached_tokens, d.at_s)
     raise ValueError(f"unknown record entry {which!r}")
 
 

@@ -7,6 +7,12 @@ observations for `stepwise replay show`; scheduler replay also checks the finish
 
 `step` on a call is the number of plans the scheduler had made when it was called: an arrival
 stamped 4 is first seen by plan 5.
+
+`at_s` (and an arrival's `received_s`) are timing stamps on the control plane's clock
+(CLOCK_MONOTONIC seconds, the clock the frontend stamps a call's arrival with), written by a live
+control plane's recorder for `stepwise simulate --fit-cost` (docs/debugging.md#step-cost-models);
+0.0 where nothing was stamped (a simulation's recording, or one made before the stamps). Replay
+ignores them.
 """
 
 from __future__ import annotations
@@ -44,6 +50,9 @@ class AddRequest:
     params: RequestParams
     # "" when accepted, else "ExceptionName: message".
     error: str = ""
+    # When the scheduler got the request, and when the frontend received its call.
+    at_s: float = 0.0
+    received_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,11 +79,15 @@ class NextPlan:
     plan: StepPlan | None
     # next_plan(always=True): a plan even with nothing to do.
     always: bool = False
+    # When the plan was made.
+    at_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
 class ApplyResult:
     result: StepResult
+    # When the control plane applied it (the result had just come back).
+    at_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,6 +165,8 @@ class Finished:
     rid: str
     reason: FinishReason
     cached_tokens: int = 0
+    # When the engine published it.
+    at_s: float = 0.0
 
 
 Call = AddRequest | Abort | Finish | NextPlan | ApplyResult | OnIdle | SendKv | SpillTo | Export | ImportKv

@@ -12,6 +12,7 @@ recorded (it only labels streamed tokens).
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Protocol
@@ -123,21 +124,43 @@ def open_file_sink(directory: Path, header: Header, max_bytes: int) -> FileSink:
     return FileSink(RecordWriter(session_path(directory, header.limits.worker_id), header, max_bytes))
 
 
-class RecordingScheduler(Scheduler):
-    """A Scheduler that writes every mutating call (and its outcome) to `sink`."""
+def _unstamped() -> float:
+    return 0.0
 
-    def __init__(self, config: SchedulerConfig, limits: WorkerLimits, sink: Sink) -> None:
+
+class RecordingScheduler(Scheduler):
+    """A Scheduler that writes every mutating call (and its outcome) to `sink`.
+
+    `clock` stamps arrivals, plans, results and finishes (entries.py: `at_s`): a live control plane
+    passes time.monotonic; a simulation passes none, so its recordings stay byte-for-byte the same."""
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        limits: WorkerLimits,
+        sink: Sink,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
         super().__init__(config, limits)
         self.sink = sink
+        self.clock = clock or _unstamped
+        # rid -> when its call reached the frontend, until the request is added (note_received).
+        self._received: dict[str, float] = {}
+
+    def note_received(self, rid: str, received_s: float) -> None:
+        """The frontend's arrival stamp of the call `rid` belongs to, for its AddRequest entry."""
+        self._received[rid] = received_s
 
     def add_request(self, rid: str, input_ids: Sequence[int], params: RequestParams, uid: int = 0) -> Request:
         ids = tuple(input_ids)
+        at_s, received_s = self.clock(), self._received.pop(rid, 0.0)
         try:
             req = super().add_request(rid, ids, params, uid)
         except (QueueFull, RequestRejected, ValueError) as exc:
-            self.sink.write(AddRequest(self.step_id, rid, ids, params, f"{type(exc).__name__}: {exc}"))
+            error = f"{type(exc).__name__}: {exc}"
+            self.sink.write(AddRequest(self.step_id, rid, ids, params, error, at_s, received_s))
             raise
-        self.sink.write(AddRequest(self.step_id, rid, ids, params))
+        self.sink.write(AddRequest(self.step_id, rid, ids, params, "", at_s, received_s))
         return req
 
     def abort(self, rid: str, reason: FinishReason) -> bool:
@@ -179,7 +202,7 @@ class RecordingScheduler(Scheduler):
     def next_plan(self, always: bool = False) -> StepPlan | None:
         step, admission_ratio = self.step_id, self.ratio.current
         plan = super().next_plan(always)
-        self.sink.write(NextPlan(step, plan, always))
+        self.sink.write(NextPlan(step, plan, always, self.clock()))
         if plan is None:
             self.sink.end_step(self.step_id)
             return None
@@ -191,8 +214,9 @@ class RecordingScheduler(Scheduler):
         return plan
 
     def apply_result(self, result: StepResult) -> None:
+        at_s = self.clock()
         super().apply_result(result)
-        self.sink.write(ApplyResult(result))
+        self.sink.write(ApplyResult(result, at_s))
         self.sink.end_step(self.step_id)
 
     def on_idle(self) -> None:
@@ -202,8 +226,9 @@ class RecordingScheduler(Scheduler):
 
     def take_updates(self) -> StepUpdates:
         updates = super().take_updates()
+        at_s = self.clock() if updates.finished else 0.0
         for f in updates.finished:
-            self.sink.write(Finished(self.step_id, f.rid, f.reason, f.cached_tokens))
+            self.sink.write(Finished(self.step_id, f.rid, f.reason, f.cached_tokens, at_s))
         return updates
 
     def close(self) -> None:
@@ -221,7 +246,13 @@ def make_scheduler(config: ControlConfig, limits: WorkerLimits) -> Scheduler:
         # The directory was checked at start; it can still fill up or go away since.
         log.error("recording not started: serving goes on", worker=limits.worker_id, error=str(exc))
         return Scheduler(config.scheduler, limits)
-    return RecordingScheduler(config.scheduler, limits, sink)
+    return RecordingScheduler(config.scheduler, limits, sink, time.monotonic)
+
+
+def note_received(scheduler: Scheduler, rid: str, received_s: float) -> None:
+    """Under --record, the frontend's arrival stamp for `rid`'s AddRequest entry."""
+    if isinstance(scheduler, RecordingScheduler):
+        scheduler.note_received(rid, received_s)
 
 
 def close_recording(scheduler: Scheduler) -> None:

@@ -10,7 +10,7 @@ import pytest
 
 from clients.client import Generation, StepwiseClient, apply_response, generate_request
 from control_plane.record import codec
-from control_plane.record.entries import ApplyResult, NextPlan
+from control_plane.record.entries import AddRequest, ApplyResult, Finished, NextPlan
 from control_plane.record.files import read_entries, recording_parts, varint
 from protos.stepwise.v1 import generation_pb2 as gen_pb
 from stepwise import replay
@@ -51,6 +51,23 @@ async def _wait_for_idle_flush(rec_dir: Path, timeout: float = 10.0) -> Path:
         await asyncio.sleep(0.1)
 
 
+def _assert_stamped(entries: list) -> None:
+    """A live recording's timing stamps (stepwise/stamps.py): every call received before the scheduler
+    took it, results applied in order, each after its plan, finishes published after a result."""
+    plans, applied = {}, 0.0
+    for e in entries:
+        if isinstance(e, AddRequest):
+            assert 0 < e.received_s <= e.at_s, e
+        elif isinstance(e, NextPlan) and e.plan is not None:
+            plans[e.plan.step_id] = e.at_s
+        elif isinstance(e, ApplyResult):
+            assert plans.pop(e.result.step_id) < e.at_s and applied <= e.at_s, e
+            applied = e.at_s
+        elif isinstance(e, Finished):
+            assert 0 < applied <= e.at_s, e
+    assert applied > 0
+
+
 def _rewrite(path: Path, entries: list) -> None:
     path.write_bytes(b"".join(varint(len(b)) + b for b in map(codec.encode, entries)))
 
@@ -76,6 +93,7 @@ async def test_recorded_session_replays_identically_and_edits_are_found(
     assert any(
         isinstance(e, NextPlan) and e.plan is not None and not e.plan.extends.sample.all() for e in entries
     ), "chunk 16 was meant to cut a prompt"
+    _assert_stamped(entries)
 
     # One field of one plan: scheduler replay names the step and the field.
     i = next(k for k, e in enumerate(entries) if isinstance(e, NextPlan) and e.plan and len(e.plan.extends))

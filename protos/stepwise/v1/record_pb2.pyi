@@ -113,18 +113,22 @@ class RequestParams(_message.Message):
     def __init__(self, has_max_new_tokens: _Optional[bool] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., sampler: _Optional[_Union[_worker_pb2.SamplerParams, _Mapping]] = ..., has_priority: _Optional[bool] = ..., priority: _Optional[int] = ..., routing_key: _Optional[str] = ..., group: _Optional[str] = ..., sim_output_len: _Optional[int] = ..., min_new_tokens: _Optional[int] = ..., generated_before: _Optional[int] = ..., logprobs: _Optional[bool] = ..., logprob_start_len: _Optional[int] = ..., tenant: _Optional[str] = ..., ttft_slo_ms: _Optional[float] = ..., tpot_slo_ms: _Optional[float] = ...) -> None: ...
 
 class AddRequestCall(_message.Message):
-    __slots__ = ("step", "rid", "input_ids", "params", "error")
+    __slots__ = ("step", "rid", "input_ids", "params", "error", "at_s", "received_s")
     STEP_FIELD_NUMBER: _ClassVar[int]
     RID_FIELD_NUMBER: _ClassVar[int]
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    AT_S_FIELD_NUMBER: _ClassVar[int]
+    RECEIVED_S_FIELD_NUMBER: _ClassVar[int]
     step: int
     rid: str
     input_ids: _containers.RepeatedScalarFieldContainer[int]
     params: RequestParams
     error: str
-    def __init__(self, step: _Optional[int] = ..., rid: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[RequestParams, _Mapping]] = ..., error: _Optional[str] = ...) -> None: ...
+    at_s: float
+    received_s: float
+    def __init__(self, step: _Optional[int] = ..., rid: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[RequestParams, _Mapping]] = ..., error: _Optional[str] = ..., at_s: _Optional[float] = ..., received_s: _Optional[float] = ...) -> None: ...
 
 class AbortCall(_message.Message):
     __slots__ = ("step", "rid", "reason", "applied")
@@ -151,18 +155,20 @@ class FinishCall(_message.Message):
     def __init__(self, step: _Optional[int] = ..., rid: _Optional[str] = ..., reason: _Optional[_Union[Outcome, _Mapping]] = ..., applied: _Optional[bool] = ...) -> None: ...
 
 class NextPlanCall(_message.Message):
-    __slots__ = ("step", "plan", "has_plan", "kind", "always")
+    __slots__ = ("step", "plan", "has_plan", "kind", "always", "at_s")
     STEP_FIELD_NUMBER: _ClassVar[int]
     PLAN_FIELD_NUMBER: _ClassVar[int]
     HAS_PLAN_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     ALWAYS_FIELD_NUMBER: _ClassVar[int]
+    AT_S_FIELD_NUMBER: _ClassVar[int]
     step: int
     plan: _worker_pb2.StepPlan
     has_plan: bool
     kind: str
     always: bool
-    def __init__(self, step: _Optional[int] = ..., plan: _Optional[_Union[_worker_pb2.StepPlan, _Mapping]] = ..., has_plan: _Optional[bool] = ..., kind: _Optional[str] = ..., always: _Optional[bool] = ...) -> None: ...
+    at_s: float
+    def __init__(self, step: _Optional[int] = ..., plan: _Optional[_Union[_worker_pb2.StepPlan, _Mapping]] = ..., has_plan: _Optional[bool] = ..., kind: _Optional[str] = ..., always: _Optional[bool] = ..., at_s: _Optional[float] = ...) -> None: ...
 
 class ExportCall(_message.Message):
     __slots__ = ("step", "rid", "reason", "transfer_id", "address", "applied", "slots", "start")
@@ -229,10 +235,12 @@ class ImportCall(_message.Message):
     def __init__(self, step: _Optional[int] = ..., transfer_id: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., applied: _Optional[bool] = ..., skip: _Optional[int] = ..., slots: _Optional[bytes] = ..., start: _Optional[int] = ..., hold: _Optional[bool] = ...) -> None: ...
 
 class ApplyResultCall(_message.Message):
-    __slots__ = ("result",)
+    __slots__ = ("result", "at_s")
     RESULT_FIELD_NUMBER: _ClassVar[int]
+    AT_S_FIELD_NUMBER: _ClassVar[int]
     result: _worker_pb2.StepResult
-    def __init__(self, result: _Optional[_Union[_worker_pb2.StepResult, _Mapping]] = ...) -> None: ...
+    at_s: float
+    def __init__(self, result: _Optional[_Union[_worker_pb2.StepResult, _Mapping]] = ..., at_s: _Optional[float] = ...) -> None: ...
 
 class OnIdleCall(_message.Message):
     __slots__ = ("step",)
@@ -291,13 +299,15 @@ class StepFigures(_message.Message):
     def __init__(self, step: _Optional[int] = ..., kind: _Optional[str] = ..., new_seqs: _Optional[int] = ..., new_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., running_at_admission: _Optional[int] = ..., decode_bs: _Optional[int] = ..., queued: _Optional[int] = ..., pending_tokens: _Optional[int] = ..., new_token_ratio: _Optional[float] = ..., admission_ratio: _Optional[float] = ..., has_rem: _Optional[bool] = ..., rem_total_tokens: _Optional[float] = ..., rem_input_tokens: _Optional[int] = ..., has_rem_chunk: _Optional[bool] = ..., rem_chunk_tokens: _Optional[int] = ..., retracted: _Optional[_Iterable[str]] = ..., retract_tokens_gained: _Optional[int] = ..., ratio_before_retract: _Optional[float] = ..., kv_full: _Optional[bool] = ..., running: _Optional[int] = ..., kv_used: _Optional[int] = ..., kv_capacity: _Optional[int] = ...) -> None: ...
 
 class FinishedEvent(_message.Message):
-    __slots__ = ("step", "rid", "reason", "cached_tokens")
+    __slots__ = ("step", "rid", "reason", "cached_tokens", "at_s")
     STEP_FIELD_NUMBER: _ClassVar[int]
     RID_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    AT_S_FIELD_NUMBER: _ClassVar[int]
     step: int
     rid: str
     reason: Outcome
     cached_tokens: int
-    def __init__(self, step: _Optional[int] = ..., rid: _Optional[str] = ..., reason: _Optional[_Union[Outcome, _Mapping]] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+    at_s: float
+    def __init__(self, step: _Optional[int] = ..., rid: _Optional[str] = ..., reason: _Optional[_Union[Outcome, _Mapping]] = ..., cached_tokens: _Optional[int] = ..., at_s: _Optional[float] = ...) -> None: ...
