@@ -84,7 +84,9 @@ class Admission:
 
     def get_new_batch_prefill(self, stats: StepStats) -> ScheduledBatch | None:
         running, chunk = self.running, self.chunk
-        shares = None if self.isolation is None else self.isolation.shares(running.reqs, chunk.req)
+        shares = None
+        if self.isolation is not None and (self.intake.waiting or chunk.req is not None):
+            shares = self.isolation.shares(running.reqs, chunk.req)
         # Heavy tenants give way to the others (docs/scheduler.md#fairness-isolation): as with
         # preemption, a full batch is tried again every pass while there are any.
         may_preempt = self.may_preempt or (shares is not None and bool(shares.heavy))

@@ -12,12 +12,15 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from control_plane.config import SchedulerConfig, validate_scheduler_config
+from control_plane.record.recorder import RecordingScheduler, recording_header
+from control_plane.record.replay import replay_scheduler
 from control_plane.scheduler.fair_preemption import MIN_RUN_TOKENS
 from control_plane.scheduler.scheduler import Scheduler
-from protos.worker import StepKind, StepPlan
+from protos.worker import StepKind, StepPlan, WorkerLimits
 from stepwise import simulate
-from tests.control_plane.factories import make_scheduler, params, prompt, run
+from tests.control_plane.factories import make_config, make_scheduler, params, prompt, run
 from tests.control_plane.fake_worker import FakeWorker
+from tests.record.conftest import ListSink
 
 
 def _tokens_by_tenant(sched: Scheduler) -> dict[str, int]:
@@ -251,3 +254,35 @@ def test_simulate_takes_the_flags() -> None:
     )
     config = simulate.setup_from_args(ns).config
     assert (config.fairness_isolation_tokens, config.fairness_isolation_running) == (512, 128)
+
+
+def test_isolated_plans_replay_identically() -> None:
+    """The header carries T and R: a replay makes the same budgets, orders and preemptions."""
+    config = make_config(
+        fairness="vtc",
+        fairness_isolation_tokens=16,
+        fairness_isolation_running=3,
+        chunked_prefill_size=64,
+        max_running_requests=5,
+    )
+    limits = WorkerLimits("w0", kv_capacity_tokens=2000, page_size=1, max_context=2048, vocab_size=1000)
+    sink = ListSink()
+    sched = RecordingScheduler(config, limits, sink)
+    worker = FakeWorker(2000)
+    for i in range(6):
+        sched.add_request(f"f{i}", prompt(40, i), params(60, tenant="flood", ignore_eos=True))
+    for step in range(600):
+        if step in (MIN_RUN_TOKENS + 2, MIN_RUN_TOKENS + 30):
+            for i in range(2):
+                rid = f"g{step}-{i}"
+                sched.add_request(rid, prompt(30, step + i), params(4, tenant="good", ignore_eos=True))
+        if sched.is_idle:
+            break
+        plan = sched.next_plan()
+        if plan is not None:
+            sched.apply_result(worker.run(plan))
+        sched.take_updates()
+    assert sched.is_idle
+    assert sched.isolation is not None and sched.isolation.passes_held > 0
+    report = replay_scheduler([recording_header(config, limits, "test"), *sink.entries])
+    assert report.identical, report.describe()
