@@ -191,9 +191,9 @@ class Admission:
                 break  # one request mid-chunk at a time
             ignore_eos_path = req.params.ignore_eos and self.kv.disabled
             result = self._add(adder, req, ignore_eos_path, budget)
-            if result is AddReqResult.NO_TOKEN and self._fair_room(
-                req, adder, preempted, ignore_eos_path, heavy
-            ):
+            if result is AddReqResult.NO_TOKEN and self._fair_room(req, adder, preempted, ignore_eos_path):
+                # The release may have evicted the prefix it matched: match again before retrying.
+                self.kv.init_next_round_input(req)
                 result = self._add(adder, req, ignore_eos_path, budget)
             if result is not AddReqResult.CONTINUE:
                 if result is AddReqResult.NO_TOKEN:
@@ -219,19 +219,16 @@ class Admission:
         return fair is not None and fair.preempt_for(req, adder, preempted, heavy)
 
     def _fair_room(
-        self,
-        req: Request,
-        adder: PrefillAdder,
-        preempted: list[Request],
-        ignore_eos_path: bool,
-        heavy: frozenset[str],
+        self, req: Request, adder: PrefillAdder, preempted: list[Request], ignore_eos_path: bool
     ) -> bool:
         """Its tokens did not fit (refused before anything was booked for it): fairness preemption
-        may make room for it, then it is tried once more."""
+        may make room for it, then it is tried once more. Not isolation's give-way: room in the KV
+        pool is reckoned from the victims' reserved decodes, so it can take hundreds of them for one
+        request; the running cap keeps heavy tenants off the pool instead."""
         fair = self.fair_preemption
         if fair is None or ignore_eos_path or req in adder.can_run_list:
             return False
-        return fair.preempt_for(req, adder, preempted, heavy)
+        return fair.preempt_for(req, adder, preempted)
 
     def _fill_stats(self, stats: StepStats, adder: PrefillAdder, running_bs: int) -> None:
         stats.kind = StepKind.PREFILL

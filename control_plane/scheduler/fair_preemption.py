@@ -11,8 +11,9 @@ MIN_RUN_TOKENS tokens since it was last admitted, so it is never preempted twice
 its own steps.
 
 With step isolation (isolation.py) the tenants above their share of the running batch (heavy) give
-way to a request of a tenant that is not, whatever their counters: VTC's lift puts a returning
+a slot to a request of a tenant that is not, whatever their counters: VTC's lift puts a returning
 tenant level with the flood, so the bound alone would keep it waiting for a slot the flood holds.
+Without a bound, one heavy request gives way per newcomer, for a slot only (not for KV).
 """
 
 from __future__ import annotations
@@ -78,6 +79,9 @@ class FairPreemption:
                 -r.wait_queue_entry_time,
             )
         )
+        if self.bound <= 0:
+            # Isolation's give-way alone: one heavy request for one slot, never a cascade.
+            candidates = candidates[:1]
         victims = adder.preempt_to_schedule(
             req, candidates, lambda r: r.params.tenant in heavy or counter(r.params.tenant) > floor
         )

@@ -176,26 +176,37 @@ TRAFFIC = st.lists(
         st.sampled_from(["a", "b", "c"]),
         st.integers(5, 60),  # prompt
         st.integers(1, 80),  # output
+        st.integers(-1, 2),  # shared prefix group (-1: none)
     ),
     min_size=1,
     max_size=24,
 )
 
 
+def _prompt(i: int, n: int, group: int) -> list[int]:
+    """Request i's prompt: n tokens of its own, after group's 24 shared ones when group >= 0 (so
+    admissions match cached prefixes, which a preemption's eviction may take)."""
+    return (prompt(24, 100 + group) if group >= 0 else []) + prompt(n, i)
+
+
 @settings(max_examples=25, deadline=None)
 @given(TRAFFIC, st.booleans(), st.sampled_from([0, 2]))
 # Tenant b fills two of the three slots, then a arrives: b is heavy, a's requests go first.
-@example([(0, "b", 5, 34), (1, "b", 5, 35), (19, "a", 5, 32), (19, "a", 28, 17)], False, 0)
-@example([(0, "b", 40, 60), (0, "b", 40, 60), (2, "b", 60, 30), (5, "a", 20, 10), (6, "a", 30, 5)], True, 2)
+@example([(0, "b", 5, 34, -1), (1, "b", 5, 35, -1), (19, "a", 5, 32, -1), (19, "a", 28, 17, -1)], False, 0)
+@example(
+    [(0, "b", 40, 60, 0), (0, "b", 40, 60, 1), (2, "b", 60, 30, 0), (5, "a", 20, 10, 1), (6, "a", 30, 5, 0)],
+    True,
+    2,
+)
 def test_every_request_gets_the_tokens_it_gets_without_the_rule(
-    traffic: list[tuple[int, str, int, int]], overlap: bool, running_cap: int
+    traffic: list[tuple[int, str, int, int, int]], overlap: bool, running_cap: int
 ) -> None:
     """Isolation changes when tokens come, never which (the fake worker's tokens depend on the
     context only); the pool's books and invariants hold at every step, and every plan made under a
     budget keeps it: heavy prompt tokens at most T, none beside a light request."""
     arrivals = [
-        (step, f"r{i}", prompt(n, i), params(out, tenant=tenant, ignore_eos=True))
-        for i, (step, tenant, n, out) in enumerate(traffic)
+        (step, f"r{i}", _prompt(i, n, group), params(out, tenant=tenant, ignore_eos=True))
+        for i, (step, tenant, n, out, group) in enumerate(traffic)
     ]
     outcomes = []
     for tokens in (0, 8):
