@@ -13,8 +13,8 @@ steps:
 - a step that admits a light tenant's request admits no heavy prompt, and the heavy chunk in
   progress sits that step out while anything runs (a running request always frees its room in
   the end, so the chunk never waits for ever) if the light request fits the step whole;
-- a light tenant's request that finds no slot or no KV takes it from heavy tenants' running
-  requests (fair_preemption.py), as long as its tenant stays within its share with it (so two
+- a light tenant's request that finds the running batch full takes the slot of one heavy running
+  request (fair_preemption.py), as long as its tenant stays within its share with it (so two
   tenants never take a slot back and forth);
 - with R (`--fairness-isolation-running`), heavy tenants hold at most R running requests
   together, so a decode step stays short too.
