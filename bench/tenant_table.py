@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import random
+import statistics
 import sys
 import time
 import zlib
@@ -105,7 +106,22 @@ def run(
     summary = simulation.run()
     if gaps:
         summary["counter_gap_max"] = max(gaps)
+    if "tenants" in summary:
+        _end_to_end(simulation, summary["tenants"])
     return summary, time.process_time() - started
+
+
+def _end_to_end(simulation: Any, tenants: dict[str, dict[str, Any]]) -> None:
+    """Each tenant's median time from arrival to its last token (`e2e_p50_s`): the isolation table
+    shows what a short TTFT leaves of a request's wait."""
+    spans: dict[str, list[float]] = {}
+    for rid, progress in simulation.progress.items():
+        if progress.finished is not None:
+            tenant = simulation.tenants.requests[rid].tenant
+            spans.setdefault(tenant, []).append(progress.finished - progress.arrival)
+    for tenant, values in spans.items():
+        if tenant in tenants:
+            tenants[tenant]["e2e_p50_s"] = round(float(statistics.median(values)), 3)
 
 
 def _watch_gaps(scheduler: Any) -> list[float]:
@@ -183,6 +199,7 @@ def isolation_table(
     caps: Sequence[int],
     preempt_bounds: Sequence[float] = (),
     flags_all: Sequence[str] = (),
+    isolations: Sequence[tuple[int, int]] = (),
 ) -> list[str]:
     good = open_loop({"good": rate}, duration, 512, 128, seed=2)
     both = sorted(good + open_loop({"flood": 10 * rate}, duration, 512, 128, seed=3), key=lambda r: r.arrival)
@@ -198,11 +215,13 @@ def isolation_table(
                 "good TTFT p50 s",
                 "good TTFT p99 s",
                 "p99 x alone",
+                "good end-to-end p50 s",
                 "flood TTFT p99 s",
                 "output tok/s",
+                "x FCFS",
             ]
         ),
-        row(["---"] * 8),
+        row(["---"] * 10),
     ]
     for cap in caps:
         extra = [*(["--max-running-requests", str(cap)] if cap else []), *flags_all]
@@ -211,25 +230,49 @@ def isolation_table(
         p99 = g["ttft_p99_s"]
         label = str(cap) if cap else "(KV-bound)"
         lines.append(
-            row([label, "good alone", "none", g["ttft_p50_s"], p99, "1.00", "-", f"{tok_s(alone):,.1f}"])
+            row(
+                [
+                    label,
+                    "good alone",
+                    "none",
+                    g["ttft_p50_s"],
+                    p99,
+                    "1.00",
+                    g["e2e_p50_s"],
+                    "-",
+                    f"{tok_s(alone):,.1f}",
+                    "-",
+                ]
+            )
         )
-        for name, bound in (("none", 0.0), ("vtc", 0.0), *(("vtc", b) for b in preempt_bounds)):
-            flags = ["--fairness", name, *extra]
-            if bound:
-                flags += ["--fairness-preempt-bound", f"{bound:g}"]
-            summary, _ = run(both, flags)
+        runs: list[tuple[str, list[str]]] = [("none", ["--fairness", "none"]), ("vtc", ["--fairness", "vtc"])]
+        runs += [
+            (f"vtc + preempt {b:g}", ["--fairness", "vtc", "--fairness-preempt-bound", f"{b:g}"])
+            for b in preempt_bounds
+        ]
+        for tokens, running in isolations:
+            name = f"vtc + isolation {tokens}" + (f", running {running}" if running else "")
+            iso = ["--fairness-isolation-tokens", str(tokens), "--fairness-isolation-running", str(running)]
+            runs.append((name, ["--fairness", "vtc", *iso]))
+        fcfs = 0.0
+        for name, flags in runs:
+            summary, _ = run(both, [*flags, *extra])
             g, f = summary["tenants"]["good"], summary["tenants"]["flood"]
+            tput = tok_s(summary)
+            fcfs = fcfs or tput
             lines.append(
                 row(
                     [
                         label,
                         "beside flood",
-                        f"{name} + preempt {bound:g}" if bound else name,
+                        name,
                         g["ttft_p50_s"],
                         g["ttft_p99_s"],
                         f"{g['ttft_p99_s'] / p99:.2f}",
+                        g["e2e_p50_s"],
                         f["ttft_p99_s"],
-                        f"{tok_s(summary):,.1f}",
+                        f"{tput:,.1f}",
+                        f"{tput / fcfs:.3f}",
                     ]
                 )
             )
@@ -297,12 +340,20 @@ def main(argv: Sequence[str]) -> int:
     )
     parser.add_argument("--locality-bounds", type=float, nargs="*", default=[4096.0, 65536.0])
     parser.add_argument("--isolation-flags", default="", help="isolation: more simulate flags, every run")
+    parser.add_argument("--isolation-seconds", type=float, default=30.0, help="isolation: the trace's length")
     parser.add_argument(
         "--preempt-bounds",
         type=float,
         nargs="*",
         default=[256.0, 4096.0],
         help="isolation: VTC rows with these",
+    )
+    parser.add_argument(
+        "--isolation-tokens",
+        nargs="*",
+        default=[],
+        metavar="T[:R]",
+        help="isolation: VTC rows with --fairness-isolation-tokens T (and --fairness-isolation-running R)",
     )
     ns = parser.parse_args(argv)
     out: list[str] = []
@@ -312,7 +363,14 @@ def main(argv: Sequence[str]) -> int:
         out += [
             "### isolation",
             "",
-            *isolation_table(8.0, 30.0, [0, 256], ns.preempt_bounds, ns.isolation_flags.split()),
+            *isolation_table(
+                8.0,
+                ns.isolation_seconds,
+                [0, 256],
+                ns.preempt_bounds,
+                ns.isolation_flags.split(),
+                [_isolation_spec(spec) for spec in ns.isolation_tokens],
+            ),
             "",
         ]
     if "locality" in ns.tables:
@@ -322,6 +380,12 @@ def main(argv: Sequence[str]) -> int:
         out += ["### slo", "", *slo_table(ns.trace, ns.limit), ""]
     print("\n".join(out))
     return 0
+
+
+def _isolation_spec(spec: str) -> tuple[int, int]:
+    """'T' or 'T:R' -> (T, R)."""
+    tokens, _, running = spec.partition(":")
+    return int(tokens), int(running or 0)
 
 
 def mooncake_tenants(

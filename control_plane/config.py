@@ -161,6 +161,12 @@ class SchedulerConfig:
     # vtc: running requests of a tenant more than this far (weighted tokens) ahead of a waiting request's
     # tenant give way to it when it cannot be admitted (docs/scheduler.md#fairness-preemption); 0: never.
     fairness_preempt_bound: float = 0.0
+    # vtc: while a tenant below its weighted share of the running batch has requests live, the tenants
+    # above theirs get at most this many prompt tokens a step, after the others' requests
+    # (docs/scheduler.md#fairness-isolation); 0: off.
+    fairness_isolation_tokens: int = 0
+    # With it: the most requests the tenants above their share may hold running together; 0: no cap.
+    fairness_isolation_running: int = 0
     # Tenant -> weight (a tenant's fair share is proportional to it); absent tenants weigh 1.
     tenant_weights: Mapping[str, float] = field(default_factory=dict)
     # SLO admission (docs/scheduler.md#slo-admission): the worker's step cost (a, b, c, d) in seconds,
@@ -409,6 +415,20 @@ _SCHEDULING = Flags(
             Float(0.0, 1e12),
             help="vtc: a waiting request that cannot be admitted preempts running requests of tenants more "
             "than this many weighted tokens ahead of its own (0: never, SGLang's)",
+        ),
+        Flag(
+            "--fairness-isolation-tokens",
+            Int(0, INT32_MAX),
+            help="vtc: while a tenant holding less than its weighted share of the running batch has "
+            "requests live, tenants above their share get at most this many prompt tokens a step, behind "
+            "the others' requests and never in a step that admits one (0: off, SGLang's)",
+        ),
+        Flag(
+            "--fairness-isolation-running",
+            Int(0, INT32_MAX),
+            help="with --fairness-isolation-tokens: the tenants above their share of the running batch may "
+            "hold at most this many running requests together while the others have requests live, so a "
+            "decode step stays short (0: no cap)",
         ),
         Flag(
             "--slo-cost",
@@ -845,6 +865,15 @@ def validate_scheduler_config(config: SchedulerConfig) -> None:
         raise ValueError(f"--fairness: want one of {', '.join(FAIRNESS)}, got {config.fairness!r}")
     if config.fairness_preempt_bound > 0 and config.fairness == "none":
         raise ValueError("--fairness-preempt-bound requires --fairness vtc or vtc-locality")
+    if config.fairness_isolation_tokens > 0:
+        if config.fairness == "none":
+            raise ValueError("--fairness-isolation-tokens requires --fairness vtc or vtc-locality")
+        if not config.chunking_enabled:
+            raise ValueError(
+                "--fairness-isolation-tokens requires chunked prefill (--chunked-prefill-size > 0)"
+            )
+    if config.fairness_isolation_running > 0 and config.fairness_isolation_tokens <= 0:
+        raise ValueError("--fairness-isolation-running requires --fairness-isolation-tokens")
     for tenant, weight in config.tenant_weights.items():
         if not 0 < weight < float("inf"):
             raise ValueError(f"tenant {tenant!r}: weight must be a positive number, got {weight!r}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 
@@ -19,6 +20,8 @@ from control_plane.scheduler.kv import KvManager
 from control_plane.scheduler.priority import priority_sign, urgency
 
 IGNORE_EOS_RESERVE_TOKENS = 1
+
+T = TypeVar("T")
 
 
 class AddReqResult(enum.Enum):
@@ -143,6 +146,30 @@ class PrefillAdder:
 
     def _clip(self, max_new_tokens: int) -> int:
         return min(max_new_tokens, self.limits.clip_max_new_tokens)
+
+    def within_chunk_budget(self, limit: int, add: Callable[[], T]) -> tuple[T, int]:
+        """`add()` (an admission through this adder) with the chunk budget held to `limit` tokens
+        (step isolation's budget for a heavy tenant, docs/scheduler.md#fairness-isolation); after
+        it the budget is what it was less what was admitted. Returns add's verdict and the tokens
+        admitted (pages)."""
+        own = self.rem_chunk_tokens
+        assert own is not None, "a held chunk budget needs chunked prefill"
+        held = min(own, limit)
+        self.rem_chunk_tokens = held
+        try:
+            verdict = add()
+        finally:
+            assert self.rem_chunk_tokens is not None
+            used = held - self.rem_chunk_tokens
+            self.rem_chunk_tokens = own - used
+        return verdict, used
+
+    def would_chunk(self, req: Request) -> bool:
+        """Whether admitting `req` now (matched) would start a new chunk: its uncached prompt is
+        over the chunk budget (a request restored from the host pool is never chunked)."""
+        if self.rem_chunk_tokens is None or req.host_backup_len:
+            return False
+        return self.ceil_page(req.seqlen - len(req.prefix_indices)) > self.rem_chunk_tokens
 
     # --- the chunked request's continuation (docs/scheduler.md#chunked-prefill)
     # ------------------------------------------------

@@ -14,6 +14,7 @@ from control_plane.scheduler.decode import Decode
 from control_plane.scheduler.exits import Exits
 from control_plane.scheduler.fair_preemption import FairPreemption
 from control_plane.scheduler.intake import Intake
+from control_plane.scheduler.isolation import NO_TENANTS, StepBudget, StepIsolation
 from control_plane.scheduler.kv import KvManager
 from control_plane.scheduler.policy import Policy
 from control_plane.scheduler.preemption import Preemption
@@ -44,6 +45,7 @@ class Admission:
         preemption: Preemption,
         decode: Decode,
         fair_preemption: FairPreemption | None = None,
+        isolation: StepIsolation | None = None,
     ) -> None:
         self.config = config
         self.adder_limits = adder_limits
@@ -61,7 +63,9 @@ class Admission:
         self.try_preemption = config.enable_priority_scheduling and not config.disable_priority_preemption
         # Fairness preemption (docs/scheduler.md#fairness-preemption): None unless --fairness-preempt-bound.
         self.fair_preemption = fair_preemption
-        self.may_preempt = self.try_preemption or fair_preemption is not None
+        self.may_preempt = self.try_preemption or (fair_preemption is not None and fair_preemption.bound > 0)
+        # Step isolation (docs/scheduler.md#fairness-isolation): None unless --fairness-isolation-tokens.
+        self.isolation = isolation
 
     # --- the chunked request between steps (docs/scheduler.md#step-loop steps 1 and 3) ----------------
 
@@ -80,15 +84,24 @@ class Admission:
 
     def get_new_batch_prefill(self, stats: StepStats) -> ScheduledBatch | None:
         running, chunk = self.running, self.chunk
-        if self.may_preempt:
+        shares = None
+        if self.isolation is not None and (self.intake.waiting or chunk.req is not None):
+            shares = self.isolation.shares(running.reqs, chunk.req)
+        # Heavy tenants give way to the others (docs/scheduler.md#fairness-isolation): as with
+        # preemption, a full batch is tried again every pass while there are any.
+        may_preempt = self.may_preempt or (shares is not None and bool(shares.heavy))
+        if may_preempt:
             running.clear_full()
         if (running.batch_is_full or not self.intake.waiting) and chunk.req is None:
             return None
-        if self._allocatable(len(running)) <= 0 and chunk.req is None and not self.may_preempt:
+        if self._allocatable(len(running)) <= 0 and chunk.req is None and not may_preempt:
             running.mark_full()
             return None
         running_reqs = running.reqs
         self.intake.order(self.policy, running_reqs)
+        budget = None
+        if self.isolation is not None and shares is not None:
+            budget = self.isolation.begin(self.intake.waiting, shares)
         mixed = self.config.enable_mixed_chunk and len(running) > 0
         running_bs = len(running)
         adder = PrefillAdder(
@@ -100,11 +113,17 @@ class Admission:
             remaining=running.remaining_new_tokens(),
         )
         continuation = chunk.req
-        if continuation is not None:
-            chunk.advance(adder.add_chunked_req(continuation))
+        if continuation is not None and not self._sits_out(continuation, budget, adder):
+            if budget is None:
+                chunk.advance(adder.add_chunked_req(continuation))
+            else:
+                add = lambda: adder.add_chunked_req(continuation)  # noqa: E731
+                chunk.advance(budget.admit(adder, continuation, add, joins=False))
             if chunk.req is not None and chunk.req not in adder.can_run_list:
                 self._parked_chunk(chunk.req)
-        preempted = self._admit_waiting(adder, running_bs)
+        if budget is not None:
+            budget.chunk_open = chunk.req is not None
+        preempted = self._admit_waiting(adder, running_bs, budget)
         if adder.can_run_list:
             self.intake.remove_admitted({id(r) for r in adder.can_run_list})
         # Back to the queue even when nothing was admitted: preemption checks only that the victims'
@@ -131,6 +150,14 @@ class Admission:
         batch of `running_bs` (docs/scheduler.md#admission-loop step 5's get_num_allocatable_reqs)."""
         return min(self.max_running_requests - running_bs, self.kv.free_rows())
 
+    def _sits_out(self, continuation: Request, budget: StepBudget | None, adder: PrefillAdder) -> bool:
+        """Isolation: a heavy tenant's chunk waits while a light tenant's request heads the queue
+        and something runs (docs/scheduler.md#fairness-isolation)."""
+        if budget is None or not len(self.running) or adder.rem_chunk_tokens is None:
+            return False
+        waiting = self.intake.waiting
+        return budget.sits_out(continuation, waiting[0] if waiting else None, adder.rem_chunk_tokens)
+
     def _parked_chunk(self, req: Request) -> None:
         """The chunked request got no chunk: not even a page is free or evictable. Running requests
         will finish or be retracted and free memory; with none, nothing ever will, so it ends."""
@@ -139,7 +166,9 @@ class Admission:
         self.chunk.drop()
         self.exits.discard(req, FinishReason.abort(OOM_CHUNK, AbortCode.INTERNAL))
 
-    def _admit_waiting(self, adder: PrefillAdder, running_bs: int) -> list[Request]:
+    def _admit_waiting(
+        self, adder: PrefillAdder, running_bs: int, budget: StepBudget | None = None
+    ) -> list[Request]:
         """The admission loop (docs/scheduler.md#admission-loop step 9). Returns requests preempted to
         make room.
 
@@ -150,33 +179,52 @@ class Admission:
         running = self.running
         preempted: list[Request] = []
         for req in self.intake.waiting:
+            if budget is not None and not budget.allows(req):
+                break
             if len(adder.can_run_list) >= self._allocatable(running_bs):
                 running.mark_full()
-            if running.batch_is_full and not self._preempt_for(req, adder, preempted):
+            heavy = budget.givers(req) if budget is not None else NO_TENANTS
+            if running.batch_is_full and not self._preempt_for(req, adder, preempted, heavy):
                 break
             self.kv.init_next_round_input(req)
+            if budget is not None and budget.chunk_open and adder.would_chunk(req):
+                break  # one request mid-chunk at a time
             ignore_eos_path = req.params.ignore_eos and self.kv.disabled
-            result = adder.add_one_req(req, ignore_eos_path)
+            result = self._add(adder, req, ignore_eos_path, budget)
             if result is AddReqResult.NO_TOKEN and self._fair_room(req, adder, preempted, ignore_eos_path):
-                result = adder.add_one_req(req, ignore_eos_path)
+                # The release may have evicted the prefix it matched: match again before retrying.
+                self.kv.init_next_round_input(req)
+                result = self._add(adder, req, ignore_eos_path, budget)
             if result is not AddReqResult.CONTINUE:
                 if result is AddReqResult.NO_TOKEN:
                     running.mark_full()
                 break
         return preempted
 
-    def _preempt_for(self, req: Request, adder: PrefillAdder, preempted: list[Request]) -> bool:
+    @staticmethod
+    def _add(
+        adder: PrefillAdder, req: Request, ignore_eos_path: bool, budget: StepBudget | None
+    ) -> AddReqResult:
+        if budget is None:
+            return adder.add_one_req(req, ignore_eos_path)
+        return budget.admit(adder, req, lambda: adder.add_one_req(req, ignore_eos_path))
+
+    def _preempt_for(
+        self, req: Request, adder: PrefillAdder, preempted: list[Request], heavy: frozenset[str]
+    ) -> bool:
         """The running batch is full: priority preemption, else fairness preemption, may make room."""
         if self.try_preemption and self.preemption.preempt_for(req, adder, preempted):
             return True
         fair = self.fair_preemption
-        return fair is not None and fair.preempt_for(req, adder, preempted)
+        return fair is not None and fair.preempt_for(req, adder, preempted, heavy)
 
     def _fair_room(
         self, req: Request, adder: PrefillAdder, preempted: list[Request], ignore_eos_path: bool
     ) -> bool:
         """Its tokens did not fit (refused before anything was booked for it): fairness preemption
-        may make room for it, then it is tried once more."""
+        may make room for it, then it is tried once more. Not isolation's give-way: room in the KV
+        pool is reckoned from the victims' reserved decodes, so it can take hundreds of them for one
+        request; the running cap keeps heavy tenants off the pool instead."""
         fair = self.fair_preemption
         if fair is None or ignore_eos_path or req in adder.can_run_list:
             return False

@@ -9,6 +9,11 @@ least-progressed requests first (the least work to redo), released as a retracti
 (KV freed, re-queued for a re-prefill). Churn is bounded: a request gives way only after
 MIN_RUN_TOKENS tokens since it was last admitted, so it is never preempted twice within that many of
 its own steps.
+
+With step isolation (isolation.py) the tenants above their share of the running batch (heavy) give
+a slot to a request of a tenant that is not, whatever their counters: VTC's lift puts a returning
+tenant level with the flood, so the bound alone would keep it waiting for a slot the flood holds.
+Without a bound, one heavy request gives way per newcomer, for a slot only (not for KV).
 """
 
 from __future__ import annotations
@@ -45,9 +50,18 @@ class FairPreemption:
         self.outputs_at: dict[str, int] = {}
         self.preempted_total = 0
 
-    def preempt_for(self, req: Request, adder: PrefillAdder, preempted: list[Request]) -> bool:
+    def preempt_for(
+        self, req: Request, adder: PrefillAdder, preempted: list[Request], heavy: frozenset[str] = frozenset()
+    ) -> bool:
+        """Release running requests to make room for `req`; whether any were. `heavy`: the tenants
+        above their share at this pass (isolation), who give way to any other tenant's request."""
+        tenant = req.params.tenant
+        if tenant in heavy:
+            heavy = frozenset()
+        if self.bound <= 0 and not heavy:
+            return False
         counter = self.counters.counter
-        floor = counter(req.params.tenant) + self.bound
+        floor = counter(tenant) + self.bound if self.bound > 0 else float("inf")
         candidates = [
             r
             for r in self.running.reqs
@@ -56,15 +70,21 @@ class FairPreemption:
             and not r.params.group
             and r.num_outputs - self.outputs_at.get(r.rid, 0) >= MIN_RUN_TOKENS
         ]
-        # The most-served tenant first, within it the least progressed, then the newest.
+        # Heavy tenants first, then the most-served tenant, within it the least progressed, then the newest.
         candidates.sort(
             key=lambda r: (
+                r.params.tenant not in heavy,
                 -counter(r.params.tenant),
                 r.num_outputs - self.outputs_at.get(r.rid, 0),
                 -r.wait_queue_entry_time,
             )
         )
-        victims = adder.preempt_to_schedule(req, candidates, lambda r: counter(r.params.tenant) > floor)
+        if self.bound <= 0:
+            # Isolation's give-way alone: one heavy request for one slot, never a cascade.
+            candidates = candidates[:1]
+        victims = adder.preempt_to_schedule(
+            req, candidates, lambda r: r.params.tenant in heavy or counter(r.params.tenant) > floor
+        )
         if victims is None:
             return False
         self._forget_ended()

@@ -40,6 +40,7 @@ from control_plane.scheduler.exits import Exits
 from control_plane.scheduler.fair_preemption import FairPreemption
 from control_plane.scheduler.fairness import FairOrder, QueueWatchers, VirtualCounters
 from control_plane.scheduler.intake import PRIORITY_EVICTED, QUEUE_FULL, Intake, QueueWatcher
+from control_plane.scheduler.isolation import StepIsolation
 from control_plane.scheduler.kv import KvManager
 from control_plane.scheduler.planning import PlanBuilder
 from control_plane.scheduler.policy import make_policy, prefix_matcher, queue_watcher
@@ -153,10 +154,17 @@ class Scheduler:
         preemption = Preemption(self.running, self.retraction, sign)
         # Preemption for fairness (docs/scheduler.md#fairness-preemption): None unless a bound is set.
         self.fair_preemption: FairPreemption | None = None
-        if self.fairness is not None and config.fairness_preempt_bound > 0:
+        # Isolation makes heavy tenants give way to the others (fair_preemption.py), with or without a bound.
+        if self.fairness is not None and (
+            config.fairness_preempt_bound > 0 or config.fairness_isolation_tokens > 0
+        ):
             self.fair_preemption = FairPreemption(
                 preemption, self.running, self.fairness, self.intake, config.fairness_preempt_bound
             )
+        # Step isolation (docs/scheduler.md#fairness-isolation): None unless --fairness-isolation-tokens.
+        self.isolation: StepIsolation | None = None
+        if self.fairness is not None and config.fairness_isolation_tokens > 0:
+            self.isolation = StepIsolation(config, self.fairness)
         self.decode = Decode(config, self.kv, self.seq_books, self.running, self.retraction, self.ratio)
         self.admission = Admission(
             config,
@@ -173,6 +181,7 @@ class Scheduler:
             preemption,
             self.decode,
             self.fair_preemption,
+            self.isolation,
         )
         # Every planned batch whose result is not applied yet, oldest first (overlap scheduling keeps
         # more than one, docs/scheduler.md#overlap); SLO admission reads it.

@@ -176,3 +176,29 @@ def test_fair_preemptions_replay_identically() -> None:
     assert sched.fair_preemption is not None and sched.fair_preemption.preempted_total > 0
     report = replay_scheduler([recording_header(config, limits, "test"), *sink.entries])
     assert report.identical, report.describe()
+
+
+def test_a_request_that_did_not_fit_is_matched_again_after_the_release() -> None:
+    """r5 matched the prefix r2 left cached, did not fit, and took room from tenant a; releasing
+    the victim evicts for the requests still running (retract_decode_steps each), which took r5's
+    matched prefix: the retry locked an evicted node (ValueError) until r5 was matched again."""
+    traffic = [(0, "a", 5, 1, 0), (0, "a", 15, 41, 0), (0, "b", 5, 15, 1), (8, "a", 5, 27, 0)]
+    traffic += [(5, "b", 5, 35, 0), (33, "b", 5, 113, 1)]
+    arrivals = [
+        (step, f"r{i}", prompt(40, 100 + group) + prompt(n, i), params(out, tenant=tenant, ignore_eos=True))
+        for i, (step, tenant, n, out, group) in enumerate(traffic)
+    ]
+    sched = make_scheduler(
+        capacity=300,
+        fairness="vtc",
+        fairness_preempt_bound=1.0,
+        chunked_prefill_size=None,
+        max_running_requests=16,
+        retract_decode_steps=60,
+        strict_invariants=True,
+    )
+    out = run(sched, FakeWorker(300), arrivals)
+    assert sched.fair_preemption is not None and sched.fair_preemption.preempted_total == 1
+    assert {rid: len(tokens) for rid, tokens in out.tokens.items()} == {
+        f"r{i}": t[3] for i, t in enumerate(traffic)
+    }

@@ -1,0 +1,165 @@
+"""Step isolation between tenants (docs/scheduler.md#fairness-isolation), `--fairness-isolation-tokens T`.
+
+VTC picks who is admitted next, but a request's time to first token is mostly the steps ahead of
+it: under overlap scheduling a request that arrives while a step runs waits for the rest of that
+step, for the step already planned, then for its own. A tenant that floods keeps every one of
+them full (2,048-token prefill steps back to back), and its prompts fill the newcomer's own step
+behind it. So, while a tenant that holds less than its weighted share of the running batch (a
+*light* tenant) has requests live, the tenants above their share (*heavy*) are held to short
+steps:
+
+- their prompt tokens in one step (new requests and the chunk in progress) are at most T;
+- the light tenants' waiting requests go ahead of theirs (VTC's order kept within each side);
+- a step that admits a light tenant's request admits no heavy prompt, and the heavy chunk in
+  progress sits that step out while anything runs (a running request always frees its room in
+  the end, so the chunk never waits for ever) if the light request fits the step whole;
+- a light tenant's request that finds the running batch full takes the slot of one heavy running
+  request (fair_preemption.py), as long as its tenant stays within its share with it (so two
+  tenants never take a slot back and forth);
+- with R (`--fairness-isolation-running`), heavy tenants hold at most R running requests
+  together, so a decode step stays short too.
+
+Shares are counted in running requests (the one mid-chunk included), each tenant's share in
+proportion to its weight among the tenants with requests running or waiting. With a single
+tenant, or none heavy, nothing changes.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from control_plane.config import SchedulerConfig
+from control_plane.request import Request
+from control_plane.scheduler.adder import PrefillAdder, T
+from control_plane.scheduler.fairness import VirtualCounters
+
+NO_TENANTS: frozenset[str] = frozenset()
+
+
+@dataclass(slots=True)
+class Shares:
+    """Running requests by tenant at a pass, and who is above their weighted share."""
+
+    counts: Counter[str]
+    # Σ weights of the tenants with requests live (running or waiting).
+    weights: float
+    weight: Callable[[str], float]
+    # Tenants above their share while a tenant not above it has requests live (else empty).
+    heavy: frozenset[str] = NO_TENANTS
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    def above(self, tenant: str, extra: int = 0) -> bool:
+        """Whether `tenant`, with `extra` more running requests, is above its share."""
+        return (self.counts[tenant] + extra) * self.weights > self.total * self.weight(tenant)
+
+    @property
+    def heavy_running(self) -> int:
+        return sum(self.counts[t] for t in self.heavy)
+
+
+class StepBudget:
+    """One prefill pass under the rule (StepIsolation.begin): the heavy tenants' prompt tokens
+    left, their running requests left, and whether a light request was admitted."""
+
+    def __init__(self, shares: Shares, tokens: int, running_cap: int) -> None:
+        self.shares = shares
+        self.heavy = shares.heavy
+        self.left = tokens
+        # Heavy requests that may still join the running batch (None: no cap).
+        self.running_left = running_cap - shares.heavy_running if running_cap > 0 else None
+        self.light_admitted = False
+        # A request is still mid-chunk after the continuation (it sat this pass out, or its chunk
+        # was held to T): no other request may start a chunk.
+        self.chunk_open = False
+
+    def is_heavy(self, req: Request) -> bool:
+        return req.params.tenant in self.heavy
+
+    def sits_out(self, chunked: Request, head: Request | None, chunk_budget: int) -> bool:
+        """Whether the heavy chunk in progress waits this pass: a light request heads the queue
+        and its whole prompt fits the chunk budget (so it is not chunked in turn)."""
+        if not self.is_heavy(chunked) or head is None or self.is_heavy(head):
+            return False
+        return head.seqlen <= chunk_budget
+
+    def allows(self, req: Request) -> bool:
+        """Whether the admission loop may try `req` (lights first, so a heavy one ends the pass)."""
+        if not self.is_heavy(req):
+            return True
+        if self.running_left is not None and self.running_left <= 0:
+            return False
+        return not self.light_admitted and self.left > 0
+
+    def givers(self, req: Request) -> frozenset[str]:
+        """The tenants whose running requests give way to `req` for room: the heavy ones, if
+        `req`'s tenant stays within its share with one more request running."""
+        if self.is_heavy(req) or self.shares.above(req.params.tenant, 1):
+            return NO_TENANTS
+        return self.heavy
+
+    def admit(self, adder: PrefillAdder, req: Request, add: Callable[[], T], joins: bool = True) -> T:
+        """`add()`: an admission of `req` through `adder` (a waiting request that `joins` the
+        running requests, or the chunk in progress), a heavy request's chunk budget held to what is
+        left of T; the adder's own chunk budget goes down by what was admitted only."""
+        if not self.is_heavy(req):
+            verdict = add()
+            if adder.can_run_list and adder.can_run_list[-1] is req:
+                self.light_admitted = True
+                if joins:
+                    self.shares.counts[req.params.tenant] += 1
+            return verdict
+        verdict, used = adder.within_chunk_budget(self.left, add)
+        self.left -= used
+        if joins and used and self.running_left is not None:
+            self.running_left -= 1
+        return verdict
+
+
+class StepIsolation:
+    """Which tenants are heavy at a prefill pass, and the light-first order (module doc)."""
+
+    def __init__(self, config: SchedulerConfig, counters: VirtualCounters) -> None:
+        self.config = config
+        self.counters = counters
+        self.tokens = config.fairness_isolation_tokens
+        self.running_cap = config.fairness_isolation_running
+        # Passes that held a heavy tenant back (a budget was in force), and the latest pass's budget
+        # (None: the rule was not in force), for tests and figures.
+        self.passes_held = 0
+        self.last: StepBudget | None = None
+
+    def shares(self, running: Sequence[Request], chunked: Request | None) -> Shares:
+        """The running requests' shares (the one mid-chunk included); `heavy` is empty unless a
+        light tenant has requests live."""
+        counts = Counter(r.params.tenant for r in running)
+        if chunked is not None:
+            counts[chunked.params.tenant] += 1
+        live = set(counts)
+        live.update(t for t, n in self.counters.waiting.items() if n > 0)
+        weight = self.config.tenant_weight
+        shares = Shares(counts, sum(weight(t) for t in live), weight)
+        if len(live) < 2:
+            return shares
+        heavy = frozenset(t for t in counts if shares.above(t))
+        if heavy and len(heavy) < len(live):
+            shares.heavy = heavy
+        return shares
+
+    def begin(self, waiting: list[Request], shares: Shares) -> StepBudget | None:
+        """This pass's budget (None: no heavy tenant, the pass is SGLang's); the waiting queue,
+        already in the policy's order, gets the light tenants' requests first."""
+        self.last = None
+        heavy = shares.heavy
+        if not heavy:
+            return None
+        self.passes_held += 1
+        light = [r for r in waiting if r.params.tenant not in heavy]
+        if light and len(light) < len(waiting):
+            waiting[:] = light + [r for r in waiting if r.params.tenant in heavy]
+        self.last = StepBudget(shares, self.tokens, self.running_cap)
+        return self.last
