@@ -202,3 +202,37 @@ def test_a_request_that_did_not_fit_is_matched_again_after_the_release() -> None
     assert {rid: len(tokens) for rid, tokens in out.tokens.items()} == {
         f"r{i}": t[3] for i, t in enumerate(traffic)
     }
+
+
+def _pool_full_of_flood(**config: object) -> tuple[Scheduler, FakeWorker]:
+    """40 flood requests (200-token prompts) at a decode reservation of 10% fill a 3,000-token pool
+    with what they hold: each running one holds 216+ tokens and reserves under 10."""
+    sched = make_scheduler(
+        fairness="vtc",
+        fairness_preempt_bound=10.0,
+        chunked_prefill_size=None,
+        capacity=3000,
+        max_running_requests=256,
+        init_new_token_ratio=0.1,
+        min_new_token_ratio_factor=1.0,
+        **config,
+    )
+    worker = FakeWorker(sched.capacity)
+    for i in range(40):
+        sched.add_request(f"f{i}", prompt(200, i), params(100, tenant="flood", ignore_eos=True))
+    for _ in range(MIN_RUN_TOKENS + 2):
+        _step(sched, worker)
+    assert sched.waiting and sched.kv.available_size() < 300
+    return sched, worker
+
+
+def test_a_newcomer_preempts_only_the_room_it_needs() -> None:
+    """good needs 40 + 100 tokens and a page: releasing one flood request frees its 216+ held
+    tokens, so one gives way. Reckoned from the victims' reserved decodes alone (priority
+    preemption's arithmetic, under 10 tokens each) it took seven."""
+    sched, worker = _pool_full_of_flood()
+    sched.add_request("good", prompt(40, 999), params(100, tenant="good", ignore_eos=True))
+    for _ in range(4):
+        _step(sched, worker)
+    assert sched.requests["good"].num_outputs >= 1
+    assert sched.fair_preemption is not None and sched.fair_preemption.preempted_total == 1
