@@ -66,7 +66,12 @@ class FairPreemption:
         if self.bound <= 0 and not heavy:
             return False
         counter = self.counters.counter
-        floor = counter(tenant) + self.bound if self.bound > 0 else float("inf")
+        # Ahead by more than B once `req`'s own prompt is charged: else its admission would put its
+        # tenant that far above the tenants level with it, and their requests would take its room in
+        # turn (on level tenants, one preemption per admission).
+        floor = (
+            counter(tenant) + self.counters.prompt_cost(req) + self.bound if self.bound > 0 else float("inf")
+        )
         candidates = [
             r
             for r in self.running.reqs
