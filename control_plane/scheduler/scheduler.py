@@ -186,6 +186,8 @@ class Scheduler:
         # Every planned batch whose result is not applied yet, oldest first (overlap scheduling keeps
         # more than one, docs/scheduler.md#overlap); SLO admission reads it.
         self._in_flight: deque[ScheduledBatch] = deque()
+        if self.fairness is not None:
+            self.fairness.holders = self._tenants_holding
         # SLO admission (docs/scheduler.md#slo-admission): None without --slo-cost.
         self.slo: SloAdmission | None = None
         if config.slo_cost:
@@ -252,6 +254,19 @@ class Scheduler:
         reqs = [r for batch in self._in_flight if batch.is_extend for r in batch.extend_reqs]
         chunked = self.chunk.req
         return reqs if chunked is None or chunked in reqs else [*reqs, chunked]
+
+    def _tenants_holding(self) -> list[str]:
+        """The tenants of the requests a plan may still charge outside the waiting queue (running,
+        mid-chunk, the last batch not merged yet, the plans in flight), one per request
+        (VirtualCounters forgets the others' idle tenants)."""
+        reqs = list(self.running.reqs)
+        if self.chunk.req is not None:
+            reqs.append(self.chunk.req)
+        batches = [*self._in_flight, self.last_batch] if self.last_batch is not None else self._in_flight
+        for batch in batches:
+            reqs += batch.extend_reqs
+            reqs += batch.decode_reqs.tolist()
+        return [r.params.tenant for r in reqs]
 
     def _merge_last_batch(self) -> None:
         """docs/scheduler.md#step-loop step 4: the last extend batch's requests join the running
