@@ -4,12 +4,14 @@ VTC orders the waiting queue but admits only into the room running requests leav
 floods holds the running slots and the KV pool, and a well-behaved tenant's request waits at the
 head of the queue for them. With a bound B > 0, a waiting request that cannot be admitted (the
 running batch is full, or its tokens do not fit) takes the room from running requests of tenants
-whose counter is more than B weighted tokens above its own tenant's: the most-served tenant's
-least-progressed requests first (the least work to redo), released as a retraction releases them
-(KV freed, re-queued for a re-prefill). Only as many as make its room: each victim counts what its
-release frees (the KV it holds and its reserved decode), at most MAX_VICTIMS of them. Churn is
-bounded: a request gives way only after MIN_RUN_TOKENS tokens since it was last admitted, so it is
-never preempted twice within that many of its own steps.
+whose counter is more than B weighted tokens above its own tenant's once its own prompt is charged
+(so a preemption never lifts its tenant that far above the tenants level with it, who would take
+the room back in turn): the most-served tenant's least-progressed requests first (the least work to
+redo), released as a retraction releases them (KV freed, re-queued for a re-prefill). Only as many
+as make its room: each victim counts what its release frees (the KV it holds and its reserved
+decode), at most MAX_VICTIMS of them. Churn is bounded: a request gives way only after
+MIN_RUN_TOKENS tokens since it was last admitted, so it is never preempted twice within that many of
+its own steps.
 
 With step isolation (isolation.py) the tenants above their share of the running batch (heavy) give
 a slot to a request of a tenant that is not, whatever their counters: VTC's lift puts a returning
