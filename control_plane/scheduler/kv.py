@@ -342,12 +342,14 @@ class KvManager:
         self.evict_for(remaining * retract_decode_steps)
 
     def release_gain(self, req: Request, keep: Any = None) -> int:
-        """What releasing `req` (release_req) would add to available + evictable: the slots past its
+        """What releasing `req` (release_req) would add to available + evictable: the pages past its
         tree part, and the tree nodes that only its lock holds. Nodes on `keep`'s path (a newcomer's
         match, which its admission locks again) are left out. Reads only."""
         if req.req_pool_idx < 0:
             return 0
-        private = max(req.kv_allocated_len, req.kv_committed_len) - req.cache_protected_len
+        # Slots go back a page at a time: the last page, partly used, frees whole.
+        held = -(-max(req.kv_allocated_len, req.kv_committed_len) // self.page_size) * self.page_size
+        private = held - req.cache_protected_len
         return max(private, 0) + self._path_tokens(req.last_node, 1, self._path(keep))
 
     def lock_cost(self, node: Any) -> int:

@@ -5,6 +5,7 @@ random traffic every request still gets exactly the tokens it gets without preem
 from __future__ import annotations
 
 import random
+from copy import deepcopy
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -268,3 +269,32 @@ def test_level_tenants_do_not_take_room_from_each_other_in_turn() -> None:
         steps.append(out.steps)
     assert sched.fair_preemption is not None and sched.fair_preemption.preempted_total <= 24
     assert steps[1] <= steps[0] * 1.05
+
+
+def test_what_a_release_frees_is_what_was_reckoned() -> None:
+    """KvManager.release_gain, at every step of traffic sharing prefixes (locked by several requests,
+    or by one), is what releasing that request adds to available + evictable."""
+    traffic = [(i // 3, "ab"[i % 2], 5 + i % 7, 20 + i % 9, i % 3) for i in range(18)]
+    arrivals = [
+        (step, f"r{i}", prompt(24, 100 + group) + prompt(n, i), params(out, tenant=tenant, ignore_eos=True))
+        for i, (step, tenant, n, out, group) in enumerate(traffic)
+    ]
+    checked = 0
+
+    def check(sched: Scheduler, step: int) -> None:
+        nonlocal checked
+        for i, req in enumerate(sched.running.reqs):
+            if req.finished:
+                continue
+            copy = deepcopy(sched)
+            victim = copy.running.reqs[i]
+            kv = copy.kv
+            gain = kv.release_gain(victim)
+            before = kv.available_size() + kv.evictable_size()
+            copy.retraction.release_for_requeue(victim, remaining=0)
+            assert kv.available_size() + kv.evictable_size() - before == gain, (step, victim.rid)
+            checked += 1
+
+    sched = make_scheduler(capacity=600, page_size=4, chunked_prefill_size=None, max_running_requests=8)
+    run(sched, FakeWorker(600), arrivals, on_step=check)
+    assert checked > 50
