@@ -38,7 +38,7 @@ FORGET_MIN = 64
 class VirtualCounters:
     """Per-tenant counters of weighted served tokens, and which tenants are backlogged (waiting)."""
 
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(self, config: SchedulerConfig, holders: Callable[[], list[str]] | None = None) -> None:
         self.config = config
         self.prompt_weight = config.fairness_prompt_weight
         self.output_weight = config.fairness_output_weight
@@ -47,9 +47,9 @@ class VirtualCounters:
         self.waiting: dict[str, int] = {}
         self.last_served = ""
         # The tenants of the requests outside the waiting queue that a plan may still charge (running,
-        # mid-chunk, the batch just planned, the plans in flight), one entry per request; set by the
-        # scheduler. None: no tenant is ever forgotten.
-        self.holders: Callable[[], list[str]] | None = None
+        # mid-chunk, the batch just planned, the plans in flight), one entry per request (the
+        # scheduler's). None: no tenant is ever forgotten.
+        self.holders = holders
         # The table's size that starts the next sweep (amortized: at least the sweep's own work apart).
         self.forget_at = FORGET_MIN
         self.forgotten_total = 0

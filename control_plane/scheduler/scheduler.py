@@ -118,7 +118,7 @@ class Scheduler:
         self.fairness: VirtualCounters | None = None
         watcher: QueueWatcher | None = queue_watcher(self.policy)
         if config.fairness != "none":
-            self.fairness = VirtualCounters(config)
+            self.fairness = VirtualCounters(config, self._tenants_holding)
             bound = config.fairness_locality_bound if config.fairness == "vtc-locality" else 0.0
             self.policy = FairOrder(self.policy, self.fairness, bound)
             watcher = QueueWatchers(watcher, self.fairness)
@@ -186,8 +186,6 @@ class Scheduler:
         # Every planned batch whose result is not applied yet, oldest first (overlap scheduling keeps
         # more than one, docs/scheduler.md#overlap); SLO admission reads it.
         self._in_flight: deque[ScheduledBatch] = deque()
-        if self.fairness is not None:
-            self.fairness.holders = self._tenants_holding
         # SLO admission (docs/scheduler.md#slo-admission): None without --slo-cost.
         self.slo: SloAdmission | None = None
         if config.slo_cost:
