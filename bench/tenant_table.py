@@ -152,7 +152,7 @@ def row(cells: Sequence[object]) -> str:
     return "| " + " | ".join(str(c) for c in cells) + " |"
 
 
-def skew_table(rate: float, duration: float) -> list[str]:
+def skew_table(rate: float, duration: float, preempt_bounds: Sequence[float] = ()) -> list[str]:
     rates = {f"t{i}": (4.0 if i < 4 else 1.0) * rate for i in range(8)}
     trace = open_loop(rates, duration, 512, 128, seed=1)
     lines = [
@@ -172,8 +172,15 @@ def skew_table(rate: float, duration: float) -> list[str]:
         row(["---"] * 6),
     ]
     base = None
-    for name in ("none", "vtc", "vtc-locality"):
-        summary, cpu = run(trace, ["--fairness", name])
+    runs: list[tuple[str, list[str]]] = [
+        (name, ["--fairness", name]) for name in ("none", "vtc", "vtc-locality")
+    ]
+    runs += [
+        (f"vtc + preempt {b:g}", ["--fairness", "vtc", "--fairness-preempt-bound", f"{b:g}"])
+        for b in preempt_bounds
+    ]
+    for name, flags in runs:
+        summary, cpu = run(trace, flags)
         tput = tok_s(summary)
         base = base or tput
         tenants = summary["tenants"]
@@ -346,7 +353,7 @@ def main(argv: Sequence[str]) -> int:
         type=float,
         nargs="*",
         default=[256.0, 4096.0],
-        help="isolation: VTC rows with these",
+        help="skew and isolation: VTC rows with --fairness-preempt-bound B, for each B",
     )
     parser.add_argument(
         "--isolation-tokens",
@@ -358,7 +365,7 @@ def main(argv: Sequence[str]) -> int:
     ns = parser.parse_args(argv)
     out: list[str] = []
     if "skew" in ns.tables:
-        out += ["### skew", "", *skew_table(10.0, 30.0), ""]
+        out += ["### skew", "", *skew_table(10.0, 30.0, ns.preempt_bounds), ""]
     if "isolation" in ns.tables:
         out += [
             "### isolation",

@@ -351,7 +351,19 @@ class PrefillAdder:
                 break
         if not chosen or need > 0:
             return None
-        for cand in chosen:
-            self.rem_total_token_offset -= self.offset(cand)
-        self.preempt_list.extend(chosen)
+        self.give_way(chosen)
         return chosen
+
+    def give_way(self, victims: Sequence[Request]) -> None:
+        """Mutates: `victims`, chosen to be released, no longer hold back their reserved decodes, and
+        are not chosen again in this pass."""
+        for cand in victims:
+            self.rem_total_token_offset -= self.offset(cand)
+        self.preempt_list.extend(victims)
+
+    def shortfall(self, req: Request) -> float:
+        """How far `req`, as matched, is from add_one_req's token check (it passes below 0): its
+        uncached prompt, its clipped remaining decode and a page, against rem_total_tokens."""
+        candidate = req.seqlen - len(req.prefix_indices)
+        max_new = min(max(req.max_new_tokens - req.num_outputs, 0), self.limits.clip_max_new_tokens)
+        return candidate + max_new + self.page_size - self.rem_total_tokens

@@ -222,9 +222,8 @@ class Admission:
         self, req: Request, adder: PrefillAdder, preempted: list[Request], ignore_eos_path: bool
     ) -> bool:
         """Its tokens did not fit (refused before anything was booked for it): fairness preemption
-        may make room for it, then it is tried once more. Not isolation's give-way: room in the KV
-        pool is reckoned from the victims' reserved decodes, so it can take hundreds of them for one
-        request; the running cap keeps heavy tenants off the pool instead."""
+        may make room for it, then it is tried once more. Not isolation's give-way (one heavy request
+        for a slot): the running cap keeps heavy tenants off the pool instead."""
         fair = self.fair_preemption
         if fair is None or ignore_eos_path or req in adder.can_run_list:
             return False

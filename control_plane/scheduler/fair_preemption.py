@@ -4,19 +4,24 @@ VTC orders the waiting queue but admits only into the room running requests leav
 floods holds the running slots and the KV pool, and a well-behaved tenant's request waits at the
 head of the queue for them. With a bound B > 0, a waiting request that cannot be admitted (the
 running batch is full, or its tokens do not fit) takes the room from running requests of tenants
-whose counter is more than B weighted tokens above its own tenant's: the most-served tenant's
-least-progressed requests first (the least work to redo), released as a retraction releases them
-(KV freed, re-queued for a re-prefill). Churn is bounded: a request gives way only after
+whose counter is more than B weighted tokens above its own tenant's once its own prompt is charged
+(so a preemption never lifts its tenant that far above the tenants level with it, who would take
+the room back in turn): the most-served tenant's least-progressed requests first (the least work to
+redo), released as a retraction releases them (KV freed, re-queued for a re-prefill). Only as many
+as make its room: each victim counts what its release frees (the KV it holds and its reserved
+decode), at most MAX_VICTIMS of them. Churn is bounded: a request gives way only after
 MIN_RUN_TOKENS tokens since it was last admitted, so it is never preempted twice within that many of
 its own steps.
 
 With step isolation (isolation.py) the tenants above their share of the running batch (heavy) give
 a slot to a request of a tenant that is not, whatever their counters: VTC's lift puts a returning
 tenant level with the flood, so the bound alone would keep it waiting for a slot the flood holds.
-Without a bound, one heavy request gives way per newcomer, for a slot only (not for KV).
+Without a bound, one heavy request gives way per newcomer.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from control_plane.request import Request
 from control_plane.scheduler.adder import PrefillAdder
@@ -27,6 +32,8 @@ from control_plane.scheduler.preemption import Preemption
 
 # Tokens a request generates after an admission before fairness may preempt it (again).
 MIN_RUN_TOKENS = 16
+# Running requests one newcomer may preempt: more than that and it waits for room instead.
+MAX_VICTIMS = 4
 
 
 class FairPreemption:
@@ -61,7 +68,12 @@ class FairPreemption:
         if self.bound <= 0 and not heavy:
             return False
         counter = self.counters.counter
-        floor = counter(tenant) + self.bound if self.bound > 0 else float("inf")
+        # Ahead by more than B once `req`'s own prompt is charged: else its admission would put its
+        # tenant that far above the tenants level with it, and their requests would take its room in
+        # turn (on level tenants, one preemption per admission).
+        floor = (
+            counter(tenant) + self.counters.prompt_cost(req) + self.bound if self.bound > 0 else float("inf")
+        )
         candidates = [
             r
             for r in self.running.reqs
@@ -79,20 +91,51 @@ class FairPreemption:
                 -r.wait_queue_entry_time,
             )
         )
-        if self.bound <= 0:
-            # Isolation's give-way alone: one heavy request for one slot, never a cascade.
-            candidates = candidates[:1]
-        victims = adder.preempt_to_schedule(
-            req, candidates, lambda r: r.params.tenant in heavy or counter(r.params.tenant) > floor
+        most = 1 if self.bound <= 0 else MAX_VICTIMS
+        victims = self._victims(
+            req,
+            adder,
+            candidates,
+            lambda r: r.params.tenant in heavy or counter(r.params.tenant) > floor,
+            most,
         )
         if victims is None:
             return False
+        adder.give_way(victims)
         self._forget_ended()
         for victim in victims:
             self.outputs_at[victim.rid] = victim.num_outputs
         self.preempted_total += len(victims)
         self.preemption.release(victims, preempted)
         return True
+
+    @staticmethod
+    def _victims(
+        req: Request,
+        adder: PrefillAdder,
+        candidates: list[Request],
+        gives_way: Callable[[Request], bool],
+        most: int,
+    ) -> list[Request] | None:
+        """The fewest leading candidates that give way and whose release makes room for `req`: each
+        frees the KV it holds and its reserved decode. None when `most` of them do not (or none may
+        give way): nothing is released for a room it would not get."""
+        kv = adder.kv
+        keep = req.last_node
+        # Admitting `req` locks its match: what of it is evictable now counts against the room.
+        short = adder.shortfall(req) + kv.lock_cost(keep)
+        already = {id(r) for r in adder.preempt_list}
+        chosen: list[Request] = []
+        for cand in candidates:
+            if id(cand) in already:
+                continue
+            if len(chosen) == most or not gives_way(cand):
+                return None
+            chosen.append(cand)
+            short -= adder.offset(cand) + kv.release_gain(cand, keep)
+            if short < 0:
+                return chosen
+        return None
 
     def _forget_ended(self) -> None:
         """Keep only live requests' marks (bounded by the requests live)."""

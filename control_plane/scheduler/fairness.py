@@ -5,29 +5,40 @@ spirit of DLPM (Cao et al. 2025).
 `VirtualCounters` keeps each tenant's weighted service, charged from what the scheduler planned
 (prompt tokens when their extend is planned, output tokens as results apply), divided by the
 tenant's weight. It watches the waiting queue so that a tenant that becomes backlogged is lifted
-(VTC's counter lift). `FairOrder` wraps the configured policy: the policy orders the queue (its
-cache-aware order is kept within each tenant), then the queue is merged tenant by tenant, always
-from the least-served one, charging each pick's prompt as it goes, as VTC picks one request at a
-time. With a locality bound Q, the pick is instead the first request in the policy's order whose
-tenant is within Q of the least served (DLPM's bounded unfairness for prefix hits).
+(VTC's counter lift). It forgets a tenant that holds nothing (no request waiting, running, mid-chunk
+or in a plan in flight) and whose counter is at or below every counter that can set a lift: those of
+the tenants that hold something and of the tenant served last. A lift is the least backlogged
+counter or the last served one's, and a tenant that joins is lifted at least to it, so no later lift
+is below that level: the forgotten tenant, should it come back, is lifted where its counter would
+have put it, and nothing else reads it meanwhile. Without API keys callers may name any tenant; the
+table holds the tenants live and those ahead of them, not every name ever seen.
+
+`FairOrder` wraps the configured policy: the policy orders the queue (its cache-aware order is kept
+within each tenant), then the queue is merged tenant by tenant, always from the least-served one,
+charging each pick's prompt as it goes, as VTC picks one request at a time. With a locality bound Q,
+the pick is instead the first request in the policy's order whose tenant is within Q of the least
+served (DLPM's bounded unfairness for prefix hits).
 """
 
 from __future__ import annotations
 
 import heapq
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from control_plane.config import SchedulerConfig
 from control_plane.request import Request
 from control_plane.scheduler.batch import ScheduledBatch
 from control_plane.scheduler.policy import Policy
 
+# New tenants between sweeps for forgotten ones, at least (more as the table and the live requests grow).
+FORGET_MIN = 64
+
 
 class VirtualCounters:
     """Per-tenant counters of weighted served tokens, and which tenants are backlogged (waiting)."""
 
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(self, config: SchedulerConfig, holders: Callable[[], list[str]] | None = None) -> None:
         self.config = config
         self.prompt_weight = config.fairness_prompt_weight
         self.output_weight = config.fairness_output_weight
@@ -35,6 +46,13 @@ class VirtualCounters:
         # Requests waiting per tenant: a tenant with any is backlogged.
         self.waiting: dict[str, int] = {}
         self.last_served = ""
+        # The tenants of the requests outside the waiting queue that a plan may still charge (running,
+        # mid-chunk, the batch just planned, the plans in flight), one entry per request (the
+        # scheduler's). None: no tenant is ever forgotten.
+        self.holders = holders
+        # The table's size that starts the next sweep (amortized: at least the sweep's own work apart).
+        self.forget_at = FORGET_MIN
+        self.forgotten_total = 0
 
     def counter(self, tenant: str) -> float:
         return self.counters.get(tenant, 0.0)
@@ -50,6 +68,22 @@ class VirtualCounters:
             floor = min(backlogged) if backlogged else self.counter(self.last_served)
             self.counters[tenant] = max(self.counter(tenant), floor)
         self.waiting[tenant] = n + 1
+
+    def _forget(self) -> None:
+        """Drop the tenants that hold nothing and whose counter is at or below every counter that can
+        set a lift (module doc); costs the table and the live requests, and the next sweep waits for
+        as many new tenants."""
+        if self.holders is None:
+            return
+        holding = self.holders()
+        live = set(holding)
+        live.update(self.waiting)
+        live.add(self.last_served)
+        level = min(self.counter(t) for t in live)
+        kept = {t: c for t, c in self.counters.items() if c > level or t in live}
+        self.forgotten_total += len(self.counters) - len(kept)
+        self.counters = kept
+        self.forget_at = 2 * len(kept) + len(holding) + FORGET_MIN
 
     def left(self, req: Request) -> None:
         tenant = req.params.tenant
@@ -72,6 +106,10 @@ class VirtualCounters:
         for req in batch.extend_reqs:
             start, end = req.extend_range
             self.charge(req.params.tenant, end - start, 0)
+        # Swept here, with every admitted request in the batch just planned (while a pass admits, a
+        # request is in none of the places the scheduler's holders name).
+        if len(self.counters) >= self.forget_at:
+            self._forget()
 
     def applied(self, batch: ScheduledBatch) -> None:
         """A plan's result is applied: one output token for each sampled extend and each decode."""

@@ -341,6 +341,42 @@ class KvManager:
         self.cache_finished_req(req, insert=False)
         self.evict_for(remaining * retract_decode_steps)
 
+    def release_gain(self, req: Request, keep: Any = None) -> int:
+        """What releasing `req` (release_req) would add to available + evictable: the pages past its
+        tree part, and the tree nodes that only its lock holds. Nodes on `keep`'s path (a newcomer's
+        match, which its admission locks again) are left out. Reads only."""
+        if req.req_pool_idx < 0:
+            return 0
+        # Slots go back a page at a time: the last page, partly used, frees whole.
+        held = -(-max(req.kv_allocated_len, req.kv_committed_len) // self.page_size) * self.page_size
+        private = held - req.cache_protected_len
+        return max(private, 0) + self._path_tokens(req.last_node, 1, self._path(keep))
+
+    def lock_cost(self, node: Any) -> int:
+        """What locking `node` would take from evictable: its path's tokens no lock holds yet. Reads only."""
+        return self._path_tokens(node, 0, set())
+
+    def _path(self, node: Any) -> set[int]:
+        """The ids of `node` and its ancestors."""
+        ids: set[int] = set()
+        while node is not None:
+            ids.add(id(node))
+            node = node.parent
+        return ids
+
+    def _path_tokens(self, node: Any, locks: int, skip: set[int]) -> int:
+        """Tokens of the nodes from `node` up that hold exactly `locks` locks (a lower segment of the
+        path: an ancestor holds at least its children's locks), leaving out the ids in `skip`; 0 for
+        an evicted node (its ancestors are out of reach) and when the cache is disabled."""
+        if node is None or self.disabled or (node.parent is None and node is not self.tree.root):
+            return 0
+        tokens = 0
+        while node is not self.tree.root and node.lock_ref == locks:
+            if id(node) not in skip:
+                tokens += len(node.value)
+            node = node.parent
+        return tokens
+
     def release_aborted(self, req: Request) -> None:
         """Mutates: free an aborted request's KV (nothing inserted; its lock released)."""
         if req.req_pool_idx >= 0:

@@ -118,7 +118,7 @@ class Scheduler:
         self.fairness: VirtualCounters | None = None
         watcher: QueueWatcher | None = queue_watcher(self.policy)
         if config.fairness != "none":
-            self.fairness = VirtualCounters(config)
+            self.fairness = VirtualCounters(config, self._tenants_holding)
             bound = config.fairness_locality_bound if config.fairness == "vtc-locality" else 0.0
             self.policy = FairOrder(self.policy, self.fairness, bound)
             watcher = QueueWatchers(watcher, self.fairness)
@@ -252,6 +252,19 @@ class Scheduler:
         reqs = [r for batch in self._in_flight if batch.is_extend for r in batch.extend_reqs]
         chunked = self.chunk.req
         return reqs if chunked is None or chunked in reqs else [*reqs, chunked]
+
+    def _tenants_holding(self) -> list[str]:
+        """The tenants of the requests a plan may still charge outside the waiting queue (running,
+        mid-chunk, the last batch not merged yet, the plans in flight), one per request
+        (VirtualCounters forgets the others' idle tenants)."""
+        reqs = list(self.running.reqs)
+        if self.chunk.req is not None:
+            reqs.append(self.chunk.req)
+        batches = [*self._in_flight, self.last_batch] if self.last_batch is not None else self._in_flight
+        for batch in batches:
+            reqs += batch.extend_reqs
+            reqs += batch.decode_reqs.tolist()
+        return [r.params.tenant for r in reqs]
 
     def _merge_last_batch(self) -> None:
         """docs/scheduler.md#step-loop step 4: the last extend batch's requests join the running
