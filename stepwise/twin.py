@@ -722,6 +722,8 @@ class Twin:
 
     def _collect(self, worker: SimWorker) -> None:
         updates = worker.scheduler.take_updates()
+        if updates.empty:  # asked twice a turn, mostly for nothing
+            return
         by_uid = self.by_uid
         for uid in updates.tokens.uids.tolist():  # a few per step: plain ints beat np.unique
             progress = by_uid[uid]
