@@ -36,12 +36,10 @@ import hashlib
 import math
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
-from data_plane.kv_pool import HostCopy
-from data_plane.kv_transfer import Transfers
 from data_plane.scoring import score_rows
 from data_plane.state import PlanError
 from flagtypes.cost import linear_cost
@@ -55,6 +53,9 @@ from protos.worker import (
     TokenLogprobs,
     TransferOutcome,
 )
+
+if TYPE_CHECKING:
+    from data_plane.kv_transfer import Transfers
 
 # Seeded rule for requests without an output length: between 16 and 271 tokens.
 RULE_MIN_OUTPUT, RULE_SPAN = 16, 256
@@ -300,6 +301,11 @@ class SimExecutor:
             return
         if self.transfers is None:
             raise PlanError("this sim worker serves no KV transfer link: it cannot send or receive KV")
+        # torch only here: `stepwise simulate` never sends, and importing it costs a second of CPU.
+        import torch
+
+        from data_plane.kv_pool import HostCopy
+
         layers, heads, dim = self.kv_shape
         for send in plan.sends:
             zeros = torch.zeros((layers, len(send.slots), heads, dim), dtype=torch.float16)

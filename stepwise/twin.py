@@ -669,7 +669,8 @@ class Twin:
             self._emigrate(worker)
         self._collect(worker)
         if plan is not None:
-            worker.prefill_tokens += int(plan.extends.lens.sum())
+            if len(plan.extends):  # most plans only decode
+                worker.prefill_tokens += int(plan.extends.lens.sum())
             result = self._execute(worker, plan)
             if result.error:
                 raise RuntimeError(f"sim worker {worker.worker} failed step {plan.step_id}: {result.error}")
@@ -722,6 +723,8 @@ class Twin:
 
     def _collect(self, worker: SimWorker) -> None:
         updates = worker.scheduler.take_updates()
+        if updates.empty:  # asked twice a turn, mostly for nothing
+            return
         by_uid = self.by_uid
         for uid in updates.tokens.uids.tolist():  # a few per step: plain ints beat np.unique
             progress = by_uid[uid]

@@ -18,12 +18,23 @@ def _objects(reqs: Sequence[Request]) -> np.ndarray:
     return out
 
 
+def _read_only(array: np.ndarray) -> np.ndarray:
+    array.flags.writeable = False
+    return array
+
+
+# Empty columns are shared (read-only: nothing writes into an array it did not make), not made anew
+# for each of a plan's five decode columns and each emptied batch.
+_NO_OBJECTS = _read_only(np.empty(0, dtype=object))
+_NO_INTS = _read_only(np.zeros(0, dtype=np.int64))
+
+
 def _no_objects() -> np.ndarray:
-    return np.empty(0, dtype=object)
+    return _NO_OBJECTS
 
 
 def _no_ints() -> np.ndarray:
-    return np.zeros(0, dtype=np.int64)
+    return _NO_INTS
 
 
 class RunningBatch:

@@ -32,6 +32,16 @@ class PlanDeltas:
     receives: tuple[KvReceive, ...] = ()
 
 
+def frozen_empty(dtype: type) -> np.ndarray:
+    empty: np.ndarray = np.zeros(0, dtype=dtype)
+    empty.flags.writeable = False
+    return empty
+
+
+# What a plan carries when the books queued nothing: one shared value (frozen, its array read-only).
+NO_DELTAS = PlanDeltas(frozen_empty(np.int64), (), (), ())
+
+
 class SequenceBooks:
     """Handles, the worker's slot tables and host pool as the scheduler accounts them."""
 
@@ -137,6 +147,8 @@ class SequenceBooks:
         return bool(self._releases or self._remaps or self._offloads or self._sends or self._receives)
 
     def take_deltas(self) -> PlanDeltas:
+        if not (self.has_deltas or self._restores):
+            return NO_DELTAS  # most plans (a decode step's) carry none
         releases = np.asarray(self._releases, dtype=np.int64)
         # A remap or an offload queued for a request released since (retracted, preempted, aborted,
         # refused re-entry by a full queue) is moot: the worker drops the sequence first.

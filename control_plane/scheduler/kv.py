@@ -17,7 +17,7 @@ rows are attached to it when taken and detached when released.
 
 from __future__ import annotations
 
-from collections import deque
+import heapq
 from typing import Any
 
 import numpy as np
@@ -78,7 +78,10 @@ class KvManager:
         # demand up to max_running_requests × (max_context + 1), so that construction costs nothing.
         self.req_to_token = np.zeros((0, 0), dtype=np.int64)
         self._table_limit = (max_running_requests, max_context + 1)
-        self._free_rows: deque[int] = deque(range(max_running_requests))
+        # A min-heap: the lowest free row is taken first, so the table grows with the requests held at
+        # once, not with every row ever handed out (a row's number decides nothing else: every decision
+        # reads the request, the row only indexes its columns).
+        self._free_rows = list(range(max_running_requests))
         self.columns = RowColumns(max_running_requests)
 
     # --- sizes ---------------------------------------------------------------------------------
@@ -182,7 +185,7 @@ class KvManager:
             if new_row:
                 if not self._free_rows:
                     raise KvOutOfMemory("alloc_req_slots runs out of memory")
-                req.req_pool_idx = self._free_rows.popleft()
+                req.req_pool_idx = heapq.heappop(self._free_rows)
                 self.columns.attach(req)
             self._reserve(req.req_pool_idx + 1, end)
             row = self.row(req)
@@ -391,5 +394,5 @@ class KvManager:
     def _release_row(self, req: Request) -> None:
         if req.req_pool_idx >= 0:
             self.columns.detach(req)
-            self._free_rows.append(req.req_pool_idx)
+            heapq.heappush(self._free_rows, req.req_pool_idx)
             req.req_pool_idx = -1

@@ -4,6 +4,7 @@ work as columns."""
 from __future__ import annotations
 
 import dataclasses
+from typing import TypeVar
 
 import numpy as np
 
@@ -12,6 +13,20 @@ from control_plane.scheduler.batch import ScheduledBatch
 from control_plane.scheduler.books import SequenceBooks
 from control_plane.scheduler.kv import KvManager
 from protos.worker import DecodeWork, ExtendWork, NewSeq, StepKind, StepPlan
+
+_Work = TypeVar("_Work", ExtendWork, DecodeWork)
+
+
+def _read_only(work: _Work) -> _Work:
+    for f in dataclasses.fields(work):
+        getattr(work, f.name).flags.writeable = False
+    return work
+
+
+# The work of a plan without extends (most plans: decode steps), or without decodes: one shared value
+# each (frozen, its arrays read-only), not a dozen empty arrays made for every plan.
+NO_EXTENDS = _read_only(ExtendWork())
+NO_DECODES = _read_only(DecodeWork())
 
 
 class PlanBuilder:
@@ -36,7 +51,7 @@ class PlanBuilder:
                 receives=deltas.receives,
             )
         extends, new_seqs = self._extend_work(batch)
-        decodes = DecodeWork()
+        decodes = NO_DECODES
         if len(batch.decode_rows):
             decodes = DecodeWork(handles=batch.decode_handles, slots=batch.decode_slots)
         return StepPlan(
@@ -56,7 +71,7 @@ class PlanBuilder:
     def _extend_work(self, batch: ScheduledBatch) -> tuple[ExtendWork, tuple[NewSeq, ...]]:
         reqs = batch.extend_reqs
         if not reqs:
-            return ExtendWork(), ()
+            return NO_EXTENDS, ()
         new_seqs = []
         tokens: list[int] = []
         slots: list[np.ndarray] = []

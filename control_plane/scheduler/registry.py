@@ -6,9 +6,12 @@ from __future__ import annotations
 import numpy as np
 
 from control_plane.request import FinishReason, Request
-from control_plane.scheduler.books import SequenceBooks
+from control_plane.scheduler.books import SequenceBooks, frozen_empty
 from control_plane.scheduler.records import PromptScoring, RequestFinished, StepUpdates, TokenBatch
 from protos.worker import TokenLogprobs
+
+# What take_updates answers when nothing happened: one shared value (frozen, its arrays read-only).
+NO_UPDATES = StepUpdates(TokenBatch(frozen_empty(np.uint64), frozen_empty(np.int32)))
 
 
 class Registry:
@@ -81,6 +84,8 @@ class Registry:
     def take_updates(self) -> StepUpdates:
         """Tokens and finishes since the last call (prompt scores, then tokens, then finishes: see
         StepUpdates)."""
+        if not (self._token_ids or self._finished or self._prompt_scores):
+            return NO_UPDATES  # the engine and the twin ask after every step, often for nothing
         tokens = TokenBatch()
         if self._token_ids:
             tokens = TokenBatch(_concat(self._token_uids), _concat(self._token_ids), tuple(self._scores))

@@ -32,6 +32,10 @@ GRAMMAR_UNSATISFIABLE = FinishReason(
 )
 # No sample's grammar failed (shared: never written to).
 NO_FAILURES = np.zeros(0, dtype=np.int64)
+# Up to this many rows, a result's finish checks run row by row in plain Python: on a few rows (a
+# lightly loaded worker, most of the twin's) numpy's fixed cost per call is most of applying a result.
+# tests/control_plane/scheduler/test_results_rows.py runs both ways and compares.
+FEW_ROWS = 8
 SCORES_LOST = FinishReason.abort("internal error: prompt log probabilities were lost", AbortCode.INTERNAL)
 
 
@@ -46,6 +50,7 @@ class ResultApplier:
         self.books = books
         self.exits = exits
         self._eos_ids = np.array(sorted(eos_ids), dtype=np.int32)
+        self._eos_set = frozenset(eos_ids)
         # The logprobs of the result being applied (empty: none asked).
         self._logprobs: tuple[TokenLogprobs, ...] = ()
         # Indices into the result being applied of samples whose grammar failed (empty: none).
@@ -164,6 +169,8 @@ class ResultApplier:
         (SGLang's to_finish, checked first in update_finish_state; the client's call has ended)."""
         columns = self.kv.columns
         columns.append(rows, tokens)
+        if len(rows) <= FEW_ROWS and not self._logprobs and not len(self._grammar_failed):
+            return self._few_rows_finished(rows, tokens)
         n_out = columns.n_out[rows]
         length = n_out >= columns.max_new[rows]
         stop_hit = self._stop_token_hits(rows, tokens)
@@ -184,6 +191,34 @@ class ResultApplier:
         if len(self._grammar_failed) and at_result is not None:
             failed = np.isin(at_result, self._grammar_failed)
             ended = [(i, _unsatisfied(reason) if failed[i] else reason) for i, reason in ended]
+        return ended
+
+    def _few_rows_finished(self, rows: np.ndarray, tokens: np.ndarray) -> list[tuple[int, FinishReason]]:
+        """_append_tokens's checks once the tokens are appended, row by row (neither logprobs nor a
+        grammar failure in the result): the same rule, without a dozen numpy calls on a few rows."""
+        columns = self.kv.columns
+        reqs = columns.reqs
+        ended: list[tuple[int, FinishReason]] = []
+        hidden: list[int] = []
+        for i, (row, token) in enumerate(zip(rows.tolist(), tokens.tolist(), strict=True)):
+            n_out = columns.n_out[row]
+            length = bool(n_out >= columns.max_new[row])
+            stop_hit = bool(columns.has_stop[row]) and token in reqs[row].params.stop_token_ids
+            matched = stop_hit or (token in self._eos_set and not columns.ignore_eos[row])
+            counts = bool(n_out >= columns.min_new[row])
+            aborting = bool(columns.aborting[row])
+            if (matched and (length or counts)) or aborting:
+                hidden.append(i)
+            if length or (matched and counts) or aborting:
+                ended.append((i, reqs[row].to_finish or self._reason(length, stop_hit, token)))
+        uids = columns.uid[rows]
+        if hidden:
+            visible = np.ones(len(rows), dtype=bool)
+            visible[hidden] = False
+            uids, tokens = uids[visible], tokens[visible]
+        else:
+            tokens = tokens.copy()  # the result's array stays the caller's, as with the mask
+        self.registry.stream(uids, tokens)
         return ended
 
     def _scores_of(self, rows: np.ndarray, at_result: np.ndarray) -> list[tuple[int, TokenLogprobs]]:

@@ -441,10 +441,14 @@ class Scheduler:
         supply = self.kv.available_size() + self.kv.evictable_size()
         if not len(running):
             return supply
+        # The live requests' columns (RunningBatch.remaining_new_tokens less its finished-request
+        # fix-up, which only finished ones need): the fleet asks after every step, mostly of a few
+        # requests, where each numpy call's fixed cost is what counts (hence no np.clip either).
         live = running.live_mask()
-        # np.clip's overhead is most of this on a batch of a few requests (the fleet asks every step)
-        growth = np.minimum(np.maximum(running.remaining_new_tokens()[live], 0), steps)
-        return supply - self.kv.growth_need(running.seq_lens[live], growth)
+        rows = running.rows if live.all() else running.rows[live]
+        columns = self.kv.columns
+        growth = np.minimum(np.maximum(columns.max_new[rows] - columns.n_out[rows], 0), steps)
+        return supply - self.kv.growth_need(columns.allocated[rows], growth)
 
     def retraction_order(self) -> list[str]:
         """The running requests' ids, the first that a retraction would release first."""

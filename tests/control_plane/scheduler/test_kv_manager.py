@@ -463,3 +463,18 @@ def test_unfinished_req_without_a_shared_prefix_needs_no_remap() -> None:
     assert kv.cache_unfinished_req(req) is None  # nothing new was shared: positions 8..11 are its own
     assert req.cache_protected_len == 12 and kv.protected_size() == 12
     check_pool_invariants(kv.allocator, kv.tree, 0)
+
+
+def test_a_freed_row_is_taken_again_before_an_untouched_one() -> None:
+    """Requests that come and go one at a time keep reusing row 0: the row table grows with the
+    requests held at once, not with every row ever handed out (the twin's workers run thousands of
+    requests each; rotating through all max_running_requests rows grew each table to its limit)."""
+    kv = make_kv(capacity=1000)
+    for i in range(20):
+        req = prefill(kv, f"r{i}", tokens(10, 1000 * (i + 1)))
+        assert req.req_pool_idx == 0
+        kv.cache_finished_req(req)
+    assert kv.req_to_token.shape[0] == 1
+    held = [prefill(kv, f"h{i}", tokens(10, 100_000 + 1000 * i)) for i in range(3)]
+    kv.cache_finished_req(held[1])
+    assert prefill(kv, "again", tokens(10, 900_000)).req_pool_idx == 1
