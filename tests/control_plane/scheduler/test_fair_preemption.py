@@ -163,19 +163,12 @@ def test_fair_preemptions_replay_identically() -> None:
     limits = WorkerLimits("w0", kv_capacity_tokens=2000, page_size=1, max_context=2048, vocab_size=1000)
     sink = ListSink()
     sched = RecordingScheduler(config, limits, sink)
-    worker = FakeWorker(2000)
-    for i in range(4):
-        sched.add_request(f"f{i}", prompt(40, i), params(60, tenant="flood", ignore_eos=True))
-    for step in range(400):
-        if step == MIN_RUN_TOKENS + 2:
-            for i in range(3):
-                sched.add_request(f"g{i}", prompt(40, 10 + i), params(4, tenant="good", ignore_eos=True))
-        if sched.is_idle:
-            break
-        plan = sched.next_plan()
-        if plan is not None:
-            sched.apply_result(worker.run(plan))
-        sched.take_updates()
+    flood = [(0, f"f{i}", prompt(40, i), params(60, tenant="flood", ignore_eos=True)) for i in range(4)]
+    good = [
+        (MIN_RUN_TOKENS + 2, f"g{i}", prompt(40, 10 + i), params(4, tenant="good", ignore_eos=True))
+        for i in range(3)
+    ]
+    run(sched, FakeWorker(2000), [*flood, *good], max_steps=400)
     assert sched.is_idle
     assert sched.fair_preemption is not None and sched.fair_preemption.preempted_total > 0
     report = replay_scheduler([recording_header(config, limits, "test"), *sink.entries])

@@ -279,20 +279,13 @@ def test_isolated_plans_replay_identically() -> None:
     limits = WorkerLimits("w0", kv_capacity_tokens=2000, page_size=1, max_context=2048, vocab_size=1000)
     sink = ListSink()
     sched = RecordingScheduler(config, limits, sink)
-    worker = FakeWorker(2000)
-    for i in range(6):
-        sched.add_request(f"f{i}", prompt(40, i), params(60, tenant="flood", ignore_eos=True))
-    for step in range(600):
-        if step in (MIN_RUN_TOKENS + 2, MIN_RUN_TOKENS + 30):
-            for i in range(2):
-                rid = f"g{step}-{i}"
-                sched.add_request(rid, prompt(30, step + i), params(4, tenant="good", ignore_eos=True))
-        if sched.is_idle:
-            break
-        plan = sched.next_plan()
-        if plan is not None:
-            sched.apply_result(worker.run(plan))
-        sched.take_updates()
+    flood = [(0, f"f{i}", prompt(40, i), params(60, tenant="flood", ignore_eos=True)) for i in range(6)]
+    good = [
+        (step, f"g{step}-{i}", prompt(30, step + i), params(4, tenant="good", ignore_eos=True))
+        for step in (MIN_RUN_TOKENS + 2, MIN_RUN_TOKENS + 30)
+        for i in range(2)
+    ]
+    run(sched, FakeWorker(2000), [*flood, *good], max_steps=600)
     assert sched.is_idle
     assert sched.isolation is not None and sched.isolation.passes_held > 0
     report = replay_scheduler([recording_header(config, limits, "test"), *sink.entries])
