@@ -208,11 +208,8 @@ class PrefillAdder:
             return AddReqResult.OTHER
         if ignore_eos_path:
             return self.add_one_req_ignore_eos(req)
-        prefix_len = len(req.prefix_indices)
-        candidate = req.seqlen - prefix_len
-        max_new = min(max(req.max_new_tokens - req.num_outputs, 0), limits.clip_max_new_tokens)
-        total = candidate + max_new + self.page_size
-        real_input = self.ceil_page(candidate)
+        total = self.token_total(req)
+        real_input = self.ceil_page(req.seqlen - len(req.prefix_indices))
         if total >= self.rem_total_tokens:
             return AddReqResult.NO_TOKEN
         if self.rem_chunk_tokens is None and self.can_run_list and real_input >= self.rem_input_tokens:
@@ -361,9 +358,13 @@ class PrefillAdder:
             self.rem_total_token_offset -= self.offset(cand)
         self.preempt_list.extend(victims)
 
-    def shortfall(self, req: Request) -> float:
-        """How far `req`, as matched, is from add_one_req's token check (it passes below 0): its
-        uncached prompt, its clipped remaining decode and a page, against rem_total_tokens."""
+    def token_total(self, req: Request) -> int:
+        """What add_one_req's token check weighs `req`, as matched, at: its uncached prompt, its
+        clipped remaining decode and a page."""
         candidate = req.seqlen - len(req.prefix_indices)
         max_new = min(max(req.max_new_tokens - req.num_outputs, 0), self.limits.clip_max_new_tokens)
-        return candidate + max_new + self.page_size - self.rem_total_tokens
+        return candidate + max_new + self.page_size
+
+    def shortfall(self, req: Request) -> float:
+        """How far `req`, as matched, is from add_one_req's token check (it passes below 0)."""
+        return self.token_total(req) - self.rem_total_tokens

@@ -117,8 +117,8 @@ class Admission:
             if budget is None:
                 chunk.advance(adder.add_chunked_req(continuation))
             else:
-                add = lambda: adder.add_chunked_req(continuation)  # noqa: E731
-                chunk.advance(budget.admit(adder, continuation, add, joins=False))
+                add_chunk = adder.add_chunked_req
+                chunk.advance(budget.admit(adder, continuation, lambda: add_chunk(continuation), joins=False))
             if chunk.req is not None and chunk.req not in adder.can_run_list:
                 self._parked_chunk(chunk.req)
         if budget is not None:
