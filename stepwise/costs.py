@@ -94,43 +94,46 @@ def client_path(text: str, flag: str = "--cost") -> ClientPath:
     """The client path's terms of the cost spec `text`: a JSON file's `arrive_s` and `publish_s`
     (each 0 when absent); zeros for every other spec. ValueError naming `flag` for a term that is
     not a finite number >= 0."""
+    obj = _cost_file(text)
+    if obj is None:
+        return ClientPath()  # not a file, or parse_cost says what is wrong with it
+    terms = {}
+    for key in ("arrive_s", "publish_s"):
+        value = obj.get(key, 0.0)
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < math.inf:
+            raise ValueError(f"{flag} {text}: {key} must be a finite number of seconds >= 0, got {value!r}")
+        terms[key] = float(value)
+    return ClientPath(**terms)
+
+
+def _cost_file(text: str) -> dict[str, object] | None:
+    """The JSON object of the cost spec `text` when it names a readable JSON file holding one (a
+    fit's output); None for every other spec and for a file that is not one."""
     path = Path(text)
     if text in NAMED or "," in text or text.startswith(RECORDED) or not path.is_file():
-        return ClientPath()
+        return None
     try:
         obj = json.loads(path.read_text())
     except (OSError, ValueError):
-        return ClientPath()  # parse_cost says what is wrong with the file
-    terms = {}
-    for key in ("arrive_s", "publish_s"):
-        value = obj.get(key, 0.0) if isinstance(obj, dict) else 0.0
-        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < math.inf:
-            raise ValueError(f"{flag} {path}: {key} must be a finite number of seconds >= 0, got {value!r}")
-        terms[key] = float(value)
-    return ClientPath(**terms)
+        return None
+    return obj if isinstance(obj, dict) else None
 
 
 def residual_quantiles(text: str, flag: str = "--cost") -> tuple[float, ...]:
     """A fitted JSON file's `residual_quantiles_s` (stepwise simulate --fit-cost --json), for
     `--cost-jitter`; ValueError naming `flag` when `text` names no such file or the list is not
     finite non-decreasing numbers."""
-    path = Path(text)
-    obj = None
-    if text not in NAMED and "," not in text and not text.startswith(RECORDED) and path.is_file():
-        try:
-            obj = json.loads(path.read_text())
-        except (OSError, ValueError):
-            obj = None
-    values = obj.get("residual_quantiles_s") if isinstance(obj, dict) else None
+    obj = _cost_file(text)
+    values = obj.get("residual_quantiles_s") if obj is not None else None
     if not isinstance(values, list) or len(values) < 2:
         raise ValueError(
             f"--cost-jitter wants {flag} FILE from `stepwise simulate --fit-cost ... --json` "
             f"(its residual_quantiles_s), got {text!r}"
         )
     if not all(isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) for v in values):
-        raise ValueError(f"{flag} {path}: residual_quantiles_s must be finite numbers")
+        raise ValueError(f"{flag} {text}: residual_quantiles_s must be finite numbers")
     if any(b < a for a, b in itertools.pairwise(values)):
-        raise ValueError(f"{flag} {path}: residual_quantiles_s must not decrease")
+        raise ValueError(f"{flag} {text}: residual_quantiles_s must not decrease")
     return tuple(float(v) for v in values)
 
 
