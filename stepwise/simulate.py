@@ -506,12 +506,12 @@ def _no_quotas(table: TenantTable) -> None:
     is refused rather than run as if it set none."""
     entries = [("defaults", table.default), *((f"tenants.{n}", t) for n, t in table.tenants.items())]
     for where, entry in entries:
-        for name in ("max_concurrent_requests", "max_queued_requests", "token_rate"):
-            if getattr(entry, name):
-                raise ValueError(
-                    f"--tenants: {where}.{name}: quotas are simulated on one worker only (the fleet "
-                    "flags run the fleet simulation, which does not check them)"
-                )
+        if entry.limited:
+            raise ValueError(
+                f"--tenants: {where} sets a quota (max_concurrent_requests, max_queued_requests or "
+                "token_rate): quotas are simulated on one worker only (the fleet flags run the fleet "
+                "simulation, which does not check them)"
+            )
 
 
 def _sink(ns: argparse.Namespace, setup: SimSetup, emit: Callable[[StepLine], None]) -> Sink | None:
