@@ -222,14 +222,28 @@ async def test_a_recorded_session_with_migrations_replays_identically(
 ) -> None:
     """Both workers' recordings: each scheduler replay is identical; the worker replays are identical
     when run together (receives wait for the sends of the other recording), and one alone says
-    which transfer it lacks."""
+    which transfer it lacks.
+
+    Half the calls go to each worker (routing keys) and each runs 64 tokens, so each worker moves
+    calls out: CI once saw one worker get only calls that ended before their copies landed, so its
+    recording held the called-off pre-copies' receives on the other side but no Export of its own."""
     monkeypatch.setenv("STEPWISE_TEST_MIGRATE", "1")
     monkeypatch.setenv("STEPWISE_TEST_MIGRATE_INTERVAL", "3")
     rec_dir = tmp_path / "rec"
     stack = await start_stack(["--record", str(rec_dir)], [], workers=2)
     prompts, _ = _encode_all(model_dir)
-    await _greedy_all(stack.address, prompts, MAX_NEW)
-    assert sum(w.migrated_out for w in await _workers(stack.address)) > 0
+    names = ["worker-0", "worker-1"]
+    keys = [_key_for(name, names) for name in names]
+    progress = [0] * len(prompts)
+    async with StepwiseClient(stack.address) as client:
+        await asyncio.gather(
+            *(
+                _stream_greedy(client, ids, 64, progress, i, routing_key=keys[i % 2])
+                for i, ids in enumerate(prompts)
+            )
+        )
+    moved = {w.worker_id: w.migrated_out for w in await _workers(stack.address)}
+    assert all(moved.get(name, 0) > 0 for name in names), f"each worker was meant to move calls out: {moved}"
     paths = sorted(rec_dir.glob("*.0000.rec"))
     assert len(paths) == 2
     deadline = time.monotonic() + 20
