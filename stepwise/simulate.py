@@ -57,6 +57,7 @@ from flagtypes.table import SWITCH, Flag, Flags
 from protos.worker import SamplerParams, StepResult, WorkerLimits
 from stepwise import cost_fit, costs, flags
 from stepwise.costs import ClientPath
+from stepwise.jitter import Jitter
 from stepwise.tenant_summary import TenantLedger
 from stepwise.wire import step_through_wire
 
@@ -103,7 +104,7 @@ class SimSetup:
     # `arrive_s` after its arrival, and each token and finish is published `publish_s` after its step.
     client: ClientPath = dataclasses.field(default_factory=ClientPath)
     # `--cost-jitter`: quantiles (evenly spaced levels 0..1) of a fit's residuals; each step adds
-    # one draw (seeded by `seed`), its seconds kept >= 0.
+    # one draw (seeded by `seed`: stepwise/jitter.py), its seconds kept >= 0.
     jitter: tuple[float, ...] = ()
 
 
@@ -185,8 +186,7 @@ class Simulation:
         self.depth = OVERLAP_DEPTH if setup.overlap else 1
         self.clock = 0.0
         self.steps = 0
-        self.jitter_rng = np.random.default_rng(setup.seed)
-        self.jitter_levels = np.linspace(0.0, 1.0, len(setup.jitter))
+        self.jittered = Jitter(setup.jitter, setup.seed)
         config = setup.config
         self.tenants = TenantLedger(config, {r.params.tenant for r in trace})
         # The tenant file's quotas, the core's book over them (control_plane/tenants/book.py).
@@ -230,7 +230,7 @@ class Simulation:
         return True
 
     def _apply(self, result: StepResult) -> None:
-        self.clock += self._jittered(self._seconds(result))
+        self.clock += self.jittered(self._seconds(result))
         self.scheduler.apply_result(result)
         self.steps += 1
         self._collect()
@@ -243,19 +243,9 @@ class Simulation:
             raise RecordingTooShort(f"step {result.step_id} was not measured in the recording")
         return recorded[result.step_id]
 
-    def _jittered(self, seconds: float) -> float:
-        """The step's seconds plus a draw from the fit's residuals (--cost-jitter), at least 0."""
-        if not self.setup.jitter:
-            return seconds
-        draw = float(np.interp(self.jitter_rng.random(), self.jitter_levels, self.setup.jitter))
-        return max(0.0, seconds + draw)
-
-    def _reaches_scheduler(self, request: TraceRequest) -> float:
-        return request.arrival + self.setup.client.arrive_s
-
     def _due(self, request: TraceRequest) -> bool:
         if self.arrival_steps is None:
-            return self._reaches_scheduler(request) <= self.clock
+            return self.setup.client.reaches(request.arrival) <= self.clock
         step, now = self.arrival_steps[request.rid], self.scheduler.step_id
         return step < now or (step == now and (request.rid not in self.after_idle or self.idled_at == now))
 
@@ -266,7 +256,7 @@ class Simulation:
             self.idled_at = self.scheduler.step_id
         if self.pending:
             if self.arrival_steps is None:
-                self.clock = max(self.clock, self._reaches_scheduler(self.pending[0]))
+                self.clock = max(self.clock, self.setup.client.reaches(self.pending[0].arrival))
             elif not self._due(self.pending[0]):  # by step, the next arrival must be due now
                 rid, step = self.pending[0].rid, self.scheduler.step_id
                 raise SimulationStuck(
@@ -323,7 +313,7 @@ class Simulation:
     def _collect(self) -> None:
         updates = self.scheduler.take_updates()
         uids, counts = np.unique(updates.tokens.uids, return_counts=True)
-        published = self.clock + self.setup.client.publish_s
+        published = self.setup.client.published(self.clock)
         for uid, count in zip(uids.tolist(), counts.tolist(), strict=True):
             progress = self.by_uid[uid]
             if progress.first_token is None:
@@ -540,10 +530,6 @@ def main(argv: Sequence[str]) -> int:
         fleet = twin_cli.setup_from_args(ns, setup, events) if twin_cli.wanted(ns, events) else None
         if fleet is not None and setup.tenants is not None:
             _no_quotas(setup.tenants)
-        if fleet is not None and (setup.jitter or setup.client != ClientPath()):
-            raise ValueError(
-                "--cost-jitter and a fitted client path time one worker: not with the fleet's flags"
-            )
     except (OSError, ValueError) as exc:
         print(f"stepwise simulate: {exc}", file=sys.stderr)
         return 2

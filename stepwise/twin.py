@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 
@@ -45,6 +46,7 @@ from control_plane.request import Request, RequestParams
 from control_plane.scheduler.scheduler import QueueFull, RequestRejected, Scheduler
 from data_plane.sim import CostModel, SimExecutor
 from protos.worker import StepPlan, StepResult, WorkerLimits
+from stepwise.jitter import Jitter
 from stepwise.simulate import (
     OVERLAP_DEPTH,
     TRACE_ABORT,
@@ -56,6 +58,7 @@ from stepwise.simulate import (
 )
 from stepwise.wire import step_through_wire
 
+T = TypeVar("T")
 ROLES = ("prefill", "decode", "mixed")
 ROLE_ALIASES = {"p": "prefill", "d": "decode", "m": "mixed", **{r: r for r in ROLES}}
 EVENT_KINDS = ("kill", "drain", "add")
@@ -91,6 +94,10 @@ class TwinSetup:
     link_gbps: float = DEFAULT_LINK_GBPS
     # The cost of a worker an `add` event attaches, by role (default: the base cost).
     role_costs: dict[str, CostModel] = field(default_factory=dict)
+    # `--cost-jitter`: each initial worker's residual quantiles (its cost file's; empty: none), and
+    # an added worker's by role (default: the base's). Each worker draws with its own generator.
+    jitters: tuple[tuple[float, ...], ...] = ()
+    role_jitters: dict[str, tuple[float, ...]] = field(default_factory=dict)
     slo_ttft_s: float | None = None
     slo_tpot_s: float | None = None
     # Plans and results through the worker codec (encoded, serialised, parsed, decoded) as between
@@ -187,12 +194,13 @@ def parse_roles(text: str, workers: int | None) -> tuple[str, ...]:
 
 
 def parse_worker_costs(
-    text: str, roles: Sequence[str], default: CostModel, parse: Callable[[str], CostModel]
-) -> tuple[tuple[CostModel, ...], dict[str, CostModel]]:
-    """`WHO=COST;WHO=COST`, WHO a worker index or a role, COST what --cost takes. An index wins
-    over a role; the rest get --cost. Returns each worker's cost and the costs by role."""
-    by_index: dict[int, CostModel] = {}
-    by_role: dict[str, CostModel] = {}
+    text: str, roles: Sequence[str], default: T, parse: Callable[[str], T]
+) -> tuple[tuple[T, ...], dict[str, T]]:
+    """`WHO=COST;WHO=COST`, WHO a worker index or a role, COST what --cost takes, read by `parse`
+    (the step model, or a fitted file's residuals). An index wins over a role; the rest get
+    `default` (--cost's). Returns each worker's and the ones by role."""
+    by_index: dict[int, T] = {}
+    by_role: dict[str, T] = {}
     for part in filter(None, (p.strip() for p in text.split(";"))):
         who, eq, spec = part.partition("=")
         if not eq or not spec:
@@ -267,8 +275,11 @@ class _Transit:
 class SimWorker:
     """One worker as the fleet sees it (control_plane/core/fleet/member.py's Member)."""
 
-    def __init__(self, index: int, limits: WorkerLimits, scheduler: Scheduler, executor: SimExecutor) -> None:
+    def __init__(
+        self, index: int, limits: WorkerLimits, scheduler: Scheduler, executor: SimExecutor, jitter: Jitter
+    ) -> None:
         self.index = index
+        self.jitter = jitter
         self._limits = limits
         self._scheduler = scheduler
         self.executor = executor
@@ -416,10 +427,11 @@ class Twin:
         self.end = 0.0
         # (time, queued, running) samples for --plot, one per step of any worker at most every 1 s.
         self.load_samples: list[tuple[float, int, int]] = []
-        for role, cost in zip(setup.roles, setup.costs, strict=True):
-            self._attach(role, cost)
+        jitters = setup.jitters or (setup.base.jitter,) * len(setup.roles)
+        for role, cost, quantiles in zip(setup.roles, setup.costs, jitters, strict=True):
+            self._attach(role, cost, quantiles)
         for req in trace:
-            self._at(req.arrival, _ARRIVAL, partial(self._arrive, req))
+            self._at(setup.base.client.reaches(req.arrival), _ARRIVAL, partial(self._arrive, req))
             if req.abort_at is not None:
                 self._at(req.abort_at, _ABORT, partial(self._abort, req.rid))
         for event in setup.events:
@@ -444,7 +456,7 @@ class Twin:
 
     # --- workers joining and leaving
 
-    def _attach(self, role: str, cost: CostModel) -> SimWorker:
+    def _attach(self, role: str, cost: CostModel, quantiles: Sequence[float]) -> SimWorker:
         base = self.setup.base
         index = len(self.workers)
         limits = base.limits
@@ -464,7 +476,7 @@ class Twin:
         scheduler = self._new_scheduler(index, limits)
         eos = min(limits.eos_token_ids)
         executor = SimExecutor(limits.kv_capacity_tokens, limits.vocab_size, eos, cost, base.seed)
-        worker = SimWorker(index, limits, scheduler, executor)
+        worker = SimWorker(index, limits, scheduler, executor, Jitter(quantiles, base.seed, index))
         worker.clock = worker.attached = self.now
         self.workers.append(worker)
         self.router.attach(worker)
@@ -478,8 +490,9 @@ class Twin:
 
     def _fleet_event(self, event: FleetEvent) -> None:
         if event.kind == "add":
-            cost = self.setup.role_costs.get(event.role, self.setup.base.cost)
-            self._attach(event.role, cost)
+            setup = self.setup
+            cost = setup.role_costs.get(event.role, setup.base.cost)
+            self._attach(event.role, cost, setup.role_jitters.get(event.role, setup.base.jitter))
             return
         worker = self.workers[event.worker]
         if not worker.alive:
@@ -691,7 +704,7 @@ class Twin:
         return worker.executor.execute(plan)
 
     def _apply(self, worker: SimWorker, result: StepResult) -> None:
-        seconds = self._step_seconds(worker, result)
+        seconds = worker.jitter(self._step_seconds(worker, result))
         worker.clock += seconds
         worker.busy_s += seconds
         self.end = max(self.end, worker.clock)
@@ -726,18 +739,19 @@ class Twin:
         if updates.empty:  # asked twice a turn, mostly for nothing
             return
         by_uid = self.by_uid
+        published = self.setup.base.client.published(worker.clock)
         for uid in updates.tokens.uids.tolist():  # a few per step: plain ints beat np.unique
             progress = by_uid[uid]
             if progress.owner is not worker:
                 continue
             if progress.first_token is None:
-                progress.first_token = worker.clock
+                progress.first_token = published
             progress.output_tokens += 1
         for finished in updates.finished:
             progress = self.progress[finished.rid]
             if progress.owner is not worker:
                 continue
-            progress.finished, progress.reason = worker.clock, finished.reason.kind.value
+            progress.finished, progress.reason = published, finished.reason.kind.value
             if not progress.moved:
                 progress.cached_tokens = finished.cached_tokens
 
