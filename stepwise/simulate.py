@@ -131,6 +131,19 @@ def load_trace(path: Path, vocab_size: int) -> list[TraceRequest]:
     return [to_request(entry) for entry in client_traces.load_trace(path, vocab_size)]
 
 
+def about_tenants(setup: SimSetup, trace: Sequence[TraceRequest]) -> bool:
+    """Whether the summary carries the tenant figures: anything in the run is about tenants or
+    objectives (the single-worker and fleet simulators alike)."""
+    config = setup.config
+    return bool(
+        setup.tenants is not None
+        or config.fairness != "none"
+        or config.tenant_weights
+        or config.tenant_slos
+        or any(r.params.tenant or r.params.ttft_slo_ms or r.params.tpot_slo_ms for r in trace)
+    )
+
+
 # --- the loop -------------------------------------------------------------------------------------
 
 
@@ -187,18 +200,10 @@ class Simulation:
         self.clock = 0.0
         self.steps = 0
         self.jittered = Jitter(setup.jitter, setup.seed)
-        config = setup.config
-        self.tenants = TenantLedger(config, {r.params.tenant for r in trace})
+        self.tenants = TenantLedger(setup.config, {r.params.tenant for r in trace})
         # The tenant file's quotas, the core's book over them (control_plane/tenants/book.py).
         self.quotas = TenantBook.of(setup.tenants) if setup.tenants is not None else None
-        # The summary's tenant figures, when anything is about tenants or objectives.
-        self.by_tenant = bool(
-            setup.tenants is not None
-            or config.fairness != "none"
-            or config.tenant_weights
-            or config.tenant_slos
-            or any(r.params.tenant or r.params.ttft_slo_ms or r.params.tpot_slo_ms for r in trace)
-        )
+        self.by_tenant = about_tenants(setup, trace)
         self.rid_of_uid: dict[int, str] = {}
         self.uid_of_rid: dict[str, int] = {}
 
@@ -491,19 +496,6 @@ def setup_from_args(ns: argparse.Namespace) -> SimSetup:
     return SimSetup(config, limits, cost, ns.sim_seed, overlap, recorded, table, client, jitter)
 
 
-def _no_quotas(table: TenantTable) -> None:
-    """The fleet simulation (stepwise/twin.py) has no core to check quotas at: a file that sets any
-    is refused rather than run as if it set none."""
-    entries = [("defaults", table.default), *((f"tenants.{n}", t) for n, t in table.tenants.items())]
-    for where, entry in entries:
-        if entry.limited:
-            raise ValueError(
-                f"--tenants: {where} sets a quota (max_concurrent_requests, max_queued_requests or "
-                "token_rate): quotas are simulated on one worker only (the fleet flags run the fleet "
-                "simulation, which does not check them)"
-            )
-
-
 def _sink(ns: argparse.Namespace, setup: SimSetup, emit: Callable[[StepLine], None]) -> Sink | None:
     sinks: list[Sink] = []
     # The recording first: a closed stdout (the timeline's) must not keep it from being closed.
@@ -528,8 +520,6 @@ def main(argv: Sequence[str]) -> int:
         trace = traces.read_trace(ns, setup.limits.vocab_size)
         events = twin_cli.trace_events(ns)
         fleet = twin_cli.setup_from_args(ns, setup, events) if twin_cli.wanted(ns, events) else None
-        if fleet is not None and setup.tenants is not None:
-            _no_quotas(setup.tenants)
     except (OSError, ValueError) as exc:
         print(f"stepwise simulate: {exc}", file=sys.stderr)
         return 2

@@ -44,6 +44,7 @@ from control_plane.core.migration import MIGRATED
 from control_plane.record.recorder import RecordingScheduler, Sink
 from control_plane.request import Request, RequestParams
 from control_plane.scheduler.scheduler import QueueFull, RequestRejected, Scheduler
+from control_plane.tenants.book import TenantBook
 from data_plane.sim import CostModel, SimExecutor
 from protos.worker import StepPlan, StepResult, WorkerLimits
 from stepwise.jitter import Jitter
@@ -54,8 +55,10 @@ from stepwise.simulate import (
     SimulationStuck,
     TraceError,
     TraceRequest,
+    about_tenants,
     summarize,
 )
+from stepwise.tenant_summary import TenantLedger
 from stepwise.wire import step_through_wire
 
 T = TypeVar("T")
@@ -427,6 +430,12 @@ class Twin:
         self.end = 0.0
         # (time, queued, running) samples for --plot, one per step of any worker at most every 1 s.
         self.load_samples: list[tuple[float, int, int]] = []
+        base = setup.base
+        # The tenants' service (when the run is about tenants), and the tenant file's quotas: the
+        # control plane's book, one over the whole fleet as a live control plane has.
+        ledger = TenantLedger(base.config, {r.params.tenant for r in trace})
+        self.tenants = ledger if about_tenants(base, trace) else None
+        self.quotas = TenantBook.of(base.tenants) if base.tenants is not None else None
         jitters = setup.jitters or (setup.base.jitter,) * len(setup.roles)
         for role, cost, quantiles in zip(setup.roles, setup.costs, jitters, strict=True):
             self._attach(role, cost, quantiles)
@@ -542,7 +551,7 @@ class Twin:
             progress = self.progress[item.rid]
             if heir is None:
                 progress.owner = None
-                progress.finished, progress.reason = worker.clock, "abort"
+                self._end(progress, worker.clock, "abort")
                 continue
             self.handed_over += 1
             self.recomputed_tokens += len(item.input_ids) if progress.admitted is not None else 0
@@ -599,12 +608,22 @@ class Twin:
     # --- requests arriving
 
     def _arrive(self, req: TraceRequest) -> None:
+        """The request reaches the control plane's core: its quota is checked (the core's book, on
+        the simulated clock), then the router picks its worker."""
         progress = _Progress(req.rid, req.arrival, len(req.input_ids), len(self.progress) + 1)
         self.progress[req.rid] = progress
         self.by_uid[progress.uid] = progress
+        p = req.params
+        if self.tenants is not None:
+            self.tenants.arrived(req.rid, p.tenant, p.ttft_slo_ms, p.tpot_slo_ms)
+        if self.quotas is not None:
+            refusal = self.quotas.arrive(p.tenant, (progress.uid,), len(req.input_ids), self.now)
+            if refusal is not None:
+                self._end(progress, self.now, f"refused: {refusal.field}")
+                return
         worker = self._route(req)
         if worker is None:
-            progress.finished, progress.reason = self.now, "refused: no worker"
+            self._refuse(progress, self.now, "no worker")
             return
         progress.owner = worker
         worker.arrivals.append(req)
@@ -638,8 +657,10 @@ class Twin:
             try:
                 sched.add_request(req.rid, req.input_ids, req.params, progress.uid)
             except (QueueFull, RequestRejected, ValueError) as exc:
-                progress.finished, progress.reason = worker.clock, f"refused: {type(exc).__name__}"
+                self._refuse(progress, worker.clock, type(exc).__name__)
                 continue
+            if self.quotas is not None:
+                self.quotas.accepted(progress.uid)
             progress.workers.append(worker.worker)
             worker.queued[req.rid] = worker.clock
         worker.arrivals = []
@@ -651,7 +672,7 @@ class Twin:
             try:
                 sched.add_request(orphan.rid, orphan.input_ids, orphan.params, progress.uid)
             except (QueueFull, RequestRejected, ValueError) as exc:
-                progress.finished, progress.reason = worker.clock, f"refused: {type(exc).__name__}"
+                self._refuse(progress, worker.clock, type(exc).__name__)
                 continue
             progress.workers.append(worker.worker)
             if progress.aborted:
@@ -660,6 +681,22 @@ class Twin:
         for rid in worker.aborts:
             sched.abort(rid, TRACE_ABORT)
         worker.aborts = []
+
+    def _refuse(self, progress: _Progress, when: float, why: str) -> None:
+        """Refused after its quota check passed (no worker, or its scheduler refused it): as the
+        core's book has it, counted as rejected and its prompt back in the tenant's bucket."""
+        if self.quotas is not None:
+            self.quotas.refused(progress.uid, why)
+        self._end(progress, when, f"refused: {why}")
+
+    def _end(self, progress: _Progress, when: float, reason: str) -> None:
+        """The request ended (finished, aborted or refused), wherever it ran: its tenant's
+        concurrency is released."""
+        if self.tenants is not None and progress.first_token is None and progress.finished is None:
+            self.tenants.answered(progress.rid)
+        progress.finished, progress.reason = when, reason
+        if self.quotas is not None:
+            self.quotas.ended(progress.uid)
 
     # --- a worker's turn: the single-worker simulator's step
 
@@ -676,6 +713,8 @@ class Twin:
             return
         sched = worker.scheduler
         plan = sched.next_plan()
+        if plan is not None and (self.tenants is not None or self.quotas is not None):
+            self._planned(worker, plan)
         if worker.queued:
             self._admitted(worker)
         if worker.spill_to is not None and sched.emigrants:
@@ -726,6 +765,15 @@ class Twin:
         del worker
         return result.forward_s
 
+    def _planned(self, worker: SimWorker, plan: StepPlan) -> None:
+        """The tenants' service and quotas: the plan's prompt tokens, and its first prefills no longer
+        queued."""
+        if self.tenants is not None:
+            self.tenants.planned(plan, worker.clock, worker.worker)
+        if self.quotas is not None:
+            for seq in plan.new_seqs:
+                self.quotas.admitted(self.progress[seq.request_id].uid)
+
     def _admitted(self, worker: SimWorker) -> None:
         waiting = {r.rid for r in worker.scheduler.waiting}
         for rid in [rid for rid in worker.queued if rid not in waiting]:
@@ -740,18 +788,27 @@ class Twin:
             return
         by_uid = self.by_uid
         published = self.setup.base.client.published(worker.clock)
+        tenants = self.tenants
+        served = []
         for uid in updates.tokens.uids.tolist():  # a few per step: plain ints beat np.unique
             progress = by_uid[uid]
             if progress.owner is not worker:
                 continue
             if progress.first_token is None:
                 progress.first_token = published
+                if tenants is not None:
+                    tenants.answered(progress.rid)
             progress.output_tokens += 1
+            if tenants is not None:
+                tenants.output(progress.rid, 1, worker.clock)
+            served.append(uid)
+        if self.quotas is not None:
+            self.quotas.tokens(served, worker.clock)
         for finished in updates.finished:
             progress = self.progress[finished.rid]
             if progress.owner is not worker:
                 continue
-            progress.finished, progress.reason = published, finished.reason.kind.value
+            self._end(progress, published, finished.reason.kind.value)
             if not progress.moved:
                 progress.cached_tokens = finished.cached_tokens
 
@@ -822,7 +879,7 @@ class Twin:
         progress.owner = None
         self.migrations[reason] += 1
         if destination is None:
-            progress.finished, progress.reason = worker.clock, "abort"
+            self._end(progress, worker.clock, "abort")
             return
         nbytes = len(tokens) * self.setup.kv_bytes_per_token
         self.migrated_bytes += nbytes
@@ -843,8 +900,7 @@ class Twin:
             self.migration_fallbacks += 1
             heir = self.router.successor(destination if source.alive else source)
             if heir is None:
-                progress = self.progress[orphan.rid]
-                progress.finished, progress.reason = self.now, "abort"
+                self._end(self.progress[orphan.rid], self.now, "abort")
                 return
             self.recomputed_tokens += len(orphan.input_ids)
             self._adopt(heir, _Orphan(orphan.rid, orphan.input_ids, orphan.params), None)
@@ -857,7 +913,10 @@ class Twin:
     def summary(self) -> dict[str, object]:
         """The single-worker simulator's summary, over the whole fleet."""
         retractions = sum(w.scheduler.num_retracted_total for w in self.workers)
-        return summarize(self.progress.values(), self.steps, self.end, retractions)
+        summary = summarize(self.progress.values(), self.steps, self.end, retractions)
+        if self.tenants is not None:
+            summary.update(self.tenants.summary(self.progress, self.end))
+        return summary
 
 
 def _ids(input_ids: Sequence[int]) -> np.ndarray:
