@@ -442,7 +442,8 @@ _OUTPUT_FLAGS = Flags(
             "--cost-jitter",
             SWITCH,
             help="with --cost FILE from --fit-cost --json: add to each step a draw from the fit's residuals "
-            "(measured less modelled seconds), so the simulated tail carries the recorded run's stalls",
+            "(measured less modelled seconds), so the simulated tail carries the recorded run's stalls; on a "
+            "fleet each worker draws its own, from its --worker-cost FILE's residuals where it has one",
         ),
         Flag("--json", SWITCH, help="one JSON object per step, then {'summary': ...}"),
         Flag("--summary-only", SWITCH, help="print the summary only (no timeline)"),

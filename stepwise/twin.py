@@ -789,8 +789,8 @@ class Twin:
         by_uid = self.by_uid
         published = self.setup.base.client.published(worker.clock)
         tenants = self.tenants
-        served = []
-        for uid in updates.tokens.uids.tolist():  # a few per step: plain ints beat np.unique
+        uids = updates.tokens.uids.tolist()
+        for uid in uids:  # a few per step: plain ints beat np.unique
             progress = by_uid[uid]
             if progress.owner is not worker:
                 continue
@@ -801,9 +801,8 @@ class Twin:
             progress.output_tokens += 1
             if tenants is not None:
                 tenants.output(progress.rid, 1, worker.clock)
-            served.append(uid)
         if self.quotas is not None:
-            self.quotas.tokens(served, worker.clock)
+            self.quotas.tokens([uid for uid in uids if by_uid[uid].owner is worker], worker.clock)
         for finished in updates.finished:
             progress = self.progress[finished.rid]
             if progress.owner is not worker:
