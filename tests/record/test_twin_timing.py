@@ -62,11 +62,17 @@ def _fleet(
 def test_a_jittered_fleet_prints_the_same_bytes_twice(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    cost = _cost(tmp_path, "fit", residual_quantiles_s=SPREAD)
+    """Jitter, a client path, quotas (the trace's requests are the default tenant's) and a kill:
+    two runs print the same bytes, per-request rows included; another seed draws otherwise."""
+    cost = _cost(tmp_path, "fit", residual_quantiles_s=SPREAD, arrive_s=ARRIVE, publish_s=PUBLISH)
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text("[defaults]\nmax_concurrent_requests = 6\n")
     flags = ("--workers", "3", "--cost", str(cost), "--cost-jitter", "--event", "kill:1@0.3")
+    flags += ("--tenants", str(tenants))
     first = _fleet(tmp_path, capsys, _requests(), *flags)
     second = _fleet(tmp_path, capsys, _requests(), *flags)
     assert first == second
+    assert any(r["finish"] == "refused: max_concurrent_requests" for r in first[1].values())
     other_seed = _fleet(tmp_path, capsys, _requests(), *flags, "--sim-seed", "5")
     assert other_seed[0] != first[0]
 
@@ -124,6 +130,13 @@ def test_each_worker_draws_its_own_cost_files_residuals(
     flags = ("--workers", "2", "--routing-policy", "least-loaded", "--cost", str(base))
     _, plain = _fleet(tmp_path, capsys, requests, *flags)
     _, jittered = _fleet(tmp_path, capsys, requests, *flags, "--worker-cost", f"1={slow}", "--cost-jitter")
+    assert jittered["a"]["workers"] == ["0"] and jittered["b"]["workers"] == ["1"]
+    assert jittered["a"]["ttft_s"] == plain["a"]["ttft_s"]
+    assert jittered["b"]["ttft_s"] - plain["b"]["ttft_s"] == pytest.approx(0.01, abs=1e-6)
+    # A worker an `add` event attaches draws from its role's cost (worker 0's index wins over it).
+    added = ("--workers", "1", "--event", "add@0", "--worker-cost", f"0={base};mixed={slow}")
+    _, plain = _fleet(tmp_path, capsys, requests, *added, *flags[2:])
+    _, jittered = _fleet(tmp_path, capsys, requests, *added, *flags[2:], "--cost-jitter")
     assert jittered["a"]["workers"] == ["0"] and jittered["b"]["workers"] == ["1"]
     assert jittered["a"]["ttft_s"] == plain["a"]["ttft_s"]
     assert jittered["b"]["ttft_s"] - plain["b"]["ttft_s"] == pytest.approx(0.01, abs=1e-6)
