@@ -9,7 +9,11 @@ aborts, plan, apply the oldest result of `depth` in flight) run as an event at t
 a move finishes its call at the source (Scheduler.export) and lands after the copy's time on the
 link (bytes / --link-gbps) as a KV import plus the continuation (Scheduler.import_kv, add_request).
 Deterministic: events at one instant run in a fixed order (fleet events, arrivals, aborts,
-landings, worker turns), then in the order they were made.
+landings, worker turns), then in the order they were made. As in the single-worker simulator, a
+fitted cost's client path delays each arrival (`arrive_s`) and each publication (`publish_s`),
+`--cost-jitter` adds a draw to each step (stepwise/jitter.py: each worker its own generator), and a
+tenant file's quotas are the core's book (control_plane/tenants/book.py), one over the fleet,
+checked at each arrival before the router picks a worker.
 
 Events (`--event KIND:WORKER@SECONDS`, or trace lines `{"event": KIND, "worker": W, "at": T}`):
 `kill` (the worker is lost at its first step boundary at or after T: plans in flight are lost, its
@@ -436,11 +440,11 @@ class Twin:
         ledger = TenantLedger(base.config, {r.params.tenant for r in trace})
         self.tenants = ledger if about_tenants(base, trace) else None
         self.quotas = TenantBook.of(base.tenants) if base.tenants is not None else None
-        jitters = setup.jitters or (setup.base.jitter,) * len(setup.roles)
+        jitters = setup.jitters or (base.jitter,) * len(setup.roles)
         for role, cost, quantiles in zip(setup.roles, setup.costs, jitters, strict=True):
             self._attach(role, cost, quantiles)
         for req in trace:
-            self._at(setup.base.client.reaches(req.arrival), _ARRIVAL, partial(self._arrive, req))
+            self._at(base.client.reaches(req.arrival), _ARRIVAL, partial(self._arrive, req))
             if req.abort_at is not None:
                 self._at(req.abort_at, _ABORT, partial(self._abort, req.rid))
         for event in setup.events:
