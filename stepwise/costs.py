@@ -89,6 +89,14 @@ class ClientPath:
     arrive_s: float = 0.0
     publish_s: float = 0.0
 
+    def reaches(self, arrival: float) -> float:
+        """When a request that arrived at `arrival` reaches the scheduler (and the fleet's router)."""
+        return arrival + self.arrive_s
+
+    def published(self, applied: float) -> float:
+        """When the tokens and finishes of a result applied at `applied` are published."""
+        return applied + self.publish_s
+
 
 def client_path(text: str, flag: str = "--cost") -> ClientPath:
     """The client path's terms of the cost spec `text`: a JSON file's `arrive_s` and `publish_s`

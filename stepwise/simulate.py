@@ -57,6 +57,7 @@ from flagtypes.table import SWITCH, Flag, Flags
 from protos.worker import SamplerParams, StepResult, WorkerLimits
 from stepwise import cost_fit, costs, flags
 from stepwise.costs import ClientPath
+from stepwise.jitter import Jitter
 from stepwise.tenant_summary import TenantLedger
 from stepwise.wire import step_through_wire
 
@@ -103,7 +104,7 @@ class SimSetup:
     # `arrive_s` after its arrival, and each token and finish is published `publish_s` after its step.
     client: ClientPath = dataclasses.field(default_factory=ClientPath)
     # `--cost-jitter`: quantiles (evenly spaced levels 0..1) of a fit's residuals; each step adds
-    # one draw (seeded by `seed`), its seconds kept >= 0.
+    # one draw (seeded by `seed`: stepwise/jitter.py), its seconds kept >= 0.
     jitter: tuple[float, ...] = ()
 
 
@@ -128,6 +129,19 @@ def to_request(entry: TraceEntry) -> TraceRequest:
 
 def load_trace(path: Path, vocab_size: int) -> list[TraceRequest]:
     return [to_request(entry) for entry in client_traces.load_trace(path, vocab_size)]
+
+
+def about_tenants(setup: SimSetup, trace: Sequence[TraceRequest]) -> bool:
+    """Whether the summary carries the tenant figures: anything in the run is about tenants or
+    objectives (the single-worker and fleet simulators alike)."""
+    config = setup.config
+    return bool(
+        setup.tenants is not None
+        or config.fairness != "none"
+        or config.tenant_weights
+        or config.tenant_slos
+        or any(r.params.tenant or r.params.ttft_slo_ms or r.params.tpot_slo_ms for r in trace)
+    )
 
 
 # --- the loop -------------------------------------------------------------------------------------
@@ -185,20 +199,11 @@ class Simulation:
         self.depth = OVERLAP_DEPTH if setup.overlap else 1
         self.clock = 0.0
         self.steps = 0
-        self.jitter_rng = np.random.default_rng(setup.seed)
-        self.jitter_levels = np.linspace(0.0, 1.0, len(setup.jitter))
-        config = setup.config
-        self.tenants = TenantLedger(config, {r.params.tenant for r in trace})
+        self.jittered = Jitter(setup.jitter, setup.seed)
+        self.tenants = TenantLedger(setup.config, {r.params.tenant for r in trace})
         # The tenant file's quotas, the core's book over them (control_plane/tenants/book.py).
         self.quotas = TenantBook.of(setup.tenants) if setup.tenants is not None else None
-        # The summary's tenant figures, when anything is about tenants or objectives.
-        self.by_tenant = bool(
-            setup.tenants is not None
-            or config.fairness != "none"
-            or config.tenant_weights
-            or config.tenant_slos
-            or any(r.params.tenant or r.params.ttft_slo_ms or r.params.tpot_slo_ms for r in trace)
-        )
+        self.by_tenant = about_tenants(setup, trace)
         self.rid_of_uid: dict[int, str] = {}
         self.uid_of_rid: dict[str, int] = {}
 
@@ -230,7 +235,7 @@ class Simulation:
         return True
 
     def _apply(self, result: StepResult) -> None:
-        self.clock += self._jittered(self._seconds(result))
+        self.clock += self.jittered(self._seconds(result))
         self.scheduler.apply_result(result)
         self.steps += 1
         self._collect()
@@ -243,19 +248,9 @@ class Simulation:
             raise RecordingTooShort(f"step {result.step_id} was not measured in the recording")
         return recorded[result.step_id]
 
-    def _jittered(self, seconds: float) -> float:
-        """The step's seconds plus a draw from the fit's residuals (--cost-jitter), at least 0."""
-        if not self.setup.jitter:
-            return seconds
-        draw = float(np.interp(self.jitter_rng.random(), self.jitter_levels, self.setup.jitter))
-        return max(0.0, seconds + draw)
-
-    def _reaches_scheduler(self, request: TraceRequest) -> float:
-        return request.arrival + self.setup.client.arrive_s
-
     def _due(self, request: TraceRequest) -> bool:
         if self.arrival_steps is None:
-            return self._reaches_scheduler(request) <= self.clock
+            return self.setup.client.reaches(request.arrival) <= self.clock
         step, now = self.arrival_steps[request.rid], self.scheduler.step_id
         return step < now or (step == now and (request.rid not in self.after_idle or self.idled_at == now))
 
@@ -266,7 +261,7 @@ class Simulation:
             self.idled_at = self.scheduler.step_id
         if self.pending:
             if self.arrival_steps is None:
-                self.clock = max(self.clock, self._reaches_scheduler(self.pending[0]))
+                self.clock = max(self.clock, self.setup.client.reaches(self.pending[0].arrival))
             elif not self._due(self.pending[0]):  # by step, the next arrival must be due now
                 rid, step = self.pending[0].rid, self.scheduler.step_id
                 raise SimulationStuck(
@@ -323,7 +318,7 @@ class Simulation:
     def _collect(self) -> None:
         updates = self.scheduler.take_updates()
         uids, counts = np.unique(updates.tokens.uids, return_counts=True)
-        published = self.clock + self.setup.client.publish_s
+        published = self.setup.client.published(self.clock)
         for uid, count in zip(uids.tolist(), counts.tolist(), strict=True):
             progress = self.by_uid[uid]
             if progress.first_token is None:
@@ -447,7 +442,8 @@ _OUTPUT_FLAGS = Flags(
             "--cost-jitter",
             SWITCH,
             help="with --cost FILE from --fit-cost --json: add to each step a draw from the fit's residuals "
-            "(measured less modelled seconds), so the simulated tail carries the recorded run's stalls",
+            "(measured less modelled seconds), so the simulated tail carries the recorded run's stalls; on a "
+            "fleet each worker draws its own, from its --worker-cost FILE's residuals where it has one",
         ),
         Flag("--json", SWITCH, help="one JSON object per step, then {'summary': ...}"),
         Flag("--summary-only", SWITCH, help="print the summary only (no timeline)"),
@@ -501,19 +497,6 @@ def setup_from_args(ns: argparse.Namespace) -> SimSetup:
     return SimSetup(config, limits, cost, ns.sim_seed, overlap, recorded, table, client, jitter)
 
 
-def _no_quotas(table: TenantTable) -> None:
-    """The fleet simulation (stepwise/twin.py) has no core to check quotas at: a file that sets any
-    is refused rather than run as if it set none."""
-    entries = [("defaults", table.default), *((f"tenants.{n}", t) for n, t in table.tenants.items())]
-    for where, entry in entries:
-        if entry.limited:
-            raise ValueError(
-                f"--tenants: {where} sets a quota (max_concurrent_requests, max_queued_requests or "
-                "token_rate): quotas are simulated on one worker only (the fleet flags run the fleet "
-                "simulation, which does not check them)"
-            )
-
-
 def _sink(ns: argparse.Namespace, setup: SimSetup, emit: Callable[[StepLine], None]) -> Sink | None:
     sinks: list[Sink] = []
     # The recording first: a closed stdout (the timeline's) must not keep it from being closed.
@@ -538,12 +521,6 @@ def main(argv: Sequence[str]) -> int:
         trace = traces.read_trace(ns, setup.limits.vocab_size)
         events = twin_cli.trace_events(ns)
         fleet = twin_cli.setup_from_args(ns, setup, events) if twin_cli.wanted(ns, events) else None
-        if fleet is not None and setup.tenants is not None:
-            _no_quotas(setup.tenants)
-        if fleet is not None and (setup.jitter or setup.client != ClientPath()):
-            raise ValueError(
-                "--cost-jitter and a fitted client path time one worker: not with the fleet's flags"
-            )
     except (OSError, ValueError) as exc:
         print(f"stepwise simulate: {exc}", file=sys.stderr)
         return 2

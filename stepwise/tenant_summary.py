@@ -40,7 +40,8 @@ class TenantLedger:
     def __init__(self, config: SchedulerConfig, tenants: Collection[str]) -> None:
         self.config = config
         self.requests: dict[str, TenantRequest] = {}
-        self._tenant_of_handle: dict[int, str] = {}
+        # (worker, handle) -> tenant: each worker of a fleet numbers its handles on its own.
+        self._tenant_of_handle: dict[tuple[str, int], str] = {}
         # (clock, tenant, weighted tokens), in clock order.
         self.service: list[tuple[float, str, float]] = []
         # Every tenant of the trace; requests of each that arrived and have no first token yet.
@@ -71,14 +72,15 @@ class TenantLedger:
         if len(self.unanswered) == len(self.tenants):
             self.backlogged_service[tenant] += amount
 
-    def planned(self, plan: StepPlan, clock: float) -> None:
+    def planned(self, plan: StepPlan, clock: float, worker: str = "") -> None:
+        """A plan `worker` made (a fleet's worker id; one worker: "")."""
         for seq in plan.new_seqs:
             if seq.request_id in self.requests:
-                self._tenant_of_handle[seq.handle] = self.requests[seq.request_id].tenant
+                self._tenant_of_handle[worker, seq.handle] = self.requests[seq.request_id].tenant
         extends = plan.extends
         weight = self.config.fairness_prompt_weight
         for handle, n in zip(extends.handles.tolist(), extends.lens.tolist(), strict=True):
-            tenant = self._tenant_of_handle.get(handle)
+            tenant = self._tenant_of_handle.get((worker, handle))
             if tenant is not None:
                 self._serve(clock, tenant, weight * n)
 

@@ -9,7 +9,11 @@ aborts, plan, apply the oldest result of `depth` in flight) run as an event at t
 a move finishes its call at the source (Scheduler.export) and lands after the copy's time on the
 link (bytes / --link-gbps) as a KV import plus the continuation (Scheduler.import_kv, add_request).
 Deterministic: events at one instant run in a fixed order (fleet events, arrivals, aborts,
-landings, worker turns), then in the order they were made.
+landings, worker turns), then in the order they were made. As in the single-worker simulator, a
+fitted cost's client path delays each arrival (`arrive_s`) and each publication (`publish_s`),
+`--cost-jitter` adds a draw to each step (stepwise/jitter.py: each worker its own generator), and a
+tenant file's quotas are the core's book (control_plane/tenants/book.py), one over the fleet,
+checked at each arrival before the router picks a worker.
 
 Events (`--event KIND:WORKER@SECONDS`, or trace lines `{"event": KIND, "worker": W, "at": T}`):
 `kill` (the worker is lost at its first step boundary at or after T: plans in flight are lost, its
@@ -31,6 +35,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 
@@ -43,8 +48,10 @@ from control_plane.core.migration import MIGRATED
 from control_plane.record.recorder import RecordingScheduler, Sink
 from control_plane.request import Request, RequestParams
 from control_plane.scheduler.scheduler import QueueFull, RequestRejected, Scheduler
+from control_plane.tenants.book import TenantBook
 from data_plane.sim import CostModel, SimExecutor
 from protos.worker import StepPlan, StepResult, WorkerLimits
+from stepwise.jitter import Jitter
 from stepwise.simulate import (
     OVERLAP_DEPTH,
     TRACE_ABORT,
@@ -52,10 +59,13 @@ from stepwise.simulate import (
     SimulationStuck,
     TraceError,
     TraceRequest,
+    about_tenants,
     summarize,
 )
+from stepwise.tenant_summary import TenantLedger
 from stepwise.wire import step_through_wire
 
+T = TypeVar("T")
 ROLES = ("prefill", "decode", "mixed")
 ROLE_ALIASES = {"p": "prefill", "d": "decode", "m": "mixed", **{r: r for r in ROLES}}
 EVENT_KINDS = ("kill", "drain", "add")
@@ -91,6 +101,10 @@ class TwinSetup:
     link_gbps: float = DEFAULT_LINK_GBPS
     # The cost of a worker an `add` event attaches, by role (default: the base cost).
     role_costs: dict[str, CostModel] = field(default_factory=dict)
+    # `--cost-jitter`: each initial worker's residual quantiles (its cost file's; empty: none), and
+    # an added worker's by role (default: the base's). Each worker draws with its own generator.
+    jitters: tuple[tuple[float, ...], ...] = ()
+    role_jitters: dict[str, tuple[float, ...]] = field(default_factory=dict)
     slo_ttft_s: float | None = None
     slo_tpot_s: float | None = None
     # Plans and results through the worker codec (encoded, serialised, parsed, decoded) as between
@@ -187,12 +201,13 @@ def parse_roles(text: str, workers: int | None) -> tuple[str, ...]:
 
 
 def parse_worker_costs(
-    text: str, roles: Sequence[str], default: CostModel, parse: Callable[[str], CostModel]
-) -> tuple[tuple[CostModel, ...], dict[str, CostModel]]:
-    """`WHO=COST;WHO=COST`, WHO a worker index or a role, COST what --cost takes. An index wins
-    over a role; the rest get --cost. Returns each worker's cost and the costs by role."""
-    by_index: dict[int, CostModel] = {}
-    by_role: dict[str, CostModel] = {}
+    text: str, roles: Sequence[str], default: T, parse: Callable[[str], T]
+) -> tuple[tuple[T, ...], dict[str, T]]:
+    """`WHO=COST;WHO=COST`, WHO a worker index or a role, COST what --cost takes, read by `parse`
+    (the step model, or a fitted file's residuals). An index wins over a role; the rest get
+    `default` (--cost's). Returns each worker's and the ones by role."""
+    by_index: dict[int, T] = {}
+    by_role: dict[str, T] = {}
     for part in filter(None, (p.strip() for p in text.split(";"))):
         who, eq, spec = part.partition("=")
         if not eq or not spec:
@@ -267,8 +282,11 @@ class _Transit:
 class SimWorker:
     """One worker as the fleet sees it (control_plane/core/fleet/member.py's Member)."""
 
-    def __init__(self, index: int, limits: WorkerLimits, scheduler: Scheduler, executor: SimExecutor) -> None:
+    def __init__(
+        self, index: int, limits: WorkerLimits, scheduler: Scheduler, executor: SimExecutor, jitter: Jitter
+    ) -> None:
         self.index = index
+        self.jitter = jitter
         self._limits = limits
         self._scheduler = scheduler
         self.executor = executor
@@ -416,10 +434,17 @@ class Twin:
         self.end = 0.0
         # (time, queued, running) samples for --plot, one per step of any worker at most every 1 s.
         self.load_samples: list[tuple[float, int, int]] = []
-        for role, cost in zip(setup.roles, setup.costs, strict=True):
-            self._attach(role, cost)
+        base = setup.base
+        # The tenants' service (when the run is about tenants), and the tenant file's quotas: the
+        # control plane's book, one over the whole fleet as a live control plane has.
+        ledger = TenantLedger(base.config, {r.params.tenant for r in trace})
+        self.tenants = ledger if about_tenants(base, trace) else None
+        self.quotas = TenantBook.of(base.tenants) if base.tenants is not None else None
+        jitters = setup.jitters or (base.jitter,) * len(setup.roles)
+        for role, cost, quantiles in zip(setup.roles, setup.costs, jitters, strict=True):
+            self._attach(role, cost, quantiles)
         for req in trace:
-            self._at(req.arrival, _ARRIVAL, partial(self._arrive, req))
+            self._at(base.client.reaches(req.arrival), _ARRIVAL, partial(self._arrive, req))
             if req.abort_at is not None:
                 self._at(req.abort_at, _ABORT, partial(self._abort, req.rid))
         for event in setup.events:
@@ -444,7 +469,7 @@ class Twin:
 
     # --- workers joining and leaving
 
-    def _attach(self, role: str, cost: CostModel) -> SimWorker:
+    def _attach(self, role: str, cost: CostModel, quantiles: Sequence[float]) -> SimWorker:
         base = self.setup.base
         index = len(self.workers)
         limits = base.limits
@@ -464,7 +489,7 @@ class Twin:
         scheduler = self._new_scheduler(index, limits)
         eos = min(limits.eos_token_ids)
         executor = SimExecutor(limits.kv_capacity_tokens, limits.vocab_size, eos, cost, base.seed)
-        worker = SimWorker(index, limits, scheduler, executor)
+        worker = SimWorker(index, limits, scheduler, executor, Jitter(quantiles, base.seed, index))
         worker.clock = worker.attached = self.now
         self.workers.append(worker)
         self.router.attach(worker)
@@ -478,8 +503,9 @@ class Twin:
 
     def _fleet_event(self, event: FleetEvent) -> None:
         if event.kind == "add":
-            cost = self.setup.role_costs.get(event.role, self.setup.base.cost)
-            self._attach(event.role, cost)
+            setup = self.setup
+            cost = setup.role_costs.get(event.role, setup.base.cost)
+            self._attach(event.role, cost, setup.role_jitters.get(event.role, setup.base.jitter))
             return
         worker = self.workers[event.worker]
         if not worker.alive:
@@ -529,7 +555,7 @@ class Twin:
             progress = self.progress[item.rid]
             if heir is None:
                 progress.owner = None
-                progress.finished, progress.reason = worker.clock, "abort"
+                self._end(progress, worker.clock, "abort")
                 continue
             self.handed_over += 1
             self.recomputed_tokens += len(item.input_ids) if progress.admitted is not None else 0
@@ -586,12 +612,22 @@ class Twin:
     # --- requests arriving
 
     def _arrive(self, req: TraceRequest) -> None:
+        """The request reaches the control plane's core: its quota is checked (the core's book, on
+        the simulated clock), then the router picks its worker."""
         progress = _Progress(req.rid, req.arrival, len(req.input_ids), len(self.progress) + 1)
         self.progress[req.rid] = progress
         self.by_uid[progress.uid] = progress
+        p = req.params
+        if self.tenants is not None:
+            self.tenants.arrived(req.rid, p.tenant, p.ttft_slo_ms, p.tpot_slo_ms)
+        if self.quotas is not None:
+            refusal = self.quotas.arrive(p.tenant, (progress.uid,), len(req.input_ids), self.now)
+            if refusal is not None:
+                self._end(progress, self.now, f"refused: {refusal.field}")
+                return
         worker = self._route(req)
         if worker is None:
-            progress.finished, progress.reason = self.now, "refused: no worker"
+            self._refuse(progress, self.now, "no worker")
             return
         progress.owner = worker
         worker.arrivals.append(req)
@@ -625,8 +661,10 @@ class Twin:
             try:
                 sched.add_request(req.rid, req.input_ids, req.params, progress.uid)
             except (QueueFull, RequestRejected, ValueError) as exc:
-                progress.finished, progress.reason = worker.clock, f"refused: {type(exc).__name__}"
+                self._refuse(progress, worker.clock, type(exc).__name__)
                 continue
+            if self.quotas is not None:
+                self.quotas.accepted(progress.uid)
             progress.workers.append(worker.worker)
             worker.queued[req.rid] = worker.clock
         worker.arrivals = []
@@ -638,7 +676,7 @@ class Twin:
             try:
                 sched.add_request(orphan.rid, orphan.input_ids, orphan.params, progress.uid)
             except (QueueFull, RequestRejected, ValueError) as exc:
-                progress.finished, progress.reason = worker.clock, f"refused: {type(exc).__name__}"
+                self._refuse(progress, worker.clock, type(exc).__name__)
                 continue
             progress.workers.append(worker.worker)
             if progress.aborted:
@@ -647,6 +685,22 @@ class Twin:
         for rid in worker.aborts:
             sched.abort(rid, TRACE_ABORT)
         worker.aborts = []
+
+    def _refuse(self, progress: _Progress, when: float, why: str) -> None:
+        """Refused after its quota check passed (no worker, or its scheduler refused it): as the
+        core's book has it, counted as rejected and its prompt back in the tenant's bucket."""
+        if self.quotas is not None:
+            self.quotas.refused(progress.uid, why)
+        self._end(progress, when, f"refused: {why}")
+
+    def _end(self, progress: _Progress, when: float, reason: str) -> None:
+        """The request ended (finished, aborted or refused), wherever it ran: its tenant's
+        concurrency is released."""
+        if self.tenants is not None and progress.first_token is None and progress.finished is None:
+            self.tenants.answered(progress.rid)
+        progress.finished, progress.reason = when, reason
+        if self.quotas is not None:
+            self.quotas.ended(progress.uid)
 
     # --- a worker's turn: the single-worker simulator's step
 
@@ -663,6 +717,8 @@ class Twin:
             return
         sched = worker.scheduler
         plan = sched.next_plan()
+        if plan is not None and (self.tenants is not None or self.quotas is not None):
+            self._planned(worker, plan)
         if worker.queued:
             self._admitted(worker)
         if worker.spill_to is not None and sched.emigrants:
@@ -691,7 +747,7 @@ class Twin:
         return worker.executor.execute(plan)
 
     def _apply(self, worker: SimWorker, result: StepResult) -> None:
-        seconds = self._step_seconds(worker, result)
+        seconds = worker.jitter(self._step_seconds(worker, result))
         worker.clock += seconds
         worker.busy_s += seconds
         self.end = max(self.end, worker.clock)
@@ -713,6 +769,15 @@ class Twin:
         del worker
         return result.forward_s
 
+    def _planned(self, worker: SimWorker, plan: StepPlan) -> None:
+        """The tenants' service and quotas: the plan's prompt tokens, and its first prefills no longer
+        queued."""
+        if self.tenants is not None:
+            self.tenants.planned(plan, worker.clock, worker.worker)
+        if self.quotas is not None:
+            for seq in plan.new_seqs:
+                self.quotas.admitted(self.progress[seq.request_id].uid)
+
     def _admitted(self, worker: SimWorker) -> None:
         waiting = {r.rid for r in worker.scheduler.waiting}
         for rid in [rid for rid in worker.queued if rid not in waiting]:
@@ -726,18 +791,27 @@ class Twin:
         if updates.empty:  # asked twice a turn, mostly for nothing
             return
         by_uid = self.by_uid
-        for uid in updates.tokens.uids.tolist():  # a few per step: plain ints beat np.unique
+        published = self.setup.base.client.published(worker.clock)
+        tenants = self.tenants
+        uids = updates.tokens.uids.tolist()
+        for uid in uids:  # a few per step: plain ints beat np.unique
             progress = by_uid[uid]
             if progress.owner is not worker:
                 continue
             if progress.first_token is None:
-                progress.first_token = worker.clock
+                progress.first_token = published
+                if tenants is not None:
+                    tenants.answered(progress.rid)
             progress.output_tokens += 1
+            if tenants is not None:
+                tenants.output(progress.rid, 1, worker.clock)
+        if self.quotas is not None:
+            self.quotas.tokens([uid for uid in uids if by_uid[uid].owner is worker], worker.clock)
         for finished in updates.finished:
             progress = self.progress[finished.rid]
             if progress.owner is not worker:
                 continue
-            progress.finished, progress.reason = worker.clock, finished.reason.kind.value
+            self._end(progress, published, finished.reason.kind.value)
             if not progress.moved:
                 progress.cached_tokens = finished.cached_tokens
 
@@ -808,7 +882,7 @@ class Twin:
         progress.owner = None
         self.migrations[reason] += 1
         if destination is None:
-            progress.finished, progress.reason = worker.clock, "abort"
+            self._end(progress, worker.clock, "abort")
             return
         nbytes = len(tokens) * self.setup.kv_bytes_per_token
         self.migrated_bytes += nbytes
@@ -829,8 +903,7 @@ class Twin:
             self.migration_fallbacks += 1
             heir = self.router.successor(destination if source.alive else source)
             if heir is None:
-                progress = self.progress[orphan.rid]
-                progress.finished, progress.reason = self.now, "abort"
+                self._end(self.progress[orphan.rid], self.now, "abort")
                 return
             self.recomputed_tokens += len(orphan.input_ids)
             self._adopt(heir, _Orphan(orphan.rid, orphan.input_ids, orphan.params), None)
@@ -843,7 +916,10 @@ class Twin:
     def summary(self) -> dict[str, object]:
         """The single-worker simulator's summary, over the whole fleet."""
         retractions = sum(w.scheduler.num_retracted_total for w in self.workers)
-        return summarize(self.progress.values(), self.steps, self.end, retractions)
+        summary = summarize(self.progress.values(), self.steps, self.end, retractions)
+        if self.tenants is not None:
+            summary.update(self.tenants.summary(self.progress, self.end))
+        return summary
 
 
 def _ids(input_ids: Sequence[int]) -> np.ndarray:

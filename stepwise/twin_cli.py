@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -111,6 +112,11 @@ def setup_from_args(
     if len(roles) > 1 and ns.record is not None:
         raise ValueError("--record records one worker's scheduler: not with more than one worker")
     each, by_role = twin.parse_worker_costs(ns.worker_cost, roles, base.cost, costs.parse_cost)
+    jitters: tuple[tuple[float, ...], ...] = ()
+    role_jitters: dict[str, tuple[float, ...]] = {}
+    if base.jitter:  # each worker draws from its own cost file's residuals
+        residuals = partial(costs.residual_quantiles, flag="--worker-cost")
+        jitters, role_jitters = twin.parse_worker_costs(ns.worker_cost, roles, base.jitter, residuals)
     events = sorted([twin.parse_event(text) for text in ns.event] + list(trace_events), key=lambda e: e.at)
     known = len(roles)
     for event in events:
@@ -137,6 +143,8 @@ def setup_from_args(
         kv_bytes_per_token=ns.kv_bytes_per_token,
         link_gbps=ns.link_gbps,
         role_costs=by_role,
+        jitters=jitters,
+        role_jitters=role_jitters,
         slo_ttft_s=ns.slo_ttft,
         slo_tpot_s=ns.slo_tpot,
     )

@@ -57,10 +57,6 @@ class Tenant:
     keys: frozenset[str] = frozenset()
     may_name: frozenset[str] = frozenset()
 
-    @property
-    def limited(self) -> bool:
-        return bool(self.max_concurrent_requests or self.max_queued_requests or self.token_rate)
-
 
 @dataclass(frozen=True, slots=True)
 class TenantTable:

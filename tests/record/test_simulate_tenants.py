@@ -121,17 +121,3 @@ def test_a_token_rate_refills_on_the_simulated_clock(simulate: Simulate, tmp_pat
     _, summary = simulate(lines, *FLAT_COST, "--tenants", str(table))
     assert summary["tenants"]["a"]["rejected"] == 1
     assert summary["finish_reasons"] == {"length": 3, "refused: token_rate": 1}
-
-
-def test_quotas_on_a_simulated_fleet_are_refused_not_ignored(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    """The fleet simulation (--workers) has no core to check quotas at: a file with any is one line
-    naming --tenants, not a run that silently admits everything."""
-    table = tmp_path / "tenants.toml"
-    table.write_text("[tenants.a]\nweight = 2\nmax_queued_requests = 1\n")
-    trace = tmp_path / "t.jsonl"
-    trace.write_text('{"rid": "a", "arrival": 0, "prompt_len": 4, "max_new_tokens": 2, "tenant": "a"}\n')
-    assert sim.main([str(trace), "--tenants", str(table), "--workers", "2", "--summary-only"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "--tenants" in err[0] and "max_queued_requests" in err[0], err
