@@ -25,6 +25,7 @@ from stepwise import costs, twin, twin_recorded
 from stepwise import simulate as sim
 from stepwise.up import stop_processes
 from tests.cli.runner import ROOT, run_cli_async
+from tests.e2e.test_migration import _books_settle_all
 from tests.processes import ready_file_sync
 
 pytestmark = pytest.mark.timeout(120)
@@ -43,7 +44,12 @@ def recorded_stack(
     request: pytest.FixtureRequest, tmp_path: Path
 ) -> Iterator[tuple[str, Path, Callable[[], None]]]:
     """`stepwise up` (one worker of the backend the test names) recording into a directory; the
-    third item stops it (the recording is whole only then: the recorder writes it in blocks)."""
+    third item stops it (the recording is whole only then: the recorder writes it in blocks).
+
+    A test stops it once the books settle, not when the client has its last finish: under overlap
+    the step planned before that finish was applied is still running, and `up` stops the workers
+    first, so its seconds would be missing from the recording while the twin plans it too ("step 10
+    was not measured live", seen on a loaded machine)."""
     record = tmp_path / "rec"
     ready = tmp_path / "ready.json"
     args = ["up", "--host", "127.0.0.1", "--port", "0", "--worker-port", "0", "--log-level", "warning"]
@@ -92,6 +98,7 @@ async def test_the_simulator_plans_what_the_live_scheduler_planned(
     args = ["bench", "--address", address, "--dataset", "trace", str(trace), "--vocab", vocab, "--json"]
     code, _, err = await run_cli_async(args)
     assert code == 0, err
+    await _books_settle_all(address)
     stop()
     live = list(read_entries(record))
     header = live[0]
@@ -165,6 +172,7 @@ async def test_the_fleet_twin_routes_and_plans_what_the_live_fleet_did(
     args = ["bench", "--address", address, "--dataset", "trace", str(trace), "--vocab", "1024", "--json"]
     code, _, err = await run_cli_async(args)
     assert code == 0, err
+    await _books_settle_all(address)
     stop()
     fleet = twin_recorded.read_fleet(record)
     assert [w.header.limits.worker_id for w in fleet] == ["worker-0", "worker-1"]
