@@ -27,12 +27,12 @@ from stepwise.up import stop_processes
 from tests.e2e.conftest import ControlProcess
 from tests.polling import until_sync
 from tests.processes import ready_file_sync
+from tests.sockets import connections_by_pid
 
 pytestmark = pytest.mark.timeout(180)
 
 STEP_S = 0.01
 CONNECTIONS = 16
-ESTABLISHED = "01"
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,17 +48,7 @@ class Gateway:
     def connections(self, peer_port: int | None = None) -> dict[int, int]:
         """Established connections to the port per worker pid (a worker with none is listed, 0);
         only the one from our `peer_port` when given."""
-        inodes = _established_inodes(self.port, peer_port)
-        counts = {}
-        for pid in self.pids:
-            held = 0
-            with contextlib.suppress(FileNotFoundError):
-                for fd in Path(f"/proc/{pid}/fd").iterdir():
-                    with contextlib.suppress(OSError):
-                        link = os.readlink(fd)
-                        held += link.startswith("socket:[") and link[8:-1] in inodes
-            counts[pid] = held
-        return counts
+        return connections_by_pid(self.port, self.pids, peer_port)
 
     def owner(self, sock: socket.socket) -> int:
         """The worker pid holding the accepted end of our connection `sock`."""
@@ -83,20 +73,6 @@ class Gateway:
             if ppid == self.proc.pid and b"spawn_main" in cmdline:
                 found.append(int(entry.name))
         return sorted(found)
-
-
-def _established_inodes(port: int, peer_port: int | None = None) -> set[str]:
-    """Socket inodes of the established TCP connections whose local port is `port` (IPv4), and
-    whose remote port is `peer_port` when given."""
-    inodes = set()
-    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
-        fields = line.split()
-        local, remote, state, inode = fields[1], fields[2], fields[3], fields[9]
-        if state != ESTABLISHED or int(local.rsplit(":", 1)[1], 16) != port:
-            continue
-        if peer_port is None or int(remote.rsplit(":", 1)[1], 16) == peer_port:
-            inodes.add(inode)
-    return inodes
 
 
 @pytest.fixture
