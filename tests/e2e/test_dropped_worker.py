@@ -20,6 +20,7 @@ import pytest
 
 from clients.client import StepwiseClient
 from tests.e2e.conftest import WORKER_BASE
+from tests.polling import until
 
 pytestmark = pytest.mark.timeout(180)
 ROOT = Path(__file__).resolve().parents[2]
@@ -61,7 +62,13 @@ async def test_a_worker_dropped_for_a_step_timeout_is_told_why_and_comes_back(
     assert await _attached(plane.address, "w0", 60)
     async with StepwiseClient(plane.address) as client:
         call = asyncio.create_task(client.generate([5, 6, 7], max_new_tokens=400, ignore_eos=True))
-        await asyncio.sleep(0.5)  # it runs: the worker holds a plan when it stops
+
+        async def running() -> bool:
+            return (await client.server_info()).running > 0
+
+        # It runs (400 steps of 10 ms: for 4 s at least), so the worker holds a plan when it stops.
+        # A fixed pause instead left the stop to land before the call reached a loaded plane.
+        await until(running, 30, "the call running on w0", every_s=0.02)
         os.kill(worker.pid, signal.SIGSTOP)
         try:
             await asyncio.sleep(3.0)  # past the 1 s step deadline: the control plane drops it

@@ -27,12 +27,12 @@ from stepwise.up import stop_processes
 from tests.e2e.conftest import ControlProcess
 from tests.polling import until_sync
 from tests.processes import ready_file_sync
+from tests.sockets import connections_by_pid
 
 pytestmark = pytest.mark.timeout(180)
 
 STEP_S = 0.01
 CONNECTIONS = 16
-ESTABLISHED = "01"
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,19 +45,17 @@ class Gateway:
     def connect(self) -> socket.socket:
         return socket.create_connection(("127.0.0.1", self.port), timeout=30)
 
-    def connections(self) -> dict[int, int]:
-        """Established connections to the port per worker pid (a worker with none is listed, 0)."""
-        inodes = _established_inodes(self.port)
-        counts = {}
-        for pid in self.pids:
-            held = 0
-            with contextlib.suppress(FileNotFoundError):
-                for fd in Path(f"/proc/{pid}/fd").iterdir():
-                    with contextlib.suppress(OSError):
-                        link = os.readlink(fd)
-                        held += link.startswith("socket:[") and link[8:-1] in inodes
-            counts[pid] = held
-        return counts
+    def connections(self, peer_port: int | None = None) -> dict[int, int]:
+        """Established connections to the port per worker pid (a worker with none is listed, 0);
+        only the one from our `peer_port` when given."""
+        return connections_by_pid(self.port, self.pids, peer_port)
+
+    def owner(self, sock: socket.socket) -> int:
+        """The worker pid holding the accepted end of our connection `sock`."""
+        port = sock.getsockname()[1]
+        holders = [pid for pid, n in self.connections(port).items() if n]
+        assert len(holders) == 1, f"workers holding the connection from port {port}: {holders}"
+        return holders[0]
 
     def workers_now(self) -> list[int]:
         """The supervisor's live worker processes (its children other than multiprocessing's
@@ -75,17 +73,6 @@ class Gateway:
             if ppid == self.proc.pid and b"spawn_main" in cmdline:
                 found.append(int(entry.name))
         return sorted(found)
-
-
-def _established_inodes(port: int) -> set[str]:
-    """Socket inodes of the established TCP connections whose local port is `port` (IPv4)."""
-    inodes = set()
-    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
-        fields = line.split()
-        local, state, inode = fields[1], fields[3], fields[9]
-        if state == ESTABLISHED and int(local.rsplit(":", 1)[1], 16) == port:
-            inodes.add(inode)
-    return inodes
 
 
 @pytest.fixture
@@ -156,6 +143,25 @@ def completion(gw: Gateway) -> httpx.Response:
     return httpx.post(f"http://127.0.0.1:{gw.port}/v1/completions", json=body, timeout=30)
 
 
+def streams_on_every_worker(
+    gw: Gateway, held: contextlib.ExitStack, n: int, max_tokens: int
+) -> list[socket.socket]:
+    """`n` streams held open, and more while a worker serves none of them. The kernel hashes each
+    connection to a worker, so `n` alone leave one worker without a stream once in 2**(n-1) runs
+    (1 in 128 for 8); each further stream halves the odds (32 more: 2**-32 of them). Each stream's
+    worker is read right after its response head, while it surely streams: a count of all of them
+    at the end would miss early ones that ended meanwhile (50 tokens last from half a second on;
+    opening 16 took up to 1.0 s beside three spinning processes)."""
+    streams: list[socket.socket] = []
+    served = dict.fromkeys(gw.pids, 0)
+    while len(streams) < n or (0 in served.values() and len(streams) < n + 32):
+        sock = held.enter_context(start_stream(gw, max_tokens))
+        streams.append(sock)
+        served[gw.owner(sock)] += 1
+    assert all(count > 0 for count in served.values()), f"a worker serves no stream: {served}"
+    return streams
+
+
 def test_both_workers_serve_connections_to_the_one_port(plane: ControlProcess, tmp_path: Path) -> None:
     """16 streams held open at once: the kernel spreads them over both workers (SO_REUSEPORT), and
     every one of them streams to its end."""
@@ -177,9 +183,7 @@ def test_sigterm_drains_every_worker_then_exits_0(plane: ControlProcess, tmp_pat
     5 s graceful timeout); the port is refused then, and the supervisor exits 0 with its workers gone."""
     with gateway(plane, tmp_path) as gw:
         with contextlib.ExitStack() as held:
-            streams = [held.enter_context(start_stream(gw, 200)) for _ in range(8)]
-            counts = gw.connections()
-            assert all(n > 0 for n in counts.values()), f"a worker has no stream to drain: {counts}"
+            streams = streams_on_every_worker(gw, held, 8, 200)
             gw.proc.send_signal(signal.SIGTERM)
             for sock in streams:
                 assert completion_tokens(read_to_end(sock)) == 200
@@ -220,8 +224,7 @@ def test_a_killed_worker_is_reported_and_restarted(plane: ControlProcess, tmp_pa
         assert survivor in gw.workers_now()
         restarted = Gateway(gw.proc, gw.port, gw.workers_now(), gw.log)
         with contextlib.ExitStack() as held:
-            streams = [held.enter_context(start_stream(restarted, 50)) for _ in range(CONNECTIONS)]
-            assert all(n > 0 for n in restarted.connections().values()), restarted.connections()
+            streams = streams_on_every_worker(restarted, held, CONNECTIONS, 50)
             for sock in streams:
                 assert completion_tokens(read_to_end(sock)) == 50
 
