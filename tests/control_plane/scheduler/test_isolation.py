@@ -7,6 +7,8 @@ without the rule, with the pool's books and invariants holding at every step."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
@@ -149,6 +151,58 @@ def test_heavy_tenants_hold_at_most_r_running_requests_while_a_light_one_is_live
     assert not sched.waiting
 
 
+def test_shares_are_counted_in_the_tokens_running_requests_hold() -> None:
+    """Flood holds 2 running requests of 200+ tokens, good 3 of 20: good holds more requests but a
+    tenth of the tokens. The flood is the heavy one (its decode rows cost their context, its KV
+    fills the pool): good's next request goes first and alone, the flood's after it."""
+    sched = make_scheduler(fairness="vtc", fairness_isolation_tokens=64, chunked_prefill_size=512)
+    worker = FakeWorker(sched.capacity)
+    for i in range(2):
+        sched.add_request(f"f{i}", prompt(200, i), params(500, tenant="flood", ignore_eos=True))
+    _step(sched, worker)
+    for i in range(3):
+        sched.add_request(f"g{i}", prompt(20, 10 + i), params(500, tenant="good", ignore_eos=True))
+    _step(sched, worker)
+    _step(sched, worker)
+    assert {r.rid for r in sched.running.reqs} == {"f0", "f1", "g0", "g1", "g2"}
+    sched.add_request("f2", prompt(40, 20), params(8, tenant="flood", ignore_eos=True))
+    sched.add_request("g3", prompt(20, 21), params(8, tenant="good", ignore_eos=True))
+    _step(sched, worker)
+    assert _tokens_by_tenant(sched) == {"good": 20}
+    _step(sched, worker)
+    assert _tokens_by_tenant(sched) == {"flood": 40}
+
+
+def _timed_step(sched: Scheduler, worker: FakeWorker, seconds: float) -> StepPlan | None:
+    """A step whose result says the worker spent `seconds` on it (the queue clock's time)."""
+    plan = sched.next_plan()
+    if plan is not None:
+        sched.apply_result(dataclasses.replace(worker.run(plan), forward_s=seconds))
+    sched.take_updates()
+    return plan
+
+
+@pytest.mark.parametrize("grace", [0.0, 1.0])
+def test_a_tenant_stays_known_for_the_grace_after_its_last_request(grace: float) -> None:
+    """Good's only request ends; the flood's next prompts get T a step while the worker has spent
+    less than the grace since good was last live, then SGLang's chunk again."""
+    sched, worker = _flood_beside_good(64, fairness_isolation_grace=grace)
+    sched.abort("g0", _abort())
+    while any(r.params.tenant == "good" for r in sched.running.reqs):
+        _timed_step(sched, worker, 0.1)
+    for i in range(6):
+        sched.add_request(f"f{3 + i}", prompt(40, 3 + i), params(8, tenant="flood", ignore_eos=True))
+    _timed_step(sched, worker, 0.1)
+    assert _tokens_by_tenant(sched) == {"flood": 64 if grace else 240}
+    for _ in range(12):
+        _timed_step(sched, worker, 0.1)
+    for i in range(6):
+        sched.add_request(f"f{9 + i}", prompt(40, 9 + i), params(8, tenant="flood", ignore_eos=True))
+    _timed_step(sched, worker, 0.1)
+    # More than a second of steps since good was last live: it is forgotten.
+    assert _tokens_by_tenant(sched) == {"flood": 240}
+
+
 def _abort():  # type: ignore[no-untyped-def]
     from control_plane.request import FinishReason
 
@@ -250,29 +304,34 @@ def test_every_request_gets_the_tokens_it_gets_without_the_rule(
             "--fairness-isolation-tokens requires chunked prefill",
         ),
         ({"fairness": "vtc", "fairness_isolation_running": 8}, "--fairness-isolation-running requires"),
+        ({"fairness": "vtc", "fairness_isolation_grace": 2.0}, "--fairness-isolation-grace requires"),
     ],
 )
 def test_the_flags_need_fairness_and_chunking(changes: dict[str, object], message: str) -> None:
-    import dataclasses
-
     with pytest.raises(ValueError, match=message):
         validate_scheduler_config(dataclasses.replace(SchedulerConfig(), **changes))  # type: ignore[arg-type]
 
 
 def test_simulate_takes_the_flags() -> None:
     ns = simulate.build_parser().parse_args(
-        ["--fairness", "vtc", "--fairness-isolation-tokens", "512", "--fairness-isolation-running", "128"]
+        [
+            *("--fairness", "vtc", "--fairness-isolation-tokens", "512"),
+            *("--fairness-isolation-running", "128", "--fairness-isolation-grace", "5"),
+        ]
     )
     config = simulate.setup_from_args(ns).config
-    assert (config.fairness_isolation_tokens, config.fairness_isolation_running) == (512, 128)
+    isolation = (config.fairness_isolation_tokens, config.fairness_isolation_running)
+    assert (*isolation, config.fairness_isolation_grace) == (512, 128, 5.0)
 
 
 def test_isolated_plans_replay_identically() -> None:
-    """The header carries T and R: a replay makes the same budgets, orders and preemptions."""
+    """The header carries T, R and the grace: a replay makes the same budgets, orders and
+    preemptions (the grace reads the queue clock, which replays from the results)."""
     config = make_config(
         fairness="vtc",
         fairness_isolation_tokens=16,
         fairness_isolation_running=3,
+        fairness_isolation_grace=0.5,
         chunked_prefill_size=64,
         max_running_requests=5,
     )
