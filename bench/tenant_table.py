@@ -210,7 +210,7 @@ def isolation_table(
     caps: Sequence[int],
     preempt_bounds: Sequence[float] = (),
     flags_all: Sequence[str] = (),
-    isolations: Sequence[tuple[int, int, float]] = (),
+    isolations: Sequence[tuple[int, int, float, bool]] = (),
 ) -> list[str]:
     good = open_loop({"good": rate}, duration, 512, 128, seed=2)
     both = sorted(good + open_loop({"flood": 10 * rate}, duration, 512, 128, seed=3), key=lambda r: r.arrival)
@@ -261,10 +261,10 @@ def isolation_table(
             (f"vtc + preempt {b:g}", ["--fairness", "vtc", "--fairness-preempt-bound", f"{b:g}"])
             for b in preempt_bounds
         ]
-        for tokens, running, grace in isolations:
+        for tokens, running, grace, turn in isolations:
             name = f"vtc + isolation {tokens}" + (f", running {running}" if running else "")
-            name += f", grace {grace:g}" if grace else ""
-            runs.append((name, ["--fairness", "vtc", *_isolation_flags(tokens, running, grace)]))
+            name += (f", grace {grace:g}" if grace else "") + (", decode turn" if turn else "")
+            runs.append((name, ["--fairness", "vtc", *_isolation_flags(tokens, running, grace, turn)]))
         fcfs = 0.0
         for name, flags in runs:
             summary, _ = run(both, [*flags, *extra])
@@ -306,13 +306,13 @@ def grid_rows(
     seeds: Sequence[int],
     overlaps: Sequence[bool],
     caps: Sequence[int],
-    isolations: Sequence[tuple[int, int, float]],
+    isolations: Sequence[tuple[int, int, float, bool]],
     flags_all: Sequence[str] = (),
 ) -> None:
     """The isolation goal over a grid (printed row by row): for each good rate, trace length, length
     mix, overlap, cap and seed, good's TTFT p99 beside a flood at 10x its rate over its alone-run's,
     FCFS, VTC and VTC with each step isolation `T[:R]` (with its output tok/s over FCFS's)."""
-    names = ["fcfs", "vtc", *("iso " + ":".join(f"{x:g}" for x in spec) for spec in isolations)]
+    names = ["fcfs", "vtc", *(f"iso {t}:{r}:{g:g}" + (":turn" if d else "") for t, r, g, d in isolations)]
     head = ["good req/s", "s", "mix", "overlap", "cap", "seed", "good reqs", "alone p99 s"]
     head += [f"{n} p99 x" for n in names] + [f"{n} x FCFS tok/s" for n in names[2:]]
     print(row(head))
@@ -428,9 +428,9 @@ def main(argv: Sequence[str]) -> int:
         "--isolation-tokens",
         nargs="*",
         default=[],
-        metavar="T[:R[:G]]",
+        metavar="T[:R[:G[:turn]]]",
         help="isolation and grid: VTC rows with --fairness-isolation-tokens T (and "
-        "--fairness-isolation-running R, --fairness-isolation-grace G)",
+        "--fairness-isolation-running R, --fairness-isolation-grace G, --fairness-isolation-decode-turn)",
     )
     ns = parser.parse_args(argv)
     out: list[str] = []
@@ -470,16 +470,16 @@ def main(argv: Sequence[str]) -> int:
     return 0
 
 
-def _isolation_spec(spec: str) -> tuple[int, int, float]:
-    """'T', 'T:R' or 'T:R:G' -> (T, R, G)."""
-    tokens, _, rest = spec.partition(":")
-    running, _, grace = rest.partition(":")
-    return int(tokens), int(running or 0), float(grace or 0)
+def _isolation_spec(spec: str) -> tuple[int, int, float, bool]:
+    """'T', 'T:R', 'T:R:G' or 'T:R:G:turn' -> (T, R, G, the decode turn)."""
+    tokens, running, grace, turn = [*spec.split(":"), "", "", ""][:4]
+    return int(tokens), int(running or 0), float(grace or 0), turn == "turn"
 
 
-def _isolation_flags(tokens: int, running: int, grace: float) -> list[str]:
+def _isolation_flags(tokens: int, running: int, grace: float, turn: bool = False) -> list[str]:
     flags = ["--fairness-isolation-tokens", str(tokens), "--fairness-isolation-running", str(running)]
-    return flags + (["--fairness-isolation-grace", f"{grace:g}"] if grace else [])
+    flags += ["--fairness-isolation-grace", f"{grace:g}"] if grace else []
+    return flags + (["--fairness-isolation-decode-turn"] if turn else [])
 
 
 def mooncake_tenants(

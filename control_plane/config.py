@@ -171,6 +171,9 @@ class SchedulerConfig:
     # after a pass last saw it running or waiting, so a flood does not get SGLang's steps back
     # between its requests; 0: only while it has requests live.
     fairness_isolation_grace: float = 0.0
+    # With it: while a light tenant has requests running, a prefill step of heavy tenants' prompts
+    # alone is followed by a step without them (a decode, unless a light request is admitted).
+    fairness_isolation_decode_turn: bool = False
     # Tenant -> weight (a tenant's fair share is proportional to it); absent tenants weigh 1.
     tenant_weights: Mapping[str, float] = field(default_factory=dict)
     # SLO admission (docs/scheduler.md#slo-admission): the worker's step cost (a, b, c, d) in seconds,
@@ -440,6 +443,13 @@ _SCHEDULING = Flags(
             help="with --fairness-isolation-tokens: seconds of the worker's time a tenant still counts as "
             "live after it last had requests running or waiting, so a flood is held between its requests "
             "too (0: only while it has requests live)",
+        ),
+        Flag(
+            "--fairness-isolation-decode-turn",
+            SWITCH,
+            help="with --fairness-isolation-tokens: while a tenant below its share has requests running, "
+            "a prefill step of the tenants above theirs alone is followed by a step without their prompts, "
+            "so the running requests decode although the heavy tenants are backlogged",
         ),
         Flag(
             "--slo-cost",
@@ -887,6 +897,8 @@ def validate_scheduler_config(config: SchedulerConfig) -> None:
         raise ValueError("--fairness-isolation-running requires --fairness-isolation-tokens")
     if config.fairness_isolation_grace > 0 and config.fairness_isolation_tokens <= 0:
         raise ValueError("--fairness-isolation-grace requires --fairness-isolation-tokens")
+    if config.fairness_isolation_decode_turn and config.fairness_isolation_tokens <= 0:
+        raise ValueError("--fairness-isolation-decode-turn requires --fairness-isolation-tokens")
     for tenant, weight in config.tenant_weights.items():
         if not 0 < weight < float("inf"):
             raise ValueError(f"tenant {tenant!r}: weight must be a positive number, got {weight!r}")

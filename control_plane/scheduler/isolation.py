@@ -18,6 +18,9 @@ steps:
   tenants never take a slot back and forth);
 - with R (`--fairness-isolation-running`), heavy tenants hold at most R running requests
   together, so a decode step stays short too.
+- with the decode turn (`--fairness-isolation-decode-turn`), a step of heavy prompts alone is
+  followed by one without them while a light tenant has requests running (prefill first would
+  keep them from decoding for as long as the heavy tenants are backlogged).
 
 Shares are counted in the context tokens (prompt and output so far) of the running requests, the
 one mid-chunk included, each tenant's share in proportion to its weight among the tenants with
@@ -77,6 +80,10 @@ class Shares:
     def heavy_running(self) -> int:
         return sum(self.counts[t] for t in self.heavy)
 
+    @property
+    def light_running(self) -> bool:
+        return any(n for t, n in self.counts.items() if t not in self.heavy)
+
 
 class StepBudget:
     """One prefill pass under the rule (StepIsolation.begin): the heavy tenants' prompt tokens
@@ -92,6 +99,8 @@ class StepBudget:
         # A request is still mid-chunk after the continuation (it sat this pass out, or its chunk
         # was held to T): no other request may start a chunk.
         self.chunk_open = False
+        # A decode turn: the heavy tenants get nothing this pass (the step before was theirs alone).
+        self.closed = False
 
     def is_heavy(self, req: Request) -> bool:
         return req.params.tenant in self.heavy
@@ -99,6 +108,8 @@ class StepBudget:
     def sits_out(self, chunked: Request, head: Request | None, chunk_budget: int) -> bool:
         """Whether the heavy chunk in progress waits this pass: a light request heads the queue
         and its whole prompt fits the chunk budget (so it is not chunked in turn)."""
+        if self.closed and self.is_heavy(chunked):
+            return True
         if not self.is_heavy(chunked) or head is None or self.is_heavy(head):
             return False
         return head.seqlen <= chunk_budget
@@ -107,6 +118,8 @@ class StepBudget:
         """Whether the admission loop may try `req` (lights first, so a heavy one ends the pass)."""
         if not self.is_heavy(req):
             return True
+        if self.closed:
+            return False
         if self.running_left is not None and self.running_left <= 0:
             return False
         return not self.light_admitted and self.left > 0
@@ -145,6 +158,7 @@ class StepIsolation:
         self.tokens = config.fairness_isolation_tokens
         self.running_cap = config.fairness_isolation_running
         self.grace = config.fairness_isolation_grace
+        self.decode_turn = config.fairness_isolation_decode_turn
         self.clock = clock
         # Tenant -> the queue clock's busy seconds at the latest pass that saw it live (with a grace;
         # entries older than the grace are dropped, so it holds the recent tenants only).
@@ -184,9 +198,14 @@ class StepIsolation:
             del self.seen[tenant]
         return list(self.seen)
 
-    def begin(self, waiting: list[Request], shares: Shares) -> StepBudget | None:
+    def begin(
+        self, waiting: list[Request], shares: Shares, heavy_only_last: bool = False
+    ) -> StepBudget | None:
         """This pass's budget (None: no heavy tenant, the pass is SGLang's); the waiting queue,
-        already in the policy's order, gets the light tenants' requests first."""
+        already in the policy's order, gets the light tenants' requests first. With the decode
+        turn, a pass after a prefill step of heavy prompts alone (`heavy_only_last`) admits none
+        while a light tenant has requests running: prefill first would otherwise starve their
+        decodes for as long as the heavy tenants are backlogged."""
         self.last = None
         heavy = shares.heavy
         if not heavy:
@@ -196,4 +215,5 @@ class StepIsolation:
         if light and len(light) < len(waiting):
             waiting[:] = light + [r for r in waiting if r.params.tenant in heavy]
         self.last = StepBudget(shares, self.tokens, self.running_cap)
+        self.last.closed = self.decode_turn and heavy_only_last and shares.light_running
         return self.last

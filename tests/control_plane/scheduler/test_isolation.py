@@ -173,6 +173,24 @@ def test_shares_are_counted_in_the_tokens_running_requests_hold() -> None:
     assert _tokens_by_tenant(sched) == {"flood": 40}
 
 
+@pytest.mark.parametrize("turn", [False, True])
+def test_a_decode_step_follows_each_heavy_only_prefill_while_a_light_request_runs(turn: bool) -> None:
+    """With prefill first a backlogged flood makes every step a prefill (held to T), so good's
+    running request never decodes; with the decode turn every other step is a decode."""
+    sched, worker = _flood_beside_good(64, fairness_isolation_decode_turn=turn)
+    for i in range(6):
+        sched.add_request(f"f{3 + i}", prompt(40, 3 + i), params(8, tenant="flood", ignore_eos=True))
+    before = sched.requests["g0"].num_outputs
+    kinds = []
+    for _ in range(4):
+        plan = _step(sched, worker)
+        assert plan is not None
+        kinds.append(plan.kind)
+    prefill, decode = StepKind.PREFILL, StepKind.DECODE
+    assert kinds == ([prefill, decode, prefill, decode] if turn else [prefill] * 4)
+    assert sched.requests["g0"].num_outputs - before == (2 if turn else 0)
+
+
 def _timed_step(sched: Scheduler, worker: FakeWorker, seconds: float) -> StepPlan | None:
     """A step whose result says the worker spent `seconds` on it (the queue clock's time)."""
     plan = sched.next_plan()
@@ -244,16 +262,19 @@ def _prompt(i: int, n: int, group: int) -> list[int]:
 
 
 @settings(max_examples=25, deadline=None)
-@given(TRAFFIC, st.booleans(), st.sampled_from([0, 2]))
+@given(TRAFFIC, st.booleans(), st.sampled_from([0, 2]), st.booleans())
 # Tenant b fills two of the three slots, then a arrives: b is heavy, a's requests go first.
-@example([(0, "b", 5, 34, -1), (1, "b", 5, 35, -1), (19, "a", 5, 32, -1), (19, "a", 28, 17, -1)], False, 0)
+@example(
+    [(0, "b", 5, 34, -1), (1, "b", 5, 35, -1), (19, "a", 5, 32, -1), (19, "a", 28, 17, -1)], False, 0, False
+)
 @example(
     [(0, "b", 40, 60, 0), (0, "b", 40, 60, 1), (2, "b", 60, 30, 0), (5, "a", 20, 10, 1), (6, "a", 30, 5, 0)],
     True,
     2,
+    True,
 )
 def test_every_request_gets_the_tokens_it_gets_without_the_rule(
-    traffic: list[tuple[int, str, int, int, int]], overlap: bool, running_cap: int
+    traffic: list[tuple[int, str, int, int, int]], overlap: bool, running_cap: int, turn: bool
 ) -> None:
     """Isolation changes when tokens come, never which (the fake worker's tokens depend on the
     context only); the pool's books and invariants hold at every step, and every plan made under a
@@ -269,6 +290,7 @@ def test_every_request_gets_the_tokens_it_gets_without_the_rule(
             fairness="vtc",
             fairness_isolation_tokens=tokens,
             fairness_isolation_running=running_cap if tokens else 0,
+            fairness_isolation_decode_turn=turn and tokens > 0,
             chunked_prefill_size=32,
             max_running_requests=3,
             strict_invariants=True,
@@ -305,6 +327,10 @@ def test_every_request_gets_the_tokens_it_gets_without_the_rule(
         ),
         ({"fairness": "vtc", "fairness_isolation_running": 8}, "--fairness-isolation-running requires"),
         ({"fairness": "vtc", "fairness_isolation_grace": 2.0}, "--fairness-isolation-grace requires"),
+        (
+            {"fairness": "vtc", "fairness_isolation_decode_turn": True},
+            "--fairness-isolation-decode-turn requires",
+        ),
     ],
 )
 def test_the_flags_need_fairness_and_chunking(changes: dict[str, object], message: str) -> None:
@@ -317,11 +343,13 @@ def test_simulate_takes_the_flags() -> None:
         [
             *("--fairness", "vtc", "--fairness-isolation-tokens", "512"),
             *("--fairness-isolation-running", "128", "--fairness-isolation-grace", "5"),
+            "--fairness-isolation-decode-turn",
         ]
     )
     config = simulate.setup_from_args(ns).config
     isolation = (config.fairness_isolation_tokens, config.fairness_isolation_running)
     assert (*isolation, config.fairness_isolation_grace) == (512, 128, 5.0)
+    assert config.fairness_isolation_decode_turn
 
 
 def test_isolated_plans_replay_identically() -> None:
@@ -332,6 +360,7 @@ def test_isolated_plans_replay_identically() -> None:
         fairness_isolation_tokens=16,
         fairness_isolation_running=3,
         fairness_isolation_grace=0.5,
+        fairness_isolation_decode_turn=True,
         chunked_prefill_size=64,
         max_running_requests=5,
     )
