@@ -60,21 +60,25 @@ def _request(rid: str, arrival: float, prompt: Sequence[int], params: RequestPar
 
 
 def open_loop(
-    rates: dict[str, float], duration: float, prompt: int, output: int, seed: int
+    rates: dict[str, float], duration: float, prompt: int | tuple[int, int], output: int, seed: int
 ) -> list[sim.TraceRequest]:
-    """Poisson arrivals per tenant (requests per second) for `duration` seconds, unique prompts,
-    output lengths uniform in [output/8, 15·output/8] (mean `output`: slots free at staggered times)."""
+    """Poisson arrivals per tenant (requests per second) for `duration` seconds, unique prompts
+    (`prompt` tokens, or uniform in a (low, high) range), output lengths uniform in
+    [output/8, 15·output/8] (mean `output`: slots free at staggered times)."""
     rng = random.Random(seed)
-    out: list[tuple[float, str, int]] = []
+    low, high = prompt if isinstance(prompt, tuple) else (prompt, prompt)
+    out: list[tuple[float, str, int, int]] = []
     for tenant, rate in sorted(rates.items()):
         t = rng.expovariate(rate)
         while t < duration:
-            out.append((t, tenant, rng.randint(output // 8, 15 * output // 8)))
+            n = rng.randint(output // 8, 15 * output // 8)
+            # A fixed prompt length draws nothing, so the tables' traces stay those of a fixed length.
+            out.append((t, tenant, n, rng.randint(low, high) if high > low else low))
             t += rng.expovariate(rate)
     out.sort()
     return [
-        _request(f"{tenant}/{i}", t, token_run(f"{tenant}/{i}", prompt, VOCAB), _params(tenant, n))
-        for i, (t, tenant, n) in enumerate(out)
+        _request(f"{tenant}/{i}", t, token_run(f"{tenant}/{i}", length, VOCAB), _params(tenant, n))
+        for i, (t, tenant, n, length) in enumerate(out)
     ]
 
 
@@ -206,7 +210,7 @@ def isolation_table(
     caps: Sequence[int],
     preempt_bounds: Sequence[float] = (),
     flags_all: Sequence[str] = (),
-    isolations: Sequence[tuple[int, int]] = (),
+    isolations: Sequence[tuple[int, int, float, bool]] = (),
 ) -> list[str]:
     good = open_loop({"good": rate}, duration, 512, 128, seed=2)
     both = sorted(good + open_loop({"flood": 10 * rate}, duration, 512, 128, seed=3), key=lambda r: r.arrival)
@@ -257,10 +261,10 @@ def isolation_table(
             (f"vtc + preempt {b:g}", ["--fairness", "vtc", "--fairness-preempt-bound", f"{b:g}"])
             for b in preempt_bounds
         ]
-        for tokens, running in isolations:
+        for tokens, running, grace, turn in isolations:
             name = f"vtc + isolation {tokens}" + (f", running {running}" if running else "")
-            iso = ["--fairness-isolation-tokens", str(tokens), "--fairness-isolation-running", str(running)]
-            runs.append((name, ["--fairness", "vtc", *iso]))
+            name += (f", grace {grace:g}" if grace else "") + (", decode turn" if turn else "")
+            runs.append((name, ["--fairness", "vtc", *_isolation_flags(tokens, running, grace, turn)]))
         fcfs = 0.0
         for name, flags in runs:
             summary, _ = run(both, [*flags, *extra])
@@ -284,6 +288,65 @@ def isolation_table(
                 )
             )
     return lines
+
+
+# The grid's length mixes: (prompt tokens or a uniform range, mean output tokens) for good, then flood.
+MIXES: dict[str, tuple[tuple[int | tuple[int, int], int], tuple[int | tuple[int, int], int]]] = {
+    "512/128": ((512, 128), (512, 128)),
+    "varied": (((128, 2048), 128), ((128, 2048), 128)),
+    "long-flood": ((512, 128), ((2048, 8192), 128)),
+    "long-output": ((256, 512), (256, 512)),
+}
+
+
+def grid_rows(
+    rates: Sequence[float],
+    durations: Sequence[float],
+    mixes: Sequence[str],
+    seeds: Sequence[int],
+    overlaps: Sequence[bool],
+    caps: Sequence[int],
+    isolations: Sequence[tuple[int, int, float, bool]],
+    flags_all: Sequence[str] = (),
+) -> None:
+    """The isolation goal over a grid (printed row by row): for each good rate, trace length, length
+    mix, overlap, cap and seed, good's TTFT p99 beside a flood at 10x its rate over its alone-run's,
+    FCFS, VTC and VTC with each step isolation `T[:R]` (with its output tok/s over FCFS's)."""
+    names = ["fcfs", "vtc", *(f"iso {t}:{r}:{g:g}" + (":turn" if d else "") for t, r, g, d in isolations)]
+    head = ["good req/s", "s", "mix", "overlap", "cap", "seed", "good reqs", "alone p99 s"]
+    head += [f"{n} p99 x" for n in names] + [f"{n} x FCFS tok/s" for n in names[2:]]
+    print(row(head))
+    print(row(["---"] * len(head)), flush=True)
+    for rate in rates:
+        for duration in durations:
+            for mix in mixes:
+                (gp, go), (fp, fo) = MIXES[mix]
+                for seed in seeds:
+                    good = open_loop({"good": rate}, duration, gp, go, seed=2 * seed)
+                    flood = open_loop({"flood": 10 * rate}, duration, fp, fo, seed=2 * seed + 1)
+                    both = sorted(good + flood, key=lambda r: r.arrival)
+                    for overlap in overlaps:
+                        for cap in caps:
+                            extra = [*(["--max-running-requests", str(cap)] if cap else []), *flags_all]
+                            if not overlap:
+                                extra.append("--disable-overlap-schedule")
+                            alone = run(good, ["--fairness", "none", *extra])[0]["tenants"]["good"]
+                            p99s, tputs = [], []
+                            runs = [["--fairness", "none"], ["--fairness", "vtc"]]
+                            runs += [["--fairness", "vtc", *_isolation_flags(*spec)] for spec in isolations]
+                            for flags in runs:
+                                summary, _ = run(both, [*flags, *extra])
+                                p99s.append(summary["tenants"]["good"]["ttft_p99_s"] / alone["ttft_p99_s"])
+                                tputs.append(tok_s(summary))
+                            cells: list[object] = [
+                                f"{rate:g}",
+                                f"{duration:g}",
+                                mix,
+                                "on" if overlap else "off",
+                            ]
+                            cells += [cap or "KV", seed, alone["requests"], alone["ttft_p99_s"]]
+                            cells += [f"{x:.2f}" for x in p99s] + [f"{x / tputs[0]:.3f}" for x in tputs[2:]]
+                            print(row(cells), flush=True)
 
 
 def locality_table(n: int, duration: float, bounds: Sequence[float], kv_tokens: int = 1048576) -> list[str]:
@@ -355,12 +418,19 @@ def main(argv: Sequence[str]) -> int:
         default=[256.0, 4096.0],
         help="skew and isolation: VTC rows with --fairness-preempt-bound B, for each B",
     )
+    parser.add_argument("--grid-rates", type=float, nargs="*", default=[2.0, 4.0, 8.0, 16.0])
+    parser.add_argument("--grid-seconds", type=float, nargs="*", default=[30.0])
+    parser.add_argument("--grid-mixes", nargs="*", default=list(MIXES), choices=list(MIXES))
+    parser.add_argument("--grid-seeds", type=int, nargs="*", default=[1, 2])
+    parser.add_argument("--grid-overlap", nargs="*", default=["on", "off"], choices=["on", "off"])
+    parser.add_argument("--grid-caps", type=int, nargs="*", default=[0, 256], help="grid: 0 is KV-bound")
     parser.add_argument(
         "--isolation-tokens",
         nargs="*",
         default=[],
-        metavar="T[:R]",
-        help="isolation: VTC rows with --fairness-isolation-tokens T (and --fairness-isolation-running R)",
+        metavar="T[:R[:G[:turn]]]",
+        help="isolation and grid: VTC rows with --fairness-isolation-tokens T (and "
+        "--fairness-isolation-running R, --fairness-isolation-grace G, --fairness-isolation-decode-turn)",
     )
     ns = parser.parse_args(argv)
     out: list[str] = []
@@ -380,6 +450,17 @@ def main(argv: Sequence[str]) -> int:
             ),
             "",
         ]
+    if "grid" in ns.tables:
+        grid_rows(
+            ns.grid_rates,
+            ns.grid_seconds,
+            ns.grid_mixes,
+            ns.grid_seeds,
+            [o == "on" for o in ns.grid_overlap],
+            ns.grid_caps,
+            [_isolation_spec(spec) for spec in ns.isolation_tokens],
+            ns.isolation_flags.split(),
+        )
     if "locality" in ns.tables:
         for kv in ns.locality_kv_tokens:
             out += ["### shared prefixes", "", *locality_table(4000, 20.0, ns.locality_bounds, kv), ""]
@@ -389,10 +470,16 @@ def main(argv: Sequence[str]) -> int:
     return 0
 
 
-def _isolation_spec(spec: str) -> tuple[int, int]:
-    """'T' or 'T:R' -> (T, R)."""
-    tokens, _, running = spec.partition(":")
-    return int(tokens), int(running or 0)
+def _isolation_spec(spec: str) -> tuple[int, int, float, bool]:
+    """'T', 'T:R', 'T:R:G' or 'T:R:G:turn' -> (T, R, G, the decode turn)."""
+    tokens, running, grace, turn = [*spec.split(":"), "", "", ""][:4]
+    return int(tokens), int(running or 0), float(grace or 0), turn == "turn"
+
+
+def _isolation_flags(tokens: int, running: int, grace: float, turn: bool = False) -> list[str]:
+    flags = ["--fairness-isolation-tokens", str(tokens), "--fairness-isolation-running", str(running)]
+    flags += ["--fairness-isolation-grace", f"{grace:g}"] if grace else []
+    return flags + (["--fairness-isolation-decode-turn"] if turn else [])
 
 
 def mooncake_tenants(

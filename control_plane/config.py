@@ -167,6 +167,13 @@ class SchedulerConfig:
     fairness_isolation_tokens: int = 0
     # With it: the most requests the tenants above their share may hold running together; 0: no cap.
     fairness_isolation_running: int = 0
+    # With it: a tenant counts as live for this many seconds of the worker's time (the queue clock)
+    # after a pass last saw it running or waiting, so a flood does not get SGLang's steps back
+    # between its requests; 0: only while it has requests live.
+    fairness_isolation_grace: float = 0.0
+    # With it: while a light tenant has requests running, a prefill step of heavy tenants' prompts
+    # alone is followed by a step without them (a decode, unless a light request is admitted).
+    fairness_isolation_decode_turn: bool = False
     # Tenant -> weight (a tenant's fair share is proportional to it); absent tenants weigh 1.
     tenant_weights: Mapping[str, float] = field(default_factory=dict)
     # SLO admission (docs/scheduler.md#slo-admission): the worker's step cost (a, b, c, d) in seconds,
@@ -429,6 +436,20 @@ _SCHEDULING = Flags(
             help="with --fairness-isolation-tokens: the tenants above their share of the running batch may "
             "hold at most this many running requests together while the others have requests live, so a "
             "decode step stays short (0: no cap)",
+        ),
+        Flag(
+            "--fairness-isolation-grace",
+            Float(0.0, 1e9),
+            help="with --fairness-isolation-tokens: seconds of the worker's time a tenant still counts as "
+            "live after it last had requests running or waiting, so a flood is held between its requests "
+            "too (0: only while it has requests live)",
+        ),
+        Flag(
+            "--fairness-isolation-decode-turn",
+            SWITCH,
+            help="with --fairness-isolation-tokens: while a tenant below its share has requests running, "
+            "a prefill step of the tenants above theirs alone is followed by a step without their prompts, "
+            "so the running requests decode although the heavy tenants are backlogged",
         ),
         Flag(
             "--slo-cost",
@@ -874,6 +895,10 @@ def validate_scheduler_config(config: SchedulerConfig) -> None:
             )
     if config.fairness_isolation_running > 0 and config.fairness_isolation_tokens <= 0:
         raise ValueError("--fairness-isolation-running requires --fairness-isolation-tokens")
+    if config.fairness_isolation_grace > 0 and config.fairness_isolation_tokens <= 0:
+        raise ValueError("--fairness-isolation-grace requires --fairness-isolation-tokens")
+    if config.fairness_isolation_decode_turn and config.fairness_isolation_tokens <= 0:
+        raise ValueError("--fairness-isolation-decode-turn requires --fairness-isolation-tokens")
     for tenant, weight in config.tenant_weights.items():
         if not 0 < weight < float("inf"):
             raise ValueError(f"tenant {tenant!r}: weight must be a positive number, got {weight!r}")

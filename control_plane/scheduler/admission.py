@@ -66,6 +66,8 @@ class Admission:
         self.may_preempt = self.try_preemption or (fair_preemption is not None and fair_preemption.bound > 0)
         # Step isolation (docs/scheduler.md#fairness-isolation): None unless --fairness-isolation-tokens.
         self.isolation = isolation
+        # Isolation's decode turn: the latest prefill step held the heavy tenants' prompts alone.
+        self.heavy_only_last = False
 
     # --- the chunked request between steps (docs/scheduler.md#step-loop steps 1 and 3) ----------------
 
@@ -84,6 +86,7 @@ class Admission:
 
     def get_new_batch_prefill(self, stats: StepStats) -> ScheduledBatch | None:
         running, chunk = self.running, self.chunk
+        heavy_only_last, self.heavy_only_last = self.heavy_only_last, False
         shares = None
         if self.isolation is not None and (self.intake.waiting or chunk.req is not None):
             shares = self.isolation.shares(running.reqs, chunk.req)
@@ -101,7 +104,7 @@ class Admission:
         self.intake.order(self.policy, running_reqs)
         budget = None
         if self.isolation is not None and shares is not None:
-            budget = self.isolation.begin(self.intake.waiting, shares)
+            budget = self.isolation.begin(self.intake.waiting, shares, heavy_only_last)
         mixed = self.config.enable_mixed_chunk and len(running) > 0
         running_bs = len(running)
         adder = PrefillAdder(
@@ -134,6 +137,7 @@ class Admission:
             self.intake.requeue(req)
         if not adder.can_run_list:
             return None
+        self.heavy_only_last = budget is not None and all(budget.is_heavy(r) for r in adder.can_run_list)
         self._fill_stats(stats, adder, running_bs)
         if adder.new_chunked_req is not None:
             chunk.start(adder.new_chunked_req)

@@ -164,7 +164,7 @@ class Scheduler:
         # Step isolation (docs/scheduler.md#fairness-isolation): None unless --fairness-isolation-tokens.
         self.isolation: StepIsolation | None = None
         if self.fairness is not None and config.fairness_isolation_tokens > 0:
-            self.isolation = StepIsolation(config, self.fairness)
+            self.isolation = StepIsolation(config, self.fairness, self.queue_clock)
         self.decode = Decode(config, self.kv, self.seq_books, self.running, self.retraction, self.ratio)
         self.admission = Admission(
             config,

@@ -7,6 +7,8 @@ without the rule, with the pool's books and invariants holding at every step."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
@@ -149,6 +151,76 @@ def test_heavy_tenants_hold_at_most_r_running_requests_while_a_light_one_is_live
     assert not sched.waiting
 
 
+def test_shares_are_counted_in_the_tokens_running_requests_hold() -> None:
+    """Flood holds 2 running requests of 200+ tokens, good 3 of 20: good holds more requests but a
+    tenth of the tokens. The flood is the heavy one (its decode rows cost their context, its KV
+    fills the pool): good's next request goes first and alone, the flood's after it."""
+    sched = make_scheduler(fairness="vtc", fairness_isolation_tokens=64, chunked_prefill_size=512)
+    worker = FakeWorker(sched.capacity)
+    for i in range(2):
+        sched.add_request(f"f{i}", prompt(200, i), params(500, tenant="flood", ignore_eos=True))
+    _step(sched, worker)
+    for i in range(3):
+        sched.add_request(f"g{i}", prompt(20, 10 + i), params(500, tenant="good", ignore_eos=True))
+    _step(sched, worker)
+    _step(sched, worker)
+    assert {r.rid for r in sched.running.reqs} == {"f0", "f1", "g0", "g1", "g2"}
+    sched.add_request("f2", prompt(40, 20), params(8, tenant="flood", ignore_eos=True))
+    sched.add_request("g3", prompt(20, 21), params(8, tenant="good", ignore_eos=True))
+    _step(sched, worker)
+    assert _tokens_by_tenant(sched) == {"good": 20}
+    _step(sched, worker)
+    assert _tokens_by_tenant(sched) == {"flood": 40}
+
+
+@pytest.mark.parametrize("turn", [False, True])
+def test_a_decode_step_follows_each_heavy_only_prefill_while_a_light_request_runs(turn: bool) -> None:
+    """With prefill first a backlogged flood makes every step a prefill (held to T), so good's
+    running request never decodes; with the decode turn every other step is a decode."""
+    sched, worker = _flood_beside_good(64, fairness_isolation_decode_turn=turn)
+    for i in range(6):
+        sched.add_request(f"f{3 + i}", prompt(40, 3 + i), params(8, tenant="flood", ignore_eos=True))
+    before = sched.requests["g0"].num_outputs
+    kinds = []
+    for _ in range(4):
+        plan = _step(sched, worker)
+        assert plan is not None
+        kinds.append(plan.kind)
+    prefill, decode = StepKind.PREFILL, StepKind.DECODE
+    assert kinds == ([prefill, decode, prefill, decode] if turn else [prefill] * 4)
+    assert sched.requests["g0"].num_outputs - before == (2 if turn else 0)
+
+
+def _timed_step(sched: Scheduler, worker: FakeWorker, seconds: float) -> StepPlan | None:
+    """A step whose result says the worker spent `seconds` on it (the queue clock's time)."""
+    plan = sched.next_plan()
+    if plan is not None:
+        sched.apply_result(dataclasses.replace(worker.run(plan), forward_s=seconds))
+    sched.take_updates()
+    return plan
+
+
+@pytest.mark.parametrize("grace", [0.0, 1.0])
+def test_a_tenant_stays_known_for_the_grace_after_its_last_request(grace: float) -> None:
+    """Good's only request ends; the flood's next prompts get T a step while the worker has spent
+    less than the grace since good was last live, then SGLang's chunk again."""
+    sched, worker = _flood_beside_good(64, fairness_isolation_grace=grace)
+    sched.abort("g0", _abort())
+    while any(r.params.tenant == "good" for r in sched.running.reqs):
+        _timed_step(sched, worker, 0.1)
+    for i in range(6):
+        sched.add_request(f"f{3 + i}", prompt(40, 3 + i), params(8, tenant="flood", ignore_eos=True))
+    _timed_step(sched, worker, 0.1)
+    assert _tokens_by_tenant(sched) == {"flood": 64 if grace else 240}
+    for _ in range(12):
+        _timed_step(sched, worker, 0.1)
+    for i in range(6):
+        sched.add_request(f"f{9 + i}", prompt(40, 9 + i), params(8, tenant="flood", ignore_eos=True))
+    _timed_step(sched, worker, 0.1)
+    # More than a second of steps since good was last live: it is forgotten.
+    assert _tokens_by_tenant(sched) == {"flood": 240}
+
+
 def _abort():  # type: ignore[no-untyped-def]
     from control_plane.request import FinishReason
 
@@ -190,16 +262,19 @@ def _prompt(i: int, n: int, group: int) -> list[int]:
 
 
 @settings(max_examples=25, deadline=None)
-@given(TRAFFIC, st.booleans(), st.sampled_from([0, 2]))
+@given(TRAFFIC, st.booleans(), st.sampled_from([0, 2]), st.booleans())
 # Tenant b fills two of the three slots, then a arrives: b is heavy, a's requests go first.
-@example([(0, "b", 5, 34, -1), (1, "b", 5, 35, -1), (19, "a", 5, 32, -1), (19, "a", 28, 17, -1)], False, 0)
+@example(
+    [(0, "b", 5, 34, -1), (1, "b", 5, 35, -1), (19, "a", 5, 32, -1), (19, "a", 28, 17, -1)], False, 0, False
+)
 @example(
     [(0, "b", 40, 60, 0), (0, "b", 40, 60, 1), (2, "b", 60, 30, 0), (5, "a", 20, 10, 1), (6, "a", 30, 5, 0)],
     True,
     2,
+    True,
 )
 def test_every_request_gets_the_tokens_it_gets_without_the_rule(
-    traffic: list[tuple[int, str, int, int, int]], overlap: bool, running_cap: int
+    traffic: list[tuple[int, str, int, int, int]], overlap: bool, running_cap: int, turn: bool
 ) -> None:
     """Isolation changes when tokens come, never which (the fake worker's tokens depend on the
     context only); the pool's books and invariants hold at every step, and every plan made under a
@@ -215,6 +290,7 @@ def test_every_request_gets_the_tokens_it_gets_without_the_rule(
             fairness="vtc",
             fairness_isolation_tokens=tokens,
             fairness_isolation_running=running_cap if tokens else 0,
+            fairness_isolation_decode_turn=turn and tokens > 0,
             chunked_prefill_size=32,
             max_running_requests=3,
             strict_invariants=True,
@@ -250,29 +326,41 @@ def test_every_request_gets_the_tokens_it_gets_without_the_rule(
             "--fairness-isolation-tokens requires chunked prefill",
         ),
         ({"fairness": "vtc", "fairness_isolation_running": 8}, "--fairness-isolation-running requires"),
+        ({"fairness": "vtc", "fairness_isolation_grace": 2.0}, "--fairness-isolation-grace requires"),
+        (
+            {"fairness": "vtc", "fairness_isolation_decode_turn": True},
+            "--fairness-isolation-decode-turn requires",
+        ),
     ],
 )
 def test_the_flags_need_fairness_and_chunking(changes: dict[str, object], message: str) -> None:
-    import dataclasses
-
     with pytest.raises(ValueError, match=message):
         validate_scheduler_config(dataclasses.replace(SchedulerConfig(), **changes))  # type: ignore[arg-type]
 
 
 def test_simulate_takes_the_flags() -> None:
     ns = simulate.build_parser().parse_args(
-        ["--fairness", "vtc", "--fairness-isolation-tokens", "512", "--fairness-isolation-running", "128"]
+        [
+            *("--fairness", "vtc", "--fairness-isolation-tokens", "512"),
+            *("--fairness-isolation-running", "128", "--fairness-isolation-grace", "5"),
+            "--fairness-isolation-decode-turn",
+        ]
     )
     config = simulate.setup_from_args(ns).config
-    assert (config.fairness_isolation_tokens, config.fairness_isolation_running) == (512, 128)
+    isolation = (config.fairness_isolation_tokens, config.fairness_isolation_running)
+    assert (*isolation, config.fairness_isolation_grace) == (512, 128, 5.0)
+    assert config.fairness_isolation_decode_turn
 
 
 def test_isolated_plans_replay_identically() -> None:
-    """The header carries T and R: a replay makes the same budgets, orders and preemptions."""
+    """The header carries T, R and the grace: a replay makes the same budgets, orders and
+    preemptions (the grace reads the queue clock, which replays from the results)."""
     config = make_config(
         fairness="vtc",
         fairness_isolation_tokens=16,
         fairness_isolation_running=3,
+        fairness_isolation_grace=0.5,
+        fairness_isolation_decode_turn=True,
         chunked_prefill_size=64,
         max_running_requests=5,
     )
