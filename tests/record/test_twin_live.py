@@ -48,8 +48,9 @@ def recorded_stack(
 
     A test stops it once the books settle, not when the client has its last finish: under overlap
     the step planned before that finish was applied is still running, and `up` stops the workers
-    first, so its seconds would be missing from the recording while the twin plans it too ("step 10
-    was not measured live", seen on a loaded machine)."""
+    first, so its seconds would be missing from the recording while the twin plans it too (it gives
+    such a step 0 s: test_a_stack_stopped_at_the_clients_last_finish_...; these tests compare whole
+    recordings, every step measured)."""
     record = tmp_path / "rec"
     ready = tmp_path / "ready.json"
     args = ["up", "--host", "127.0.0.1", "--port", "0", "--worker-port", "0", "--log-level", "warning"]
