@@ -150,20 +150,29 @@ def simulate(
     """The trace simulated on `cost` (or these step seconds), with the cost file's client path if
     `client` and its residuals drawn per step if `jitter` (--cost-jitter); arriving by time, or at the
     steps `arrivals_of` stamped."""
-    recorded = costs.recorded_seconds(cost) if seconds is None else seconds
+    steps = costs.recorded_steps(cost) if seconds is None else None
+    recorded = steps.seconds if steps is not None else seconds
     model = costs.parse_cost(cost) if recorded is None else sim.CostModel()
     path = costs.client_path(cost) if client else ClientPath()
     drawn = costs.residual_quantiles(cost) if jitter else ()
+    # The steps `up`'s stop cut off (it is stopped as soon as the bench has its last finish).
+    cut_off = steps.cut_off if steps is not None else frozenset()
+    stamps = twin_recorded.read_worker(arrivals_of) if arrivals_of is not None else None
+    if seconds is not None and stamps is not None:  # the spans of the recording that stamped them
+        cut_off = stamps.cut_off
     setup = sim.SimSetup(
-        header.scheduler, header.limits, model, recorded_seconds=recorded, client=path, jitter=drawn
+        header.scheduler,
+        header.limits,
+        model,
+        recorded_seconds=recorded,
+        client=path,
+        jitter=drawn,
+        recorded_cut_off=cut_off,
     )
     requests = [sim.to_request(e) for e in client_traces.load_trace(trace, header.limits.vocab_size)]
-    if arrivals_of is None:
+    if stamps is None:
         return sim.Simulation(setup, requests).run()
-    recorded = twin_recorded.read_worker(arrivals_of)
-    return sim.Simulation(
-        setup, requests, arrival_steps=recorded.arrivals, after_idle=recorded.after_idle
-    ).run()
+    return sim.Simulation(setup, requests, arrival_steps=stamps.arrivals, after_idle=stamps.after_idle).run()
 
 
 def per_request(trace: Path, header: Header, cost: str) -> dict[str, tuple[float, float, int]]:

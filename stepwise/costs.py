@@ -21,10 +21,11 @@ from __future__ import annotations
 import itertools
 import json
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from control_plane.record.entries import ApplyResult
+from control_plane.record.entries import ApplyResult, NextPlan
 from control_plane.record.files import RecordingError, read_entries
 from data_plane.sim import CostModel
 
@@ -145,19 +146,53 @@ def residual_quantiles(text: str, flag: str = "--cost") -> tuple[float, ...]:
     return tuple(float(v) for v in values)
 
 
-def recorded_seconds(text: str, flag: str = "--cost") -> dict[int, float] | None:
-    """`recorded:DIR`'s step seconds (step id -> the worker's measured forward_s); None for any other
-    spec; ValueError naming `flag` when the recording cannot be read."""
+@dataclass(frozen=True, slots=True)
+class RecordedSteps:
+    """What `recorded:DIR` times a simulation with."""
+
+    # step id -> the worker's measured forward_s.
+    seconds: dict[int, float]
+    # The planned steps after the last measured one: those a stop cut off while they ran (under
+    # overlap, `up` stopped as soon as the client had its last finish, see `unmeasured`).
+    cut_off: frozenset[int] = frozenset()
+
+
+def recorded_steps(text: str, flag: str = "--cost") -> RecordedSteps | None:
+    """`recorded:DIR`'s measured steps; None for any other spec; ValueError naming `flag` when the
+    recording cannot be read."""
     if not text.startswith(RECORDED):
         return None
     path = Path(text.removeprefix(RECORDED))
+    seconds: dict[int, float] = {}
+    last_planned: int | None = None
     try:
-        results = [e.result for e in read_entries(path) if isinstance(e, ApplyResult)]
+        for entry in read_entries(path):
+            if isinstance(entry, ApplyResult):
+                seconds[entry.result.step_id] = entry.result.forward_s
+            elif isinstance(entry, NextPlan) and entry.plan is not None:
+                last_planned = entry.plan.step_id
     except (OSError, RecordingError) as exc:
         raise ValueError(f"{flag} {text}: cannot read the recording: {exc}") from None
-    if not results:
+    if not seconds:
         raise ValueError(f"{flag} {text}: the recording measured no step")
-    return {r.step_id: r.forward_s for r in results}
+    return RecordedSteps(seconds, unmeasured(last_planned, seconds))
+
+
+def recorded_seconds(text: str, flag: str = "--cost") -> dict[int, float] | None:
+    """`recorded:DIR`'s step seconds (step id -> the worker's measured forward_s); None for any other
+    spec; ValueError naming `flag` when the recording cannot be read."""
+    steps = recorded_steps(text, flag)
+    return None if steps is None else steps.seconds
+
+
+def unmeasured(last_planned: int | None, seconds: Mapping[int, float]) -> frozenset[int]:
+    """A recording's planned steps after its last measured one (RecordedSteps.cut_off). Under overlap
+    the engine publishes a finish after it has sent the next plan, so when the client has its last
+    finish two steps can still be running: the one planned before that finish was applied and the
+    one just sent (each decodes rows already finished, or none); a stop then leaves both unmeasured."""
+    if last_planned is None:
+        return frozenset()
+    return frozenset(range(max(seconds, default=0) + 1, last_planned + 1))
 
 
 def describe_named() -> str:

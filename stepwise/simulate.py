@@ -106,6 +106,9 @@ class SimSetup:
     # `--cost-jitter`: quantiles (evenly spaced levels 0..1) of a fit's residuals; each step adds
     # one draw (seeded by `seed`: stepwise/jitter.py), its seconds kept >= 0.
     jitter: tuple[float, ...] = ()
+    # `--cost recorded:DIR`: the recording's planned steps after its last measured one (a stop cut
+    # them off: stepwise.costs.RecordedSteps); each takes 0 s once every request has finished.
+    recorded_cut_off: frozenset[int] = frozenset()
 
 
 # --- the trace ------------------------------------------------------------------------------------
@@ -206,6 +209,8 @@ class Simulation:
         self.by_tenant = about_tenants(setup, trace)
         self.rid_of_uid: dict[int, str] = {}
         self.uid_of_rid: dict[str, int] = {}
+        # The steps of `recorded_cut_off` that came, each taking 0 s.
+        self.unmeasured: list[int] = []
 
     def run(self) -> dict[str, object]:
         while self._step():
@@ -244,9 +249,18 @@ class Simulation:
         recorded = self.setup.recorded_seconds
         if recorded is None:
             return result.forward_s
-        if result.step_id not in recorded:
-            raise RecordingTooShort(f"step {result.step_id} was not measured in the recording")
-        return recorded[result.step_id]
+        if result.step_id in recorded:
+            return recorded[result.step_id]
+        if result.step_id in self.setup.recorded_cut_off and self._all_finished():
+            # A step a stop cut off (overlap planned it before the last finish was published): live
+            # never measured it either, and no token or finish of it reaches a client.
+            self.unmeasured.append(result.step_id)
+            return 0.0
+        raise RecordingTooShort(f"step {result.step_id} was not measured in the recording")
+
+    def _all_finished(self) -> bool:
+        """Every request of the trace has arrived and finished (or been refused)."""
+        return not self.pending and all(p.finished is not None for p in self.progress.values())
 
     def _due(self, request: TraceRequest) -> bool:
         if self.arrival_steps is None:
@@ -478,7 +492,8 @@ def setup_from_args(ns: argparse.Namespace) -> SimSetup:
         config = dataclasses.replace(config, tenant_weights=table.weights(), tenant_slos=table.slo_defaults())
         control_config.validate_scheduler_config(config)
     page = config.page_size or 1
-    recorded = costs.recorded_seconds(ns.cost)
+    steps = costs.recorded_steps(ns.cost)
+    recorded = None if steps is None else steps.seconds
     cost = costs.parse_cost(ns.cost) if recorded is None else CostModel()
     limits = WorkerLimits(
         worker_id="sim",
@@ -494,7 +509,8 @@ def setup_from_args(ns: argparse.Namespace) -> SimSetup:
     client = costs.client_path(ns.cost) if recorded is None else ClientPath()
     jitter = costs.residual_quantiles(ns.cost) if ns.cost_jitter else ()
     overlap = not ns.disable_overlap_schedule
-    return SimSetup(config, limits, cost, ns.sim_seed, overlap, recorded, table, client, jitter)
+    cut_off = frozenset() if steps is None else steps.cut_off
+    return SimSetup(config, limits, cost, ns.sim_seed, overlap, recorded, table, client, jitter, cut_off)
 
 
 def _sink(ns: argparse.Namespace, setup: SimSetup, emit: Callable[[StepLine], None]) -> Sink | None:
@@ -506,6 +522,13 @@ def _sink(ns: argparse.Namespace, setup: SimSetup, emit: Callable[[StepLine], No
     if not ns.summary_only:
         sinks.append(TimelineSink(emit))
     return Tee(sinks) if sinks else None
+
+
+def _unmeasured_note(steps: Sequence[int]) -> str:
+    if len(steps) == 1:
+        return f"step {steps[0]} was not measured (the recording stopped while it ran): it took 0 s"
+    listed = ", ".join(map(str, steps))
+    return f"steps {listed} were not measured (the recording stopped while they ran): they took 0 s"
 
 
 def main(argv: Sequence[str]) -> int:
@@ -531,10 +554,11 @@ def main(argv: Sequence[str]) -> int:
     except OSError as exc:
         print(f"stepwise simulate: --record {ns.record}: cannot write there: {exc}", file=sys.stderr)
         return 2
-    twin = None
+    twin = simulation = None
     try:
         if fleet is None:
-            summary = Simulation(setup, trace, sink).run()
+            simulation = Simulation(setup, trace, sink)
+            summary = simulation.run()
         else:
             twin = twin_cli.twin.Twin(fleet, trace, sink if len(fleet.roles) == 1 else None)
             summary = twin.run()
@@ -551,6 +575,10 @@ def main(argv: Sequence[str]) -> int:
     if not ns.json and lines:
         print_table(lines)
     print(json.dumps({"summary": summary}))
+    if simulation is not None and simulation.unmeasured:
+        print(
+            f"stepwise simulate: --cost {ns.cost}: {_unmeasured_note(simulation.unmeasured)}", file=sys.stderr
+        )
     if twin is not None and fleet is not None and twin_cli.shows_fleet(ns, fleet):
         try:
             twin_cli.report(ns, twin)

@@ -24,11 +24,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from control_plane.record.entries import AddRequest, ApplyResult, Header, OnIdle
+from control_plane.record.entries import AddRequest, ApplyResult, Header, NextPlan, OnIdle
 from control_plane.record.files import RecordingError, read_entries
 from control_plane.record.recorder import RecordingScheduler, Sink
 from control_plane.scheduler.scheduler import Scheduler
 from protos.worker import StepResult, WorkerLimits
+from stepwise import costs
 from stepwise.simulate import RecordingTooShort, SimulationStuck, TraceRequest
 from stepwise.twin import SimWorker, Twin, TwinSetup
 
@@ -44,6 +45,8 @@ class WorkerRecording:
     seconds: Mapping[int, float]
     # The requests added after the scheduler went idle at their step (an OnIdle of that step first).
     after_idle: frozenset[str] = frozenset()
+    # The planned steps after the last measured one: a stop cut them off (stepwise.costs.RecordedSteps).
+    cut_off: frozenset[int] = frozenset()
 
 
 def read_worker(session: Path) -> WorkerRecording:
@@ -57,6 +60,7 @@ def read_worker(session: Path) -> WorkerRecording:
     seconds: dict[int, float] = {}
     after_idle: set[str] = set()
     idle_at = -1
+    last_planned: int | None = None
     for entry in entries:
         if isinstance(entry, AddRequest):
             if entry.rid in arrivals:
@@ -68,7 +72,10 @@ def read_worker(session: Path) -> WorkerRecording:
             idle_at = entry.step
         elif isinstance(entry, ApplyResult):
             seconds[entry.result.step_id] = entry.result.forward_s
-    return WorkerRecording(header, arrivals, seconds, frozenset(after_idle))
+        elif isinstance(entry, NextPlan) and entry.plan is not None:
+            last_planned = entry.plan.step_id
+    cut_off = costs.unmeasured(last_planned, seconds)
+    return WorkerRecording(header, arrivals, seconds, frozenset(after_idle), cut_off)
 
 
 def read_fleet(directory: Path) -> list[WorkerRecording]:
@@ -109,6 +116,8 @@ class RecordedTwin(Twin):
         self.held: list[dict[str, TraceRequest]] = [{} for _ in recordings]
         # The step at which each worker's scheduler last went idle.
         self.idled = [-1] * len(recordings)
+        # (worker, step) of each step a stop cut off that came, each taking 0 s.
+        self.unmeasured: list[tuple[int, int]] = []
         # Every request is routed at once, in trace order: when it reaches its scheduler is the stamp's
         # business, not the clock's (so aborts by time have no place here either).
         super().__init__(setup, [dataclasses.replace(r, arrival=0.0, abort_at=None) for r in trace])
@@ -119,10 +128,24 @@ class RecordedTwin(Twin):
         return super()._new_scheduler(index, limits)
 
     def _step_seconds(self, worker: SimWorker, result: StepResult) -> float:
-        seconds = self.recordings[worker.index].seconds.get(result.step_id)
-        if seconds is None:
-            raise RecordingTooShort(f"worker {worker.index}: step {result.step_id} was not measured live")
-        return seconds
+        recording = self.recordings[worker.index]
+        seconds = recording.seconds.get(result.step_id)
+        if seconds is not None:
+            return seconds
+        if result.step_id in recording.cut_off and self._all_finished(worker):
+            # The step a stop cut off (stepwise/simulate.py, Simulation._seconds): 0 s.
+            self.unmeasured.append((worker.index, result.step_id))
+            return 0.0
+        raise RecordingTooShort(f"worker {worker.index}: step {result.step_id} was not measured live")
+
+    def _all_finished(self, worker: SimWorker) -> bool:
+        """Every request live added on `worker` has been handed to it and has finished. Not the whole
+        trace's: each worker's clock here skips the idle waits live had, so another worker may still
+        be running what live had finished before the stop."""
+        order = self.order[worker.index]
+        return self.handed[worker.index] == len(order) and all(
+            self.progress[rid].finished is not None for rid in order
+        )
 
     def _route(self, req: TraceRequest) -> SimWorker | None:
         if self.pinned and req.rid in self.recorded_on:

@@ -48,8 +48,9 @@ def recorded_stack(
 
     A test stops it once the books settle, not when the client has its last finish: under overlap
     the step planned before that finish was applied is still running, and `up` stops the workers
-    first, so its seconds would be missing from the recording while the twin plans it too ("step 10
-    was not measured live", seen on a loaded machine)."""
+    first, so its seconds would be missing from the recording while the twin plans it too (it gives
+    such a step 0 s: test_a_stack_stopped_at_the_clients_last_finish_...; these tests compare whole
+    recordings, every step measured)."""
     record = tmp_path / "rec"
     ready = tmp_path / "ready.json"
     args = ["up", "--host", "127.0.0.1", "--port", "0", "--worker-port", "0", "--log-level", "warning"]
@@ -266,3 +267,53 @@ def test_a_request_that_came_after_the_scheduler_went_idle_waits_for_it_to_go_id
 
     assert replayed(recorded.after_idle) == live
     assert replayed(frozenset()) != live
+
+
+# Two requests, the second one's last finish decided while steps that overlap planned after it still
+# run (see below).
+SLOW_TRACE = [
+    {"rid": f"s{i}", "arrival": 0.0, "prompt_len": 16 + 4 * i, "max_new_tokens": 2 + i} for i in range(2)
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    # Steps long enough (0.8 s) that the last one is still running when `up` is stopped right after
+    # the client has its last finish, the bench's exit included, on a loaded machine.
+    "recorded_stack",
+    [pytest.param(["--backend", "sim", "--sim-cost", "0.8,0,0"], id="sim")],
+    indirect=True,
+)
+async def test_a_stack_stopped_at_the_clients_last_finish_leaves_a_recording_the_simulator_times(
+    recorded_stack: tuple[str, Path, Callable[[], None]], tmp_path: Path
+) -> None:
+    """A user stops `up` as soon as the client has its last finish: the steps that overlap had
+    planned by then were still running and have no result in the recording. The simulator plans them
+    too, after every request finished, and gives them 0 s instead of refusing the recording."""
+    address, record, stop = recorded_stack
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(json.dumps(r) + "\n" for r in SLOW_TRACE))
+    args = ["bench", "--address", address, "--dataset", "trace", str(trace), "--vocab", "1024", "--json"]
+    code, _, err = await run_cli_async(args)
+    assert code == 0, err
+    stop()
+    recorded = twin_recorded.read_worker(record)
+    assert recorded.cut_off  # the stop came while the trailing steps ran
+    header = recorded.header
+    setup = sim.SimSetup(
+        header.scheduler,
+        header.limits,
+        sim.CostModel(),
+        recorded_seconds=recorded.seconds,
+        recorded_cut_off=recorded.cut_off,
+    )
+    requests = [sim.to_request(e) for e in client_traces.load_trace(trace, header.limits.vocab_size)]
+    simulated: list[StepLine] = []
+    sink = TimelineSink(simulated.append)
+    simulation = sim.Simulation(setup, requests, sink, recorded.arrivals, recorded.after_idle)
+    summary = simulation.run()
+    sink.close()
+    assert planned(simulated) == planned(timeline(list(read_entries(record))))
+    assert simulation.unmeasured == sorted(recorded.cut_off)
+    assert summary["finish_reasons"] == {"length": len(SLOW_TRACE)}
+    assert summary["simulated_s"] == pytest.approx(sum(recorded.seconds.values()), abs=1e-5)
