@@ -185,27 +185,41 @@ def row(cells: Sequence[object]) -> str:
 
 
 def skew_table(
-    rate: float, duration: float, preempt_bounds: Sequence[float] = (), fleet: Sequence[str] = ()
+    rate: float,
+    duration: float,
+    preempt_bounds: Sequence[float] = (),
+    fleet: Sequence[str] = (),
+    prefix: int = 0,
+    fairness: Sequence[str] = ("none", "vtc", "vtc-locality"),
 ) -> list[str]:
     """On a fleet (`fleet`: its flags, `--workers N` first) each tenant offers N times its rate, and
-    a last column counts the heavy (t0-t3) and light (t4-t7) tenants' requests on each worker."""
+    a last column counts the heavy (t0-t3) and light (t4-t7) tenants' requests on each worker.
+    `prefix`: each prompt's first tokens are its tenant's own system prompt of that many tokens."""
     rate *= int(fleet[1]) if fleet else 1
     rates = {f"t{i}": (4.0 if i < 4 else 1.0) * rate for i in range(8)}
     trace = open_loop(rates, duration, 512, 128, seed=1)
+    if prefix:
+        trace = [
+            dataclasses.replace(
+                r,
+                input_ids=token_run(f"system/{r.params.tenant}", prefix, VOCAB) + tuple(r.input_ids[prefix:]),
+            )
+            for r in trace
+        ]
     head = ["fairness", "jain index (backlogged)", "output tok/s", "x FCFS", "light tenants' TTFT p99 s"]
     head += ["cpu s", *(["heavy/light requests by worker"] if fleet else [])]
     lines = [
         f"8 tenants, t0-t3 at {4 * rate:g} req/s and t4-t7 at {rate:g} req/s for {duration:g} s "
-        f"({len(trace)} requests, 512 prompt + 128 output tokens each)"
+        f"({len(trace)} requests, 512 prompt + 128 output tokens each"
+        + (f", the first {prefix} the tenant's own" if prefix else "")
+        + ")"
         + (f"; `{' '.join(fleet)}`" if fleet else ""),
         "",
         row(head),
         row(["---"] * len(head)),
     ]
     base = None
-    runs: list[tuple[str, list[str]]] = [
-        (name, ["--fairness", name]) for name in ("none", "vtc", "vtc-locality")
-    ]
+    runs: list[tuple[str, list[str]]] = [(name, ["--fairness", name]) for name in fairness]
     runs += [
         (f"vtc + preempt {b:g}", ["--fairness", "vtc", "--fairness-preempt-bound", f"{b:g}"])
         for b in preempt_bounds
@@ -221,6 +235,7 @@ def skew_table(
         if fleet:
             cells.append(_heavy_light(summary["tenant_workers"]))
         lines.append(row(cells))
+        print(lines[-1], file=sys.stderr, flush=True)  # a long run's rows as they come
     return lines
 
 
@@ -469,6 +484,17 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument(
         "--routing-policy", choices=["cache-aware", "least-loaded"], help="with --workers: the router's"
     )
+    parser.add_argument(
+        "--skew-prefix", type=int, default=0, help="skew: each tenant's prompts share their first N tokens"
+    )
+    parser.add_argument(
+        "--skew-fairness",
+        nargs="*",
+        default=["none", "vtc", "vtc-locality"],
+        choices=["none", "vtc", "vtc-locality"],
+        help="skew: the --fairness rows (the first is the x FCFS base)",
+    )
+    parser.add_argument("--skew-seconds", type=float, default=30.0, help="skew: the trace's length")
     parser.add_argument("--loads", type=float, nargs="*", default=[1.5, 2.0], help="slo: the load scales")
     parser.add_argument(
         "--slo-rows",
@@ -486,7 +512,12 @@ def main(argv: Sequence[str]) -> int:
         fleet += ["--routing-policy", ns.routing_policy] if ns.routing_policy else []
     out: list[str] = []
     if "skew" in ns.tables:
-        out += ["### skew", "", *skew_table(10.0, 30.0, ns.preempt_bounds, fleet), ""]
+        out += [
+            "### skew",
+            "",
+            *skew_table(10.0, ns.skew_seconds, ns.preempt_bounds, fleet, ns.skew_prefix, ns.skew_fairness),
+            "",
+        ]
     if "isolation" in ns.tables:
         out += [
             "### isolation",
