@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import random
 import statistics
 import sys
@@ -236,6 +237,11 @@ def skew_table(
             cells.append(_heavy_light(summary["tenant_workers"]))
         lines.append(row(cells))
         print(lines[-1], file=sys.stderr, flush=True)  # a long run's rows as they come
+        if fleet:  # which tenant ran where, and each tenant's service
+            served = {t: v["served_tokens"] for t, v in tenants.items()}
+            print(
+                json.dumps({"tenant_workers": summary["tenant_workers"], "served": served}), file=sys.stderr
+            )
     return lines
 
 
@@ -494,6 +500,7 @@ def main(argv: Sequence[str]) -> int:
         choices=["none", "vtc", "vtc-locality"],
         help="skew: the --fairness rows (the first is the x FCFS base)",
     )
+    parser.add_argument("--skew-rate", type=float, default=10.0, help="skew: the light tenants' req/s")
     parser.add_argument("--skew-seconds", type=float, default=30.0, help="skew: the trace's length")
     parser.add_argument("--loads", type=float, nargs="*", default=[1.5, 2.0], help="slo: the load scales")
     parser.add_argument(
@@ -515,7 +522,9 @@ def main(argv: Sequence[str]) -> int:
         out += [
             "### skew",
             "",
-            *skew_table(10.0, ns.skew_seconds, ns.preempt_bounds, fleet, ns.skew_prefix, ns.skew_fairness),
+            *skew_table(
+                ns.skew_rate, ns.skew_seconds, ns.preempt_bounds, fleet, ns.skew_prefix, ns.skew_fairness
+            ),
             "",
         ]
     if "isolation" in ns.tables:
