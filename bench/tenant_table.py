@@ -673,6 +673,8 @@ def slo_table(
                 ),
             )
             print(lines[-1], file=sys.stderr, flush=True)  # a long run's rows as they come
+            if fleet:  # requests that continued on another worker (a move, a hand-over)
+                print(json.dumps({"moves": summary["moves"]}), file=sys.stderr, flush=True)
     return lines
 
 
