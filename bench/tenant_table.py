@@ -1,7 +1,10 @@
-"""Tenants on one simulated worker (not a test): `python bench/tenant_table.py [--trace MOONCAKE]`.
+"""Tenants on one simulated worker or a fleet (not a test): `python bench/tenant_table.py [--trace
+MOONCAKE] [--workers N]`.
 
 Runs `stepwise simulate` in-process (the real scheduler, the sim worker, the simulated clock) and
-prints the tables of docs/scheduler.md#tenant-figures:
+prints the tables of docs/scheduler.md#tenant-figures; with `--workers N` the skew and slo tables
+run on the fleet twin (`simulate --workers N`, stepwise/twin.py: N workers, each with the same
+scheduler flags, behind the real router), the skew table's offered load N times the one worker's:
 
 - **skew**: 8 tenants, four offering 4x the load of the other four, all backlogged: Jain's index of
   weighted service and throughput, FCFS against VTC;
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import random
 import statistics
 import sys
@@ -33,8 +37,8 @@ sys.path.insert(0, str(ROOT))
 from clients.traces import token_run  # noqa: E402
 from control_plane.request import RequestParams  # noqa: E402
 from protos.worker import SamplerParams  # noqa: E402
+from stepwise import costs, traces, twin, twin_cli  # noqa: E402
 from stepwise import simulate as sim  # noqa: E402
-from stepwise import traces  # noqa: E402
 
 COST = "0.005,0.000025,0.00000002,0.0"
 WORKER = ["--kv-tokens", "1048576", "--max-context", "131072", "--cost", COST]
@@ -100,11 +104,25 @@ def grouped(
 
 
 def run(
-    trace: list[sim.TraceRequest], flags: Sequence[str], worker: Sequence[str] = WORKER
+    trace: list[sim.TraceRequest],
+    flags: Sequence[str],
+    worker: Sequence[str] = WORKER,
+    fleet: Sequence[str] = (),
 ) -> tuple[dict[str, Any], float]:
-    ns = sim.build_parser().parse_args([*worker, *flags])
+    """One run; `fleet` (the fleet's flags, `--workers N` and the router's) runs it on the fleet twin,
+    whose summary gains `tenant_workers` (each tenant's admitted requests by the worker that took them)
+    and `moves` (migrations and hand-overs: requests that continued on another worker)."""
+    ns = sim.build_parser().parse_args([*worker, *flags, *fleet])
     setup = sim.setup_from_args(ns)
     started = time.process_time()
+    if fleet:
+        fleet_twin = twin.Twin(twin_cli.setup_from_args(ns, setup, ()), trace)
+        summary = fleet_twin.run()
+        summary["tenant_workers"] = _tenant_workers(fleet_twin)
+        summary["moves"] = sum(fleet_twin.migrations.values()) + fleet_twin.handed_over
+        if "tenants" in summary:
+            _end_to_end(fleet_twin, summary["tenants"])
+        return summary, time.process_time() - started
     simulation = sim.Simulation(setup, trace)
     gaps = _watch_gaps(simulation.scheduler)
     summary = simulation.run()
@@ -113,6 +131,17 @@ def run(
     if "tenants" in summary:
         _end_to_end(simulation, summary["tenants"])
     return summary, time.process_time() - started
+
+
+def _tenant_workers(fleet_twin: twin.Twin) -> dict[str, dict[str, int]]:
+    """tenant -> worker -> requests of the tenant the worker took first (refused ones: none)."""
+    assert fleet_twin.tenants is not None
+    out: dict[str, dict[str, int]] = {}
+    for rid, progress in fleet_twin.progress.items():
+        if progress.workers:
+            by_worker = out.setdefault(fleet_twin.tenants.requests[rid].tenant, {})
+            by_worker[progress.workers[0]] = by_worker.get(progress.workers[0], 0) + 1
+    return {t: dict(sorted(w.items(), key=lambda kv: int(kv[0]))) for t, w in sorted(out.items())}
 
 
 def _end_to_end(simulation: Any, tenants: dict[str, dict[str, Any]]) -> None:
@@ -156,52 +185,75 @@ def row(cells: Sequence[object]) -> str:
     return "| " + " | ".join(str(c) for c in cells) + " |"
 
 
-def skew_table(rate: float, duration: float, preempt_bounds: Sequence[float] = ()) -> list[str]:
+def skew_table(
+    rate: float,
+    duration: float,
+    preempt_bounds: Sequence[float] = (),
+    fleet: Sequence[str] = (),
+    prefix: int = 0,
+    fairness: Sequence[str] = ("none", "vtc", "vtc-locality"),
+) -> list[str]:
+    """On a fleet (`fleet`: its flags, `--workers N` first) each tenant offers N times its rate, and
+    a last column counts the heavy (t0-t3) and light (t4-t7) tenants' requests on each worker.
+    `prefix`: each prompt's first tokens are its tenant's own system prompt of that many tokens."""
+    rate *= int(fleet[1]) if fleet else 1
     rates = {f"t{i}": (4.0 if i < 4 else 1.0) * rate for i in range(8)}
     trace = open_loop(rates, duration, 512, 128, seed=1)
+    if prefix:
+        trace = [
+            dataclasses.replace(
+                r,
+                input_ids=token_run(f"system/{r.params.tenant}", prefix, VOCAB) + tuple(r.input_ids[prefix:]),
+            )
+            for r in trace
+        ]
+    head = ["fairness", "jain index (backlogged)", "output tok/s", "x FCFS", "light tenants' TTFT p99 s"]
+    head += ["cpu s", *(["heavy/light requests by worker"] if fleet else [])]
     lines = [
         f"8 tenants, t0-t3 at {4 * rate:g} req/s and t4-t7 at {rate:g} req/s for {duration:g} s "
-        f"({len(trace)} requests, 512 prompt + 128 output tokens each)",
+        f"({len(trace)} requests, 512 prompt + 128 output tokens each"
+        + (f", the first {prefix} the tenant's own" if prefix else "")
+        + ")"
+        + (f"; `{' '.join(fleet)}`" if fleet else ""),
         "",
-        row(
-            [
-                "fairness",
-                "jain index (backlogged)",
-                "output tok/s",
-                "x FCFS",
-                "light tenants' TTFT p99 s",
-                "cpu s",
-            ]
-        ),
-        row(["---"] * 6),
+        row(head),
+        row(["---"] * len(head)),
     ]
     base = None
-    runs: list[tuple[str, list[str]]] = [
-        (name, ["--fairness", name]) for name in ("none", "vtc", "vtc-locality")
-    ]
+    runs: list[tuple[str, list[str]]] = [(name, ["--fairness", name]) for name in fairness]
     runs += [
         (f"vtc + preempt {b:g}", ["--fairness", "vtc", "--fairness-preempt-bound", f"{b:g}"])
         for b in preempt_bounds
     ]
     for name, flags in runs:
-        summary, cpu = run(trace, flags)
+        summary, cpu = run(trace, flags, fleet=fleet)
         tput = tok_s(summary)
         base = base or tput
         tenants = summary["tenants"]
         light = max(tenants[f"t{i}"]["ttft_p99_s"] for i in range(4, 8))
-        lines.append(
-            row(
-                [
-                    name,
-                    f"{summary['jain_index']:.4f}",
-                    f"{tput:,.1f}",
-                    f"{tput / base:.4f}",
-                    f"{light:.3f}",
-                    f"{cpu:.1f}",
-                ]
+        cells = [name, f"{summary['jain_index']:.4f}", f"{tput:,.1f}", f"{tput / base:.4f}", f"{light:.3f}"]
+        cells.append(f"{cpu:.1f}")
+        if fleet:
+            cells.append(_heavy_light(summary["tenant_workers"]))
+        lines.append(row(cells))
+        print(lines[-1], file=sys.stderr, flush=True)  # a long run's rows as they come
+        if fleet:  # which tenant ran where, and each tenant's service
+            served = {t: v["served_tokens"] for t, v in tenants.items()}
+            print(
+                json.dumps({"tenant_workers": summary["tenant_workers"], "served": served}), file=sys.stderr
             )
-        )
     return lines
+
+
+def _heavy_light(tenant_workers: dict[str, dict[str, int]]) -> str:
+    """'w0 1200/310, w1 ...': each worker's requests of t0-t3 and of t4-t7."""
+    counts: dict[str, list[int]] = {}
+    for tenant, by_worker in tenant_workers.items():
+        for worker, n in by_worker.items():
+            counts.setdefault(worker, [0, 0])[0 if int(tenant[1:]) < 4 else 1] += n
+    return ", ".join(
+        f"w{w} {h}/{light}" for w, (h, light) in sorted(counts.items(), key=lambda kv: int(kv[0]))
+    )
 
 
 def isolation_table(
@@ -432,10 +484,49 @@ def main(argv: Sequence[str]) -> int:
         help="isolation and grid: VTC rows with --fairness-isolation-tokens T (and "
         "--fairness-isolation-running R, --fairness-isolation-grace G, --fairness-isolation-decode-turn)",
     )
+    parser.add_argument(
+        "--workers", type=int, help="skew and slo: on the fleet twin of N workers (default: one worker)"
+    )
+    parser.add_argument(
+        "--routing-policy", choices=["cache-aware", "least-loaded"], help="with --workers: the router's"
+    )
+    parser.add_argument(
+        "--skew-prefix", type=int, default=0, help="skew: each tenant's prompts share their first N tokens"
+    )
+    parser.add_argument(
+        "--skew-fairness",
+        nargs="*",
+        default=["none", "vtc", "vtc-locality"],
+        choices=["none", "vtc", "vtc-locality"],
+        help="skew: the --fairness rows (the first is the x FCFS base)",
+    )
+    parser.add_argument("--skew-rate", type=float, default=10.0, help="skew: the light tenants' req/s")
+    parser.add_argument("--skew-seconds", type=float, default=30.0, help="skew: the trace's length")
+    parser.add_argument("--loads", type=float, nargs="*", default=[1.5, 2.0], help="slo: the load scales")
+    parser.add_argument(
+        "--slo-rows",
+        nargs="*",
+        default=["none", "fcfs", "edf"],
+        choices=["none", "fcfs", "edf"],
+        help="slo: FCFS without admission, SLO admission with fcfs, with edf",
+    )
+    parser.add_argument("--slo-model", default=COST, help="slo: the worker's --cost (and --slo-cost)")
+    parser.add_argument("--slo-kv-tokens", type=int, default=8388608, help="slo: the worker's pool")
     ns = parser.parse_args(argv)
+    fleet: list[str] = []
+    if ns.workers is not None:
+        fleet = ["--workers", str(ns.workers)]
+        fleet += ["--routing-policy", ns.routing_policy] if ns.routing_policy else []
     out: list[str] = []
     if "skew" in ns.tables:
-        out += ["### skew", "", *skew_table(10.0, 30.0, ns.preempt_bounds), ""]
+        out += [
+            "### skew",
+            "",
+            *skew_table(
+                ns.skew_rate, ns.skew_seconds, ns.preempt_bounds, fleet, ns.skew_prefix, ns.skew_fairness
+            ),
+            "",
+        ]
     if "isolation" in ns.tables:
         out += [
             "### isolation",
@@ -465,7 +556,13 @@ def main(argv: Sequence[str]) -> int:
         for kv in ns.locality_kv_tokens:
             out += ["### shared prefixes", "", *locality_table(4000, 20.0, ns.locality_bounds, kv), ""]
     if "slo" in ns.tables and ns.trace is not None:
-        out += ["### slo", "", *slo_table(ns.trace, ns.limit), ""]
+        worker = slo_worker(ns.slo_model, ns.slo_kv_tokens)
+        out += [
+            "### slo",
+            "",
+            *slo_table(ns.trace, ns.limit, loads=ns.loads, fleet=fleet, worker=worker, rows=ns.slo_rows),
+            "",
+        ]
     print("\n".join(out))
     return 0
 
@@ -499,10 +596,30 @@ def mooncake_tenants(
     return out
 
 
-def slo_table(path: Path, limit: int, ttft_ms: float = 2000.0, tpot_ms: float = 100.0) -> list[str]:
+def slo_worker(cost: str, kv_tokens: int) -> list[str]:
+    """The slo table's worker flags: SLO_WORKER with another cost model (what --cost takes) or pool."""
+    return ["--kv-tokens", str(kv_tokens), "--max-context", "131072", "--cost", cost, "--enable-mixed-chunk"]
+
+
+def slo_table(
+    path: Path,
+    limit: int,
+    ttft_ms: float = 2000.0,
+    tpot_ms: float = 100.0,
+    loads: Sequence[float] = (1.5, 2.0),
+    fleet: Sequence[str] = (),
+    worker: Sequence[str] = SLO_WORKER,
+    rows: Sequence[str] = ("none", "fcfs", "edf"),
+) -> list[str]:
+    """`rows`: FCFS without admission ("none"), SLO admission with fcfs and with edf; x FCFS needs
+    "none". `--slo-cost` is the worker's own `--cost` model."""
+    model = costs.parse_cost(worker[worker.index("--cost") + 1])
+    slo_cost = ",".join(repr(x) for x in (model.a, model.b, model.c, model.d))
+    first = f"first {limit}" if limit else "all"
     lines = [
-        f"the Mooncake conversation trace, first {limit} requests, 8 tenants by first hash id, every request "
-        f"with ttft_slo_ms {ttft_ms:g} and tpot_slo_ms {tpot_ms:g}; worker `{' '.join(SLO_WORKER)}`",
+        f"the Mooncake conversation trace, {first} requests, 8 tenants by first hash id, every request "
+        f"with ttft_slo_ms {ttft_ms:g} and tpot_slo_ms {tpot_ms:g}; worker `{' '.join(worker)}`"
+        + (f"; `{' '.join(fleet)}`" if fleet else ""),
         "",
         row(
             [
@@ -519,18 +636,27 @@ def slo_table(path: Path, limit: int, ttft_ms: float = 2000.0, tpot_ms: float = 
         ),
         row(["---"] * 9),
     ]
-    for load in (1.5, 2.0):
+    runs = [
+        (a, p)
+        for a, p in (("none", "fcfs"), ("slo", "fcfs"), ("slo", "edf"))
+        if (p if a == "slo" else a) in rows
+    ]
+    for load in loads:
         trace = mooncake_tenants(path, limit, load, ttft_ms, tpot_ms)
         base = 0.0
-        for admission, policy in (("none", "fcfs"), ("slo", "fcfs"), ("slo", "edf")):
+        for admission, policy in runs:
             flags = ["--schedule-policy", policy]
             if admission == "slo":
-                flags += ["--slo-cost", COST]
-            summary, cpu = run(trace, flags, SLO_WORKER)
+                flags += ["--slo-cost", slo_cost]
+            summary, cpu = run(trace, flags, worker, fleet)
             goodput = summary["goodput_rps"]
             if admission == "none":
                 base = goodput
-            ratio = "-" if admission == "none" else (f"{goodput / base:.2f}" if base else "inf")
+            ratio = (
+                "-"
+                if admission == "none" or "none" not in rows
+                else (f"{goodput / base:.2f}" if base else "inf")
+            )
             lines.append(
                 row(
                     [
@@ -544,8 +670,11 @@ def slo_table(path: Path, limit: int, ttft_ms: float = 2000.0, tpot_ms: float = 
                         summary["ttft_p99_s"],
                         f"{cpu:.1f}",
                     ]
-                )
+                ),
             )
+            print(lines[-1], file=sys.stderr, flush=True)  # a long run's rows as they come
+            if fleet:  # requests that continued on another worker (a move, a hand-over)
+                print(json.dumps({"moves": summary["moves"]}), file=sys.stderr, flush=True)
     return lines
 
 

@@ -675,8 +675,10 @@ class Twin:
                 sched.import_kv(orphan.transfer_id, orphan.tokens)
             try:
                 sched.add_request(orphan.rid, orphan.input_ids, orphan.params, progress.uid)
-            except (QueueFull, RequestRejected, ValueError) as exc:
-                self._refuse(progress, worker.clock, type(exc).__name__)
+            except (QueueFull, RequestRejected, ValueError):
+                # Admitted once, so not a refusal: the live core ends it with an abort
+                # (core/admission.py:admit_orphan), and an objective counts it as missed.
+                self._end(progress, worker.clock, "abort")
                 continue
             progress.workers.append(worker.worker)
             if progress.aborted:
