@@ -88,11 +88,14 @@ class SloAdmission:
         return (params.ttft_slo_ms or ttft, params.tpot_slo_ms or tpot)
 
     def check(self, rid: str, input_ids: Sequence[int], params: RequestParams) -> None:
-        """Raises SloUnmeetable when the request's TTFT objective cannot be met."""
+        """Raises SloUnmeetable when the request's TTFT objective cannot be met. A continuation
+        whose first token is out already (moved or handed over: generated_before > 0) is not
+        checked: refusing it would abort a stream the client is reading, for an objective its
+        first worker met or missed."""
         ttft_ms, _ = self.objectives(params)
         cached = self.kv.tree.cached_len(as_token_bytes(list(input_ids)))
         own = max(1, len(input_ids) - cached)
-        if not ttft_ms:
+        if not ttft_ms or params.generated_before > 0:
             self._remember(rid, own)
             return
         ahead, joining = self._ahead(ttft_ms)

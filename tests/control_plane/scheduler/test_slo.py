@@ -35,6 +35,22 @@ def test_an_infeasible_ttft_is_refused_at_once_naming_the_objective() -> None:
     assert [r.rid for r in sched.waiting] == ["s"]
 
 
+def test_a_continuation_that_already_streamed_is_not_refused_for_its_ttft() -> None:
+    """A request moved or handed over after its first token (generated_before > 0) met or missed
+    its TTFT on the worker it left: refusing it here would abort a stream the client is reading
+    (admit_orphan), for an objective that no longer applies. One with no token out yet is still
+    checked."""
+    sched = make_scheduler(slo_cost=COST)
+    moved = dataclasses.replace(params(4, ttft_slo_ms=50.0), generated_before=3)
+    sched.add_request("moved", prompt(100), moved)
+    assert [r.rid for r in sched.waiting] == ["moved"]
+    # Its prompt counts ahead of the next arrival, as any waiting request's does.
+    with pytest.raises(SloUnmeetable):
+        sched.add_request("next", prompt(100, 2), params(4, ttft_slo_ms=150.0))
+    with pytest.raises(SloUnmeetable):
+        sched.add_request("unstarted", prompt(100, 3), params(4, ttft_slo_ms=50.0))
+
+
 def test_without_slo_cost_objectives_change_nothing() -> None:
     sched = make_scheduler()
     sched.add_request("r", prompt(100), params(4, ttft_slo_ms=1.0))
