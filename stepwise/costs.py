@@ -178,13 +178,6 @@ def recorded_steps(text: str, flag: str = "--cost") -> RecordedSteps | None:
     return RecordedSteps(seconds, unmeasured(last_planned, seconds))
 
 
-def recorded_seconds(text: str, flag: str = "--cost") -> dict[int, float] | None:
-    """`recorded:DIR`'s step seconds (step id -> the worker's measured forward_s); None for any other
-    spec; ValueError naming `flag` when the recording cannot be read."""
-    steps = recorded_steps(text, flag)
-    return None if steps is None else steps.seconds
-
-
 def unmeasured(last_planned: int | None, seconds: Mapping[int, float]) -> frozenset[int]:
     """A recording's planned steps after its last measured one (RecordedSteps.cut_off). Under overlap
     the engine publishes a finish after it has sent the next plan, so when the client has its last

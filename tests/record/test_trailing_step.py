@@ -93,7 +93,7 @@ def test_a_trailing_step_that_never_completed_is_the_one_a_stop_cut_off(
     entries = list(read_entries(cut))
     last = max(e.plan.step_id for e in entries if isinstance(e, NextPlan) and e.plan is not None)
     assert last == _trailing_step(whole)
-    assert last not in costs.recorded_seconds(f"recorded:{cut}")
+    assert last not in costs.recorded_steps(f"recorded:{cut}").seconds
     assert sorted(e.rid for e in read_entries(cut) if type(e).__name__ == "Finished") == sorted(
         r["rid"] for r in TRACE
     )
@@ -122,7 +122,7 @@ def test_simulate_times_a_recording_cut_in_its_trailing_steps(
     assert cut_lines == whole_lines
     expected = json.loads(whole_summary)["summary"]
     summary = json.loads(cut_summary)["summary"]
-    seconds = costs.recorded_seconds(f"recorded:{whole}")
+    seconds = costs.recorded_steps(f"recorded:{whole}").seconds
     cut_s = sum(seconds[s] for s in cut_steps)
     assert summary.pop("simulated_s") == pytest.approx(expected.pop("simulated_s") - cut_s, abs=2e-6)
     assert summary == expected  # every request's figures: they finished before the cut steps
@@ -158,7 +158,7 @@ def test_the_fleet_twin_times_a_recording_cut_in_its_trailing_steps(
     assert whole_twin.unmeasured == []
     assert cut_twin.unmeasured == [(0, step) for step in cut_steps]
     assert cut_twin.steps == whole_twin.steps
-    seconds = costs.recorded_seconds(f"recorded:{whole}")
+    seconds = costs.recorded_steps(f"recorded:{whole}").seconds
     assert cut_twin.end == pytest.approx(whole_twin.end - sum(seconds[s] for s in cut_steps), abs=1e-9)
 
 
@@ -197,7 +197,7 @@ def test_a_trailing_step_while_a_request_runs_still_ends_the_run(
     simulation has requests left when it gets there (no stop a client waited for came then)."""
     trace, whole = _record(tmp_path, capsys)
     cut = _cut_while_requests_run(whole, tmp_path / "cut")
-    seconds = costs.recorded_seconds(f"recorded:{cut}")
+    seconds = costs.recorded_steps(f"recorded:{cut}").seconds
     assert sorted(seconds) == list(range(1, 7))
     assert sim.main([str(trace), "--summary-only", "--cost", f"recorded:{cut}"]) == 1
     err = capsys.readouterr().err

@@ -110,7 +110,7 @@ async def test_the_simulator_plans_what_the_live_scheduler_planned(
 
     # The simulator as the live scheduler was configured (the recording's header), on the recorded
     # step seconds, with each request arriving between the plans it arrived between live.
-    seconds = costs.recorded_seconds(f"recorded:{record}")
+    seconds = costs.recorded_steps(f"recorded:{record}").seconds
     setup = sim.SimSetup(header.scheduler, header.limits, sim.CostModel(), recorded_seconds=seconds)
     requests = [sim.to_request(e) for e in client_traces.load_trace(trace, header.limits.vocab_size)]
     simulated: list[StepLine] = []
@@ -220,7 +220,7 @@ def test_recorded_cost_names_what_it_cannot_use(tmp_path: Path, capsys: pytest.C
     assert sim.main([str(trace), "--limit", "1", "--cost", f"recorded:{rec}", "--summary-only"]) == 0
     summary = json.loads(capsys.readouterr().out)["summary"]
     assert summary["simulated_s"] == pytest.approx(
-        sum(costs.recorded_seconds(f"recorded:{rec}").values()), abs=1e-5
+        sum(costs.recorded_steps(f"recorded:{rec}").seconds.values()), abs=1e-5
     )
 
 
